@@ -1,0 +1,194 @@
+//! fp32-class ops for inputs of any precision: f32 output, f32 accumulation.
+//!
+//! These are the entry points an autocast policy calls for an fp32-class op, and what a user
+//! calls to get a numerically safe reduction of a half tensor without writing the cast:
+//!
+//! ```
+//! use candle_amp::{fp32, Tensor, F16};
+//! # fn main() -> candle_core::Result<()> {
+//! let ones = Tensor::<F16>::ones(100_000, &candle_core::Device::Cpu)?;
+//! // candle's own f16 sum accumulates in f16 and stops at 2048; this one is exact.
+//! assert_eq!(fp32::sum_all(&ones)?.to_scalar::<f32>()?, 100_000.0);
+//! # Ok(()) }
+//! ```
+//!
+//! Every function is differentiable: gradients flow back to the input in its own precision
+//! (candle's `to_dtype` backward casts back). None uses candle-nn's fused `*_no_bwd` kernels,
+//! whose gradients silently stop (candle #3011, #3752).
+
+use candle_core::shape::{Dim, Dims};
+use candle_core::{DType, Result, D};
+
+use crate::precision::{Precision, F32};
+use crate::tensor::Tensor;
+
+/// The input as an f32 candle tensor: a handle clone when it already is one.
+fn up<P: Precision>(x: &Tensor<P>) -> Result<candle_core::Tensor> {
+    x.as_candle().to_dtype(DType::F32)
+}
+
+fn out(t: candle_core::Tensor) -> Tensor<F32> {
+    Tensor::wrap(t)
+}
+
+/// Sum over `dims`, kept as size-1 dimensions.
+pub fn sum_keepdim<P: Precision, D: Dims>(x: &Tensor<P>, dims: D) -> Result<Tensor<F32>> {
+    up(x)?.sum_keepdim(dims).map(out)
+}
+
+/// Sum over `dims`.
+pub fn sum<P: Precision, D: Dims>(x: &Tensor<P>, dims: D) -> Result<Tensor<F32>> {
+    up(x)?.sum(dims).map(out)
+}
+
+/// Sum of all elements.
+pub fn sum_all<P: Precision>(x: &Tensor<P>) -> Result<Tensor<F32>> {
+    up(x)?.sum_all().map(out)
+}
+
+/// Mean over `dims`, kept as size-1 dimensions.
+pub fn mean_keepdim<P: Precision, D: Dims>(x: &Tensor<P>, dims: D) -> Result<Tensor<F32>> {
+    up(x)?.mean_keepdim(dims).map(out)
+}
+
+/// Mean over `dims`.
+pub fn mean<P: Precision, D: Dims>(x: &Tensor<P>, dims: D) -> Result<Tensor<F32>> {
+    up(x)?.mean(dims).map(out)
+}
+
+/// Mean of all elements.
+pub fn mean_all<P: Precision>(x: &Tensor<P>) -> Result<Tensor<F32>> {
+    up(x)?.mean_all().map(out)
+}
+
+/// `exp(x)`.
+pub fn exp<P: Precision>(x: &Tensor<P>) -> Result<Tensor<F32>> {
+    up(x)?.exp().map(out)
+}
+
+/// Natural logarithm.
+pub fn log<P: Precision>(x: &Tensor<P>) -> Result<Tensor<F32>> {
+    up(x)?.log().map(out)
+}
+
+/// `x ^ e`.
+pub fn powf<P: Precision>(x: &Tensor<P>, e: f64) -> Result<Tensor<F32>> {
+    up(x)?.powf(e).map(out)
+}
+
+/// `x ^ rhs` elementwise.
+pub fn pow<P: Precision, Q: Precision>(x: &Tensor<P>, rhs: &Tensor<Q>) -> Result<Tensor<F32>> {
+    up(x)?.pow(&up(rhs)?).map(out)
+}
+
+/// `1 / x`.
+pub fn recip<P: Precision>(x: &Tensor<P>) -> Result<Tensor<F32>> {
+    up(x)?.recip().map(out)
+}
+
+/// `log(sum(exp(x)))` over `dims`, shifted by the maximum for stability.
+pub fn log_sum_exp<P: Precision, D: Dims>(x: &Tensor<P>, dims: D) -> Result<Tensor<F32>> {
+    up(x)?.log_sum_exp(dims).map(out)
+}
+
+/// Cumulative sum along `dim`.
+pub fn cumsum<P: Precision, D: Dim>(x: &Tensor<P>, dim: D) -> Result<Tensor<F32>> {
+    up(x)?.cumsum(dim).map(out)
+}
+
+/// Softmax along `dim` (max-shifted composition, differentiable).
+pub fn softmax<P: Precision, D: Dim>(x: &Tensor<P>, dim: D) -> Result<Tensor<F32>> {
+    candle_nn::ops::softmax(&up(x)?, dim).map(out)
+}
+
+/// Log-softmax along `dim` (differentiable).
+pub fn log_softmax<P: Precision, D: Dim>(x: &Tensor<P>, dim: D) -> Result<Tensor<F32>> {
+    candle_nn::ops::log_softmax(&up(x)?, dim).map(out)
+}
+
+/// Layer norm over the last dimension: `(x - mean) / sqrt(var + eps) * alpha + beta`, with the
+/// biased variance as PyTorch. Differentiable in `x`, `alpha` and `beta`.
+pub fn layer_norm<P: Precision>(
+    x: &Tensor<P>,
+    alpha: &Tensor<F32>,
+    beta: Option<&Tensor<F32>>,
+    eps: f64,
+) -> Result<Tensor<F32>> {
+    let x = up(x)?;
+    let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
+    let y = normed.broadcast_mul(alpha.as_candle())?;
+    match beta {
+        Some(b) => y.broadcast_add(b.as_candle()).map(out),
+        None => Ok(out(y)),
+    }
+}
+
+/// RMS norm over the last dimension: `x / sqrt(mean(x^2) + eps) * alpha`. Differentiable.
+pub fn rms_norm<P: Precision>(x: &Tensor<P>, alpha: &Tensor<F32>, eps: f64) -> Result<Tensor<F32>> {
+    let x = up(x)?;
+    let rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
+    x.broadcast_div(&rms)?
+        .broadcast_mul(alpha.as_candle())
+        .map(out)
+}
+
+/// Mean squared error.
+pub fn mse<P: Precision, Q: Precision>(inp: &Tensor<P>, target: &Tensor<Q>) -> Result<Tensor<F32>> {
+    (up(inp)? - up(target)?)?.sqr()?.mean_all().map(out)
+}
+
+/// Mean absolute error (PyTorch's `l1_loss`).
+pub fn l1<P: Precision, Q: Precision>(inp: &Tensor<P>, target: &Tensor<Q>) -> Result<Tensor<F32>> {
+    (up(inp)? - up(target)?)?.abs()?.mean_all().map(out)
+}
+
+/// Smooth L1 (PyTorch's `smooth_l1_loss` with `beta`): `0.5 d^2 / beta` where `|d| < beta`,
+/// `|d| - 0.5 beta` elsewhere, averaged. `beta = 0` is the L1 loss, as in PyTorch.
+pub fn smooth_l1<P: Precision, Q: Precision>(
+    inp: &Tensor<P>,
+    target: &Tensor<Q>,
+    beta: f64,
+) -> Result<Tensor<F32>> {
+    if beta < 0.0 || !beta.is_finite() {
+        candle_core::bail!("smooth_l1: beta must be finite and >= 0, got {beta}")
+    }
+    if beta == 0.0 {
+        return l1(inp, target);
+    }
+    let d = (up(inp)? - up(target)?)?.abs()?;
+    let quadratic = (d.sqr()? * (0.5 / beta))?;
+    let linear = (&d - 0.5 * beta)?;
+    d.lt(beta)?
+        .where_cond(&quadratic, &linear)?
+        .mean_all()
+        .map(out)
+}
+
+/// Negative log likelihood of log-probabilities `(batch, classes)` at integer `target` `(batch)`.
+pub fn nll<P: Precision>(inp: &Tensor<P>, target: &candle_core::Tensor) -> Result<Tensor<F32>> {
+    candle_nn::loss::nll(&up(inp)?, target).map(out)
+}
+
+/// Cross-entropy of logits `(batch, classes)` against integer class ids `(batch)`.
+pub fn cross_entropy<P: Precision>(
+    inp: &Tensor<P>,
+    target: &candle_core::Tensor,
+) -> Result<Tensor<F32>> {
+    candle_nn::loss::cross_entropy(&up(inp)?, target).map(out)
+}
+
+/// Binary cross-entropy on logits, in the stable form PyTorch uses:
+/// `max(x, 0) - x * t + log(1 + exp(-|x|))`, averaged.
+pub fn binary_cross_entropy_with_logits<P: Precision, Q: Precision>(
+    inp: &Tensor<P>,
+    target: &Tensor<Q>,
+) -> Result<Tensor<F32>> {
+    let x = up(inp)?;
+    let t = up(target)?;
+    let softplus_neg_abs = x.abs()?.neg()?.exp()?.affine(1.0, 1.0)?.log()?;
+    ((x.relu()? - (&x * &t)?)? + softplus_neg_abs)?
+        .mean_all()
+        .map(out)
+}

@@ -1,0 +1,16 @@
+//! The runtime of candle-amp: typed tensors, op classes, AMP-aware layers and kernels.
+//!
+//! Users normally depend on the `candle-amp` facade, which re-exports this crate next to the
+//! macros. See the workspace README for the tour.
+
+pub mod fp32;
+mod kernels;
+pub mod nn;
+pub mod op;
+pub mod ops;
+mod precision;
+mod tensor;
+
+pub use op::{Fp32Input, Op, OpClass, SamePrecision};
+pub use precision::{Half, Precision, Promote, BF16, F16, F32};
+pub use tensor::Tensor;

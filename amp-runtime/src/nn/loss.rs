@@ -1,0 +1,66 @@
+//! Losses, typed: same names and argument order as `candle_nn::loss`.
+//!
+//! Every loss is an fp32-class op (PyTorch's autocast runs all losses in f32): outside an
+//! autocast region the prediction is `Tensor<F32>`; the half-input forms are in [`crate::fp32`].
+//! Targets of classification losses are integer class ids, passed as plain candle tensors.
+//!
+//! Binary cross-entropy on probabilities is absent on purpose: PyTorch bans it under fp16
+//! autocast as unsafe; use [`binary_cross_entropy_with_logits`].
+
+use candle_core::Result;
+
+use crate::fp32;
+use crate::op::{self, Fp32Input};
+use crate::precision::F32;
+use crate::tensor::Tensor;
+
+/// Mean squared error.
+pub fn mse<P: Fp32Input<op::mse>>(inp: &Tensor<P>, target: &Tensor<F32>) -> Result<Tensor<F32>> {
+    fp32::mse(inp, target)
+}
+
+/// Mean absolute error (PyTorch's `l1_loss`).
+pub fn l1<P: Fp32Input<op::l1>>(inp: &Tensor<P>, target: &Tensor<F32>) -> Result<Tensor<F32>> {
+    fp32::l1(inp, target)
+}
+
+/// Smooth L1 loss with threshold `beta` (PyTorch's `smooth_l1_loss`, default `beta = 1.0`).
+pub fn smooth_l1<P: Fp32Input<op::smooth_l1>>(
+    inp: &Tensor<P>,
+    target: &Tensor<F32>,
+    beta: f64,
+) -> Result<Tensor<F32>> {
+    fp32::smooth_l1(inp, target, beta)
+}
+
+/// Negative log likelihood of log-probabilities `(batch, classes)` at class ids `(batch)`.
+pub fn nll<P: Fp32Input<op::nll>>(
+    inp: &Tensor<P>,
+    target: &candle_core::Tensor,
+) -> Result<Tensor<F32>> {
+    fp32::nll(inp, target)
+}
+
+/// Cross-entropy of logits `(batch, classes)` against class ids `(batch)`.
+pub fn cross_entropy<P: Fp32Input<op::cross_entropy>>(
+    inp: &Tensor<P>,
+    target: &candle_core::Tensor,
+) -> Result<Tensor<F32>> {
+    fp32::cross_entropy(inp, target)
+}
+
+/// Binary cross-entropy on logits, computed stably (PyTorch's `binary_cross_entropy_with_logits`).
+pub fn binary_cross_entropy_with_logits<P: Fp32Input<op::binary_cross_entropy_with_logits>>(
+    inp: &Tensor<P>,
+    target: &Tensor<F32>,
+) -> Result<Tensor<F32>> {
+    fp32::binary_cross_entropy_with_logits(inp, target)
+}
+
+/// candle-nn's spelling of [`binary_cross_entropy_with_logits`].
+pub fn binary_cross_entropy_with_logit<P: Fp32Input<op::binary_cross_entropy_with_logits>>(
+    inp: &Tensor<P>,
+    target: &Tensor<F32>,
+) -> Result<Tensor<F32>> {
+    binary_cross_entropy_with_logits(inp, target)
+}

@@ -1,0 +1,82 @@
+//! AMP-aware layers, candle-nn style: plain structs holding f32 master weights (`Var`s), a `new`
+//! taking the Vars, a free constructor taking a `VarBuilder`, and `forward`.
+//!
+//! A layer casts its master weights to the precision it runs in, per call; gradients come back
+//! to the f32 masters (candle's `to_dtype` backward casts back). Each layer names its op class
+//! through [`AmpLayer`], which the autocast macros use to route it:
+//! `Linear`/`Conv*` are lower-precision (they run in their input's precision), `LayerNorm` and
+//! `RmsNorm` are fp32-class (f32 output), `BatchNorm2d` runs in its input's precision with f32
+//! statistics and compute inside, pooling and `Embedding` preserve precision.
+//!
+//! ```
+//! use candle_amp::nn::{self, loss};
+//! use candle_amp::{Tensor, F16, F32};
+//! use candle_core::{DType, Device};
+//! use candle_nn::{VarBuilder, VarMap};
+//! # fn main() -> candle_core::Result<()> {
+//! let dev = Device::Cpu;
+//! let vars = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
+//! let fc1 = nn::linear(4, 8, vb.pp("fc1"))?;
+//! let fc2 = nn::linear(8, 1, vb.pp("fc2"))?;
+//!
+//! let x = Tensor::<F32>::randn(0.0, 1.0, (16, 4), &dev)?;
+//! // The hidden layers run in f16 (weights cast per call), the loss in f32.
+//! let h: Tensor<F16> = fc1.forward(&x.cast::<F16>()?)?.relu()?;
+//! let y: Tensor<F32> = fc2.forward(&h)?.cast::<F32>()?;
+//! let loss = loss::mse(&y, &Tensor::zeros((16, 1), &dev)?)?;
+//! let grads = loss.as_candle().backward()?;
+//! assert_eq!(grads.get(fc1.weight()).unwrap().dtype(), DType::F32); // f32 master gradient
+//! # Ok(()) }
+//! ```
+
+mod conv;
+mod embedding;
+mod linear;
+pub mod loss;
+mod norm;
+mod pool;
+
+pub use candle_nn::{BatchNormConfig, Conv1dConfig, Conv2dConfig};
+pub use conv::{conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, Conv1d, Conv2d};
+pub use embedding::{embedding, Embedding};
+pub use linear::{linear, linear_no_bias, Linear};
+pub use norm::{batch_norm2d, layer_norm, rms_norm, BatchNorm2d, LayerNorm, RmsNorm};
+pub use pool::{AvgPool2d, MaxPool2d};
+
+use candle_core::{Result, Var};
+
+use crate::op::Op;
+use crate::precision::{Precision, F32};
+use crate::tensor::{dtype_error, Tensor};
+
+/// A layer's op class, for the autocast macros: `Linear` is `op::linear` (lower precision),
+/// `LayerNorm` is `op::layer_norm` (fp32), and so on.
+pub trait AmpLayer {
+    /// The op marker whose [`OpClass`](crate::OpClass) decides where the layer runs.
+    type Op: Op;
+}
+
+/// Checks that a master weight is an f32 `Var` (what optimizers need: candle-nn's AdamW keeps
+/// its moments in the Var's dtype, so f16 masters break training).
+fn master(var: Var, what: &str) -> Result<Var> {
+    if var.dtype() == F32::DTYPE {
+        Ok(var)
+    } else {
+        Err(dtype_error::<F32>(&format!("{what}: master weights must be f32"), var.dtype()))
+    }
+}
+
+/// A master weight cast to the precision `P` the layer runs in (a handle clone for `F32`).
+fn weight_as<P: Precision>(var: &Var) -> Result<Tensor<P>> {
+    Tensor::<F32>::wrap(var.as_tensor().clone()).cast()
+}
+
+/// Checks a weight's shape at construction, so that a wrong checkpoint fails early and clearly.
+fn expect_dims(var: &Var, what: &str, rank: usize) -> Result<()> {
+    if var.rank() == rank {
+        Ok(())
+    } else {
+        candle_core::bail!("{what}: expected a rank-{rank} weight, got shape {:?}", var.dims())
+    }
+}

@@ -1,0 +1,258 @@
+use candle_core::{DType, Result, Var};
+use candle_nn::{BatchNormConfig, VarBuilder};
+
+use super::{expect_dims, master, weight_as, AmpLayer};
+use crate::fp32;
+use crate::op::{self, Fp32Input};
+use crate::precision::{Precision, F32};
+use crate::tensor::Tensor;
+
+/// Layer norm over the last dimension; an fp32-class op (f32 output, as PyTorch's autocast).
+#[derive(Clone, Debug)]
+pub struct LayerNorm {
+    weight: Var,
+    bias: Option<Var>,
+    eps: f64,
+}
+
+impl LayerNorm {
+    /// A layer norm from an f32 scale `(size)`, an optional f32 shift and `eps`.
+    pub fn new(weight: Var, bias: Option<Var>, eps: f64) -> Result<Self> {
+        let weight = master(weight, "LayerNorm weight")?;
+        expect_dims(&weight, "LayerNorm weight", 1)?;
+        let bias = bias.map(|b| master(b, "LayerNorm bias")).transpose()?;
+        Ok(Self { weight, bias, eps })
+    }
+
+    /// The f32 scale.
+    pub fn weight(&self) -> &Var {
+        &self.weight
+    }
+
+    /// The f32 shift, if any.
+    pub fn bias(&self) -> Option<&Var> {
+        self.bias.as_ref()
+    }
+
+    /// Normalises `x` in f32. Outside autocast `x` is `Tensor<F32>`; a half input is a compile
+    /// error (use an autocast region, or [`fp32::layer_norm`] explicitly).
+    pub fn forward<P: Fp32Input<op::layer_norm>>(&self, x: &Tensor<P>) -> Result<Tensor<F32>> {
+        let bias = self.bias.as_ref().map(weight_as::<F32>).transpose()?;
+        fp32::layer_norm(x, &weight_as(&self.weight)?, bias.as_ref(), self.eps)
+    }
+}
+
+impl AmpLayer for LayerNorm {
+    type Op = op::layer_norm;
+}
+
+/// A layer norm with scale (ones) and shift (zeros), as candle-nn's `layer_norm`.
+pub fn layer_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
+    let weight = vb.get_with_hints(size, "weight", candle_nn::Init::Const(1.))?;
+    let bias = vb.get_with_hints(size, "bias", candle_nn::Init::Const(0.))?;
+    LayerNorm::new(
+        Var::from_tensor(&weight)?,
+        Some(Var::from_tensor(&bias)?),
+        eps,
+    )
+}
+
+/// RMS norm over the last dimension; an fp32-class op.
+#[derive(Clone, Debug)]
+pub struct RmsNorm {
+    weight: Var,
+    eps: f64,
+}
+
+impl RmsNorm {
+    /// An RMS norm from an f32 scale `(size)` and `eps`.
+    pub fn new(weight: Var, eps: f64) -> Result<Self> {
+        let weight = master(weight, "RmsNorm weight")?;
+        expect_dims(&weight, "RmsNorm weight", 1)?;
+        Ok(Self { weight, eps })
+    }
+
+    /// The f32 scale.
+    pub fn weight(&self) -> &Var {
+        &self.weight
+    }
+
+    /// Normalises `x` in f32 (`Tensor<F32>` outside autocast).
+    pub fn forward<P: Fp32Input<op::rms_norm>>(&self, x: &Tensor<P>) -> Result<Tensor<F32>> {
+        fp32::rms_norm(x, &weight_as(&self.weight)?, self.eps)
+    }
+}
+
+impl AmpLayer for RmsNorm {
+    type Op = op::rms_norm;
+}
+
+/// An RMS norm with scale initialised to ones.
+pub fn rms_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<RmsNorm> {
+    let weight = vb.get_with_hints(size, "weight", candle_nn::Init::Const(1.))?;
+    RmsNorm::new(Var::from_tensor(&weight)?, eps)
+}
+
+/// Batch norm over `(batch, channels, h, w)`, PyTorch's `BatchNorm2d`.
+///
+/// On no autocast list: it runs in its input's precision, with f32 scale, shift, running
+/// statistics and computation inside (cuDNN's behaviour). Training normalises with the batch's
+/// biased variance and updates the running statistics with the unbiased one, as PyTorch.
+#[derive(Clone, Debug)]
+pub struct BatchNorm2d {
+    weight: Option<Var>,
+    bias: Option<Var>,
+    running_mean: Var,
+    running_var: Var,
+    eps: f64,
+    momentum: f64,
+}
+
+impl BatchNorm2d {
+    /// A batch norm from f32 running statistics `(channels)`, an optional affine f32 scale and
+    /// shift, `eps` and `momentum` (PyTorch: 1e-5 and 0.1).
+    pub fn new(
+        running_mean: Var,
+        running_var: Var,
+        affine: Option<(Var, Var)>,
+        eps: f64,
+        momentum: f64,
+    ) -> Result<Self> {
+        let running_mean = master(running_mean, "BatchNorm2d running_mean")?;
+        let running_var = master(running_var, "BatchNorm2d running_var")?;
+        let channels = running_mean.dims().to_vec();
+        let (weight, bias) = match affine {
+            Some((w, b)) => (
+                Some(master(w, "BatchNorm2d weight")?),
+                Some(master(b, "BatchNorm2d bias")?),
+            ),
+            None => (None, None),
+        };
+        for v in [Some(&running_var), weight.as_ref(), bias.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            if v.dims() != channels.as_slice() || channels.len() != 1 {
+                candle_core::bail!(
+                    "BatchNorm2d: parameters must all have shape [channels], got {channels:?} \
+                     and {:?}",
+                    v.dims()
+                )
+            }
+        }
+        if !(eps > 0.0 && (0.0..=1.0).contains(&momentum)) {
+            candle_core::bail!("BatchNorm2d: need eps > 0 and 0 <= momentum <= 1, got {eps}, {momentum}")
+        }
+        Ok(Self {
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            eps,
+            momentum,
+        })
+    }
+
+    /// The f32 scale, if affine.
+    pub fn weight(&self) -> Option<&Var> {
+        self.weight.as_ref()
+    }
+
+    /// The f32 shift, if affine.
+    pub fn bias(&self) -> Option<&Var> {
+        self.bias.as_ref()
+    }
+
+    /// The running mean (f32).
+    pub fn running_mean(&self) -> &Var {
+        &self.running_mean
+    }
+
+    /// The running variance (f32, unbiased estimates).
+    pub fn running_var(&self) -> &Var {
+        &self.running_var
+    }
+
+    /// Training mode: normalise with batch statistics and update the running ones.
+    pub fn forward_train<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
+        self.forward_t(x, true)
+    }
+
+    /// `train` selects batch statistics (and updates the running ones) or running statistics.
+    pub fn forward_t<P: Precision>(&self, x: &Tensor<P>, train: bool) -> Result<Tensor<P>> {
+        let (n, c, h, w) = x.as_candle().dims4().map_err(|_| {
+            candle_core::Error::Msg(format!(
+                "BatchNorm2d expects (batch, channels, h, w), got {:?}",
+                x.dims()
+            ))
+        })?;
+        if c != self.running_mean.dim(0)? {
+            candle_core::bail!(
+                "BatchNorm2d: input has {c} channels, the layer {}",
+                self.running_mean.dim(0)?
+            )
+        }
+        let per_channel = |v: &candle_core::Tensor| v.reshape((1, c, 1, 1));
+        let x32 = x.as_candle().to_dtype(DType::F32)?;
+        let (centered, var) = if train {
+            let count = n * h * w;
+            if count < 2 {
+                candle_core::bail!("BatchNorm2d: training needs more than one value per channel")
+            }
+            let mean = x32.mean_keepdim((0, 2, 3))?;
+            let centered = x32.broadcast_sub(&mean)?;
+            let var = centered.sqr()?.mean_keepdim((0, 2, 3))?;
+            let unbiased = (var.detach() * (count as f64 / (count - 1) as f64))?;
+            let m = self.momentum;
+            let update = |running: &Var, batch: &candle_core::Tensor| -> Result<()> {
+                let batch = batch.detach().flatten_all()?;
+                running.set(&((running.as_tensor() * (1.0 - m))? + (batch * m)?)?)
+            };
+            update(&self.running_mean, &mean)?;
+            update(&self.running_var, &unbiased)?;
+            (centered, var)
+        } else {
+            let centered = x32.broadcast_sub(&per_channel(self.running_mean.as_tensor())?)?;
+            (centered, per_channel(self.running_var.as_tensor())?)
+        };
+        let mut y = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?;
+        if let (Some(wt), Some(b)) = (&self.weight, &self.bias) {
+            y = y
+                .broadcast_mul(&per_channel(wt.as_tensor())?)?
+                .broadcast_add(&per_channel(b.as_tensor())?)?;
+        }
+        Tensor::<F32>::wrap(y).cast()
+    }
+}
+
+impl AmpLayer for BatchNorm2d {
+    type Op = op::batch_norm;
+}
+
+/// A `BatchNorm2d` as candle-nn's `batch_norm`: running mean 0, running var 1, and when
+/// `config.affine` scale 1 and shift 0. `config` may be just `eps` (an `f64`).
+pub fn batch_norm2d<C: Into<BatchNormConfig>>(
+    num_features: usize,
+    config: C,
+    vb: VarBuilder,
+) -> Result<BatchNorm2d> {
+    let config = config.into();
+    if !config.remove_mean {
+        candle_core::bail!("batch_norm2d: remove_mean = false is not a batch norm PyTorch has")
+    }
+    let get = |name: &str, value: f64| -> Result<Var> {
+        Var::from_tensor(&vb.get_with_hints(num_features, name, candle_nn::Init::Const(value))?)
+    };
+    let affine = if config.affine {
+        Some((get("weight", 1.0)?, get("bias", 0.0)?))
+    } else {
+        None
+    };
+    BatchNorm2d::new(
+        get("running_mean", 0.0)?,
+        get("running_var", 1.0)?,
+        affine,
+        config.eps,
+        config.momentum,
+    )
+}

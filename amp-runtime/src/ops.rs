@@ -1,0 +1,51 @@
+//! candle-nn's free-function ops, typed: same names and argument order as `candle_nn::ops`.
+//!
+//! Softmax, log-softmax and the norms are fp32-class ops: outside an autocast region they take
+//! `Tensor<F32>` (a half input is a compile error naming the op); their half-input forms are in
+//! [`crate::fp32`]. All of them are differentiable, unlike candle-nn's fused `softmax_last_dim`,
+//! `layer_norm` and `rms_norm` (no backward, candle #3011 / #3752).
+
+use candle_core::shape::Dim;
+use candle_core::Result;
+
+use crate::fp32;
+use crate::op::{self, Fp32Input};
+use crate::precision::{Precision, F32};
+use crate::tensor::Tensor;
+
+/// Softmax along `dim`.
+pub fn softmax<P: Fp32Input<op::softmax>, D: Dim>(xs: &Tensor<P>, dim: D) -> Result<Tensor<F32>> {
+    fp32::softmax(xs, dim)
+}
+
+/// Log-softmax along `d`.
+pub fn log_softmax<P: Fp32Input<op::log_softmax>, D: Dim>(
+    xs: &Tensor<P>,
+    d: D,
+) -> Result<Tensor<F32>> {
+    fp32::log_softmax(xs, d)
+}
+
+/// Layer norm over the last dimension with scale `alpha` and shift `beta`.
+pub fn layer_norm<P: Fp32Input<op::layer_norm>>(
+    xs: &Tensor<P>,
+    alpha: &Tensor<F32>,
+    beta: &Tensor<F32>,
+    eps: f32,
+) -> Result<Tensor<F32>> {
+    fp32::layer_norm(xs, alpha, Some(beta), f64::from(eps))
+}
+
+/// RMS norm over the last dimension with scale `alpha`.
+pub fn rms_norm<P: Fp32Input<op::rms_norm>>(
+    xs: &Tensor<P>,
+    alpha: &Tensor<F32>,
+    eps: f32,
+) -> Result<Tensor<F32>> {
+    fp32::rms_norm(xs, alpha, f64::from(eps))
+}
+
+/// Logistic sigmoid, precision-preserving.
+pub fn sigmoid<P: Precision>(xs: &Tensor<P>) -> Result<Tensor<P>> {
+    xs.sigmoid()
+}
