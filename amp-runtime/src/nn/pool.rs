@@ -51,6 +51,9 @@ pool_layer!(
 );
 pool_layer!(
     /// 2-D average pooling, precision-preserving.
+    ///
+    /// candle 0.11 has no backward for average pooling with a stride other than the kernel
+    /// size; training through `with_stride(k, s)`, `s != k`, returns candle's error.
     AvgPool2d,
     avg_pool2d,
     avg_pool2d_with_stride

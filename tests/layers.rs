@@ -1,0 +1,301 @@
+//! The AMP-aware layers: gradients reach every f32 master parameter from every precision the
+//! layer runs in, numerics match f32 references, and bad weights are errors, not panics.
+
+use candle_amp::nn::{self, loss, AmpLayer};
+use candle_amp::{fp32, Op, OpClass, Precision, Tensor, BF16, F16, F32};
+use candle_core::{DType, Device, Result, Var};
+use candle_nn::{VarBuilder, VarMap};
+
+fn dev() -> Device {
+    Device::Cpu
+}
+
+fn vars() -> (VarMap, VarBuilder<'static>) {
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &dev());
+    (map, vb)
+}
+
+/// Backpropagates `loss` and asserts every variable of `map` got an f32 gradient that is finite
+/// and not all zero. candle-nn's fused `layer_norm`/`rms_norm`/`softmax_last_dim` have no
+/// backward: a layer built on them would leave its parameters without a gradient and fail here.
+fn assert_every_parameter_learns(what: &str, map: &VarMap, loss: &Tensor<F32>) -> Result<()> {
+    let grads = loss.as_candle().backward()?;
+    let data = map.data().lock().unwrap();
+    let mut names: Vec<_> = data.keys().cloned().collect();
+    names.sort();
+    for name in names {
+        if name.starts_with("running_") || name.contains(".running_") {
+            continue; // batch-norm statistics are buffers, not parameters
+        }
+        let var = &data[&name];
+        let g = grads
+            .get(var)
+            .unwrap_or_else(|| panic!("{what}: no gradient reached `{name}`"));
+        assert_eq!(g.dtype(), DType::F32, "{what}: `{name}` gradient dtype");
+        let v = g.flatten_all()?.to_vec1::<f32>()?;
+        assert!(v.iter().all(|x| x.is_finite()), "{what}: `{name}` non-finite gradient");
+        assert!(v.iter().any(|x| *x != 0.0), "{what}: `{name}` all-zero gradient");
+    }
+    Ok(())
+}
+
+/// A loss that depends on every output element with distinct weights.
+fn weighted_loss<P: Precision>(y: &Tensor<P>) -> Result<Tensor<F32>> {
+    let y = y.cast::<F32>()?;
+    let w = Tensor::<F32>::rand(0.5, 1.5, y.dims(), &dev())?;
+    (&y * &w)?.sqr()?.mean_all()
+}
+
+fn lower_precision_layers_learn<P: Precision>() -> Result<()> {
+    let (map, vb) = vars();
+    let fc = nn::linear(6, 5, vb.pp("fc"))?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 6), &dev())?.cast::<P>()?;
+    let y = fc.forward(&x)?;
+    assert_eq!((y.dtype(), y.dims()), (P::DTYPE, &[2, 3, 5][..]));
+    assert_every_parameter_learns("Linear", &map, &weighted_loss(&y)?)?;
+
+    let (map, vb) = vars();
+    let c1 = nn::conv1d(3, 4, 3, nn::Conv1dConfig { padding: 1, ..Default::default() }, vb.pp("c1"))?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 9), &dev())?.cast::<P>()?;
+    let y = c1.forward(&x)?;
+    assert_eq!((y.dtype(), y.dims()), (P::DTYPE, &[2, 4, 9][..]));
+    assert_every_parameter_learns("Conv1d", &map, &weighted_loss(&y)?)?;
+
+    let (map, vb) = vars();
+    let cfg = nn::Conv2dConfig { padding: 1, stride: 2, ..Default::default() };
+    let c2 = nn::conv2d(3, 4, 3, cfg, vb.pp("c2"))?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 8, 8), &dev())?.cast::<P>()?;
+    let y = c2.forward(&x)?;
+    assert_eq!((y.dtype(), y.dims()), (P::DTYPE, &[2, 4, 4, 4][..]));
+    assert_every_parameter_learns("Conv2d", &map, &weighted_loss(&y)?)?;
+
+    // Pooling between layers keeps the precision and passes gradients on.
+    let (map, vb) = vars();
+    let c2 = nn::conv2d_no_bias(3, 4, 3, nn::Conv2dConfig::default(), vb.pp("c2"))?;
+    let y = nn::MaxPool2d::new(2).forward(&c2.forward(&x)?)?;
+    let y = nn::AvgPool2d::new(2).forward(&y)?;
+    assert_eq!((y.dtype(), y.dims()), (P::DTYPE, &[2, 4, 1, 1][..]));
+    assert_every_parameter_learns("Conv2d + pools", &map, &weighted_loss(&y)?)?;
+
+    // Batch norm: input precision out, f32 parameters and statistics inside.
+    let (map, vb) = vars();
+    let bn = nn::batch_norm2d(3, 1e-5, vb.pp("bn"))?;
+    let y = bn.forward_train(&x)?;
+    assert_eq!(y.dtype(), P::DTYPE);
+    assert_every_parameter_learns("BatchNorm2d", &map, &weighted_loss(&y)?)?;
+    Ok(())
+}
+
+#[test]
+fn lower_precision_layers_learn_f32() -> Result<()> {
+    lower_precision_layers_learn::<F32>()
+}
+
+#[test]
+fn lower_precision_layers_learn_f16() -> Result<()> {
+    lower_precision_layers_learn::<F16>()
+}
+
+#[test]
+fn lower_precision_layers_learn_bf16() -> Result<()> {
+    lower_precision_layers_learn::<BF16>()
+}
+
+#[test]
+fn fp32_layers_learn_from_every_precision() -> Result<()> {
+    let (map, vb) = vars();
+    let ln = nn::layer_norm(6, 1e-5, vb.pp("ln"))?;
+    let rms = nn::rms_norm(6, 1e-6, vb.pp("rms"))?;
+    let emb = nn::embedding(10, 6, vb.pp("emb"))?;
+    let ids = candle_core::Tensor::new(&[[1u32, 4, 4], [9, 0, 2]], &dev())?;
+    let e = emb.forward(&ids)?;
+    assert_eq!(e.dims(), &[2, 3, 6]);
+    let y = rms.forward(&ln.forward(&e)?)?;
+    assert_every_parameter_learns("Embedding + LayerNorm + RmsNorm", &map, &weighted_loss(&y)?)?;
+
+    // The same layers' fp32 path from half inputs (what an autocast policy calls).
+    for half in [DType::F16, DType::BF16] {
+        let (map, vb) = vars();
+        let ln = nn::layer_norm(6, 1e-5, vb.pp("ln"))?;
+        let x = Tensor::<F32>::randn(0.0, 1.0, (4, 6), &dev())?;
+        let y = if half == DType::F16 {
+            fp32::layer_norm(&x.cast::<F16>()?, &weight(ln.weight()), bias(ln.bias()).as_ref(), 1e-5)?
+        } else {
+            fp32::layer_norm(&x.cast::<BF16>()?, &weight(ln.weight()), bias(ln.bias()).as_ref(), 1e-5)?
+        };
+        assert_every_parameter_learns("LayerNorm from half", &map, &weighted_loss(&y)?)?;
+    }
+    Ok(())
+}
+
+fn weight(v: &Var) -> Tensor<F32> {
+    Tensor::from_candle(v.as_tensor().clone()).unwrap()
+}
+
+fn bias(v: Option<&Var>) -> Option<Tensor<F32>> {
+    v.map(weight)
+}
+
+/// LayerNorm's gradients equal those of candle-nn's differentiable reference composition.
+#[test]
+fn layer_norm_gradients_match_candle_reference() -> Result<()> {
+    let (_map, vb) = vars();
+    let ln = nn::layer_norm(5, 1e-5, vb)?;
+    ln.weight().set(&candle_core::Tensor::new(&[1f32, 2., 0.5, -1., 3.], &dev())?)?;
+    let x = Var::from_tensor(&candle_core::Tensor::randn(0f32, 1., (3, 5), &dev())?)?;
+    let y = ln.forward(&Tensor::<F32>::from_candle(x.as_tensor().clone())?)?;
+    let grads = weighted_sum(&y.into_candle())?.backward()?;
+
+    let reference = candle_nn::ops::layer_norm_slow(
+        x.as_tensor(),
+        ln.weight().as_tensor(),
+        ln.bias().unwrap().as_tensor(),
+        1e-5,
+    )?;
+    let ref_grads = weighted_sum(&reference)?.backward()?;
+    for v in [&x, ln.weight(), ln.bias().unwrap()] {
+        let a = grads.get(v).unwrap().flatten_all()?.to_vec1::<f32>()?;
+        let b = ref_grads.get(v).unwrap().flatten_all()?.to_vec1::<f32>()?;
+        for (a, b) in a.iter().zip(&b) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+    }
+    Ok(())
+}
+
+fn weighted_sum(y: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+    let n = y.elem_count();
+    let w = candle_core::Tensor::arange(1f32, n as f32 + 1.0, &dev())?.reshape(y.shape())?;
+    (y * w)?.sum_all()
+}
+
+/// PyTorch's BatchNorm2d semantics, computed by hand on a 2x2x1x2 input.
+#[test]
+fn batch_norm2d_matches_pytorch_semantics() -> Result<()> {
+    let (_map, vb) = vars();
+    let bn = nn::batch_norm2d(2, 1e-5, vb)?;
+    bn.weight().unwrap().set(&candle_core::Tensor::new(&[2f32, 1.], &dev())?)?;
+    bn.bias().unwrap().set(&candle_core::Tensor::new(&[0f32, 1.], &dev())?)?;
+    // channel 0 values: 1, 3, 5, 7 (mean 4, biased var 5, unbiased var 20/3);
+    // channel 1 values: 0, 0, 2, 2 (mean 1, biased var 1, unbiased var 4/3).
+    let x = Tensor::<F32>::new(&[[[[1f32, 3.]], [[0., 0.]]], [[[5., 7.]], [[2., 2.]]]], &dev())?;
+    let y = bn.forward_train(&x)?.to_flat_vec::<f32>()?;
+    let (s0, s1) = ((5.0f64 + 1e-5).sqrt(), (1.0f64 + 1e-5).sqrt());
+    let want = [
+        2.0 * -3.0 / s0, 2.0 * -1.0 / s0, -1.0 / s1 + 1.0, -1.0 / s1 + 1.0,
+        2.0 * 1.0 / s0, 2.0 * 3.0 / s0, 1.0 / s1 + 1.0, 1.0 / s1 + 1.0,
+    ];
+    for (got, want) in y.iter().zip(want) {
+        assert!((f64::from(*got) - want).abs() < 1e-5, "{got} vs {want}");
+    }
+    // Running statistics: (1 - 0.1) * initial + 0.1 * batch, with the unbiased variance.
+    let rm = bn.running_mean().to_vec1::<f32>()?;
+    let rv = bn.running_var().to_vec1::<f32>()?;
+    assert!((rm[0] - 0.4).abs() < 1e-6 && (rm[1] - 0.1).abs() < 1e-6, "{rm:?}");
+    let want_rv = [0.9 + 0.1 * 20.0 / 3.0, 0.9f32 + 0.1 * 4.0 / 3.0];
+    assert!((rv[0] - want_rv[0]).abs() < 1e-5 && (rv[1] - want_rv[1]).abs() < 1e-5, "{rv:?}");
+
+    // Eval uses the running statistics and leaves them alone.
+    let e = bn.forward_t(&x, false)?.to_flat_vec::<f32>()?;
+    let want0 = 2.0 * (1.0 - 0.4) / (f64::from(want_rv[0]) + 1e-5).sqrt();
+    assert!((f64::from(e[0]) - want0).abs() < 1e-5, "{} vs {want0}", e[0]);
+    assert_eq!(bn.running_mean().to_vec1::<f32>()?, rm);
+
+    // Half input: half output within half tolerance of the f32 result.
+    let y16 = bn.forward_t(&x.cast::<F16>()?, false)?;
+    assert_eq!(y16.dtype(), DType::F16);
+    for (a, b) in y16.to_flat_vec::<f32>()?.iter().zip(&e) {
+        assert!((a - b).abs() < 4e-3 * (1.0 + b.abs()), "{a} vs {b}");
+    }
+    Ok(())
+}
+
+#[test]
+fn bf16_conv2d_layer_matches_f32_on_cpu() -> Result<()> {
+    let (_map, vb) = vars();
+    let conv = nn::conv2d(4, 8, 3, nn::Conv2dConfig { padding: 1, ..Default::default() }, vb)?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 4, 16, 16), &dev())?.cast::<BF16>()?;
+    let y = conv.forward(&x)?; // candle 0.11 alone: "unsupported dtype BF16 for op matmul"
+    assert_eq!(y.dtype(), DType::BF16);
+    // Reference: f32 conv on the bf16-rounded input and weights.
+    let w = Tensor::<F32>::from_candle(conv.weight().as_tensor().clone())?.cast::<BF16>()?;
+    let b = conv.bias().unwrap().as_tensor().reshape((1, 8, 1, 1))?.to_dtype(DType::BF16)?;
+    let reference = x
+        .cast::<F32>()?
+        .conv2d(&w.cast::<F32>()?, 1, 1, 1, 1)?
+        .into_candle()
+        .broadcast_add(&b.to_dtype(DType::F32)?)?;
+    let got = y.to_flat_vec::<f32>()?;
+    let want = reference.flatten_all()?.to_vec1::<f32>()?;
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(worst <= 2e-2 * scale, "max error {worst} vs scale {scale}");
+    Ok(())
+}
+
+#[test]
+fn layers_declare_their_op_class() {
+    fn class<L: AmpLayer>() -> OpClass {
+        <L::Op as Op>::CLASS
+    }
+    assert_eq!(class::<nn::Linear>(), OpClass::LowerPrecision);
+    assert_eq!(class::<nn::Conv1d>(), OpClass::LowerPrecision);
+    assert_eq!(class::<nn::Conv2d>(), OpClass::LowerPrecision);
+    assert_eq!(class::<nn::LayerNorm>(), OpClass::Fp32);
+    assert_eq!(class::<nn::RmsNorm>(), OpClass::Fp32);
+    assert_eq!(class::<nn::BatchNorm2d>(), OpClass::Preserve);
+    assert_eq!(class::<nn::Embedding>(), OpClass::Preserve);
+    assert_eq!(class::<nn::MaxPool2d>(), OpClass::Preserve);
+    assert_eq!(class::<nn::AvgPool2d>(), OpClass::Preserve);
+}
+
+#[test]
+fn bad_weights_are_errors_not_panics() -> Result<()> {
+    let d = dev();
+    let half = Var::from_tensor(&candle_core::Tensor::zeros((3, 2), DType::F16, &d)?)?;
+    let err = nn::Linear::new(half, None).unwrap_err().to_string();
+    assert!(err.contains("f32") && err.contains("F16"), "{err}");
+    let w = Var::zeros((3, 2), DType::F32, &d)?;
+    let wrong_bias = Var::zeros(4, DType::F32, &d)?;
+    assert!(nn::Linear::new(w.clone(), Some(wrong_bias)).is_err());
+    assert!(nn::Conv2d::new(w.clone(), None, nn::Conv2dConfig::default()).is_err());
+    assert!(nn::Embedding::new(Var::zeros(3, DType::F32, &d)?).is_err());
+    let stats = Var::zeros(3, DType::F32, &d)?;
+    assert!(nn::BatchNorm2d::new(stats.clone(), stats.clone(), None, 0.0, 0.1).is_err());
+    // A VarBuilder in f16 cannot make master weights.
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F16, &d);
+    assert!(nn::linear(2, 3, vb).is_err());
+    // Wrong input shapes surface as errors.
+    let bn = nn::BatchNorm2d::new(stats.clone(), Var::ones(3, DType::F32, &d)?, None, 1e-5, 0.1)?;
+    assert!(bn.forward_train(&Tensor::<F32>::zeros((2, 3), &d)?).is_err());
+    assert!(bn.forward_train(&Tensor::<F32>::zeros((2, 4, 2, 2), &d)?).is_err());
+    assert!(nn::MaxPool2d::new(0).forward(&Tensor::<F32>::zeros((1, 1, 2, 2), &d)?).is_err());
+    Ok(())
+}
+
+#[test]
+fn a_small_mixed_precision_training_step_reduces_the_loss() -> Result<()> {
+    // f16 hidden layer, f32 loss, SGD on the f32 masters: the loss goes down.
+    let (map, vb) = vars();
+    let fc1 = nn::linear(4, 16, vb.pp("fc1"))?;
+    let fc2 = nn::linear(16, 1, vb.pp("fc2"))?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (64, 4), &dev())?;
+    let target = x.sum_keepdim(1)?;
+    let mut sgd = <candle_nn::SGD as candle_nn::Optimizer>::new(map.all_vars(), 0.05)?;
+    let step = |sgd: &mut candle_nn::SGD| -> Result<f32> {
+        let h = fc1.forward(&x.cast::<F16>()?)?.relu()?;
+        let y = fc2.forward(&h)?.cast::<F32>()?;
+        let l = loss::mse(&y, &target)?;
+        candle_nn::Optimizer::backward_step(sgd, l.as_candle())?;
+        l.to_scalar::<f32>()
+    };
+    let first = step(&mut sgd)?;
+    let mut last = first;
+    for _ in 0..30 {
+        last = step(&mut sgd)?;
+    }
+    assert!(last < 0.5 * first, "loss {first} -> {last}");
+    Ok(())
+}

@@ -1,0 +1,389 @@
+//! Every typed op against an f32 reference, in each precision it runs in on CPU.
+//!
+//! The reference is the same op in f32 on the *same* values (inputs rounded to the precision
+//! under test, then widened), so the difference measures the op's own rounding. Tolerances, as a
+//! fraction of the reference's largest magnitude:
+//! - `F32`: 1e-6 (same arithmetic);
+//! - `F16`: 4e-3 (unit roundoff 2^-11 ≈ 4.9e-4 per rounding, a few roundings per result);
+//! - `BF16`: 3e-2 (unit roundoff 2^-8 ≈ 3.9e-3).
+//!
+//! Composite ops written here (layer/rms norm, smooth L1, BCE with logits, softmax) are checked
+//! against hand-computed f64 values instead, so the test does not compare code with itself.
+
+use candle_amp::nn::loss;
+use candle_amp::{fp32, ops, Precision, Tensor, BF16, F16, F32};
+use candle_core::{DType, Device, Result};
+
+fn dev() -> Device {
+    Device::Cpu
+}
+
+fn tolerance<P: Precision>() -> f32 {
+    match P::DTYPE {
+        DType::F32 => 1e-6,
+        DType::F16 => 4e-3,
+        _ => 3e-2,
+    }
+}
+
+/// Asserts `got` (any precision) is within `P`'s tolerance of `reference` (f32).
+fn assert_close<P: Precision, Q: Precision>(
+    what: &str,
+    got: &Tensor<Q>,
+    reference: &candle_core::Tensor,
+) -> Result<()> {
+    assert_eq!(got.dims(), reference.dims(), "{what}: shape");
+    let got = got.to_flat_vec::<f32>()?;
+    let want = reference.flatten_all()?.to_vec1::<f32>()?;
+    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        worst <= tolerance::<P>() * scale,
+        "{what} in {}: max error {worst} > {} * {scale}",
+        P::NAME,
+        tolerance::<P>()
+    );
+    Ok(())
+}
+
+/// A random f32 tensor and its rounding to `P`, widened back: the reference's input.
+fn input<P: Precision>(shape: &[usize]) -> Result<(Tensor<P>, candle_core::Tensor)> {
+    let x = Tensor::<F32>::randn(0.0, 1.0, shape, &dev())?.cast::<P>()?;
+    let reference = x.cast::<F32>()?.into_candle();
+    Ok((x, reference))
+}
+
+fn positive<P: Precision>(shape: &[usize]) -> Result<(Tensor<P>, candle_core::Tensor)> {
+    let x = Tensor::<F32>::rand(0.5, 2.0, shape, &dev())?.cast::<P>()?;
+    let reference = x.cast::<F32>()?.into_candle();
+    Ok((x, reference))
+}
+
+fn unary_and_shape_ops<P: Precision>() -> Result<()> {
+    let (x, r) = input::<P>(&[4, 6])?;
+    assert_close::<P, P>("relu", &x.relu()?, &r.relu()?)?;
+    assert_close::<P, P>("gelu", &x.gelu()?, &r.gelu()?)?;
+    assert_close::<P, P>("gelu_erf", &x.gelu_erf()?, &r.gelu_erf()?)?;
+    assert_close::<P, P>("silu", &x.silu()?, &r.silu()?)?;
+    assert_close::<P, P>("tanh", &x.tanh()?, &r.tanh()?)?;
+    assert_close::<P, P>("sigmoid", &x.sigmoid()?, &candle_nn::ops::sigmoid(&r)?)?;
+    assert_close::<P, P>("neg", &x.neg()?, &r.neg()?)?;
+    assert_close::<P, P>("sqr", &x.sqr()?, &r.sqr()?)?;
+    assert_close::<P, P>("abs", &x.abs()?, &r.abs()?)?;
+    assert_close::<P, P>("affine", &x.affine(2.0, -1.0)?, &r.affine(2.0, -1.0)?)?;
+    assert_close::<P, P>("mul scalar", &(&x * 3.0)?, &(&r * 3.0)?)?;
+    assert_close::<P, P>("div scalar", &(&x / 4.0)?, &(&r / 4.0)?)?;
+    assert_close::<P, P>("sub scalar", &(&x - 1.5)?, &(&r - 1.5)?)?;
+    let (p, rp) = positive::<P>(&[4, 6])?;
+    assert_close::<P, P>("sqrt", &p.sqrt()?, &rp.sqrt()?)?;
+
+    assert_close::<P, P>("reshape", &x.reshape((6, 4))?, &r.reshape((6, 4))?)?;
+    assert_close::<P, P>("transpose", &x.transpose(0, 1)?, &r.transpose(0, 1)?)?;
+    assert_close::<P, P>("t", &x.t()?, &r.t()?)?;
+    assert_close::<P, P>("narrow", &x.narrow(1, 2, 3)?, &r.narrow(1, 2, 3)?)?;
+    let x4 = x.reshape((2, 2, 3, 2))?;
+    let r4 = r.reshape((2, 2, 3, 2))?;
+    assert_close::<P, P>("flatten", &x4.flatten(1, 2)?, &r4.flatten(1, 2)?)?;
+    assert_close::<P, P>("flatten_all", &x4.flatten_all()?, &r4.flatten_all()?)?;
+    assert_close::<P, P>("unsqueeze", &x.unsqueeze(0)?, &r.unsqueeze(0)?)?;
+    assert_close::<P, P>("squeeze", &x.unsqueeze(0)?.squeeze(0)?, &r)?;
+    assert_close::<P, P>("contiguous", &x.t()?.contiguous()?, &r.t()?.contiguous()?)?;
+    assert_close::<P, P>("permute", &x4.permute((3, 0, 2, 1))?, &r4.permute((3, 0, 2, 1))?)?;
+    let halves = x.chunk(2, 1)?;
+    assert_close::<P, P>("chunk", &halves[1], &r.narrow(1, 3, 3)?)?;
+    assert_close::<P, P>("cat", &Tensor::cat(&[&x, &x], 0)?, &candle_core::Tensor::cat(&[&r, &r], 0)?)?;
+    assert_close::<P, P>(
+        "stack",
+        &Tensor::stack(&[&x, &x], 1)?,
+        &candle_core::Tensor::stack(&[&r, &r], 1)?,
+    )?;
+    assert_close::<P, P>("max_keepdim", &x.max_keepdim(1)?, &r.max_keepdim(1)?)?;
+    assert_close::<P, P>("min", &x.min(0)?, &r.min(0)?)?;
+    assert_close::<P, P>("max_all", &x.max_all()?, &r.max_all()?)?;
+    Ok(())
+}
+
+fn binary_ops<P: Precision>() -> Result<()> {
+    let (a, ra) = input::<P>(&[3, 5])?;
+    let (b, rb) = positive::<P>(&[3, 5])?;
+    let (row, rrow) = positive::<P>(&[1, 5])?;
+    assert_close::<P, P>("add", &a.add(&b)?, &ra.add(&rb)?)?;
+    assert_close::<P, P>("sub", &(&a - &b)?, &(&ra - &rb)?)?;
+    assert_close::<P, P>("mul", &(&a * &b)?, &(&ra * &rb)?)?;
+    assert_close::<P, P>("div", &(&a / &b)?, &(&ra / &rb)?)?;
+    assert_close::<P, P>("+", &(&a + &b)?, &(&ra + &rb)?)?;
+    assert_close::<P, P>("broadcast_add", &a.broadcast_add(&row)?, &ra.broadcast_add(&rrow)?)?;
+    assert_close::<P, P>("broadcast_sub", &a.broadcast_sub(&row)?, &ra.broadcast_sub(&rrow)?)?;
+    assert_close::<P, P>("broadcast_mul", &a.broadcast_mul(&row)?, &ra.broadcast_mul(&rrow)?)?;
+    assert_close::<P, P>("broadcast_div", &a.broadcast_div(&row)?, &ra.broadcast_div(&rrow)?)?;
+    assert_close::<P, P>("maximum", &a.maximum(&b)?, &ra.maximum(&rb)?)?;
+    assert_close::<P, P>("minimum", &a.minimum(&b)?, &ra.minimum(&rb)?)?;
+    Ok(())
+}
+
+fn lower_precision_ops<P: Precision>() -> Result<()> {
+    let (a, ra) = input::<P>(&[8, 16])?;
+    let (b, rb) = input::<P>(&[16, 4])?;
+    assert_close::<P, P>("matmul", &a.matmul(&b)?, &ra.matmul(&rb)?)?;
+    let (batched, rbatched) = input::<P>(&[3, 8, 16])?;
+    assert_close::<P, P>(
+        "broadcast_matmul",
+        &batched.broadcast_matmul(&b)?,
+        &rbatched.broadcast_matmul(&rb)?,
+    )?;
+
+    let (x1, rx1) = input::<P>(&[2, 4, 10])?;
+    let (k1, rk1) = input::<P>(&[6, 4, 3])?;
+    assert_close::<P, P>("conv1d", &x1.conv1d(&k1, 1, 1, 1, 1)?, &rx1.conv1d(&rk1, 1, 1, 1, 1)?)?;
+    let (kt1, rkt1) = input::<P>(&[4, 3, 3])?;
+    assert_close::<P, P>(
+        "conv_transpose1d",
+        &x1.conv_transpose1d(&kt1, 0, 0, 2, 1, 1)?,
+        &rx1.conv_transpose1d(&rkt1, 0, 0, 2, 1, 1)?,
+    )?;
+
+    let (x2, rx2) = input::<P>(&[2, 4, 8, 8])?;
+    let (k2, rk2) = input::<P>(&[6, 4, 3, 3])?;
+    assert_close::<P, P>("conv2d", &x2.conv2d(&k2, 1, 1, 1, 1)?, &rx2.conv2d(&rk2, 1, 1, 1, 1)?)?;
+    let (kg, rkg) = input::<P>(&[6, 2, 3, 3])?;
+    assert_close::<P, P>(
+        "conv2d grouped, strided",
+        &x2.conv2d(&kg, 1, 2, 1, 2)?,
+        &rx2.conv2d(&rkg, 1, 2, 1, 2)?,
+    )?;
+    let (kt2, rkt2) = input::<P>(&[4, 3, 3, 3])?;
+    assert_close::<P, P>(
+        "conv_transpose2d",
+        &x2.conv_transpose2d(&kt2, 1, 0, 1, 1)?,
+        &rx2.conv_transpose2d(&rkt2, 1, 0, 1, 1)?,
+    )?;
+    assert_close::<P, P>("max_pool2d", &x2.max_pool2d(2)?, &rx2.max_pool2d(2)?)?;
+    assert_close::<P, P>("avg_pool2d", &x2.avg_pool2d(2)?, &rx2.avg_pool2d(2)?)?;
+    Ok(())
+}
+
+/// fp32-class ops from each input precision: f32 output, within `P`'s tolerance of the f32 op.
+fn fp32_class_ops<P: Precision>() -> Result<()> {
+    let (x, r) = input::<P>(&[4, 6])?;
+    let (p, rp) = positive::<P>(&[4, 6])?;
+    let same = |t: &Tensor<F32>| assert_eq!(t.dtype(), DType::F32);
+    let s = fp32::sum_keepdim(&x, 1)?;
+    same(&s);
+    assert_close::<P, F32>("sum_keepdim", &s, &r.sum_keepdim(1)?)?;
+    assert_close::<P, F32>("sum", &fp32::sum(&x, 0)?, &r.sum(0)?)?;
+    assert_close::<P, F32>("sum_all", &fp32::sum_all(&x)?, &r.sum_all()?)?;
+    assert_close::<P, F32>("mean_keepdim", &fp32::mean_keepdim(&x, 0)?, &r.mean_keepdim(0)?)?;
+    assert_close::<P, F32>("mean", &fp32::mean(&x, 1)?, &r.mean(1)?)?;
+    assert_close::<P, F32>("mean_all", &fp32::mean_all(&x)?, &r.mean_all()?)?;
+    assert_close::<P, F32>("exp", &fp32::exp(&x)?, &r.exp()?)?;
+    assert_close::<P, F32>("log", &fp32::log(&p)?, &rp.log()?)?;
+    assert_close::<P, F32>("powf", &fp32::powf(&p, 1.5)?, &rp.powf(1.5)?)?;
+    assert_close::<P, F32>("pow", &fp32::pow(&p, &p)?, &rp.pow(&rp)?)?;
+    assert_close::<P, F32>("recip", &fp32::recip(&p)?, &rp.recip()?)?;
+    assert_close::<P, F32>("log_sum_exp", &fp32::log_sum_exp(&x, 1)?, &r.log_sum_exp(1)?)?;
+    assert_close::<P, F32>("cumsum", &fp32::cumsum(&x, 1)?, &r.cumsum(1)?)?;
+    assert_close::<P, F32>("softmax", &fp32::softmax(&x, 1)?, &candle_nn::ops::softmax(&r, 1)?)?;
+    assert_close::<P, F32>(
+        "log_softmax",
+        &fp32::log_softmax(&x, 1)?,
+        &candle_nn::ops::log_softmax(&r, 1)?,
+    )?;
+    let (t, rt) = input::<P>(&[4, 6])?;
+    assert_close::<P, F32>("mse", &fp32::mse(&x, &t)?, &(&r - &rt)?.sqr()?.mean_all()?)?;
+    assert_close::<P, F32>("l1", &fp32::l1(&x, &t)?, &(&r - &rt)?.abs()?.mean_all()?)?;
+    let ids = candle_core::Tensor::new(&[0u32, 5, 2, 3], &dev())?;
+    assert_close::<P, F32>(
+        "cross_entropy",
+        &fp32::cross_entropy(&x, &ids)?,
+        &candle_nn::loss::cross_entropy(&r, &ids)?,
+    )?;
+    Ok(())
+}
+
+macro_rules! per_precision {
+    ($($name:ident => $check:ident),* $(,)?) => {$(
+        mod $name {
+            use super::*;
+            #[test]
+            fn f32() -> Result<()> {
+                $check::<F32>()
+            }
+            #[test]
+            fn f16() -> Result<()> {
+                $check::<F16>()
+            }
+            #[test]
+            fn bf16() -> Result<()> {
+                $check::<BF16>()
+            }
+        }
+    )*};
+}
+
+per_precision! {
+    unary_and_shape => unary_and_shape_ops,
+    binary => binary_ops,
+    lower_precision => lower_precision_ops,
+    fp32_class => fp32_class_ops,
+}
+
+#[test]
+fn f16_sum_of_100000_ones_is_exact() -> Result<()> {
+    let ones = Tensor::<F16>::ones(100_000, &dev())?;
+    // candle accumulates in f16: 2048 + 1 rounds back to 2048 (candle #3727).
+    let naive = ones.as_candle().sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    assert_eq!(naive, 2048.0);
+    assert_eq!(fp32::sum_all(&ones)?.to_scalar::<f32>()?, 100_000.0);
+    assert_eq!(fp32::mean_all(&ones)?.to_scalar::<f32>()?, 1.0);
+    let bf = Tensor::<BF16>::ones(100_000, &dev())?;
+    assert_eq!(fp32::sum_all(&bf)?.to_scalar::<f32>()?, 100_000.0);
+    Ok(())
+}
+
+#[test]
+fn from_candle_checks_the_dtype() -> Result<()> {
+    let t = candle_core::Tensor::ones(4, DType::F16, &dev())?;
+    assert!(Tensor::<F16>::from_candle(t.clone()).is_ok());
+    let err = Tensor::<F32>::from_candle(t).unwrap_err().to_string();
+    assert!(err.contains("F32") && err.contains("F16"), "{err}");
+    let ints = candle_core::Tensor::new(&[1u32, 2], &dev())?;
+    assert!(Tensor::<BF16>::from_candle(ints).is_err());
+    Ok(())
+}
+
+#[test]
+fn constructors_and_readback() -> Result<()> {
+    let d = dev();
+    let x = Tensor::<F16>::new(&[[1f32, 2.], [3., 4.]], &d)?;
+    assert_eq!(x.dtype(), DType::F16);
+    assert_eq!(x.to_vec2::<f32>()?, vec![vec![1., 2.], vec![3., 4.]]);
+    assert_eq!(x.shape().dims(), &[2, 2]);
+    assert!(x.device().is_cpu());
+    let y = Tensor::<BF16>::from_slice(&[1.5f64, -2.0, 0.25], 3, &d)?;
+    assert_eq!(y.to_vec1::<f32>()?, vec![1.5, -2.0, 0.25]);
+    let z = Tensor::<F32>::from_vec(vec![1u8, 2, 3, 4, 5, 6], (2, 3), &d)?;
+    assert_eq!(z.to_vec2::<f32>()?[1], vec![4., 5., 6.]);
+    assert_eq!(Tensor::<F16>::full(0.5, (2, 2), &d)?.to_flat_vec::<f32>()?, vec![0.5; 4]);
+    assert_eq!(Tensor::<F32>::zeros(3, &d)?.to_vec1::<f32>()?, vec![0.0; 3]);
+    assert_eq!(x.ones_like()?.to_flat_vec::<f32>()?, vec![1.0; 4]);
+    assert_eq!(x.zeros_like()?.to_flat_vec::<f32>()?, vec![0.0; 4]);
+    let r = Tensor::<BF16>::randn(0.0, 1.0, (64, 64), &d)?;
+    let m = r.cast::<F32>()?.mean_all()?.to_scalar::<f32>()?;
+    assert!(m.abs() < 0.1, "randn mean {m}");
+    let u = Tensor::<F16>::rand(2.0, 3.0, 1000, &d)?.to_vec1::<f32>()?;
+    assert!(u.iter().all(|v| (2.0..=3.0).contains(v)));
+    assert_eq!(Tensor::<F32>::new(2.5f32, &d)?.to_scalar::<f32>()?, 2.5);
+    Ok(())
+}
+
+#[test]
+fn promotion_casts_to_the_widest_input() -> Result<()> {
+    let h = Tensor::<F16>::new(&[1.0f32, 2.0], &dev())?;
+    let f = Tensor::<F32>::new(&[0.5f32, 0.25], &dev())?;
+    let (a, b) = h.promote_with(&f)?;
+    assert_eq!((a.dtype(), b.dtype()), (DType::F32, DType::F32));
+    assert_eq!((&a + &b)?.to_vec1::<f32>()?, vec![1.5, 2.25]);
+    let (c, d) = h.promote_with(&h)?;
+    assert_eq!((c.dtype(), d.dtype()), (DType::F16, DType::F16));
+    Ok(())
+}
+
+// ---- Hand-computed expectations for the composite fp32-class ops. ----
+
+fn close(got: f32, want: f64, tol: f64) {
+    assert!((f64::from(got) - want).abs() <= tol, "got {got}, want {want}");
+}
+
+#[test]
+fn softmax_and_log_softmax_by_hand() -> Result<()> {
+    // softmax([0, ln 2, ln 5]) = [1, 2, 5] / 8
+    let x = Tensor::<F32>::new(&[[0f32, 2f32.ln(), 5f32.ln()]], &dev())?;
+    let s = ops::softmax(&x, 1)?.to_vec2::<f32>()?;
+    for (got, want) in s[0].iter().zip([0.125, 0.25, 0.625]) {
+        close(*got, want, 1e-6);
+    }
+    let ls = ops::log_softmax(&x, 1)?.to_vec2::<f32>()?;
+    close(ls[0][2], (0.625f64).ln(), 1e-6);
+    Ok(())
+}
+
+#[test]
+fn norms_by_hand() -> Result<()> {
+    // x = [1, 2, 3, 4]: mean 2.5, biased var 1.25, rms sqrt(7.5).
+    let d = dev();
+    let x = Tensor::<F32>::new(&[[1f32, 2., 3., 4.]], &d)?;
+    let alpha = Tensor::<F32>::new(&[1f32, 2., 1., 1.], &d)?;
+    let beta = Tensor::<F32>::new(&[0f32, 0., 0., 1.], &d)?;
+    let eps = 1e-5f64;
+    let ln = ops::layer_norm(&x, &alpha, &beta, eps as f32)?.to_vec2::<f32>()?;
+    let sd = (1.25 + eps).sqrt();
+    let want = [-1.5 / sd, 2.0 * -0.5 / sd, 0.5 / sd, 1.5 / sd + 1.0];
+    for (got, want) in ln[0].iter().zip(want) {
+        close(*got, want, 1e-5);
+    }
+    let rms = ops::rms_norm(&x, &alpha, eps as f32)?.to_vec2::<f32>()?;
+    let r = (7.5 + eps).sqrt();
+    for (got, want) in rms[0].iter().zip([1.0 / r, 4.0 / r, 3.0 / r, 4.0 / r]) {
+        close(*got, want, 1e-5);
+    }
+    // From half inputs the same values come back in f32.
+    let ln16 = fp32::layer_norm(&x.cast::<F16>()?, &alpha, Some(&beta), eps)?.to_vec2::<f32>()?;
+    close(ln16[0][3], 1.5 / sd + 1.0, 1e-3);
+    Ok(())
+}
+
+#[test]
+fn losses_by_hand() -> Result<()> {
+    let d = dev();
+    let pred = Tensor::<F32>::new(&[0.0f32, 2.0, -1.0, 0.5], &d)?;
+    let target = Tensor::<F32>::new(&[1.0f32, 0.0, 0.0, 1.0], &d)?;
+    // diffs: -1, 2, -1, -0.5
+    close(loss::mse(&pred, &target)?.to_scalar()?, (1.0 + 4.0 + 1.0 + 0.25) / 4.0, 1e-6);
+    close(loss::l1(&pred, &target)?.to_scalar()?, (1.0 + 2.0 + 1.0 + 0.5) / 4.0, 1e-6);
+    // smooth L1, beta 1: |d| >= 1 -> |d| - 0.5; 0.5 -> 0.5 * 0.25
+    close(loss::smooth_l1(&pred, &target, 1.0)?.to_scalar()?, (0.5 + 1.5 + 0.5 + 0.125) / 4.0, 1e-6);
+    close(loss::smooth_l1(&pred, &target, 0.0)?.to_scalar()?, 4.5 / 4.0, 1e-6);
+    assert!(loss::smooth_l1(&pred, &target, -1.0).is_err());
+    // BCE with logits, PyTorch: mean(log(1 + e^x) - x t), for large logits stable.
+    let bce = |x: f64, t: f64| (1.0 + x.exp()).ln() - x * t;
+    let want = [(0.0, 1.0), (2.0, 0.0), (-1.0, 0.0), (0.5, 1.0)]
+        .iter()
+        .map(|&(x, t)| bce(x, t))
+        .sum::<f64>()
+        / 4.0;
+    close(loss::binary_cross_entropy_with_logits(&pred, &target)?.to_scalar()?, want, 1e-6);
+    let big = Tensor::<F32>::new(&[100.0f32, -100.0], &d)?;
+    let t = Tensor::<F32>::new(&[0.0f32, 1.0], &d)?;
+    // log(1 + e^100) - 0 = 100; log(1 + e^-100) + 100 = 100: finite where the naive form is inf.
+    close(loss::binary_cross_entropy_with_logit(&big, &t)?.to_scalar()?, 100.0, 1e-4);
+    // Cross-entropy of uniform logits over 4 classes is ln 4; nll picks -logp.
+    let logits = Tensor::<F32>::zeros((2, 4), &d)?;
+    let ids = candle_core::Tensor::new(&[1u32, 3], &d)?;
+    close(loss::cross_entropy(&logits, &ids)?.to_scalar()?, 4f64.ln(), 1e-6);
+    let logp = Tensor::<F32>::new(&[[-0.5f32, -1.0], [-2.0, -0.1]], &d)?;
+    let ids = candle_core::Tensor::new(&[1u32, 0], &d)?;
+    close(loss::nll(&logp, &ids)?.to_scalar()?, 1.5, 1e-6);
+    Ok(())
+}
+
+#[test]
+fn fp32_class_methods_on_f32() -> Result<()> {
+    let x = Tensor::<F32>::new(&[[1f32, 2.], [3., 4.]], &dev())?;
+    assert_eq!(x.sum_all()?.to_scalar::<f32>()?, 10.0);
+    assert_eq!(x.sum_keepdim(1)?.to_vec2::<f32>()?, vec![vec![3.], vec![7.]]);
+    assert_eq!(x.sum(0)?.to_vec1::<f32>()?, vec![4., 6.]);
+    assert_eq!(x.mean_all()?.to_scalar::<f32>()?, 2.5);
+    assert_eq!(x.mean(1)?.to_vec1::<f32>()?, vec![1.5, 3.5]);
+    assert_eq!(x.mean_keepdim(0)?.to_vec2::<f32>()?, vec![vec![2., 3.]]);
+    assert_eq!(x.recip()?.to_vec2::<f32>()?[1], vec![1. / 3., 0.25]);
+    assert_eq!(x.powf(2.0)?.to_vec2::<f32>()?[1], vec![9., 16.]);
+    assert_eq!(x.pow(&x.ones_like()?)?.to_vec2::<f32>()?[0], vec![1., 2.]);
+    assert_eq!(x.cumsum(1)?.to_vec2::<f32>()?[1], vec![3., 7.]);
+    close(x.exp()?.log()?.sum_all()?.to_scalar()?, 10.0, 1e-5);
+    close(x.log_sum_exp(1)?.to_vec1::<f32>()?[0], (1f64.exp() + 2f64.exp()).ln(), 1e-6);
+    Ok(())
+}
