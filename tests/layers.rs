@@ -1,6 +1,9 @@
 //! The AMP-aware layers: gradients reach every f32 master parameter from every precision the
 //! layer runs in, numerics match f32 references, and bad weights are errors, not panics.
 
+// Exact float equality is intended where the expected value is exactly representable.
+#![allow(clippy::float_cmp)]
+
 use candle_amp::nn::{self, loss, AmpLayer};
 use candle_amp::{fp32, Op, OpClass, Precision, Tensor, BF16, F16, F32};
 use candle_core::{DType, Device, Result, Var};
@@ -34,8 +37,14 @@ fn assert_every_parameter_learns(what: &str, map: &VarMap, loss: &Tensor<F32>) -
             .unwrap_or_else(|| panic!("{what}: no gradient reached `{name}`"));
         assert_eq!(g.dtype(), DType::F32, "{what}: `{name}` gradient dtype");
         let v = g.flatten_all()?.to_vec1::<f32>()?;
-        assert!(v.iter().all(|x| x.is_finite()), "{what}: `{name}` non-finite gradient");
-        assert!(v.iter().any(|x| *x != 0.0), "{what}: `{name}` all-zero gradient");
+        assert!(
+            v.iter().all(|x| x.is_finite()),
+            "{what}: `{name}` non-finite gradient"
+        );
+        assert!(
+            v.iter().any(|x| *x != 0.0),
+            "{what}: `{name}` all-zero gradient"
+        );
     }
     Ok(())
 }
@@ -56,14 +65,27 @@ fn lower_precision_layers_learn<P: Precision>() -> Result<()> {
     assert_every_parameter_learns("Linear", &map, &weighted_loss(&y)?)?;
 
     let (map, vb) = vars();
-    let c1 = nn::conv1d(3, 4, 3, nn::Conv1dConfig { padding: 1, ..Default::default() }, vb.pp("c1"))?;
+    let c1 = nn::conv1d(
+        3,
+        4,
+        3,
+        nn::Conv1dConfig {
+            padding: 1,
+            ..Default::default()
+        },
+        vb.pp("c1"),
+    )?;
     let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 9), &dev())?.cast::<P>()?;
     let y = c1.forward(&x)?;
     assert_eq!((y.dtype(), y.dims()), (P::DTYPE, &[2, 4, 9][..]));
     assert_every_parameter_learns("Conv1d", &map, &weighted_loss(&y)?)?;
 
     let (map, vb) = vars();
-    let cfg = nn::Conv2dConfig { padding: 1, stride: 2, ..Default::default() };
+    let cfg = nn::Conv2dConfig {
+        padding: 1,
+        stride: 2,
+        ..Default::default()
+    };
     let c2 = nn::conv2d(3, 4, 3, cfg, vb.pp("c2"))?;
     let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 8, 8), &dev())?.cast::<P>()?;
     let y = c2.forward(&x)?;
@@ -120,9 +142,19 @@ fn fp32_layers_learn_from_every_precision() -> Result<()> {
         let ln = nn::layer_norm(6, 1e-5, vb.pp("ln"))?;
         let x = Tensor::<F32>::randn(0.0, 1.0, (4, 6), &dev())?;
         let y = if half == DType::F16 {
-            fp32::layer_norm(&x.cast::<F16>()?, &weight(ln.weight()), bias(ln.bias()).as_ref(), 1e-5)?
+            fp32::layer_norm(
+                &x.cast::<F16>()?,
+                &weight(ln.weight()),
+                bias(ln.bias()).as_ref(),
+                1e-5,
+            )?
         } else {
-            fp32::layer_norm(&x.cast::<BF16>()?, &weight(ln.weight()), bias(ln.bias()).as_ref(), 1e-5)?
+            fp32::layer_norm(
+                &x.cast::<BF16>()?,
+                &weight(ln.weight()),
+                bias(ln.bias()).as_ref(),
+                1e-5,
+            )?
         };
         assert_every_parameter_learns("LayerNorm from half", &map, &weighted_loss(&y)?)?;
     }
@@ -142,7 +174,10 @@ fn bias(v: Option<&Var>) -> Option<Tensor<F32>> {
 fn layer_norm_gradients_match_candle_reference() -> Result<()> {
     let (_map, vb) = vars();
     let ln = nn::layer_norm(5, 1e-5, vb)?;
-    ln.weight().set(&candle_core::Tensor::new(&[1f32, 2., 0.5, -1., 3.], &dev())?)?;
+    ln.weight().set(&candle_core::Tensor::new(
+        &[1f32, 2., 0.5, -1., 3.],
+        &dev(),
+    )?)?;
     let x = Var::from_tensor(&candle_core::Tensor::randn(0f32, 1., (3, 5), &dev())?)?;
     let y = ln.forward(&Tensor::<F32>::from_candle(x.as_tensor().clone())?)?;
     let grads = weighted_sum(&y.into_candle())?.backward()?;
@@ -175,16 +210,29 @@ fn weighted_sum(y: &candle_core::Tensor) -> Result<candle_core::Tensor> {
 fn batch_norm2d_matches_pytorch_semantics() -> Result<()> {
     let (_map, vb) = vars();
     let bn = nn::batch_norm2d(2, 1e-5, vb)?;
-    bn.weight().unwrap().set(&candle_core::Tensor::new(&[2f32, 1.], &dev())?)?;
-    bn.bias().unwrap().set(&candle_core::Tensor::new(&[0f32, 1.], &dev())?)?;
+    bn.weight()
+        .unwrap()
+        .set(&candle_core::Tensor::new(&[2f32, 1.], &dev())?)?;
+    bn.bias()
+        .unwrap()
+        .set(&candle_core::Tensor::new(&[0f32, 1.], &dev())?)?;
     // channel 0 values: 1, 3, 5, 7 (mean 4, biased var 5, unbiased var 20/3);
     // channel 1 values: 0, 0, 2, 2 (mean 1, biased var 1, unbiased var 4/3).
-    let x = Tensor::<F32>::new(&[[[[1f32, 3.]], [[0., 0.]]], [[[5., 7.]], [[2., 2.]]]], &dev())?;
+    let x = Tensor::<F32>::new(
+        &[[[[1f32, 3.]], [[0., 0.]]], [[[5., 7.]], [[2., 2.]]]],
+        &dev(),
+    )?;
     let y = bn.forward_train(&x)?.to_flat_vec::<f32>()?;
     let (s0, s1) = ((5.0f64 + 1e-5).sqrt(), (1.0f64 + 1e-5).sqrt());
     let want = [
-        2.0 * -3.0 / s0, 2.0 * -1.0 / s0, -1.0 / s1 + 1.0, -1.0 / s1 + 1.0,
-        2.0 * 1.0 / s0, 2.0 * 3.0 / s0, 1.0 / s1 + 1.0, 1.0 / s1 + 1.0,
+        -6.0 / s0,
+        -2.0 / s0,
+        -1.0 / s1 + 1.0,
+        -1.0 / s1 + 1.0,
+        2.0 / s0,
+        6.0 / s0,
+        1.0 / s1 + 1.0,
+        1.0 / s1 + 1.0,
     ];
     for (got, want) in y.iter().zip(want) {
         assert!((f64::from(*got) - want).abs() < 1e-5, "{got} vs {want}");
@@ -192,14 +240,24 @@ fn batch_norm2d_matches_pytorch_semantics() -> Result<()> {
     // Running statistics: (1 - 0.1) * initial + 0.1 * batch, with the unbiased variance.
     let rm = bn.running_mean().to_vec1::<f32>()?;
     let rv = bn.running_var().to_vec1::<f32>()?;
-    assert!((rm[0] - 0.4).abs() < 1e-6 && (rm[1] - 0.1).abs() < 1e-6, "{rm:?}");
+    assert!(
+        (rm[0] - 0.4).abs() < 1e-6 && (rm[1] - 0.1).abs() < 1e-6,
+        "{rm:?}"
+    );
     let want_rv = [0.9 + 0.1 * 20.0 / 3.0, 0.9f32 + 0.1 * 4.0 / 3.0];
-    assert!((rv[0] - want_rv[0]).abs() < 1e-5 && (rv[1] - want_rv[1]).abs() < 1e-5, "{rv:?}");
+    assert!(
+        (rv[0] - want_rv[0]).abs() < 1e-5 && (rv[1] - want_rv[1]).abs() < 1e-5,
+        "{rv:?}"
+    );
 
     // Eval uses the running statistics and leaves them alone.
     let e = bn.forward_t(&x, false)?.to_flat_vec::<f32>()?;
     let want0 = 2.0 * (1.0 - 0.4) / (f64::from(want_rv[0]) + 1e-5).sqrt();
-    assert!((f64::from(e[0]) - want0).abs() < 1e-5, "{} vs {want0}", e[0]);
+    assert!(
+        (f64::from(e[0]) - want0).abs() < 1e-5,
+        "{} vs {want0}",
+        e[0]
+    );
     assert_eq!(bn.running_mean().to_vec1::<f32>()?, rm);
 
     // Half input: half output within half tolerance of the f32 result.
@@ -214,13 +272,27 @@ fn batch_norm2d_matches_pytorch_semantics() -> Result<()> {
 #[test]
 fn bf16_conv2d_layer_matches_f32_on_cpu() -> Result<()> {
     let (_map, vb) = vars();
-    let conv = nn::conv2d(4, 8, 3, nn::Conv2dConfig { padding: 1, ..Default::default() }, vb)?;
+    let conv = nn::conv2d(
+        4,
+        8,
+        3,
+        nn::Conv2dConfig {
+            padding: 1,
+            ..Default::default()
+        },
+        vb,
+    )?;
     let x = Tensor::<F32>::randn(0.0, 1.0, (2, 4, 16, 16), &dev())?.cast::<BF16>()?;
     let y = conv.forward(&x)?; // candle 0.11 alone: "unsupported dtype BF16 for op matmul"
     assert_eq!(y.dtype(), DType::BF16);
     // Reference: f32 conv on the bf16-rounded input and weights.
     let w = Tensor::<F32>::from_candle(conv.weight().as_tensor().clone())?.cast::<BF16>()?;
-    let b = conv.bias().unwrap().as_tensor().reshape((1, 8, 1, 1))?.to_dtype(DType::BF16)?;
+    let b = conv
+        .bias()
+        .unwrap()
+        .as_tensor()
+        .reshape((1, 8, 1, 1))?
+        .to_dtype(DType::BF16)?;
     let reference = x
         .cast::<F32>()?
         .conv2d(&w.cast::<F32>()?, 1, 1, 1, 1)?
@@ -229,7 +301,11 @@ fn bf16_conv2d_layer_matches_f32_on_cpu() -> Result<()> {
     let got = y.to_flat_vec::<f32>()?;
     let want = reference.flatten_all()?.to_vec1::<f32>()?;
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
     assert!(worst <= 2e-2 * scale, "max error {worst} vs scale {scale}");
     Ok(())
 }
@@ -268,10 +344,22 @@ fn bad_weights_are_errors_not_panics() -> Result<()> {
     let vb = VarBuilder::from_varmap(&map, DType::F16, &d);
     assert!(nn::linear(2, 3, vb).is_err());
     // Wrong input shapes surface as errors.
-    let bn = nn::BatchNorm2d::new(stats.clone(), Var::ones(3, DType::F32, &d)?, None, 1e-5, 0.1)?;
-    assert!(bn.forward_train(&Tensor::<F32>::zeros((2, 3), &d)?).is_err());
-    assert!(bn.forward_train(&Tensor::<F32>::zeros((2, 4, 2, 2), &d)?).is_err());
-    assert!(nn::MaxPool2d::new(0).forward(&Tensor::<F32>::zeros((1, 1, 2, 2), &d)?).is_err());
+    let bn = nn::BatchNorm2d::new(
+        stats.clone(),
+        Var::ones(3, DType::F32, &d)?,
+        None,
+        1e-5,
+        0.1,
+    )?;
+    assert!(bn
+        .forward_train(&Tensor::<F32>::zeros((2, 3), &d)?)
+        .is_err());
+    assert!(bn
+        .forward_train(&Tensor::<F32>::zeros((2, 4, 2, 2), &d)?)
+        .is_err());
+    assert!(nn::MaxPool2d::new(0)
+        .forward(&Tensor::<F32>::zeros((1, 1, 2, 2), &d)?)
+        .is_err());
     Ok(())
 }
 

@@ -10,6 +10,9 @@
 //! Composite ops written here (layer/rms norm, smooth L1, BCE with logits, softmax) are checked
 //! against hand-computed f64 values instead, so the test does not compare code with itself.
 
+// Exact float equality is intended where the expected value is exactly representable.
+#![allow(clippy::float_cmp)]
+
 use candle_amp::nn::loss;
 use candle_amp::{fp32, ops, Precision, Tensor, BF16, F16, F32};
 use candle_core::{DType, Device, Result};
@@ -92,10 +95,18 @@ fn unary_and_shape_ops<P: Precision>() -> Result<()> {
     assert_close::<P, P>("unsqueeze", &x.unsqueeze(0)?, &r.unsqueeze(0)?)?;
     assert_close::<P, P>("squeeze", &x.unsqueeze(0)?.squeeze(0)?, &r)?;
     assert_close::<P, P>("contiguous", &x.t()?.contiguous()?, &r.t()?.contiguous()?)?;
-    assert_close::<P, P>("permute", &x4.permute((3, 0, 2, 1))?, &r4.permute((3, 0, 2, 1))?)?;
+    assert_close::<P, P>(
+        "permute",
+        &x4.permute((3, 0, 2, 1))?,
+        &r4.permute((3, 0, 2, 1))?,
+    )?;
     let halves = x.chunk(2, 1)?;
     assert_close::<P, P>("chunk", &halves[1], &r.narrow(1, 3, 3)?)?;
-    assert_close::<P, P>("cat", &Tensor::cat(&[&x, &x], 0)?, &candle_core::Tensor::cat(&[&r, &r], 0)?)?;
+    assert_close::<P, P>(
+        "cat",
+        &Tensor::cat(&[&x, &x], 0)?,
+        &candle_core::Tensor::cat(&[&r, &r], 0)?,
+    )?;
     assert_close::<P, P>(
         "stack",
         &Tensor::stack(&[&x, &x], 1)?,
@@ -116,10 +127,26 @@ fn binary_ops<P: Precision>() -> Result<()> {
     assert_close::<P, P>("mul", &(&a * &b)?, &(&ra * &rb)?)?;
     assert_close::<P, P>("div", &(&a / &b)?, &(&ra / &rb)?)?;
     assert_close::<P, P>("+", &(&a + &b)?, &(&ra + &rb)?)?;
-    assert_close::<P, P>("broadcast_add", &a.broadcast_add(&row)?, &ra.broadcast_add(&rrow)?)?;
-    assert_close::<P, P>("broadcast_sub", &a.broadcast_sub(&row)?, &ra.broadcast_sub(&rrow)?)?;
-    assert_close::<P, P>("broadcast_mul", &a.broadcast_mul(&row)?, &ra.broadcast_mul(&rrow)?)?;
-    assert_close::<P, P>("broadcast_div", &a.broadcast_div(&row)?, &ra.broadcast_div(&rrow)?)?;
+    assert_close::<P, P>(
+        "broadcast_add",
+        &a.broadcast_add(&row)?,
+        &ra.broadcast_add(&rrow)?,
+    )?;
+    assert_close::<P, P>(
+        "broadcast_sub",
+        &a.broadcast_sub(&row)?,
+        &ra.broadcast_sub(&rrow)?,
+    )?;
+    assert_close::<P, P>(
+        "broadcast_mul",
+        &a.broadcast_mul(&row)?,
+        &ra.broadcast_mul(&rrow)?,
+    )?;
+    assert_close::<P, P>(
+        "broadcast_div",
+        &a.broadcast_div(&row)?,
+        &ra.broadcast_div(&rrow)?,
+    )?;
     assert_close::<P, P>("maximum", &a.maximum(&b)?, &ra.maximum(&rb)?)?;
     assert_close::<P, P>("minimum", &a.minimum(&b)?, &ra.minimum(&rb)?)?;
     Ok(())
@@ -138,7 +165,11 @@ fn lower_precision_ops<P: Precision>() -> Result<()> {
 
     let (x1, rx1) = input::<P>(&[2, 4, 10])?;
     let (k1, rk1) = input::<P>(&[6, 4, 3])?;
-    assert_close::<P, P>("conv1d", &x1.conv1d(&k1, 1, 1, 1, 1)?, &rx1.conv1d(&rk1, 1, 1, 1, 1)?)?;
+    assert_close::<P, P>(
+        "conv1d",
+        &x1.conv1d(&k1, 1, 1, 1, 1)?,
+        &rx1.conv1d(&rk1, 1, 1, 1, 1)?,
+    )?;
     let (kt1, rkt1) = input::<P>(&[4, 3, 3])?;
     assert_close::<P, P>(
         "conv_transpose1d",
@@ -148,7 +179,11 @@ fn lower_precision_ops<P: Precision>() -> Result<()> {
 
     let (x2, rx2) = input::<P>(&[2, 4, 8, 8])?;
     let (k2, rk2) = input::<P>(&[6, 4, 3, 3])?;
-    assert_close::<P, P>("conv2d", &x2.conv2d(&k2, 1, 1, 1, 1)?, &rx2.conv2d(&rk2, 1, 1, 1, 1)?)?;
+    assert_close::<P, P>(
+        "conv2d",
+        &x2.conv2d(&k2, 1, 1, 1, 1)?,
+        &rx2.conv2d(&rk2, 1, 1, 1, 1)?,
+    )?;
     let (kg, rkg) = input::<P>(&[6, 2, 3, 3])?;
     assert_close::<P, P>(
         "conv2d grouped, strided",
@@ -176,7 +211,11 @@ fn fp32_class_ops<P: Precision>() -> Result<()> {
     assert_close::<P, F32>("sum_keepdim", &s, &r.sum_keepdim(1)?)?;
     assert_close::<P, F32>("sum", &fp32::sum(&x, 0)?, &r.sum(0)?)?;
     assert_close::<P, F32>("sum_all", &fp32::sum_all(&x)?, &r.sum_all()?)?;
-    assert_close::<P, F32>("mean_keepdim", &fp32::mean_keepdim(&x, 0)?, &r.mean_keepdim(0)?)?;
+    assert_close::<P, F32>(
+        "mean_keepdim",
+        &fp32::mean_keepdim(&x, 0)?,
+        &r.mean_keepdim(0)?,
+    )?;
     assert_close::<P, F32>("mean", &fp32::mean(&x, 1)?, &r.mean(1)?)?;
     assert_close::<P, F32>("mean_all", &fp32::mean_all(&x)?, &r.mean_all()?)?;
     assert_close::<P, F32>("exp", &fp32::exp(&x)?, &r.exp()?)?;
@@ -184,9 +223,17 @@ fn fp32_class_ops<P: Precision>() -> Result<()> {
     assert_close::<P, F32>("powf", &fp32::powf(&p, 1.5)?, &rp.powf(1.5)?)?;
     assert_close::<P, F32>("pow", &fp32::pow(&p, &p)?, &rp.pow(&rp)?)?;
     assert_close::<P, F32>("recip", &fp32::recip(&p)?, &rp.recip()?)?;
-    assert_close::<P, F32>("log_sum_exp", &fp32::log_sum_exp(&x, 1)?, &r.log_sum_exp(1)?)?;
+    assert_close::<P, F32>(
+        "log_sum_exp",
+        &fp32::log_sum_exp(&x, 1)?,
+        &r.log_sum_exp(1)?,
+    )?;
     assert_close::<P, F32>("cumsum", &fp32::cumsum(&x, 1)?, &r.cumsum(1)?)?;
-    assert_close::<P, F32>("softmax", &fp32::softmax(&x, 1)?, &candle_nn::ops::softmax(&r, 1)?)?;
+    assert_close::<P, F32>(
+        "softmax",
+        &fp32::softmax(&x, 1)?,
+        &candle_nn::ops::softmax(&r, 1)?,
+    )?;
     assert_close::<P, F32>(
         "log_softmax",
         &fp32::log_softmax(&x, 1)?,
@@ -235,7 +282,11 @@ per_precision! {
 fn f16_sum_of_100000_ones_is_exact() -> Result<()> {
     let ones = Tensor::<F16>::ones(100_000, &dev())?;
     // candle accumulates in f16: 2048 + 1 rounds back to 2048 (candle #3727).
-    let naive = ones.as_candle().sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    let naive = ones
+        .as_candle()
+        .sum_all()?
+        .to_dtype(DType::F32)?
+        .to_scalar::<f32>()?;
     assert_eq!(naive, 2048.0);
     assert_eq!(fp32::sum_all(&ones)?.to_scalar::<f32>()?, 100_000.0);
     assert_eq!(fp32::mean_all(&ones)?.to_scalar::<f32>()?, 1.0);
@@ -267,7 +318,10 @@ fn constructors_and_readback() -> Result<()> {
     assert_eq!(y.to_vec1::<f32>()?, vec![1.5, -2.0, 0.25]);
     let z = Tensor::<F32>::from_vec(vec![1u8, 2, 3, 4, 5, 6], (2, 3), &d)?;
     assert_eq!(z.to_vec2::<f32>()?[1], vec![4., 5., 6.]);
-    assert_eq!(Tensor::<F16>::full(0.5, (2, 2), &d)?.to_flat_vec::<f32>()?, vec![0.5; 4]);
+    assert_eq!(
+        Tensor::<F16>::full(0.5, (2, 2), &d)?.to_flat_vec::<f32>()?,
+        vec![0.5; 4]
+    );
     assert_eq!(Tensor::<F32>::zeros(3, &d)?.to_vec1::<f32>()?, vec![0.0; 3]);
     assert_eq!(x.ones_like()?.to_flat_vec::<f32>()?, vec![1.0; 4]);
     assert_eq!(x.zeros_like()?.to_flat_vec::<f32>()?, vec![0.0; 4]);
@@ -295,7 +349,10 @@ fn promotion_casts_to_the_widest_input() -> Result<()> {
 // ---- Hand-computed expectations for the composite fp32-class ops. ----
 
 fn close(got: f32, want: f64, tol: f64) {
-    assert!((f64::from(got) - want).abs() <= tol, "got {got}, want {want}");
+    assert!(
+        (f64::from(got) - want).abs() <= tol,
+        "got {got}, want {want}"
+    );
 }
 
 #[test]
@@ -342,11 +399,27 @@ fn losses_by_hand() -> Result<()> {
     let pred = Tensor::<F32>::new(&[0.0f32, 2.0, -1.0, 0.5], &d)?;
     let target = Tensor::<F32>::new(&[1.0f32, 0.0, 0.0, 1.0], &d)?;
     // diffs: -1, 2, -1, -0.5
-    close(loss::mse(&pred, &target)?.to_scalar()?, (1.0 + 4.0 + 1.0 + 0.25) / 4.0, 1e-6);
-    close(loss::l1(&pred, &target)?.to_scalar()?, (1.0 + 2.0 + 1.0 + 0.5) / 4.0, 1e-6);
+    close(
+        loss::mse(&pred, &target)?.to_scalar()?,
+        (1.0 + 4.0 + 1.0 + 0.25) / 4.0,
+        1e-6,
+    );
+    close(
+        loss::l1(&pred, &target)?.to_scalar()?,
+        (1.0 + 2.0 + 1.0 + 0.5) / 4.0,
+        1e-6,
+    );
     // smooth L1, beta 1: |d| >= 1 -> |d| - 0.5; 0.5 -> 0.5 * 0.25
-    close(loss::smooth_l1(&pred, &target, 1.0)?.to_scalar()?, (0.5 + 1.5 + 0.5 + 0.125) / 4.0, 1e-6);
-    close(loss::smooth_l1(&pred, &target, 0.0)?.to_scalar()?, 4.5 / 4.0, 1e-6);
+    close(
+        loss::smooth_l1(&pred, &target, 1.0)?.to_scalar()?,
+        (0.5 + 1.5 + 0.5 + 0.125) / 4.0,
+        1e-6,
+    );
+    close(
+        loss::smooth_l1(&pred, &target, 0.0)?.to_scalar()?,
+        4.5 / 4.0,
+        1e-6,
+    );
     assert!(loss::smooth_l1(&pred, &target, -1.0).is_err());
     // BCE with logits, PyTorch: mean(log(1 + e^x) - x t), for large logits stable.
     let bce = |x: f64, t: f64| (1.0 + x.exp()).ln() - x * t;
@@ -355,15 +428,27 @@ fn losses_by_hand() -> Result<()> {
         .map(|&(x, t)| bce(x, t))
         .sum::<f64>()
         / 4.0;
-    close(loss::binary_cross_entropy_with_logits(&pred, &target)?.to_scalar()?, want, 1e-6);
+    close(
+        loss::binary_cross_entropy_with_logits(&pred, &target)?.to_scalar()?,
+        want,
+        1e-6,
+    );
     let big = Tensor::<F32>::new(&[100.0f32, -100.0], &d)?;
     let t = Tensor::<F32>::new(&[0.0f32, 1.0], &d)?;
     // log(1 + e^100) - 0 = 100; log(1 + e^-100) + 100 = 100: finite where the naive form is inf.
-    close(loss::binary_cross_entropy_with_logit(&big, &t)?.to_scalar()?, 100.0, 1e-4);
+    close(
+        loss::binary_cross_entropy_with_logit(&big, &t)?.to_scalar()?,
+        100.0,
+        1e-4,
+    );
     // Cross-entropy of uniform logits over 4 classes is ln 4; nll picks -logp.
     let logits = Tensor::<F32>::zeros((2, 4), &d)?;
     let ids = candle_core::Tensor::new(&[1u32, 3], &d)?;
-    close(loss::cross_entropy(&logits, &ids)?.to_scalar()?, 4f64.ln(), 1e-6);
+    close(
+        loss::cross_entropy(&logits, &ids)?.to_scalar()?,
+        4f64.ln(),
+        1e-6,
+    );
     let logp = Tensor::<F32>::new(&[[-0.5f32, -1.0], [-2.0, -0.1]], &d)?;
     let ids = candle_core::Tensor::new(&[1u32, 0], &d)?;
     close(loss::nll(&logp, &ids)?.to_scalar()?, 1.5, 1e-6);
@@ -374,7 +459,10 @@ fn losses_by_hand() -> Result<()> {
 fn fp32_class_methods_on_f32() -> Result<()> {
     let x = Tensor::<F32>::new(&[[1f32, 2.], [3., 4.]], &dev())?;
     assert_eq!(x.sum_all()?.to_scalar::<f32>()?, 10.0);
-    assert_eq!(x.sum_keepdim(1)?.to_vec2::<f32>()?, vec![vec![3.], vec![7.]]);
+    assert_eq!(
+        x.sum_keepdim(1)?.to_vec2::<f32>()?,
+        vec![vec![3.], vec![7.]]
+    );
     assert_eq!(x.sum(0)?.to_vec1::<f32>()?, vec![4., 6.]);
     assert_eq!(x.mean_all()?.to_scalar::<f32>()?, 2.5);
     assert_eq!(x.mean(1)?.to_vec1::<f32>()?, vec![1.5, 3.5]);
@@ -384,6 +472,10 @@ fn fp32_class_methods_on_f32() -> Result<()> {
     assert_eq!(x.pow(&x.ones_like()?)?.to_vec2::<f32>()?[0], vec![1., 2.]);
     assert_eq!(x.cumsum(1)?.to_vec2::<f32>()?[1], vec![3., 7.]);
     close(x.exp()?.log()?.sum_all()?.to_scalar()?, 10.0, 1e-5);
-    close(x.log_sum_exp(1)?.to_vec1::<f32>()?[0], (1f64.exp() + 2f64.exp()).ln(), 1e-6);
+    close(
+        x.log_sum_exp(1)?.to_vec1::<f32>()?[0],
+        (1f64.exp() + 2f64.exp()).ln(),
+        1e-6,
+    );
     Ok(())
 }

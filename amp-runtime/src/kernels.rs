@@ -109,7 +109,11 @@ impl CustomOp2 for CpuBf16Conv2d {
         );
         // Grouped convolution is independent per group: x's channels, k's output channels and
         // the gradient's channels split into `groups` matching chunks.
-        let (xs, ks, gs) = (x.chunk(groups, 1)?, k.chunk(groups, 0)?, g.chunk(groups, 1)?);
+        let (xs, ks, gs) = (
+            x.chunk(groups, 1)?,
+            k.chunk(groups, 0)?,
+            g.chunk(groups, 1)?,
+        );
         let mut grad_x = Vec::with_capacity(groups);
         let mut grad_k = Vec::with_capacity(groups);
         for ((x, k), g) in xs.iter().zip(&ks).zip(&gs) {
@@ -165,10 +169,42 @@ mod tests {
     fn bf16_conv2d_matches_f32_reference() -> Result<()> {
         let dev = Device::Cpu;
         for (p, (c_in, c_out)) in [
-            (Conv2dParams { padding: 1, stride: 1, dilation: 1, groups: 1 }, (3, 4)),
-            (Conv2dParams { padding: 0, stride: 2, dilation: 1, groups: 1 }, (3, 5)),
-            (Conv2dParams { padding: 2, stride: 1, dilation: 2, groups: 1 }, (2, 3)),
-            (Conv2dParams { padding: 1, stride: 1, dilation: 1, groups: 2 }, (4, 6)),
+            (
+                Conv2dParams {
+                    padding: 1,
+                    stride: 1,
+                    dilation: 1,
+                    groups: 1,
+                },
+                (3, 4),
+            ),
+            (
+                Conv2dParams {
+                    padding: 0,
+                    stride: 2,
+                    dilation: 1,
+                    groups: 1,
+                },
+                (3, 5),
+            ),
+            (
+                Conv2dParams {
+                    padding: 2,
+                    stride: 1,
+                    dilation: 2,
+                    groups: 1,
+                },
+                (2, 3),
+            ),
+            (
+                Conv2dParams {
+                    padding: 1,
+                    stride: 1,
+                    dilation: 1,
+                    groups: 2,
+                },
+                (4, 6),
+            ),
         ] {
             let x = Tensor::randn(0f32, 1., (2, c_in, 9, 9), &dev)?.to_dtype(DType::BF16)?;
             let k = Tensor::randn(0f32, 1., (c_out, c_in / p.groups, 3, 3), &dev)?
@@ -186,15 +222,23 @@ mod tests {
             // output, so gradients agree to bf16 rounding of y (relative 2^-8).
             let grads32 = y32.sqr()?.sum_all()?.backward()?;
 
-            let scale = |t: &Tensor| -> Result<f32> {
-                t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
-            };
-            assert!(max_abs_diff(&y, &y32)? <= 2e-2 * scale(&y32)?, "{p:?} forward");
+            let scale =
+                |t: &Tensor| -> Result<f32> { t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>() };
+            assert!(
+                max_abs_diff(&y, &y32)? <= 2e-2 * scale(&y32)?,
+                "{p:?} forward"
+            );
             let (gx, gx32) = (grads.get(&xv).unwrap(), grads32.get(&x32).unwrap());
             assert_eq!(gx.dtype(), DType::BF16);
-            assert!(max_abs_diff(gx, gx32)? <= 2e-2 * scale(gx32)?, "{p:?} grad x");
+            assert!(
+                max_abs_diff(gx, gx32)? <= 2e-2 * scale(gx32)?,
+                "{p:?} grad x"
+            );
             let (gk, gk32) = (grads.get(&kv).unwrap(), grads32.get(&k32).unwrap());
-            assert!(max_abs_diff(gk, gk32)? <= 2e-2 * scale(gk32)?, "{p:?} grad k");
+            assert!(
+                max_abs_diff(gk, gk32)? <= 2e-2 * scale(gk32)?,
+                "{p:?} grad k"
+            );
         }
         Ok(())
     }

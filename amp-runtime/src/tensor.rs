@@ -497,7 +497,9 @@ impl<P: Precision> Tensor<P> {
         kernel: T,
         stride: T,
     ) -> Result<Self> {
-        Ok(Self::wrap(self.inner.max_pool2d_with_stride(kernel, stride)?))
+        Ok(Self::wrap(
+            self.inner.max_pool2d_with_stride(kernel, stride)?,
+        ))
     }
 
     /// 2-D average pooling, stride = kernel size. Averages a few values only, so it stays in
@@ -512,7 +514,9 @@ impl<P: Precision> Tensor<P> {
         kernel: T,
         stride: T,
     ) -> Result<Self> {
-        Ok(Self::wrap(self.inner.avg_pool2d_with_stride(kernel, stride)?))
+        Ok(Self::wrap(
+            self.inner.avg_pool2d_with_stride(kernel, stride)?,
+        ))
     }
 
     /// Concatenates tensors of one precision along `dim`.
@@ -543,7 +547,7 @@ impl<P: Precision> Tensor<P> {
 macro_rules! binary {
     ($($(#[$doc:meta])* $name:ident),* $(,)?) => {$(
         $(#[$doc])*
-        pub fn $name<Q: Precision>(&self, rhs: &Tensor<Q>) -> Result<Self>
+        pub fn $name<Q>(&self, rhs: &Tensor<Q>) -> Result<Self>
         where
             Q: SamePrecision<P, op::$name>,
         {
@@ -586,7 +590,7 @@ impl<P: Precision> Tensor<P> {
 // `crate::kernels`.
 impl<P: Precision> Tensor<P> {
     /// 1-D convolution; `self` is `(batch, c_in, length)`, `kernel` `(c_out, c_in / groups, k)`.
-    pub fn conv1d<Q: Precision>(
+    pub fn conv1d<Q>(
         &self,
         kernel: &Tensor<Q>,
         padding: usize,
@@ -607,7 +611,7 @@ impl<P: Precision> Tensor<P> {
     }
 
     /// 2-D convolution; `self` is `(batch, c_in, h, w)`, `kernel` `(c_out, c_in / groups, kh, kw)`.
-    pub fn conv2d<Q: Precision>(
+    pub fn conv2d<Q>(
         &self,
         kernel: &Tensor<Q>,
         padding: usize,
@@ -628,7 +632,7 @@ impl<P: Precision> Tensor<P> {
     }
 
     /// 1-D transposed convolution; `kernel` is `(c_in, c_out / groups, k)`.
-    pub fn conv_transpose1d<Q: Precision>(
+    pub fn conv_transpose1d<Q>(
         &self,
         kernel: &Tensor<Q>,
         padding: usize,
@@ -651,7 +655,7 @@ impl<P: Precision> Tensor<P> {
     }
 
     /// 2-D transposed convolution; `kernel` is `(c_in, c_out, kh, kw)`.
-    pub fn conv_transpose2d<Q: Precision>(
+    pub fn conv_transpose2d<Q>(
         &self,
         kernel: &Tensor<Q>,
         padding: usize,
@@ -786,7 +790,7 @@ impl<P: Precision> Tensor<P> {
 // candle's operators do.
 macro_rules! operator {
     ($trait:ident, $fn:ident, $op:ident, $mul:expr, $add:expr) => {
-        impl<'a, P: Precision, Q: Precision> std::ops::$trait<&'a Tensor<Q>> for &'a Tensor<P>
+        impl<'a, P: Precision, Q> std::ops::$trait<&'a Tensor<Q>> for &'a Tensor<P>
         where
             Q: SamePrecision<P, op::$op>,
         {

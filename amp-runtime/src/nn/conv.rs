@@ -21,25 +21,26 @@ fn conv_params(
             lo: -bound,
             up: bound,
         };
-        Some(Var::from_tensor(&vb.get_with_hints(shape[0], "bias", init)?)?)
+        Some(Var::from_tensor(
+            &vb.get_with_hints(shape[0], "bias", init)?,
+        )?)
     } else {
         None
     };
     Ok((Var::from_tensor(&w)?, bias))
 }
 
-fn checked(
-    weight: Var,
-    bias: Option<Var>,
-    what: &str,
-    rank: usize,
-) -> Result<(Var, Option<Var>)> {
+fn checked(weight: Var, bias: Option<Var>, what: &str, rank: usize) -> Result<(Var, Option<Var>)> {
     let weight = master(weight, what)?;
     expect_dims(&weight, what, rank)?;
     let bias = bias.map(|b| master(b, what)).transpose()?;
     if let Some(b) = &bias {
         if b.dims() != [weight.dim(0)?] {
-            candle_core::bail!("{what} bias: expected shape [{}], got {:?}", weight.dim(0)?, b.dims())
+            candle_core::bail!(
+                "{what} bias: expected shape [{}], got {:?}",
+                weight.dim(0)?,
+                b.dims()
+            )
         }
     }
     Ok((weight, bias))

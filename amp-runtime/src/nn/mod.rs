@@ -63,7 +63,10 @@ fn master(var: Var, what: &str) -> Result<Var> {
     if var.dtype() == F32::DTYPE {
         Ok(var)
     } else {
-        Err(dtype_error::<F32>(&format!("{what}: master weights must be f32"), var.dtype()))
+        Err(dtype_error::<F32>(
+            &format!("{what}: master weights must be f32"),
+            var.dtype(),
+        ))
     }
 }
 
@@ -77,6 +80,9 @@ fn expect_dims(var: &Var, what: &str, rank: usize) -> Result<()> {
     if var.rank() == rank {
         Ok(())
     } else {
-        candle_core::bail!("{what}: expected a rank-{rank} weight, got shape {:?}", var.dims())
+        candle_core::bail!(
+            "{what}: expected a rank-{rank} weight, got shape {:?}",
+            var.dims()
+        )
     }
 }

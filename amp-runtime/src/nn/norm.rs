@@ -141,7 +141,9 @@ impl BatchNorm2d {
             }
         }
         if !(eps > 0.0 && (0.0..=1.0).contains(&momentum)) {
-            candle_core::bail!("BatchNorm2d: need eps > 0 and 0 <= momentum <= 1, got {eps}, {momentum}")
+            candle_core::bail!(
+                "BatchNorm2d: need eps > 0 and 0 <= momentum <= 1, got {eps}, {momentum}"
+            )
         }
         Ok(Self {
             weight,
