@@ -39,3 +39,8 @@ pub mod __private {
     pub use amp_runtime::{Precision, Tensor};
     pub use candle_core;
 }
+
+// The README's examples compile and run as doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
