@@ -13,7 +13,7 @@ fn casts(c: &mut Criterion) {
     let x = Tensor::<F32>::randn(0.0, 1.0, (256, 1024), &dev).unwrap();
     let mut g = c.benchmark_group("cast 256x1024");
     g.bench_function("candle clone", |b| {
-        b.iter(|| black_box(x.as_candle().clone()))
+        b.iter(|| black_box(x.as_candle().clone()));
     });
     g.bench_function("typed cast F32->F32 (elided)", |b| {
         b.iter(|| black_box(x.cast::<F32>().unwrap()));
@@ -22,7 +22,7 @@ fn casts(c: &mut Criterion) {
         b.iter(|| black_box(x.as_candle().to_dtype(DType::F16).unwrap()));
     });
     g.bench_function("typed cast F32->F16", |b| {
-        b.iter(|| black_box(x.cast::<F16>().unwrap()))
+        b.iter(|| black_box(x.cast::<F16>().unwrap()));
     });
     g.finish();
 }
@@ -39,7 +39,7 @@ fn linear(c: &mut Criterion) {
         b.iter(|| black_box(plain.forward(x.as_candle()).unwrap()));
     });
     g.bench_function("candle-amp Linear", |b| {
-        b.iter(|| black_box(typed.forward(&x).unwrap()))
+        b.iter(|| black_box(typed.forward(&x).unwrap()));
     });
     g.finish();
 }
