@@ -4,7 +4,7 @@
 //! calls to get a numerically safe reduction of a half tensor without writing the cast:
 //!
 //! ```
-//! use candle_amp::{fp32, Tensor, F16};
+//! use amp_runtime::{fp32, Tensor, F16};
 //! # fn main() -> candle_core::Result<()> {
 //! let ones = Tensor::<F16>::ones(100_000, &candle_core::Device::Cpu)?;
 //! // candle's own f16 sum accumulates in f16 and stops at 2048; this one is exact.

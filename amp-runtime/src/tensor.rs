@@ -7,7 +7,7 @@
 //! - lower-precision ops (`matmul`, `conv2d`) and precision-preserving ops run in `P`.
 //!
 //! ```
-//! use candle_amp::{Tensor, F16, F32};
+//! use amp_runtime::{Tensor, F16, F32};
 //! use candle_core::Device;
 //! # fn main() -> candle_core::Result<()> {
 //! let dev = Device::Cpu;

@@ -9,8 +9,8 @@
 //! statistics and compute inside, pooling and `Embedding` preserve precision.
 //!
 //! ```
-//! use candle_amp::nn::{self, loss};
-//! use candle_amp::{Tensor, F16, F32};
+//! use amp_runtime::nn::{self, loss};
+//! use amp_runtime::{Tensor, F16, F32};
 //! use candle_core::{DType, Device};
 //! use candle_nn::{VarBuilder, VarMap};
 //! # fn main() -> candle_core::Result<()> {
