@@ -315,6 +315,15 @@ macro_rules! preserve_unary {
     )*};
 }
 
+macro_rules! preserve_along_dim {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {$(
+        $(#[$doc])*
+        pub fn $name<D: candle_core::shape::Dim>(&self, dim: D) -> Result<Self> {
+            Ok(Self::wrap(self.inner.$name(dim)?))
+        }
+    )*};
+}
+
 impl<P: Precision> Tensor<P> {
     preserve_unary!(
         /// `max(x, 0)`.
@@ -401,26 +410,6 @@ impl<P: Precision> Tensor<P> {
         Ok(Self::wrap(self.inner.flatten(start, end)?))
     }
 
-    /// Flattens dimensions `start..` into one.
-    pub fn flatten_from<D: candle_core::shape::Dim>(&self, start: D) -> Result<Self> {
-        Ok(Self::wrap(self.inner.flatten_from(start)?))
-    }
-
-    /// Flattens dimensions `..=end` into one.
-    pub fn flatten_to<D: candle_core::shape::Dim>(&self, end: D) -> Result<Self> {
-        Ok(Self::wrap(self.inner.flatten_to(end)?))
-    }
-
-    /// Removes a dimension of size 1.
-    pub fn squeeze<D: candle_core::shape::Dim>(&self, dim: D) -> Result<Self> {
-        Ok(Self::wrap(self.inner.squeeze(dim)?))
-    }
-
-    /// Inserts a dimension of size 1.
-    pub fn unsqueeze<D: candle_core::shape::Dim>(&self, dim: D) -> Result<Self> {
-        Ok(Self::wrap(self.inner.unsqueeze(dim)?))
-    }
-
     /// Broadcasts to `shape`.
     pub fn broadcast_as<S: Into<Shape>>(&self, shape: S) -> Result<Self> {
         Ok(Self::wrap(self.inner.broadcast_as(shape)?))
@@ -450,26 +439,25 @@ impl<P: Precision> Tensor<P> {
         Ok(Self::wrap(self.inner.index_select(ids, dim)?))
     }
 
-    /// Maximum over `dim`, kept as a size-1 dimension. Exact in any precision, so it is
-    /// precision-preserving (PyTorch's autocast does not upcast it either).
-    pub fn max_keepdim<D: candle_core::shape::Dim>(&self, dim: D) -> Result<Self> {
-        Ok(Self::wrap(self.inner.max_keepdim(dim)?))
-    }
-
-    /// Maximum over `dim`.
-    pub fn max<D: candle_core::shape::Dim>(&self, dim: D) -> Result<Self> {
-        Ok(Self::wrap(self.inner.max(dim)?))
-    }
-
-    /// Minimum over `dim`, kept as a size-1 dimension.
-    pub fn min_keepdim<D: candle_core::shape::Dim>(&self, dim: D) -> Result<Self> {
-        Ok(Self::wrap(self.inner.min_keepdim(dim)?))
-    }
-
-    /// Minimum over `dim`.
-    pub fn min<D: candle_core::shape::Dim>(&self, dim: D) -> Result<Self> {
-        Ok(Self::wrap(self.inner.min(dim)?))
-    }
+    preserve_along_dim!(
+        /// Flattens dimensions `dim..` into one.
+        flatten_from,
+        /// Flattens dimensions `..=dim` into one.
+        flatten_to,
+        /// Removes a dimension of size 1.
+        squeeze,
+        /// Inserts a dimension of size 1.
+        unsqueeze,
+        /// Maximum over `dim`, kept as a size-1 dimension. Exact in any precision, so it is
+        /// precision-preserving (PyTorch's autocast does not upcast it either).
+        max_keepdim,
+        /// Maximum over `dim`.
+        max,
+        /// Minimum over `dim`, kept as a size-1 dimension.
+        min_keepdim,
+        /// Minimum over `dim`.
+        min,
+    );
 
     /// Maximum of all elements (rank 0).
     pub fn max_all(&self) -> Result<Self> {
@@ -679,109 +667,46 @@ impl<P: Precision> Tensor<P> {
 // ---------------------------------------------------------------------------------------------
 // fp32-class ops: `Tensor<F32>` only outside autocast (the bound names the op in the error).
 // They accumulate in f32; `crate::fp32` has the same ops for any input precision.
+macro_rules! fp32_methods {
+    ($($(#[$doc:meta])* $name:ident $(<$g:ident: $bound:path>)? ($($arg:ident: $ty:ty),*);)*) => {$(
+        $(#[$doc])*
+        pub fn $name$(<$g: $bound>)?(&self, $($arg: $ty),*) -> Result<Tensor<F32>>
+        where
+            P: Fp32Input<op::$name>,
+        {
+            fp32::$name(self, $($arg),*)
+        }
+    )*};
+}
+
 impl<P: Precision> Tensor<P> {
-    /// Sum over `dims`, kept as size-1 dimensions.
-    pub fn sum_keepdim<D: candle_core::shape::Dims>(&self, dims: D) -> Result<Tensor<F32>>
-    where
-        P: Fp32Input<op::sum_keepdim>,
-    {
-        fp32::sum_keepdim(self, dims)
-    }
-
-    /// Sum over `dims`.
-    pub fn sum<D: candle_core::shape::Dims>(&self, dims: D) -> Result<Tensor<F32>>
-    where
-        P: Fp32Input<op::sum>,
-    {
-        fp32::sum(self, dims)
-    }
-
-    /// Sum of all elements (rank 0).
-    pub fn sum_all(&self) -> Result<Tensor<F32>>
-    where
-        P: Fp32Input<op::sum_all>,
-    {
-        fp32::sum_all(self)
-    }
-
-    /// Mean over `dims`, kept as size-1 dimensions.
-    pub fn mean_keepdim<D: candle_core::shape::Dims>(&self, dims: D) -> Result<Tensor<F32>>
-    where
-        P: Fp32Input<op::mean_keepdim>,
-    {
-        fp32::mean_keepdim(self, dims)
-    }
-
-    /// Mean over `dims`.
-    pub fn mean<D: candle_core::shape::Dims>(&self, dims: D) -> Result<Tensor<F32>>
-    where
-        P: Fp32Input<op::mean>,
-    {
-        fp32::mean(self, dims)
-    }
-
-    /// Mean of all elements (rank 0).
-    pub fn mean_all(&self) -> Result<Tensor<F32>>
-    where
-        P: Fp32Input<op::mean_all>,
-    {
-        fp32::mean_all(self)
-    }
-
-    /// `exp(x)`.
-    pub fn exp(&self) -> Result<Tensor<F32>>
-    where
-        P: Fp32Input<op::exp>,
-    {
-        fp32::exp(self)
-    }
-
-    /// Natural logarithm.
-    pub fn log(&self) -> Result<Tensor<F32>>
-    where
-        P: Fp32Input<op::log>,
-    {
-        fp32::log(self)
-    }
-
-    /// `x ^ e` for a scalar exponent.
-    pub fn powf(&self, e: f64) -> Result<Tensor<F32>>
-    where
-        P: Fp32Input<op::powf>,
-    {
-        fp32::powf(self, e)
-    }
-
-    /// `x ^ rhs` elementwise.
-    pub fn pow(&self, rhs: &Tensor<F32>) -> Result<Tensor<F32>>
-    where
-        P: Fp32Input<op::pow>,
-    {
-        fp32::pow(self, rhs)
-    }
-
-    /// `1 / x`.
-    pub fn recip(&self) -> Result<Tensor<F32>>
-    where
-        P: Fp32Input<op::recip>,
-    {
-        fp32::recip(self)
-    }
-
-    /// `log(sum(exp(x)))` over `dims`, computed stably.
-    pub fn log_sum_exp<D: candle_core::shape::Dims>(&self, dims: D) -> Result<Tensor<F32>>
-    where
-        P: Fp32Input<op::log_sum_exp>,
-    {
-        fp32::log_sum_exp(self, dims)
-    }
-
-    /// Cumulative sum along `dim`.
-    pub fn cumsum<D: candle_core::shape::Dim>(&self, dim: D) -> Result<Tensor<F32>>
-    where
-        P: Fp32Input<op::cumsum>,
-    {
-        fp32::cumsum(self, dim)
+    fp32_methods! {
+        /// Sum over `dims`, kept as size-1 dimensions.
+        sum_keepdim<D: candle_core::shape::Dims>(dims: D);
+        /// Sum over `dims`.
+        sum<D: candle_core::shape::Dims>(dims: D);
+        /// Sum of all elements (rank 0).
+        sum_all();
+        /// Mean over `dims`, kept as size-1 dimensions.
+        mean_keepdim<D: candle_core::shape::Dims>(dims: D);
+        /// Mean over `dims`.
+        mean<D: candle_core::shape::Dims>(dims: D);
+        /// Mean of all elements (rank 0).
+        mean_all();
+        /// `exp(x)`.
+        exp();
+        /// Natural logarithm.
+        log();
+        /// `x ^ e` for a scalar exponent.
+        powf(e: f64);
+        /// `x ^ rhs` elementwise.
+        pow(rhs: &Tensor<F32>);
+        /// `1 / x`.
+        recip();
+        /// `log(sum(exp(x)))` over `dims`, computed stably.
+        log_sum_exp<D: candle_core::shape::Dims>(dims: D);
+        /// Cumulative sum along `dim`.
+        cumsum<D: candle_core::shape::Dim>(dim: D);
     }
 }
 

@@ -1,49 +1,35 @@
 use candle_core::{Result, Var};
 use candle_nn::{Conv1dConfig, Conv2dConfig, VarBuilder};
 
-use super::{expect_dims, master, weight_as, AmpLayer};
+use super::{master_weight_and_bias, weight_as, AmpLayer};
 use crate::op;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
 
-/// Builds the layer's weight (Kaiming normal) and bias (uniform in `±1/sqrt(fan_in)`), as
-/// candle-nn and PyTorch initialise convolutions.
+/// Builds a convolution's weight `(c_out, c_in / groups, kernel...)` (Kaiming normal) and bias
+/// (uniform in `±1/sqrt(fan_in)`), as candle-nn and PyTorch initialise convolutions.
 fn conv_params(
-    shape: &[usize],
-    fan_in: usize,
+    c_in: usize,
+    c_out: usize,
+    kernel: &[usize],
+    groups: usize,
     with_bias: bool,
     vb: &VarBuilder,
 ) -> Result<(Var, Option<Var>)> {
+    let c_in_g = c_in / groups.max(1);
+    let shape: Vec<usize> = [c_out, c_in_g].iter().chain(kernel).copied().collect();
     let w = vb.get_with_hints(shape, "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
     let bias = if with_bias {
-        let bound = 1.0 / (fan_in as f64).sqrt();
+        let bound = 1.0 / ((c_in_g * kernel.iter().product::<usize>()) as f64).sqrt();
         let init = candle_nn::Init::Uniform {
             lo: -bound,
             up: bound,
         };
-        Some(Var::from_tensor(
-            &vb.get_with_hints(shape[0], "bias", init)?,
-        )?)
+        Some(Var::from_tensor(&vb.get_with_hints(c_out, "bias", init)?)?)
     } else {
         None
     };
     Ok((Var::from_tensor(&w)?, bias))
-}
-
-fn checked(weight: Var, bias: Option<Var>, what: &str, rank: usize) -> Result<(Var, Option<Var>)> {
-    let weight = master(weight, what)?;
-    expect_dims(&weight, what, rank)?;
-    let bias = bias.map(|b| master(b, what)).transpose()?;
-    if let Some(b) = &bias {
-        if b.dims() != [weight.dim(0)?] {
-            candle_core::bail!(
-                "{what} bias: expected shape [{}], got {:?}",
-                weight.dim(0)?,
-                b.dims()
-            )
-        }
-    }
-    Ok((weight, bias))
 }
 
 /// Adds a per-channel bias to `(batch, channels, ...)`.
@@ -54,109 +40,70 @@ fn add_channel_bias<P: Precision>(y: Tensor<P>, bias: Option<&Var>) -> Result<Te
     y.broadcast_add(&weight_as::<P>(b)?.reshape(shape)?)
 }
 
-/// 1-D convolution over `(batch, c_in, length)`; a lower-precision op.
-#[derive(Clone, Debug)]
-pub struct Conv1d {
-    weight: Var,
-    bias: Option<Var>,
-    config: Conv1dConfig,
+macro_rules! conv_layer {
+    ($(#[$doc:meta])* $name:ident, $config:ident, $op:ident, rank $rank:literal, $shape:literal) => {
+        $(#[$doc])*
+        #[derive(Clone, Debug)]
+        pub struct $name {
+            weight: Var,
+            bias: Option<Var>,
+            config: $config,
+        }
+
+        impl $name {
+            #[doc = concat!("A layer from an f32 weight `", $shape, "` and an optional f32 bias `(c_out)`.")]
+            pub fn new(weight: Var, bias: Option<Var>, config: $config) -> Result<Self> {
+                let (weight, bias) = master_weight_and_bias(weight, bias, stringify!($name), $rank)?;
+                Ok(Self {
+                    weight,
+                    bias,
+                    config,
+                })
+            }
+
+            /// The f32 master weight.
+            pub fn weight(&self) -> &Var {
+                &self.weight
+            }
+
+            /// The f32 master bias, if any.
+            pub fn bias(&self) -> Option<&Var> {
+                self.bias.as_ref()
+            }
+
+            /// The convolution parameters.
+            pub fn config(&self) -> &$config {
+                &self.config
+            }
+
+            /// Applies the convolution in `x`'s precision.
+            pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
+                let c = &self.config;
+                let y = x.$op(
+                    &weight_as::<P>(&self.weight)?,
+                    c.padding,
+                    c.stride,
+                    c.dilation,
+                    c.groups,
+                )?;
+                add_channel_bias(y, self.bias.as_ref())
+            }
+        }
+
+        impl AmpLayer for $name {
+            type Op = op::$op;
+        }
+    };
 }
 
-impl Conv1d {
-    /// A layer from an f32 weight `(c_out, c_in / groups, k)` and an optional f32 bias `(c_out)`.
-    pub fn new(weight: Var, bias: Option<Var>, config: Conv1dConfig) -> Result<Self> {
-        let (weight, bias) = checked(weight, bias, "Conv1d weight", 3)?;
-        Ok(Self {
-            weight,
-            bias,
-            config,
-        })
-    }
-
-    /// The f32 master weight.
-    pub fn weight(&self) -> &Var {
-        &self.weight
-    }
-
-    /// The f32 master bias, if any.
-    pub fn bias(&self) -> Option<&Var> {
-        self.bias.as_ref()
-    }
-
-    /// The convolution parameters.
-    pub fn config(&self) -> &Conv1dConfig {
-        &self.config
-    }
-
-    /// Applies the convolution in `x`'s precision.
-    pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
-        let c = &self.config;
-        let y = x.conv1d(
-            &weight_as::<P>(&self.weight)?,
-            c.padding,
-            c.stride,
-            c.dilation,
-            c.groups,
-        )?;
-        add_channel_bias(y, self.bias.as_ref())
-    }
-}
-
-impl AmpLayer for Conv1d {
-    type Op = op::conv1d;
-}
-
-/// 2-D convolution over `(batch, c_in, h, w)`; a lower-precision op (bf16 works on CPU too).
-#[derive(Clone, Debug)]
-pub struct Conv2d {
-    weight: Var,
-    bias: Option<Var>,
-    config: Conv2dConfig,
-}
-
-impl Conv2d {
-    /// A layer from an f32 weight `(c_out, c_in / groups, kh, kw)` and an optional f32 bias.
-    pub fn new(weight: Var, bias: Option<Var>, config: Conv2dConfig) -> Result<Self> {
-        let (weight, bias) = checked(weight, bias, "Conv2d weight", 4)?;
-        Ok(Self {
-            weight,
-            bias,
-            config,
-        })
-    }
-
-    /// The f32 master weight.
-    pub fn weight(&self) -> &Var {
-        &self.weight
-    }
-
-    /// The f32 master bias, if any.
-    pub fn bias(&self) -> Option<&Var> {
-        self.bias.as_ref()
-    }
-
-    /// The convolution parameters.
-    pub fn config(&self) -> &Conv2dConfig {
-        &self.config
-    }
-
-    /// Applies the convolution in `x`'s precision.
-    pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
-        let c = &self.config;
-        let y = x.conv2d(
-            &weight_as::<P>(&self.weight)?,
-            c.padding,
-            c.stride,
-            c.dilation,
-            c.groups,
-        )?;
-        add_channel_bias(y, self.bias.as_ref())
-    }
-}
-
-impl AmpLayer for Conv2d {
-    type Op = op::conv2d;
-}
+conv_layer!(
+    /// 1-D convolution over `(batch, c_in, length)`; a lower-precision op.
+    Conv1d, Conv1dConfig, conv1d, rank 3, "(c_out, c_in / groups, k)"
+);
+conv_layer!(
+    /// 2-D convolution over `(batch, c_in, h, w)`; a lower-precision op (bf16 works on CPU too).
+    Conv2d, Conv2dConfig, conv2d, rank 4, "(c_out, c_in / groups, kh, kw)"
+);
 
 /// A `Conv1d` with bias, initialised as candle-nn's `conv1d`.
 pub fn conv1d(
@@ -166,7 +113,15 @@ pub fn conv1d(
     config: Conv1dConfig,
     vb: VarBuilder,
 ) -> Result<Conv1d> {
-    conv1d_impl(in_channels, out_channels, kernel_size, config, true, &vb)
+    let (w, b) = conv_params(
+        in_channels,
+        out_channels,
+        &[kernel_size],
+        config.groups,
+        true,
+        &vb,
+    )?;
+    Conv1d::new(w, b, config)
 }
 
 /// A `Conv1d` without bias.
@@ -177,20 +132,15 @@ pub fn conv1d_no_bias(
     config: Conv1dConfig,
     vb: VarBuilder,
 ) -> Result<Conv1d> {
-    conv1d_impl(in_channels, out_channels, kernel_size, config, false, &vb)
-}
-
-fn conv1d_impl(
-    c_in: usize,
-    c_out: usize,
-    k: usize,
-    config: Conv1dConfig,
-    with_bias: bool,
-    vb: &VarBuilder,
-) -> Result<Conv1d> {
-    let c_in_g = c_in / config.groups.max(1);
-    let (w, b) = conv_params(&[c_out, c_in_g, k], c_in_g * k, with_bias, vb)?;
-    Conv1d::new(w, b, config)
+    let (w, _) = conv_params(
+        in_channels,
+        out_channels,
+        &[kernel_size],
+        config.groups,
+        false,
+        &vb,
+    )?;
+    Conv1d::new(w, None, config)
 }
 
 /// A `Conv2d` with bias and a square kernel, initialised as candle-nn's `conv2d`.
@@ -201,7 +151,9 @@ pub fn conv2d(
     config: Conv2dConfig,
     vb: VarBuilder,
 ) -> Result<Conv2d> {
-    conv2d_impl(in_channels, out_channels, kernel_size, config, true, &vb)
+    let kernel = [kernel_size, kernel_size];
+    let (w, b) = conv_params(in_channels, out_channels, &kernel, config.groups, true, &vb)?;
+    Conv2d::new(w, b, config)
 }
 
 /// A `Conv2d` without bias.
@@ -212,18 +164,14 @@ pub fn conv2d_no_bias(
     config: Conv2dConfig,
     vb: VarBuilder,
 ) -> Result<Conv2d> {
-    conv2d_impl(in_channels, out_channels, kernel_size, config, false, &vb)
-}
-
-fn conv2d_impl(
-    c_in: usize,
-    c_out: usize,
-    k: usize,
-    config: Conv2dConfig,
-    with_bias: bool,
-    vb: &VarBuilder,
-) -> Result<Conv2d> {
-    let c_in_g = c_in / config.groups.max(1);
-    let (w, b) = conv_params(&[c_out, c_in_g, k, k], c_in_g * k * k, with_bias, vb)?;
-    Conv2d::new(w, b, config)
+    let kernel = [kernel_size, kernel_size];
+    let (w, _) = conv_params(
+        in_channels,
+        out_channels,
+        &kernel,
+        config.groups,
+        false,
+        &vb,
+    )?;
+    Conv2d::new(w, None, config)
 }

@@ -1,7 +1,7 @@
 use candle_core::{Result, Var};
 use candle_nn::VarBuilder;
 
-use super::{expect_dims, master, weight_as, AmpLayer};
+use super::{master_weight_and_bias, weight_as, AmpLayer};
 use crate::op;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
@@ -17,18 +17,7 @@ pub struct Linear {
 impl Linear {
     /// A linear layer from an f32 weight `(out, in)` and an optional f32 bias `(out)`.
     pub fn new(weight: Var, bias: Option<Var>) -> Result<Self> {
-        let weight = master(weight, "Linear weight")?;
-        expect_dims(&weight, "Linear weight", 2)?;
-        let bias = bias.map(|b| master(b, "Linear bias")).transpose()?;
-        if let Some(b) = &bias {
-            if b.dims() != [weight.dim(0)?] {
-                candle_core::bail!(
-                    "Linear bias: expected shape [{}], got {:?}",
-                    weight.dim(0)?,
-                    b.dims()
-                )
-            }
-        }
+        let (weight, bias) = master_weight_and_bias(weight, bias, "Linear", 2)?;
         Ok(Self { weight, bias })
     }
 

@@ -75,6 +75,31 @@ fn weight_as<P: Precision>(var: &Var) -> Result<Tensor<P>> {
     Tensor::<F32>::wrap(var.as_tensor().clone()).cast()
 }
 
+/// Checks a layer's master weight (f32, `rank` dimensions) and optional bias (f32, one value
+/// per output channel, i.e. per row of the weight).
+fn master_weight_and_bias(
+    weight: Var,
+    bias: Option<Var>,
+    layer: &str,
+    rank: usize,
+) -> Result<(Var, Option<Var>)> {
+    let weight = master(weight, &format!("{layer} weight"))?;
+    expect_dims(&weight, &format!("{layer} weight"), rank)?;
+    let bias = bias
+        .map(|b| master(b, &format!("{layer} bias")))
+        .transpose()?;
+    if let Some(b) = &bias {
+        if b.dims() != [weight.dim(0)?] {
+            candle_core::bail!(
+                "{layer} bias: expected shape [{}], got {:?}",
+                weight.dim(0)?,
+                b.dims()
+            )
+        }
+    }
+    Ok((weight, bias))
+}
+
 /// Checks a weight's shape at construction, so that a wrong checkpoint fails early and clearly.
 fn expect_dims(var: &Var, what: &str, rank: usize) -> Result<()> {
     if var.rank() == rank {
