@@ -20,21 +20,20 @@
 //!
 //! See the README for the tour, and [`nn`] for the AMP-aware layers.
 
-// The macros crate exports nothing yet (the #[autocast] issue fills it); the re-export is the
-// final layout.
-#[allow(unused_imports)]
 pub use amp_macros::*;
 pub use amp_runtime::*;
 
 /// The names most programs use: typed tensors, precision markers, layers, ops and losses.
 pub mod prelude {
+    pub use amp_macros::{autocast, keep_fp32};
     pub use amp_runtime::nn::{self, loss, AmpLayer};
-    pub use amp_runtime::{fp32, ops, Precision, Tensor, BF16, F16, F32};
+    pub use amp_runtime::{fp32, ops, AmpTensor, Precision, Tensor, BF16, F16, F32};
 }
 
 /// Paths used by code the macros generate. Not a public API.
 #[doc(hidden)]
 pub mod __private {
+    pub use amp_runtime::autocast;
     pub use amp_runtime::op;
     pub use amp_runtime::{Precision, Tensor};
     pub use candle_core;

@@ -1,5 +1,31 @@
-//! Procedural macros of candle-amp.
+//! Procedural macros of candle-amp: `#[autocast]` and `#[keep_fp32]`.
 //!
-//! `#[autocast]`, `#[keep_fp32]`, `#[custom_fwd]`, `#[custom_bwd]` and `policy!` are being
-//! built (see the README's roadmap); this crate is in the workspace now so that the facade's
-//! layout and re-exports are final.
+//! Users depend on the `candle-amp` facade, which re-exports these; the generated code names
+//! only `::candle_amp::__private::...` paths. See ARCHITECTURE.md for the design.
+
+mod args;
+mod expand;
+mod ops;
+mod rewrite;
+
+use proc_macro::TokenStream;
+
+/// Runs a fn, a method or every method of an impl block under an autocast policy.
+///
+/// `#[autocast(fp16)]`, `#[autocast(bf16)]`, `#[autocast(policy = path::To::Policy)]`, or bare
+/// `#[autocast]` (a module that inherits its caller's policy), each optionally with
+/// `enabled = <bool expr>` (false: the plain f32 path). Tensor parameters enter the region; op
+/// calls, `ops::*`/`loss::*` calls and module `forward` calls inside are routed by op class; a
+/// `Result<Tensor<P>>` result leaves cast to `P`. See the crate README for the tour.
+#[proc_macro_attribute]
+pub fn autocast(args: TokenStream, item: TokenStream) -> TokenStream {
+    expand::autocast(args.into(), item.into()).into()
+}
+
+/// Keeps a part of an autocast region in f32 (inputs upcast at the boundary): on a statement, a
+/// block or a method inside `#[autocast]`, or on a module's impl block. Anywhere else it is a
+/// compile error that says so.
+#[proc_macro_attribute]
+pub fn keep_fp32(args: TokenStream, item: TokenStream) -> TokenStream {
+    expand::keep_fp32(args.into(), item.into()).into()
+}

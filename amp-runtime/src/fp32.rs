@@ -17,14 +17,15 @@
 //! whose gradients silently stop (candle #3011, #3752).
 
 use candle_core::shape::{Dim, Dims};
-use candle_core::{DType, Result, D};
+use candle_core::{DType, Result};
 
+use crate::composite;
 use crate::precision::{Precision, F32};
 use crate::tensor::Tensor;
 
 /// The input as an f32 candle tensor: a handle clone when it already is one.
 fn up<P: Precision>(x: &Tensor<P>) -> Result<candle_core::Tensor> {
-    x.as_candle().to_dtype(DType::F32)
+    crate::autocast::convert(x.as_candle(), DType::F32)
 }
 
 fn out(t: candle_core::Tensor) -> Tensor<F32> {
@@ -114,56 +115,34 @@ pub fn layer_norm<P: Precision>(
     beta: Option<&Tensor<F32>>,
     eps: f64,
 ) -> Result<Tensor<F32>> {
-    let x = up(x)?;
-    let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
-    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
-    let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
-    let y = normed.broadcast_mul(alpha.as_candle())?;
-    match beta {
-        Some(b) => y.broadcast_add(b.as_candle()).map(out),
-        None => Ok(out(y)),
-    }
+    let beta = beta.map(Tensor::as_candle);
+    composite::layer_norm(&up(x)?, alpha.as_candle(), beta, eps).map(out)
 }
 
 /// RMS norm over the last dimension: `x / sqrt(mean(x^2) + eps) * alpha`. Differentiable.
 pub fn rms_norm<P: Precision>(x: &Tensor<P>, alpha: &Tensor<F32>, eps: f64) -> Result<Tensor<F32>> {
-    let x = up(x)?;
-    let rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
-    x.broadcast_div(&rms)?
-        .broadcast_mul(alpha.as_candle())
-        .map(out)
+    composite::rms_norm(&up(x)?, alpha.as_candle(), eps).map(out)
 }
 
 /// Mean squared error.
 pub fn mse<P: Precision, Q: Precision>(inp: &Tensor<P>, target: &Tensor<Q>) -> Result<Tensor<F32>> {
-    (up(inp)? - up(target)?)?.sqr()?.mean_all().map(out)
+    composite::mse(&up(inp)?, target.as_candle()).map(out)
 }
 
 /// Mean absolute error (PyTorch's `l1_loss`).
 pub fn l1<P: Precision, Q: Precision>(inp: &Tensor<P>, target: &Tensor<Q>) -> Result<Tensor<F32>> {
-    (up(inp)? - up(target)?)?.abs()?.mean_all().map(out)
+    composite::l1(&up(inp)?, target.as_candle()).map(out)
 }
 
 /// Smooth L1 (PyTorch's `smooth_l1_loss` with `beta`): `0.5 d^2 / beta` where `|d| < beta`,
-/// `|d| - 0.5 beta` elsewhere, averaged. `beta = 0` is the L1 loss, as in PyTorch.
+/// `|d| - 0.5 beta` elsewhere, averaged. `beta = 0` is the L1 loss, as in PyTorch; a negative
+/// or non-finite `beta` is an error.
 pub fn smooth_l1<P: Precision, Q: Precision>(
     inp: &Tensor<P>,
     target: &Tensor<Q>,
     beta: f64,
 ) -> Result<Tensor<F32>> {
-    if beta < 0.0 || !beta.is_finite() {
-        candle_core::bail!("smooth_l1: beta must be finite and >= 0, got {beta}")
-    }
-    if beta == 0.0 {
-        return l1(inp, target);
-    }
-    let d = (up(inp)? - up(target)?)?.abs()?;
-    let quadratic = (d.sqr()? * (0.5 / beta))?;
-    let linear = (&d - 0.5 * beta)?;
-    d.lt(beta)?
-        .where_cond(&quadratic, &linear)?
-        .mean_all()
-        .map(out)
+    composite::smooth_l1(&up(inp)?, target.as_candle(), beta).map(out)
 }
 
 /// Negative log likelihood of log-probabilities `(batch, classes)` at integer `target` `(batch)`.
@@ -185,10 +164,5 @@ pub fn binary_cross_entropy_with_logits<P: Precision, Q: Precision>(
     inp: &Tensor<P>,
     target: &Tensor<Q>,
 ) -> Result<Tensor<F32>> {
-    let x = up(inp)?;
-    let t = up(target)?;
-    let softplus_neg_abs = x.abs()?.neg()?.exp()?.affine(1.0, 1.0)?.log()?;
-    ((x.relu()? - (&x * &t)?)? + softplus_neg_abs)?
-        .mean_all()
-        .map(out)
+    composite::binary_cross_entropy_with_logits(&up(inp)?, target.as_candle()).map(out)
 }

@@ -3,6 +3,8 @@
 //! Users normally depend on the `candle-amp` facade, which re-exports this crate next to the
 //! macros. See the workspace README for the tour.
 
+pub mod autocast;
+mod composite;
 pub mod fp32;
 mod kernels;
 pub mod nn;
@@ -11,6 +13,7 @@ pub mod ops;
 mod precision;
 mod tensor;
 
+pub use autocast::{cast_count, AmpTensor, Bf16Policy, Fp16Policy, Fp32Policy, Policy};
 pub use op::{Fp32Input, Op, OpClass, SamePrecision};
 pub use precision::{Half, Precision, Promote, BF16, F16, F32};
 pub use tensor::Tensor;

@@ -68,6 +68,8 @@ op_markers! {
         relu, gelu, gelu_erf, silu, tanh, sigmoid, neg, sqr, sqrt, abs, affine,
         reshape, transpose, t, narrow, flatten, squeeze, unsqueeze, contiguous, permute,
         max, max_keepdim, min, min_keepdim, max_pool2d, avg_pool2d, batch_norm, embedding,
+        flatten_all, flatten_from, flatten_to, chunk, broadcast_as, broadcast_left,
+        pad_with_zeros, index_select, max_all, min_all,
     ];
 }
 

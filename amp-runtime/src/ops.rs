@@ -49,3 +49,10 @@ pub fn rms_norm<P: Fp32Input<op::rms_norm>>(
 pub fn sigmoid<P: Precision>(xs: &Tensor<P>) -> Result<Tensor<P>> {
     xs.sigmoid()
 }
+
+/// The same ops routed through an autocast policy; `#[autocast]` rewrites `ops::softmax(..)` to
+/// `ops::__region::softmax::<Policy>(..)` so that the user's own imports stay in use.
+#[doc(hidden)]
+pub mod __region {
+    pub use crate::autocast::region::{layer_norm, log_softmax, rms_norm, sigmoid, softmax};
+}

@@ -135,7 +135,10 @@ impl<P: Precision> Tensor<P> {
         if const { same::<P, Q>() } {
             Ok(Tensor::wrap(self.inner.clone()))
         } else {
-            Ok(Tensor::wrap(self.inner.to_dtype(Q::DTYPE)?))
+            Ok(Tensor::wrap(crate::autocast::convert(
+                &self.inner,
+                Q::DTYPE,
+            )?))
         }
     }
 

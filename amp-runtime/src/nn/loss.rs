@@ -64,3 +64,12 @@ pub fn binary_cross_entropy_with_logit<P: Fp32Input<op::binary_cross_entropy_wit
 ) -> Result<Tensor<F32>> {
     binary_cross_entropy_with_logits(inp, target)
 }
+
+/// The same losses routed through an autocast policy (see `ops::__region`).
+#[doc(hidden)]
+pub mod __region {
+    pub use crate::autocast::region::{
+        binary_cross_entropy_with_logit, binary_cross_entropy_with_logits, cross_entropy, l1, mse,
+        nll, smooth_l1,
+    };
+}

@@ -34,6 +34,11 @@ impl LayerNorm {
         self.bias.as_ref()
     }
 
+    /// The epsilon added to the variance.
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+
     /// Normalises `x` in f32. Outside autocast `x` is `Tensor<F32>`; a half input is a compile
     /// error (use an autocast region, or [`fp32::layer_norm`] explicitly).
     pub fn forward<P: Fp32Input<op::layer_norm>>(&self, x: &Tensor<P>) -> Result<Tensor<F32>> {
@@ -75,6 +80,11 @@ impl RmsNorm {
     /// The f32 scale.
     pub fn weight(&self) -> &Var {
         &self.weight
+    }
+
+    /// The epsilon added to the mean square.
+    pub fn eps(&self) -> f64 {
+        self.eps
     }
 
     /// Normalises `x` in f32 (`Tensor<F32>` outside autocast).

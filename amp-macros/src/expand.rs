@@ -1,0 +1,337 @@
+//! Code generation for `#[autocast]` and `#[keep_fp32]` on fns, methods and impl blocks.
+
+use proc_macro2::{Span, TokenStream};
+use quote::{format_ident, quote, quote_spanned, ToTokens};
+use syn::spanned::Spanned;
+use syn::{Block, FnArg, GenericParam, ImplItem, Item, ItemFn, ItemImpl, Pat, ReturnType, Type};
+
+use crate::args::{fp32_policy, AutocastArgs, PolicyArg};
+use crate::ops::MODULE_CALLS;
+use crate::rewrite::{take_marker, Rewriter};
+
+/// On error: `compile_error!` plus the original item untouched, so that the user sees one
+/// error and not a cascade from a half-rewritten body.
+pub(crate) fn fallback(errors: Vec<syn::Error>, original: TokenStream) -> TokenStream {
+    let errors = errors.into_iter().map(syn::Error::into_compile_error);
+    quote!(#(#errors)* #original)
+}
+
+pub(crate) fn autocast(args: TokenStream, item: TokenStream) -> TokenStream {
+    let result = syn::parse2::<AutocastArgs>(args).and_then(|args| {
+        match syn::parse2::<Item>(item.clone())? {
+            Item::Fn(f) => expand_fn(&args, Mode::Autocast, f).map(ToTokens::into_token_stream),
+            Item::Impl(imp) => expand_impl(&args, Mode::Autocast, imp),
+            other => Err(syn::Error::new(
+                item_span(&other),
+                "#[autocast] applies to a fn, a method or an impl block",
+            )),
+        }
+    });
+    result.unwrap_or_else(|errors| fallback(errors.into_iter().collect(), item))
+}
+
+pub(crate) fn keep_fp32(args: TokenStream, item: TokenStream) -> TokenStream {
+    if !args.is_empty() {
+        let e = syn::Error::new(args.span(), "#[keep_fp32] takes no arguments");
+        return fallback(vec![e], item);
+    }
+    let result = match syn::parse2::<Item>(item.clone()) {
+        // On a module's impl: the module always runs in f32, also when called from a region.
+        Ok(Item::Impl(imp)) => {
+            let args = AutocastArgs {
+                policy: PolicyArg::Named(fp32_policy()),
+                enabled: None,
+            };
+            expand_impl(&args, Mode::KeepFp32, imp)
+        }
+        Ok(other) => Err(syn::Error::new(
+            item_span(&other),
+            "#[keep_fp32] only has meaning inside an #[autocast] region: put it on a statement, \
+             a block or a method there, or on a module's impl block to keep that module in f32",
+        )),
+        Err(e) => Err(e),
+    };
+    result.unwrap_or_else(|errors| fallback(errors.into_iter().collect(), item))
+}
+
+/// All errors as one, reported together (pyo3's `combine_errors`).
+fn combine(errors: impl IntoIterator<Item = syn::Error>) -> Option<syn::Error> {
+    errors.into_iter().reduce(|mut all, e| {
+        all.combine(e);
+        all
+    })
+}
+
+fn item_span(item: &Item) -> Span {
+    item.to_token_stream()
+        .into_iter()
+        .next()
+        .map_or_else(Span::call_site, |t| t.span())
+}
+
+/// Whether a part runs under the region's policy or is kept in f32 (inputs upcast on entry).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Autocast,
+    KeepFp32,
+}
+
+/// A parameter that enters the region as a tensor: `x: Tensor<P>` or `x: &Tensor<P>`.
+fn tensor_param(arg: &FnArg) -> Option<&syn::Ident> {
+    let FnArg::Typed(typed) = arg else {
+        return None;
+    };
+    let Pat::Ident(pat) = &*typed.pat else {
+        return None;
+    };
+    is_tensor_type(&typed.ty).then_some(&pat.ident)
+}
+
+fn is_tensor_type(ty: &Type) -> bool {
+    match ty {
+        Type::Reference(r) => is_tensor_type(&r.elem),
+        Type::Path(p) => p.path.segments.last().is_some_and(|s| s.ident == "Tensor"),
+        Type::Paren(p) => is_tensor_type(&p.elem),
+        _ => false,
+    }
+}
+
+/// Whether the signature returns `Result<Tensor<..>, ..>`: then the region's value leaves as
+/// that typed tensor, cast to its precision.
+fn returns_tensor_result(output: &ReturnType) -> bool {
+    let ReturnType::Type(_, ty) = output else {
+        return false;
+    };
+    let Type::Path(p) = &**ty else { return false };
+    let Some(last) = p.path.segments.last() else {
+        return false;
+    };
+    if last.ident != "Result" {
+        return false;
+    }
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return false;
+    };
+    matches!(args.args.first(), Some(syn::GenericArgument::Type(t)) if is_tensor_type(t))
+}
+
+/// The rewritten body of one region part:
+/// Input:  `{ stmts; tail }` with tensor params `x`
+/// Output: `{ let _g = RegionGuard::enter(); let x = enter(&x); exit({ stmts'; tail' }) }`
+fn region_body(
+    block: &Block,
+    params: &[syn::Ident],
+    policy: &TokenStream,
+    enabled: Option<&syn::Expr>,
+    mode: Mode,
+    exit: Option<TokenStream>,
+) -> syn::Result<TokenStream> {
+    let rt = quote!(::candle_amp::__private::autocast);
+    let guard = syn::Ident::new("__amp_region", Span::mixed_site());
+    let enter = params.iter().map(|p| match mode {
+        Mode::Autocast => quote_spanned!(p.span()=> let #p = #rt::enter(&#p);),
+        Mode::KeepFp32 => quote_spanned!(p.span()=> let #p = #rt::enter_fp32(&#p)?;),
+    });
+    let rewrite = |policy: &TokenStream| -> syn::Result<TokenStream> {
+        let mut body = block.clone();
+        let mut rewriter = Rewriter::new(policy.clone(), exit.clone());
+        syn::visit_mut::VisitMut::visit_block_mut(&mut rewriter, &mut body);
+        if let Some(error) = combine(rewriter.errors) {
+            return Err(error);
+        }
+        Ok(match &exit {
+            Some(exit) => quote!(#exit(#body)),
+            None => body.into_token_stream(),
+        })
+    };
+    let run = match enabled {
+        None => rewrite(policy)?,
+        Some(cond) => {
+            let (on, off) = (rewrite(policy)?, rewrite(&fp32_policy())?);
+            quote_spanned!(cond.span()=> if #cond { #on } else { #off })
+        }
+    };
+    Ok(quote!({
+        let #guard = #rt::RegionGuard::enter();
+        #(#enter)*
+        #run
+    }))
+}
+
+fn expand_fn(args: &AutocastArgs, mode: Mode, mut f: ItemFn) -> syn::Result<ItemFn> {
+    let params: Vec<_> = f
+        .sig
+        .inputs
+        .iter()
+        .filter_map(tensor_param)
+        .cloned()
+        .collect();
+    let exit = returns_tensor_result(&f.sig.output)
+        .then(|| quote!(::candle_amp::__private::autocast::exit));
+    let policy = match mode {
+        Mode::Autocast => args.policy.own(),
+        Mode::KeepFp32 => fp32_policy(),
+    };
+    let body = region_body(
+        &f.block,
+        &params,
+        &policy,
+        args.enabled.as_ref(),
+        mode,
+        exit,
+    )?;
+    *f.block = syn::parse2(body)?;
+    Ok(f)
+}
+
+/// A method's own markers inside an annotated impl: `#[keep_fp32]` or its own `#[autocast(..)]`.
+fn method_markers(attrs: &mut Vec<syn::Attribute>) -> syn::Result<(bool, Option<AutocastArgs>)> {
+    let keep = take_marker(attrs, "keep_fp32");
+    let mut own = None;
+    let mut rest = Vec::with_capacity(attrs.len());
+    for attr in attrs.drain(..) {
+        if attr.path().is_ident("autocast") {
+            let parsed = match &attr.meta {
+                syn::Meta::Path(_) => AutocastArgs {
+                    policy: PolicyArg::Inherit,
+                    enabled: None,
+                },
+                _ => attr.parse_args::<AutocastArgs>()?,
+            };
+            if own.replace(parsed).is_some() {
+                return Err(syn::Error::new(
+                    attr.span(),
+                    "duplicate #[autocast] on this method",
+                ));
+            }
+        } else {
+            rest.push(attr);
+        }
+    }
+    *attrs = rest;
+    if keep && own.is_some() {
+        return Err(syn::Error::new(
+            Span::call_site(),
+            "a method is either #[keep_fp32] or #[autocast(..)], not both",
+        ));
+    }
+    Ok((keep, own))
+}
+
+/// Every method of the impl becomes a region; `forward`, `forward_t` and `forward_train` also
+/// get a `RegionCall` impl, so that a calling region passes its policy on (or the module keeps
+/// its own when it names one).
+fn expand_impl(args: &AutocastArgs, mode: Mode, mut imp: ItemImpl) -> syn::Result<TokenStream> {
+    let mut region_calls = Vec::new();
+    let mut errors: Vec<syn::Error> = Vec::new();
+    let (generics, self_ty) = (imp.generics.clone(), imp.self_ty.clone());
+    for item in &mut imp.items {
+        let ImplItem::Fn(method) = item else { continue };
+        let (keep, own) = match method_markers(&mut method.attrs) {
+            Ok(m) => m,
+            Err(e) => {
+                errors.push(e);
+                continue;
+            }
+        };
+        let method_mode = if keep { Mode::KeepFp32 } else { mode };
+        let method_args = own.as_ref().unwrap_or(args);
+        let as_fn = ItemFn {
+            attrs: Vec::new(),
+            vis: syn::Visibility::Inherited,
+            sig: method.sig.clone(),
+            block: Box::new(method.block.clone()),
+        };
+        if MODULE_CALLS.contains(&method.sig.ident.to_string().as_str()) {
+            match region_call_impl(&generics, &self_ty, method_args, method_mode, &as_fn) {
+                Ok(Some(tokens)) => region_calls.push(tokens),
+                Ok(None) => {}
+                Err(e) => errors.push(e),
+            }
+        }
+        match expand_fn(method_args, method_mode, as_fn) {
+            Ok(f) => method.block = *f.block,
+            Err(e) => errors.push(e),
+        }
+    }
+    if let Some(error) = combine(errors) {
+        return Err(error);
+    }
+    Ok(quote!(#imp #(#region_calls)*))
+}
+
+/// `impl<Pol, A0: AsAmp> RegionCall<Pol, calls::forward, (A0, bool)> for Module { .. }` for a
+/// `fn forward(&self, x: &Tensor<F32>, train: bool) -> Result<Tensor<F32>>`.
+fn region_call_impl(
+    impl_generics: &syn::Generics,
+    self_ty: &Type,
+    args: &AutocastArgs,
+    mode: Mode,
+    method: &ItemFn,
+) -> syn::Result<Option<TokenStream>> {
+    let rt = quote!(::candle_amp::__private::autocast);
+    let mut inputs = method.sig.inputs.iter();
+    match inputs.next() {
+        Some(FnArg::Receiver(r)) if r.reference.is_some() && r.mutability.is_none() => {}
+        // Only `&self` modules can be called from a region; others get the trait's error there.
+        _ => return Ok(None),
+    }
+    let pol = syn::Ident::new("__AmpPol", Span::mixed_site());
+    let mut generics = impl_generics.clone();
+    generics.params.push(syn::parse_quote!(#pol: #rt::Policy));
+    let (mut pats, mut types, mut params) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, input) in inputs.enumerate() {
+        let FnArg::Typed(typed) = input else { continue };
+        let pat = &typed.pat;
+        if let Some(ident) = tensor_param(input) {
+            let a = format_ident!("__AmpA{}", i, span = Span::mixed_site());
+            generics
+                .params
+                .push(GenericParam::Type(syn::parse_quote!(#a: #rt::AsAmp)));
+            types.push(quote!(#a));
+            params.push(ident.clone());
+        } else {
+            if contains_reference(&typed.ty) {
+                return Err(syn::Error::new(
+                    typed.ty.span(),
+                    "a module called from an autocast region takes tensors and owned values; \
+                     a reference parameter other than a tensor is not supported yet",
+                ));
+            }
+            types.push(typed.ty.to_token_stream());
+        }
+        pats.push(pat.to_token_stream());
+    }
+    let policy = match (&args.policy, mode) {
+        (_, Mode::KeepFp32) => fp32_policy(),
+        (PolicyArg::Inherit, Mode::Autocast) => quote!(#pol),
+        (PolicyArg::Named(path), Mode::Autocast) => path.clone(),
+    };
+    let exit = Some(quote!(#rt::exit_to_region));
+    let body = region_body(
+        &method.block,
+        &params,
+        &policy,
+        args.enabled.as_ref(),
+        mode,
+        exit,
+    )?;
+    let name = &method.sig.ident;
+    let (impl_generics, _, where_clause) = generics.split_for_impl();
+    Ok(Some(quote! {
+        impl #impl_generics #rt::RegionCall<#pol, #rt::calls::#name, (#(#types,)*)>
+            for #self_ty #where_clause
+        {
+            fn region_call(
+                &self,
+                (#(#pats,)*): (#(#types,)*),
+            ) -> ::candle_amp::__private::candle_core::Result<#rt::AmpTensor> #body
+        }
+    }))
+}
+
+fn contains_reference(ty: &Type) -> bool {
+    ty.to_token_stream()
+        .into_iter()
+        .any(|t| matches!(t, proc_macro2::TokenTree::Punct(p) if p.as_char() == '&'))
+}

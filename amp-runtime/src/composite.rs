@@ -1,0 +1,65 @@
+//! Ops composed of candle ops, in the dtype of their first input (other inputs are converted
+//! to it). `fp32::*` calls them on f32 inputs; an autocast region calls them in whatever dtype
+//! its policy assigns (f32 unless a policy moves the op). All are differentiable.
+
+use candle_core::{Result, Tensor, D};
+
+use crate::autocast::convert;
+
+/// `(x - mean) / sqrt(var + eps) * alpha + beta` over the last dimension (biased variance).
+pub(crate) fn layer_norm(
+    x: &Tensor,
+    alpha: &Tensor,
+    beta: Option<&Tensor>,
+    eps: f64,
+) -> Result<Tensor> {
+    let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+    let y = centered
+        .broadcast_div(&(var + eps)?.sqrt()?)?
+        .broadcast_mul(&convert(alpha, x.dtype())?)?;
+    match beta {
+        Some(b) => y.broadcast_add(&convert(b, x.dtype())?),
+        None => Ok(y),
+    }
+}
+
+/// `x / sqrt(mean(x^2) + eps) * alpha` over the last dimension.
+pub(crate) fn rms_norm(x: &Tensor, alpha: &Tensor, eps: f64) -> Result<Tensor> {
+    let rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
+    x.broadcast_div(&rms)?
+        .broadcast_mul(&convert(alpha, x.dtype())?)
+}
+
+fn diff(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
+    inp - convert(target, inp.dtype())?
+}
+
+pub(crate) fn mse(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
+    diff(inp, target)?.sqr()?.mean_all()
+}
+
+pub(crate) fn l1(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
+    diff(inp, target)?.abs()?.mean_all()
+}
+
+/// `0.5 d^2 / beta` where `|d| < beta`, `|d| - 0.5 beta` elsewhere, averaged; L1 at `beta = 0`.
+pub(crate) fn smooth_l1(inp: &Tensor, target: &Tensor, beta: f64) -> Result<Tensor> {
+    if beta < 0.0 || !beta.is_finite() {
+        candle_core::bail!("smooth_l1: beta must be finite and >= 0, got {beta}")
+    }
+    if beta == 0.0 {
+        return l1(inp, target);
+    }
+    let d = diff(inp, target)?.abs()?;
+    let quadratic = (d.sqr()? * (0.5 / beta))?;
+    let linear = (&d - 0.5 * beta)?;
+    d.lt(beta)?.where_cond(&quadratic, &linear)?.mean_all()
+}
+
+/// `max(x, 0) - x * t + log(1 + exp(-|x|))`, averaged: PyTorch's stable form.
+pub(crate) fn binary_cross_entropy_with_logits(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
+    let t = convert(target, inp.dtype())?;
+    let softplus_neg_abs = inp.abs()?.neg()?.exp()?.affine(1.0, 1.0)?.log()?;
+    ((inp.relu()? - (inp * &t)?)? + softplus_neg_abs)?.mean_all()
+}
