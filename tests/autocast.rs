@@ -1,0 +1,474 @@
+//! `#[autocast]` regions: each op class runs where PyTorch's autocast runs it, nested modules
+//! inherit or keep their policy, master-weight casts happen once per region, `enabled = false`
+//! is the plain f32 program, and the hard cases of DESIGN section 4 compile and run.
+
+use std::cell::RefCell;
+
+use candle_amp::nn::{self, loss};
+use candle_amp::{
+    autocast, cast_count, keep_fp32, ops, Bf16Policy, Fp16Policy, Policy, Precision, Tensor, BF16,
+    F16, F32,
+};
+use candle_core::{DType, Device, Result};
+use candle_nn::{VarBuilder, VarMap};
+
+fn dev() -> Device {
+    Device::Cpu
+}
+
+fn vars() -> (VarMap, VarBuilder<'static>) {
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &dev());
+    (map, vb)
+}
+
+// ---- The class table: output dtype per op class, input precision and policy. ----
+
+/// Dtypes of one op of each class, run in a region of policy `Pol` on `x` (and an f32 `y`):
+/// lower: matmul, broadcast_matmul; fp32: sum, exp, softmax, log_softmax, layer_norm, mse;
+/// promote: add with itself, add with f32, cat with itself; preserve: relu, reshape,
+/// max_keepdim. The policy is a type parameter, as a library author would write it.
+#[autocast(policy = Pol)]
+fn classes<Pol: Policy, P: Precision>(
+    x: &Tensor<P>,
+    y: &Tensor<F32>,
+    w: &Tensor<F32>,
+) -> Result<Vec<DType>> {
+    let ones = Tensor::<F32>::ones(4, &dev())?;
+    Ok(vec![
+        x.matmul(&w)?.dtype(),
+        x.broadcast_matmul(&w)?.dtype(),
+        x.sum_keepdim(1)?.dtype(),
+        x.exp()?.dtype(),
+        ops::softmax(&x, 1)?.dtype(),
+        ops::log_softmax(&x, 1)?.dtype(),
+        ops::layer_norm(&x, &ones, &ones, 1e-5)?.dtype(),
+        loss::mse(&x, &y)?.dtype(),
+        x.add(&x)?.dtype(),
+        x.add(&y)?.dtype(),
+        Tensor::cat(&[&x, &x], 0)?.dtype(),
+        x.relu()?.dtype(),
+        x.reshape((2, 8))?.dtype(),
+        x.max_keepdim(1)?.dtype(),
+    ])
+}
+
+/// PyTorch's rule for the probe above, given the policy's lower dtype and the input dtype.
+fn expected(lower: DType, input: DType) -> Vec<DType> {
+    let widest = if input == DType::F32 {
+        DType::F32
+    } else {
+        input
+    };
+    vec![
+        lower,
+        lower, // lower-precision ops
+        DType::F32,
+        DType::F32,
+        DType::F32,
+        DType::F32,
+        DType::F32,
+        DType::F32, // fp32 ops
+        input,
+        DType::F32,
+        widest, // promote: same, with f32, cat
+        input,
+        input,
+        input, // preserve
+    ]
+}
+
+fn class_table_for<P: Precision>() -> Result<()> {
+    let x = Tensor::<F32>::randn(0.0, 1.0, (4, 4), &dev())?.cast::<P>()?;
+    let y = Tensor::<F32>::randn(0.0, 1.0, (4, 4), &dev())?;
+    let w = Tensor::<F32>::randn(0.0, 1.0, (4, 4), &dev())?;
+    let fp16 = classes::<Fp16Policy, P>(&x, &y, &w)?;
+    assert_eq!(
+        fp16,
+        expected(DType::F16, P::DTYPE),
+        "fp16 policy, {} input",
+        P::NAME
+    );
+    let bf16 = classes::<Bf16Policy, P>(&x, &y, &w)?;
+    assert_eq!(
+        bf16,
+        expected(DType::BF16, P::DTYPE),
+        "bf16 policy, {} input",
+        P::NAME
+    );
+    Ok(())
+}
+
+#[test]
+fn class_table_matches_pytorch_for_f32_inputs() -> Result<()> {
+    class_table_for::<F32>()
+}
+
+#[test]
+fn class_table_matches_pytorch_for_f16_inputs() -> Result<()> {
+    class_table_for::<F16>()
+}
+
+#[test]
+fn class_table_matches_pytorch_for_bf16_inputs() -> Result<()> {
+    class_table_for::<BF16>()
+}
+
+// ---- A 3-layer MLP: numerics, casts, `enabled`, zero cost against hand-written code. ----
+
+struct Mlp {
+    layers: Vec<nn::Linear>,
+}
+
+impl Mlp {
+    fn new(vb: &VarBuilder) -> Result<Self> {
+        let layers = (0..3)
+            .map(|i| nn::linear(16, 16, vb.pp(format!("l{i}"))))
+            .collect::<Result<_>>()?;
+        Ok(Self { layers })
+    }
+
+    #[autocast(fp16)]
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let mut h = x.clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward(&h)?;
+            if i < 2 {
+                h = h.relu()?;
+            }
+        }
+        Ok(h)
+    }
+
+    #[autocast(fp16, enabled = use_amp)]
+    fn forward_switch(&self, x: &Tensor<F32>, use_amp: bool) -> Result<Tensor<F32>> {
+        let mut h = x.clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward(&h)?;
+            if i < 2 {
+                h = h.relu()?;
+            }
+        }
+        Ok(h)
+    }
+
+    /// What a careful candle user writes by hand: cast the input once, each weight once,
+    /// compute in f16, cast the result back.
+    fn forward_by_hand(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let mut h = x.cast::<F16>()?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward(&h)?;
+            if i < 2 {
+                h = h.relu()?;
+            }
+        }
+        h.cast::<F32>()
+    }
+
+    fn forward_f32(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let mut h = x.clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward(&h)?;
+            if i < 2 {
+                h = h.relu()?;
+            }
+        }
+        Ok(h)
+    }
+}
+
+fn counted<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, u64)> {
+    let before = cast_count();
+    let out = f()?;
+    Ok((out, cast_count() - before))
+}
+
+#[test]
+fn mlp_matches_hand_written_mixed_precision_bit_for_bit_with_as_many_casts() -> Result<()> {
+    let (_map, vb) = vars();
+    let mlp = Mlp::new(&vb)?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (8, 16), &dev())?;
+    let (auto, auto_casts) = counted(|| mlp.forward(&x))?;
+    let (hand, hand_casts) = counted(|| mlp.forward_by_hand(&x))?;
+    assert_eq!(auto.to_flat_vec::<f32>()?, hand.to_flat_vec::<f32>()?);
+    // input, 3 weights, 3 biases, output
+    assert_eq!((auto_casts, hand_casts), (8, 8));
+    // And within f16 tolerance of the f32 model.
+    let f32_out = mlp.forward_f32(&x)?.to_flat_vec::<f32>()?;
+    let scale = f32_out.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for (a, b) in auto.to_flat_vec::<f32>()?.iter().zip(&f32_out) {
+        assert!((a - b).abs() <= 1e-2 * scale, "{a} vs {b}");
+    }
+    Ok(())
+}
+
+#[test]
+fn enabled_false_is_the_plain_f32_program_and_true_the_mixed_one() -> Result<()> {
+    let (_map, vb) = vars();
+    let mlp = Mlp::new(&vb)?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (8, 16), &dev())?;
+    let (off, off_casts) = counted(|| mlp.forward_switch(&x, false))?;
+    assert_eq!(
+        off.to_flat_vec::<f32>()?,
+        mlp.forward_f32(&x)?.to_flat_vec::<f32>()?
+    );
+    assert_eq!(off_casts, 0);
+    let on = mlp.forward_switch(&x, true)?;
+    assert_eq!(
+        on.to_flat_vec::<f32>()?,
+        mlp.forward_by_hand(&x)?.to_flat_vec::<f32>()?
+    );
+    Ok(())
+}
+
+#[test]
+fn gradients_reach_the_f32_masters_through_a_region() -> Result<()> {
+    let (map, vb) = vars();
+    let mlp = Mlp::new(&vb)?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (8, 16), &dev())?;
+    let l = loss::mse(&mlp.forward(&x)?, &Tensor::zeros((8, 16), &dev())?)?;
+    let grads = l.as_candle().backward()?;
+    for var in map.all_vars() {
+        let g = grads
+            .get(&var)
+            .expect("every master weight gets a gradient");
+        assert_eq!(g.dtype(), DType::F32);
+    }
+    Ok(())
+}
+
+// ---- Tied weights: one master used twice in a region is cast once. ----
+
+struct Tied {
+    proj: nn::Linear,
+}
+
+#[autocast(fp16)]
+impl Tied {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let h = self.proj.forward(&x)?.relu()?;
+        Ok(self.proj.forward(&h)?)
+    }
+}
+
+#[test]
+fn a_weight_used_twice_in_a_region_is_cast_once() -> Result<()> {
+    let (_map, vb) = vars();
+    let tied = Tied {
+        proj: nn::linear(8, 8, vb)?,
+    };
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 8), &dev())?;
+    let (_, casts) = counted(|| tied.forward(&x))?;
+    // input, weight, bias (each once, although the layer runs twice), output
+    assert_eq!(casts, 4);
+    // The cache ends with the region: the next call casts again.
+    let (_, again) = counted(|| tied.forward(&x))?;
+    assert_eq!(again, 4);
+    Ok(())
+}
+
+// ---- Nested modules: inherit the caller's policy, or keep their own. ----
+
+/// Records the dtype its matmul ran in.
+struct Inner {
+    fc: nn::Linear,
+    seen: RefCell<Vec<DType>>,
+}
+
+#[autocast]
+impl Inner {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let h = self.fc.forward(&x)?;
+        self.seen.borrow_mut().push(h.dtype());
+        Ok(h)
+    }
+}
+
+struct Middle {
+    fc: nn::Linear,
+    inner: Inner,
+    seen: RefCell<Vec<DType>>,
+}
+
+#[keep_fp32]
+impl Middle {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let h = self.fc.forward(&x)?;
+        self.seen.borrow_mut().push(h.dtype());
+        Ok(self.inner.forward(&h)?)
+    }
+}
+
+struct Outer {
+    fc: nn::Linear,
+    middle: Middle,
+    direct: Inner,
+    seen: RefCell<Vec<DType>>,
+}
+
+#[autocast(fp16)]
+impl Outer {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let h = self.fc.forward(&x)?;
+        self.seen.borrow_mut().push(h.dtype());
+        let a = self.middle.forward(&h)?;
+        let b = self.direct.forward(&h)?;
+        // Residual-style add of the f32 branch and the f16 branch promotes to f32.
+        let sum = (&a + &b)?;
+        self.seen.borrow_mut().push(sum.dtype());
+        Ok(sum)
+    }
+}
+
+fn inner(vb: VarBuilder) -> Result<Inner> {
+    Ok(Inner {
+        fc: nn::linear(4, 4, vb)?,
+        seen: RefCell::default(),
+    })
+}
+
+#[test]
+fn three_levels_with_a_keep_fp32_middle_run_in_the_expected_dtypes() -> Result<()> {
+    let (_map, vb) = vars();
+    let outer = Outer {
+        fc: nn::linear(4, 4, vb.pp("o"))?,
+        middle: Middle {
+            fc: nn::linear(4, 4, vb.pp("m"))?,
+            inner: inner(vb.pp("mi"))?,
+            seen: RefCell::default(),
+        },
+        direct: inner(vb.pp("d"))?,
+        seen: RefCell::default(),
+    };
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 4), &dev())?;
+    let y = outer.forward(&x)?;
+    assert_eq!(y.dtype(), DType::F32);
+    // Outer: its linear in f16; the residual sum of f32 and f16 branches in f32.
+    assert_eq!(*outer.seen.borrow(), [DType::F16, DType::F32]);
+    // Middle keeps f32, and the inner module it calls inherits that.
+    assert_eq!(*outer.middle.seen.borrow(), [DType::F32]);
+    assert_eq!(*outer.middle.inner.seen.borrow(), [DType::F32]);
+    // The same inner module called straight from the fp16 region inherits fp16.
+    assert_eq!(*outer.direct.seen.borrow(), [DType::F16]);
+    // Called from outside any region, an inheriting module runs in f32.
+    let alone = inner(vb.pp("alone"))?;
+    alone.forward(&x)?;
+    assert_eq!(*alone.seen.borrow(), [DType::F32]);
+    Ok(())
+}
+
+// ---- A library module generic over nothing but the policy it inherits. ----
+
+struct Block {
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+    norm: nn::LayerNorm,
+}
+
+#[autocast]
+impl Block {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let h = self.fc2.forward(&self.fc1.forward(&x)?.gelu()?)?;
+        // Residual in the widest precision, then an fp32-class norm.
+        Ok(self.norm.forward(&(&x + &h)?)?)
+    }
+}
+
+struct Stack {
+    blocks: Vec<Block>,
+}
+
+#[autocast(bf16)]
+impl Stack {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        // An iterator chain over the layers, with `?` inside the closure.
+        let h = self
+            .blocks
+            .iter()
+            .try_fold(x.clone(), |h, block| block.forward(&h))?;
+        Ok(h)
+    }
+}
+
+#[test]
+fn a_policy_generic_block_follows_its_caller() -> Result<()> {
+    let (_map, vb) = vars();
+    let block = |i: usize| -> Result<Block> {
+        Ok(Block {
+            fc1: nn::linear(8, 8, vb.pp(format!("b{i}.fc1")))?,
+            fc2: nn::linear(8, 8, vb.pp(format!("b{i}.fc2")))?,
+            norm: nn::layer_norm(8, 1e-5, vb.pp(format!("b{i}.norm")))?,
+        })
+    };
+    let stack = Stack {
+        blocks: vec![block(0)?, block(1)?],
+    };
+    let x = Tensor::<F32>::randn(0.0, 1.0, (3, 8), &dev())?;
+    let y = stack.forward(&x)?;
+    // bf16 inside, f32 out (the norm is fp32-class); close to the f32 program.
+    let y32 = stack
+        .blocks
+        .iter()
+        .try_fold(x.clone(), |h, b| b.forward(&h))?;
+    for (a, b) in y
+        .to_flat_vec::<f32>()?
+        .iter()
+        .zip(y32.to_flat_vec::<f32>()?)
+    {
+        assert!((a - b).abs() < 0.1, "{a} vs {b}");
+    }
+    Ok(())
+}
+
+// ---- Branches, early returns, statements kept in f32, macro calls. ----
+
+#[autocast(fp16)]
+fn branchy(x: &Tensor<F32>, w: &Tensor<F32>, mode: u8) -> Result<Tensor<F32>> {
+    let h = x.matmul(&w)?; // f16
+    if mode == 0 {
+        return Ok(h); // early return: leaves through the same exit cast
+    }
+    let y = match mode {
+        1 => h.exp()?,  // f32
+        _ => h.relu()?, // f16
+    };
+    // The arms' precisions differ; the value stays a region tensor and the next op decides.
+    #[keep_fp32]
+    let z = y.sqr()?; // kept in f32
+    let parts = vec![z.dtype(), y.dtype()];
+    println!("parts: {parts:?}, scaled max {}", z.max_all()?);
+    Ok((&z + &y)?)
+}
+
+#[test]
+fn branches_early_returns_keep_fp32_statements_and_macros() -> Result<()> {
+    let x = Tensor::<F32>::new(&[[0.5f32, -1.0]], &dev())?;
+    let w = Tensor::<F32>::new(&[[1.0f32, 0.0], [0.0, 1.0]], &dev())?;
+    assert_eq!(branchy(&x, &w, 0)?.to_vec2::<f32>()?, vec![vec![0.5, -1.0]]);
+    let e = branchy(&x, &w, 1)?.to_vec2::<f32>()?;
+    let want = |v: f32| v.exp().powi(2) + v.exp();
+    assert!((e[0][0] - want(0.5)).abs() < 1e-3 && (e[0][1] - want(-1.0)).abs() < 1e-3);
+    assert_eq!(branchy(&x, &w, 2)?.to_vec2::<f32>()?, vec![vec![0.75, 0.0]]);
+    Ok(())
+}
+
+#[autocast(fp16)]
+fn statistics(x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    // Scalars and integers inside a region keep their own methods.
+    let n = x.dims()[1];
+    let scale = (n as f64).sqrt().max(1.0);
+    let h = x.matmul(&x.t()?)?.affine(1.0 / scale, 0.0)?;
+    #[keep_fp32]
+    {
+        let s = h.sum_all()?;
+        assert_eq!(s.dtype(), DType::F32);
+    }
+    Ok(h)
+}
+
+#[test]
+fn scalars_keep_their_methods_inside_a_region() -> Result<()> {
+    let x = Tensor::<F32>::ones((2, 4), &dev())?;
+    assert_eq!(statistics(&x)?.to_vec2::<f32>()?, vec![vec![2.0; 2]; 2]);
+    Ok(())
+}
