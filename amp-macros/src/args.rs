@@ -57,6 +57,18 @@ fn set<T>(slot: &mut Option<T>, value: T, span: Span, what: &str) -> syn::Result
     Ok(())
 }
 
+/// The `=` after a named argument, with an error on the argument's name if it is missing.
+fn expect_eq(input: ParseStream, name: Span, form: &str) -> syn::Result<()> {
+    if input.peek(Token![=]) {
+        input.parse::<Token![=]>().map(drop)
+    } else {
+        Err(syn::Error::new(
+            name,
+            format!("this argument needs a value: `{form}`"),
+        ))
+    }
+}
+
 impl Parse for AutocastArgs {
     fn parse(input: ParseStream) -> syn::Result<Self> {
         let mut policy: Option<TokenStream> = None;
@@ -73,12 +85,12 @@ impl Parse for AutocastArgs {
                 set(&mut policy, path, k.span, "policy")?;
             } else if lookahead.peek(kw::policy) {
                 let k: kw::policy = input.parse()?;
-                input.parse::<Token![=]>()?;
+                expect_eq(input, k.span, "policy = path::To::Policy")?;
                 let path: syn::Path = input.parse()?;
                 set(&mut policy, quote!(#path), k.span, "policy")?;
             } else if lookahead.peek(kw::enabled) {
                 let k: kw::enabled = input.parse()?;
-                input.parse::<Token![=]>()?;
+                expect_eq(input, k.span, "enabled = <bool expression>")?;
                 let expr: Expr = input.parse()?;
                 set(&mut enabled, expr, k.span, "`enabled`")?;
             } else {

@@ -344,8 +344,8 @@ pub mod calls {
     message = "`{Self}` is called inside an autocast region, but it is not autocast-aware",
     label = "this call passes region tensors to a plain module",
     note = "add `#[autocast]` to the module's impl so it inherits the caller's policy \
-            (or `#[autocast(fp16)]`/`#[keep_fp32]` for its own), or `#[custom_fwd]`, \
-            or call it with explicit typed tensors: `x.cast::<F32>()?`"
+            (or `#[autocast(fp16)]`/`#[keep_fp32]` for its own), or call it with explicit \
+            typed tensors: `x.cast::<F32>()?`"
 )]
 pub trait RegionCall<Pol: Policy, Method, Args> {
     /// Runs the call on region values.

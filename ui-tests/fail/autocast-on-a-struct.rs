@@ -1,0 +1,6 @@
+use candle_amp::autocast;
+
+#[autocast(fp16)]
+struct Model;
+
+fn main() {}
