@@ -472,3 +472,50 @@ fn scalars_keep_their_methods_inside_a_region() -> Result<()> {
     assert_eq!(statistics(&x)?.to_vec2::<f32>()?, vec![vec![2.0; 2]; 2]);
     Ok(())
 }
+
+// ---- policy!: ops moved between classes at compile time. ----
+
+candle_amp::policy! {
+    /// Softmax stays in f16 (as a fused attention kernel wants it); gelu is forced to f32.
+    pub struct AttentionPolicy: fp16 {
+        softmax: lower_precision,
+        gelu: fp32,
+    }
+}
+
+#[autocast(policy = AttentionPolicy)]
+fn attention(q: &Tensor<F32>, k: &Tensor<F32>) -> Result<(Vec<DType>, Tensor<F32>)> {
+    let scores = q.matmul(&k.t()?)?;
+    let probs = ops::softmax(&scores, 1)?;
+    let dtypes = vec![
+        scores.dtype(),
+        probs.dtype(),
+        scores.gelu()?.dtype(),
+        scores.exp()?.dtype(),
+        scores.relu()?.dtype(),
+    ];
+    Ok((dtypes, probs.cast::<F32>()?))
+}
+
+#[test]
+fn a_declared_policy_moves_ops_between_classes() -> Result<()> {
+    let q = Tensor::<F32>::randn(0.0, 1.0, (3, 8), &dev())?;
+    let k = Tensor::<F32>::randn(0.0, 1.0, (5, 8), &dev())?;
+    let (dtypes, probs) = attention(&q, &k)?;
+    // matmul lower; softmax moved to lower; gelu moved to fp32; exp fp32 as declared; relu
+    // preserves.
+    assert_eq!(
+        dtypes,
+        [DType::F16, DType::F16, DType::F32, DType::F32, DType::F16]
+    );
+    let reference = ops::softmax(&q.matmul(&k.t()?)?, 1)?;
+    for (a, b) in probs
+        .to_flat_vec::<f32>()?
+        .iter()
+        .zip(reference.to_flat_vec::<f32>()?)
+    {
+        assert!((a - b).abs() < 5e-3, "{a} vs {b}");
+    }
+    assert_eq!(<AttentionPolicy as Policy>::NAME, "AttentionPolicy");
+    Ok(())
+}

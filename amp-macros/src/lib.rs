@@ -1,4 +1,4 @@
-//! Procedural macros of candle-amp: `#[autocast]` and `#[keep_fp32]`.
+//! Procedural macros of candle-amp: `#[autocast]`, `#[keep_fp32]` and `policy!`.
 //!
 //! Users depend on the `candle-amp` facade, which re-exports these; the generated code names
 //! only `::candle_amp::__private::...` paths. See ARCHITECTURE.md for the design.
@@ -6,6 +6,7 @@
 mod args;
 mod expand;
 mod ops;
+mod policy;
 mod rewrite;
 
 use proc_macro::TokenStream;
@@ -28,4 +29,23 @@ pub fn autocast(args: TokenStream, item: TokenStream) -> TokenStream {
 #[proc_macro_attribute]
 pub fn keep_fp32(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::keep_fp32(args.into(), item.into()).into()
+}
+
+/// Declares an autocast policy at compile time: a lower dtype and moves of ops between classes.
+///
+/// ```text
+/// policy! {
+///     /// Softmax stays in f16 for a fused attention kernel; gelu runs in f32.
+///     pub struct AttentionPolicy: fp16 {
+///         softmax: lower_precision,
+///         gelu: fp32,
+///     }
+/// }
+/// ```
+///
+/// Classes: `lower_precision`, `fp32`, `promote`, `preserve`; op names are those of
+/// `candle_amp::op`. Use it as `#[autocast(policy = AttentionPolicy)]`.
+#[proc_macro]
+pub fn policy(input: TokenStream) -> TokenStream {
+    policy::expand(input.into()).into()
 }
