@@ -8,6 +8,8 @@ mod expand;
 mod ops;
 mod policy;
 mod rewrite;
+#[cfg(test)]
+mod tests;
 
 use proc_macro::TokenStream;
 
