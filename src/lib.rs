@@ -25,7 +25,7 @@ pub use amp_runtime::*;
 
 /// The names most programs use: typed tensors, precision markers, layers, ops and losses.
 pub mod prelude {
-    pub use amp_macros::{autocast, keep_fp32, policy};
+    pub use amp_macros::{autocast, custom_bwd, custom_fwd, keep_fp32, policy};
     pub use amp_runtime::nn::{self, loss, AmpLayer};
     pub use amp_runtime::{fp32, ops, AmpTensor, Precision, Tensor, BF16, F16, F32};
 }
@@ -36,7 +36,7 @@ pub mod __private {
     pub use amp_runtime::autocast;
     pub use amp_runtime::op;
     pub use amp_runtime::{Precision, Tensor};
-    pub use amp_runtime::{BF16, F16};
+    pub use amp_runtime::{BF16, F16, F32};
     pub use candle_core;
 }
 

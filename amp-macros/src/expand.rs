@@ -69,11 +69,14 @@ fn item_span(item: &Item) -> Span {
         .map_or_else(Span::call_site, |t| t.span())
 }
 
-/// Whether a part runs under the region's policy or is kept in f32 (inputs upcast on entry).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Mode {
+/// How a part runs: under the region's policy, kept in f32 (inputs upcast on entry), or as a
+/// `#[custom_fwd(cast_inputs = ..)]` op (inputs cast to the named precision, body left as
+/// written, autocast off).
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) enum Mode {
     Autocast,
     KeepFp32,
+    CastInputs(syn::Ident),
 }
 
 /// A parameter that enters the region as a tensor: `x: Tensor<P>` or `x: &Tensor<P>`.
@@ -87,7 +90,7 @@ fn tensor_param(arg: &FnArg) -> Option<&syn::Ident> {
     is_tensor_type(&typed.ty).then_some(&pat.ident)
 }
 
-fn is_tensor_type(ty: &Type) -> bool {
+pub(crate) fn is_tensor_type(ty: &Type) -> bool {
     match ty {
         Type::Reference(r) => is_tensor_type(&r.elem),
         Type::Path(p) => p.path.segments.last().is_some_and(|s| s.ident == "Tensor"),
@@ -123,14 +126,17 @@ fn region_body(
     params: &[syn::Ident],
     policy: &TokenStream,
     enabled: Option<&syn::Expr>,
-    mode: Mode,
+    upcast: bool,
     exit: Option<TokenStream>,
 ) -> syn::Result<TokenStream> {
     let rt = quote!(::candle_amp::__private::autocast);
     let guard = syn::Ident::new("__amp_region", Span::mixed_site());
-    let enter = params.iter().map(|p| match mode {
-        Mode::Autocast => quote_spanned!(p.span()=> let #p = #rt::enter(&#p);),
-        Mode::KeepFp32 => quote_spanned!(p.span()=> let #p = #rt::enter_fp32(&#p)?;),
+    let enter = params.iter().map(|p| {
+        if upcast {
+            quote_spanned!(p.span()=> let #p = #rt::enter_fp32(&#p)?;)
+        } else {
+            quote_spanned!(p.span()=> let #p = #rt::enter(&#p);)
+        }
     });
     let rewrite = |policy: &TokenStream| -> syn::Result<TokenStream> {
         let mut body = block.clone();
@@ -170,14 +176,14 @@ fn expand_fn(args: &AutocastArgs, mode: Mode, mut f: ItemFn) -> syn::Result<Item
         .then(|| quote!(::candle_amp::__private::autocast::exit));
     let policy = match mode {
         Mode::Autocast => args.policy.own(),
-        Mode::KeepFp32 => fp32_policy(),
+        Mode::KeepFp32 | Mode::CastInputs(_) => fp32_policy(),
     };
     let body = region_body(
         &f.block,
         &params,
         &policy,
         args.enabled.as_ref(),
-        mode,
+        mode == Mode::KeepFp32,
         exit,
     )?;
     *f.block = syn::parse2(body)?;
@@ -221,7 +227,11 @@ fn method_markers(attrs: &mut Vec<syn::Attribute>) -> syn::Result<(bool, Option<
 /// Every method of the impl becomes a region; `forward`, `forward_t` and `forward_train` also
 /// get a `RegionCall` impl, so that a calling region passes its policy on (or the module keeps
 /// its own when it names one).
-fn expand_impl(args: &AutocastArgs, mode: Mode, mut imp: ItemImpl) -> syn::Result<TokenStream> {
+pub(crate) fn expand_impl(
+    args: &AutocastArgs,
+    mode: Mode,
+    mut imp: ItemImpl,
+) -> syn::Result<TokenStream> {
     let mut region_calls = Vec::new();
     let mut errors: Vec<syn::Error> = Vec::new();
     let (generics, self_ty) = (imp.generics.clone(), imp.self_ty.clone());
@@ -234,7 +244,7 @@ fn expand_impl(args: &AutocastArgs, mode: Mode, mut imp: ItemImpl) -> syn::Resul
                 continue;
             }
         };
-        let method_mode = if keep { Mode::KeepFp32 } else { mode };
+        let method_mode = if keep { Mode::KeepFp32 } else { mode.clone() };
         let method_args = own.as_ref().unwrap_or(args);
         let as_fn = ItemFn {
             attrs: Vec::new(),
@@ -243,11 +253,21 @@ fn expand_impl(args: &AutocastArgs, mode: Mode, mut imp: ItemImpl) -> syn::Resul
             block: Box::new(method.block.clone()),
         };
         if MODULE_CALLS.contains(&method.sig.ident.to_string().as_str()) {
-            match region_call_impl(&generics, &self_ty, method_args, method_mode, &as_fn) {
+            match region_call_impl(
+                &generics,
+                &self_ty,
+                method_args,
+                method_mode.clone(),
+                &as_fn,
+            ) {
                 Ok(Some(tokens)) => region_calls.push(tokens),
                 Ok(None) => {}
                 Err(e) => errors.push(e),
             }
+        }
+        if let Mode::CastInputs(_) = method_mode {
+            // Called with typed tensors outside a region, the op runs exactly as written.
+            continue;
         }
         match expand_fn(method_args, method_mode, as_fn) {
             Ok(f) => method.block = *f.block,
@@ -302,20 +322,42 @@ fn region_call_impl(
         }
         pats.push(pat.to_token_stream());
     }
-    let policy = match (&args.policy, mode) {
-        (_, Mode::KeepFp32) => fp32_policy(),
+    let policy = match (&args.policy, &mode) {
+        (_, Mode::KeepFp32 | Mode::CastInputs(_)) => fp32_policy(),
         (PolicyArg::Inherit, Mode::Autocast) => quote!(#pol),
         (PolicyArg::Named(path), Mode::Autocast) => path.clone(),
     };
-    let exit = Some(quote!(#rt::exit_to_region));
-    let body = region_body(
-        &method.block,
-        &params,
-        &policy,
-        args.enabled.as_ref(),
-        mode,
-        exit,
-    )?;
+    let body = if let Mode::CastInputs(precision) = &mode {
+        // Autocast is off inside: cast the tensor inputs and call the op's own method.
+        let call_args = method.sig.inputs.iter().skip(1).map(|input| match input {
+            FnArg::Typed(t) if tensor_param(input).is_some() => {
+                let pat = &t.pat;
+                if matches!(&*t.ty, Type::Reference(_)) {
+                    quote!(&#pat)
+                } else {
+                    quote!(#pat)
+                }
+            }
+            FnArg::Typed(t) => t.pat.to_token_stream(),
+            FnArg::Receiver(_) => quote!(self),
+        });
+        let name = &method.sig.ident;
+        quote!({
+            #(let #params = #rt::enter_cast::<::candle_amp::__private::#precision, _>(&#params)?;)*
+            #rt::exit_to_region(Self::#name(self, #(#call_args),*))
+        })
+    } else {
+        let exit = Some(quote!(#rt::exit_to_region));
+        let upcast = mode == Mode::KeepFp32;
+        region_body(
+            &method.block,
+            &params,
+            &policy,
+            args.enabled.as_ref(),
+            upcast,
+            exit,
+        )?
+    };
     let name = &method.sig.ident;
     let (impl_generics, _, where_clause) = generics.split_for_impl();
     Ok(Some(quote! {

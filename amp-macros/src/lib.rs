@@ -1,9 +1,11 @@
-//! Procedural macros of candle-amp: `#[autocast]`, `#[keep_fp32]` and `policy!`.
+//! Procedural macros of candle-amp: `#[autocast]`, `#[keep_fp32]`, `#[custom_fwd]`,
+//! `#[custom_bwd]` and `policy!`.
 //!
 //! Users depend on the `candle-amp` facade, which re-exports these; the generated code names
 //! only `::candle_amp::__private::...` paths. See ARCHITECTURE.md for the design.
 
 mod args;
+mod custom;
 mod expand;
 mod ops;
 mod policy;
@@ -50,4 +52,23 @@ pub fn keep_fp32(args: TokenStream, item: TokenStream) -> TokenStream {
 #[proc_macro]
 pub fn policy(input: TokenStream) -> TokenStream {
     policy::expand(input.into()).into()
+}
+
+/// Makes a user op callable from autocast regions, as PyTorch's `custom_fwd`.
+///
+/// - `#[custom_fwd]` on the op's impl: its `forward` runs under the caller's policy.
+/// - `#[custom_fwd(cast_inputs = f32)]` (or `f16`, `bf16`) on the op's impl or on a fn: tensor
+///   inputs, typed or region values, are cast to that precision and the body runs as written,
+///   with autocast off.
+#[proc_macro_attribute]
+pub fn custom_fwd(args: TokenStream, item: TokenStream) -> TokenStream {
+    custom::custom_fwd(args.into(), item.into()).into()
+}
+
+/// Makes a custom op's backward (candle's `CustomOp1/2/3::bwd`) run in the dtypes its forward
+/// ran with: the incoming gradient is cast to the forward result's dtype, and each returned
+/// gradient to its input's dtype.
+#[proc_macro_attribute]
+pub fn custom_bwd(args: TokenStream, item: TokenStream) -> TokenStream {
+    custom::custom_bwd(args.into(), item.into()).into()
 }

@@ -110,3 +110,34 @@ fn errors_leave_the_item_untouched() {
     assert!(out.contains("compile_error"), "{out}");
     assert!(out.ends_with(&item.to_string()), "{out}");
 }
+
+#[test]
+fn custom_fwd_forms() {
+    let on_impl = crate::custom::custom_fwd(
+        quote!(cast_inputs = f32),
+        quote! {
+            impl Lse {
+                fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+                    x.log_sum_exp(1)
+                }
+            }
+        },
+    );
+    let on_fn = crate::custom::custom_fwd(
+        quote!(cast_inputs = f32),
+        quote! {
+            fn normalize(x: &Tensor<F32>, eps: f64) -> Result<Tensor<F32>> {
+                x.broadcast_div(&(x.sqr()?.sum_keepdim(1)?.sqrt()? + eps)?)
+            }
+        },
+    );
+    let bwd = crate::custom::custom_bwd(
+        TokenStream::new(),
+        quote! {
+            fn bwd(&self, arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+                Ok(Some((arg.to_dtype(DType::F32)? * grad_res)?))
+            }
+        },
+    );
+    insta::assert_snapshot!(pretty(quote!(#on_impl #on_fn #bwd)));
+}
