@@ -13,11 +13,12 @@ mod kw {
     syn::custom_keyword!(bf16);
     syn::custom_keyword!(policy);
     syn::custom_keyword!(enabled);
+    syn::custom_keyword!(output);
 }
 
 pub(crate) const ACCEPTED: &str = "accepted forms: `#[autocast]` (inherit the caller's policy), \
      `#[autocast(fp16)]`, `#[autocast(bf16)]`, `#[autocast(policy = path::To::Policy)]`, \
-     each optionally with `, enabled = <bool expression>`";
+     each optionally with `, enabled = <bool expression>` and `, output = f32|f16|bf16|input`";
 
 /// Where a region's policy comes from.
 #[derive(Clone)]
@@ -46,6 +47,8 @@ pub(crate) fn fp32_policy() -> TokenStream {
 pub(crate) struct AutocastArgs {
     pub(crate) policy: PolicyArg,
     pub(crate) enabled: Option<Expr>,
+    /// `output = f32|f16|bf16|input`: an assertion on the precision the signature returns.
+    pub(crate) output: Option<syn::Ident>,
 }
 
 /// Records an argument once; a repeat is reported on its own span (serde's `Attr::set`).
@@ -73,6 +76,7 @@ impl Parse for AutocastArgs {
     fn parse(input: ParseStream) -> syn::Result<Self> {
         let mut policy: Option<TokenStream> = None;
         let mut enabled: Option<Expr> = None;
+        let mut output: Option<syn::Ident> = None;
         while !input.is_empty() {
             let lookahead = input.lookahead1();
             if lookahead.peek(kw::fp16) {
@@ -93,6 +97,17 @@ impl Parse for AutocastArgs {
                 expect_eq(input, k.span, "enabled = <bool expression>")?;
                 let expr: Expr = input.parse()?;
                 set(&mut enabled, expr, k.span, "`enabled`")?;
+            } else if lookahead.peek(kw::output) {
+                let k: kw::output = input.parse()?;
+                expect_eq(input, k.span, "output = f32|f16|bf16|input")?;
+                let value: syn::Ident = input.parse()?;
+                if !["f32", "f16", "bf16", "input"].contains(&value.to_string().as_str()) {
+                    return Err(syn::Error::new(
+                        value.span(),
+                        "output is `f32`, `f16`, `bf16` or `input`",
+                    ));
+                }
+                set(&mut output, value, k.span, "`output`")?;
             } else {
                 let mut err = lookahead.error();
                 err.combine(syn::Error::new(err.span(), ACCEPTED));
@@ -105,6 +120,7 @@ impl Parse for AutocastArgs {
         Ok(Self {
             policy: policy.map_or(PolicyArg::Inherit, PolicyArg::Named),
             enabled,
+            output,
         })
     }
 }

@@ -57,6 +57,7 @@ pub(crate) fn custom_fwd(args: TokenStream, item: TokenStream) -> TokenStream {
         let inherit = AutocastArgs {
             policy: PolicyArg::Inherit,
             enabled: None,
+            output: None,
         };
         match (syn::parse2::<Item>(item.clone())?, args.cast_inputs) {
             (Item::Impl(imp), None) => expand_impl(&inherit, Mode::Autocast, imp),

@@ -41,6 +41,7 @@ pub(crate) fn keep_fp32(args: TokenStream, item: TokenStream) -> TokenStream {
             let args = AutocastArgs {
                 policy: PolicyArg::Named(fp32_policy()),
                 enabled: None,
+                output: None,
             };
             expand_impl(&args, Mode::KeepFp32, imp)
         }
@@ -164,7 +165,61 @@ fn region_body(
     }))
 }
 
+/// The precision marker a `Result<Tensor<X>>` / `&Tensor<X>` type names, if any.
+fn named_precision(ty: &Type) -> Option<String> {
+    let ty = match ty {
+        Type::Reference(r) => &*r.elem,
+        other => other,
+    };
+    let Type::Path(p) = ty else { return None };
+    let last = p.path.segments.last()?;
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        // A bare `Tensor` is `Tensor<F32>`.
+        return (last.ident == "Tensor").then(|| "F32".to_string());
+    };
+    match args.args.first()? {
+        syn::GenericArgument::Type(inner) if last.ident == "Result" => named_precision(inner),
+        syn::GenericArgument::Type(Type::Path(p)) => p.path.get_ident().map(ToString::to_string),
+        _ => None,
+    }
+}
+
+/// `output = ..` asserts what the signature already decides: the precision of the returned
+/// `Tensor<X>` (`input`: the first tensor parameter's). A contradiction is a compile error on
+/// the argument, so the signature stays the one source of truth.
+fn check_output(args: &AutocastArgs, f: &ItemFn) -> syn::Result<()> {
+    let Some(output) = &args.output else {
+        return Ok(());
+    };
+    let returned = match &f.sig.output {
+        ReturnType::Type(_, ret) => named_precision(ret),
+        ReturnType::Default => None,
+    };
+    let wanted = match output.to_string().as_str() {
+        "input" => f.sig.inputs.iter().find_map(|a| match a {
+            FnArg::Typed(t) if is_tensor_type(&t.ty) => named_precision(&t.ty),
+            _ => None,
+        }),
+        other => Some(other.to_uppercase()),
+    };
+    if returned.is_some() && returned == wanted {
+        return Ok(());
+    }
+    let returns = returned.map_or_else(
+        || "no `Result<Tensor<F32|F16|BF16>>`".to_string(),
+        |p| format!("`Tensor<{p}>`"),
+    );
+    Err(syn::Error::new(
+        output.span(),
+        format!(
+            "output = {output} contradicts the signature, which returns {returns}: a region's \
+             result leaves in the precision its signature declares"
+        ),
+    ))
+}
+
 fn expand_fn(args: &AutocastArgs, mode: Mode, mut f: ItemFn) -> syn::Result<ItemFn> {
+    check_output(args, &f)?;
     let params: Vec<_> = f
         .sig
         .inputs
@@ -201,6 +256,7 @@ fn method_markers(attrs: &mut Vec<syn::Attribute>) -> syn::Result<(bool, Option<
                 syn::Meta::Path(_) => AutocastArgs {
                     policy: PolicyArg::Inherit,
                     enabled: None,
+                    output: None,
                 },
                 _ => attr.parse_args::<AutocastArgs>()?,
             };

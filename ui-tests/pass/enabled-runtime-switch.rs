@@ -1,9 +1,10 @@
 //! `enabled = expr` switches between the policy and plain f32 at run time, without if/else in
-//! the body, like `torch.autocast(enabled=use_amp)`.
+//! the body, like `torch.autocast(enabled=use_amp)`; `output = input` asserts that the result
+//! leaves in the input's precision, as the signature says.
 use candle_amp::{autocast, Tensor, F32};
 use candle_core::Device;
 
-#[autocast(fp16, enabled = use_amp)]
+#[autocast(fp16, enabled = use_amp, output = input)]
 fn forward(x: &Tensor<F32>, use_amp: bool) -> candle_core::Result<Tensor<F32>> {
     Ok(x.matmul(&x.t()?)?)
 }
