@@ -7,7 +7,7 @@ use syn::spanned::Spanned;
 use syn::{FnArg, Ident, Item, ItemFn, Pat, Token, Type};
 
 use crate::args::{AutocastArgs, PolicyArg};
-use crate::expand::{expand_impl, fallback, Mode};
+use crate::expand::{expand_impl, fallback, is_tensor_type, named_precision, Mode};
 
 mod kw {
     syn::custom_keyword!(cast_inputs);
@@ -78,23 +78,6 @@ pub(crate) fn custom_fwd(args: TokenStream, item: TokenStream) -> TokenStream {
     result.unwrap_or_else(|e| fallback(vec![e], item))
 }
 
-/// The marker named in a `Tensor<X>` type, if any.
-fn declared_precision(ty: &Type) -> Option<&Ident> {
-    let ty = match ty {
-        Type::Reference(r) => &*r.elem,
-        other => other,
-    };
-    let Type::Path(p) = ty else { return None };
-    let last = p.path.segments.last()?;
-    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
-        return None;
-    };
-    match args.args.first()? {
-        syn::GenericArgument::Type(Type::Path(p)) => p.path.get_ident(),
-        _ => None,
-    }
-}
-
 /// Input:  `fn op(x: &Tensor<F32>, k: f64) -> R { body }` with `cast_inputs = f32`
 /// Output: `fn op(x: impl AsAmp, k: f64) -> R { let __x = enter_cast::<F32, _>(&x)?;
 ///          let x = &__x; body }`: any tensor in, the body plain typed code.
@@ -106,11 +89,11 @@ pub(crate) fn cast_inputs_fn(mut f: ItemFn, precision: &Ident) -> syn::Result<It
         let Pat::Ident(pat) = &*typed.pat else {
             continue;
         };
-        if !crate::expand::is_tensor_type(&typed.ty) {
+        if !is_tensor_type(&typed.ty) {
             continue;
         }
-        if let Some(declared) = declared_precision(&typed.ty) {
-            if declared != precision
+        if let Some(declared) = named_precision(&typed.ty) {
+            if declared != *precision
                 && ["F32", "F16", "BF16"].contains(&declared.to_string().as_str())
             {
                 return Err(syn::Error::new(

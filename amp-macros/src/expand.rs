@@ -165,8 +165,9 @@ fn region_body(
     }))
 }
 
-/// The precision marker a `Result<Tensor<X>>` / `&Tensor<X>` type names, if any.
-fn named_precision(ty: &Type) -> Option<String> {
+/// The precision marker a `Tensor<X>`, `&Tensor<X>` or `Result<Tensor<X>, ..>` type names, if
+/// any (a bare `Tensor` is `Tensor<F32>`), with its span.
+pub(crate) fn named_precision(ty: &Type) -> Option<syn::Ident> {
     let ty = match ty {
         Type::Reference(r) => &*r.elem,
         other => other,
@@ -174,12 +175,11 @@ fn named_precision(ty: &Type) -> Option<String> {
     let Type::Path(p) = ty else { return None };
     let last = p.path.segments.last()?;
     let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
-        // A bare `Tensor` is `Tensor<F32>`.
-        return (last.ident == "Tensor").then(|| "F32".to_string());
+        return (last.ident == "Tensor").then(|| syn::Ident::new("F32", last.ident.span()));
     };
     match args.args.first()? {
         syn::GenericArgument::Type(inner) if last.ident == "Result" => named_precision(inner),
-        syn::GenericArgument::Type(Type::Path(p)) => p.path.get_ident().map(ToString::to_string),
+        syn::GenericArgument::Type(Type::Path(p)) => p.path.get_ident().cloned(),
         _ => None,
     }
 }
@@ -192,12 +192,14 @@ fn check_output(args: &AutocastArgs, f: &ItemFn) -> syn::Result<()> {
         return Ok(());
     };
     let returned = match &f.sig.output {
-        ReturnType::Type(_, ret) => named_precision(ret),
+        ReturnType::Type(_, ret) => named_precision(ret).map(|p| p.to_string()),
         ReturnType::Default => None,
     };
     let wanted = match output.to_string().as_str() {
         "input" => f.sig.inputs.iter().find_map(|a| match a {
-            FnArg::Typed(t) if is_tensor_type(&t.ty) => named_precision(&t.ty),
+            FnArg::Typed(t) if is_tensor_type(&t.ty) => {
+                named_precision(&t.ty).map(|p| p.to_string())
+            }
             _ => None,
         }),
         other => Some(other.to_uppercase()),
