@@ -155,18 +155,15 @@ impl Mlp {
     /// What a careful candle user writes by hand: cast the input once, each weight once,
     /// compute in f16, cast the result back.
     fn forward_by_hand(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
-        let mut h = x.cast::<F16>()?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            h = layer.forward(&h)?;
-            if i < 2 {
-                h = h.relu()?;
-            }
-        }
-        h.cast::<F32>()
+        self.layers_in(x.cast::<F16>()?)?.cast::<F32>()
     }
 
     fn forward_f32(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
-        let mut h = x.clone();
+        self.layers_in(x.clone())
+    }
+
+    /// The layers in one precision, without any region.
+    fn layers_in<P: Precision>(&self, mut h: Tensor<P>) -> Result<Tensor<P>> {
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer.forward(&h)?;
             if i < 2 {

@@ -23,7 +23,7 @@ impl Parse for CustomFwdArgs {
         if input.is_empty() {
             return Ok(Self { cast_inputs: None });
         }
-        let k: kw::cast_inputs = input.parse().map_err(|e| {
+        input.parse::<kw::cast_inputs>().map_err(|e| {
             syn::Error::new(e.span(), "accepted forms: `#[custom_fwd]`, `#[custom_fwd(cast_inputs = f32)]` (or f16, bf16)")
         })?;
         input.parse::<Token![=]>()?;
@@ -45,7 +45,6 @@ impl Parse for CustomFwdArgs {
                 "unexpected argument after cast_inputs",
             ));
         }
-        let _ = k;
         Ok(Self {
             cast_inputs: Some(Ident::new(marker, p.span())),
         })

@@ -870,7 +870,7 @@ pub fn exit_to_region<A: AsAmp, E>(
 
 mod layers {
     use super::calls;
-    use super::{at, target, AmpTensor, AsAmp, Policy, RegionCall};
+    use super::{unary, AmpTensor, AsAmp, Policy, RegionCall};
     use crate::composite;
     use crate::nn::{
         AmpLayer, AvgPool2d, BatchNorm2d, Conv1d, Conv2d, Embedding, LayerNorm, Linear, MaxPool2d,
@@ -880,17 +880,17 @@ mod layers {
     use crate::tensor::Tensor;
     use candle_core::{DType, Result};
 
-    /// Layers that run in one precision decided by their class: cast the input, call the typed
-    /// forward in that precision.
+    /// Layers with a typed forward: routed by their class like any op, then the typed forward
+    /// runs in the precision the input was cast to.
     macro_rules! typed_forward {
         ($($layer:ty),*) => {$(
             impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for $layer {
                 fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
-                    let x = x.to_amp();
-                    let t = target::<Pol, <$layer as AmpLayer>::Op>(&[x.dtype()])?
-                        .unwrap_or(x.dtype());
-                    let x = at(&x, Some(t))?;
-                    with_precision!(t, P => self.forward(&Tensor::<P>::wrap(x)).map(|y| y.to_amp()))
+                    unary::<Pol, <$layer as AmpLayer>::Op>(&x.to_amp(), |x| {
+                        with_precision!(x.dtype(), P => self
+                            .forward(&Tensor::<P>::wrap(x.clone()))
+                            .map(Tensor::into_candle))
+                    })
                 }
             }
         )*};
@@ -899,11 +899,11 @@ mod layers {
 
     impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_t, (A, bool)> for BatchNorm2d {
         fn region_call(&self, (x, train): (A, bool)) -> Result<AmpTensor> {
-            let x = x.to_amp();
-            let t =
-                target::<Pol, <BatchNorm2d as AmpLayer>::Op>(&[x.dtype()])?.unwrap_or(x.dtype());
-            let x = at(&x, Some(t))?;
-            with_precision!(t, P => self.forward_t(&Tensor::<P>::wrap(x), train).map(|y| y.to_amp()))
+            unary::<Pol, <BatchNorm2d as AmpLayer>::Op>(&x.to_amp(), |x| {
+                with_precision!(x.dtype(), P => self
+                    .forward_t(&Tensor::<P>::wrap(x.clone()), train)
+                    .map(Tensor::into_candle))
+            })
         }
     }
 
@@ -915,19 +915,18 @@ mod layers {
 
     impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for LayerNorm {
         fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
-            let x = x.to_amp();
-            let t = target::<Pol, <LayerNorm as AmpLayer>::Op>(&[x.dtype()])?;
             let bias = self.bias().map(candle_core::Var::as_tensor);
-            let y = composite::layer_norm(&at(&x, t)?, self.weight(), bias, self.eps())?;
-            AmpTensor::new(y)
+            unary::<Pol, <LayerNorm as AmpLayer>::Op>(&x.to_amp(), |x| {
+                composite::layer_norm(x, self.weight(), bias, self.eps())
+            })
         }
     }
 
     impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for RmsNorm {
         fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
-            let x = x.to_amp();
-            let t = target::<Pol, <RmsNorm as AmpLayer>::Op>(&[x.dtype()])?;
-            AmpTensor::new(composite::rms_norm(&at(&x, t)?, self.weight(), self.eps())?)
+            unary::<Pol, <RmsNorm as AmpLayer>::Op>(&x.to_amp(), |x| {
+                composite::rms_norm(x, self.weight(), self.eps())
+            })
         }
     }
 
