@@ -714,8 +714,8 @@ impl<P: Precision> Tensor<P> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Operators on references: `&a + &b` (one precision) and `&a * 2.0`, returning `Result` as
-// candle's operators do.
+// Operators on references: `&a + &b` (one precision) and `&a * 2.0` (or `a * 2.0`), returning
+// `Result` as candle's operators do.
 macro_rules! operator {
     ($trait:ident, $fn:ident, $op:ident, $mul:expr, $add:expr) => {
         impl<'a, P: Precision, Q> std::ops::$trait<&'a Tensor<Q>> for &'a Tensor<P>
@@ -733,6 +733,13 @@ macro_rules! operator {
             fn $fn(self, rhs: f64) -> Result<Tensor<P>> {
                 let (mul, add): (fn(f64) -> f64, fn(f64) -> f64) = ($mul, $add);
                 self.affine(mul(rhs), add(rhs))
+            }
+        }
+
+        impl<P: Precision> std::ops::$trait<f64> for Tensor<P> {
+            type Output = Result<Tensor<P>>;
+            fn $fn(self, rhs: f64) -> Result<Tensor<P>> {
+                std::ops::$trait::$fn(&self, rhs)
             }
         }
     };

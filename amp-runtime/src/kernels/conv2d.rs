@@ -1,10 +1,8 @@
-//! Kernels for the half-precision paths candle 0.11 lacks.
-//!
-//! - `conv2d` on CPU in bf16: candle fails with "unsupported dtype BF16 for op matmul". Here it
-//!   runs as a custom op that widens the bf16 operands to f32 inside the kernel, convolves with
-//!   f32 accumulation (what a bf16 tensor core does too), and rounds the result to bf16. Because
-//!   the widening happens inside the op, the autograd graph keeps only the bf16 operands, not
-//!   f32 copies; the backward is candle's conv2d backward formula, computed the same way.
+//! `conv2d` on CPU in bf16: candle fails with "unsupported dtype BF16 for op matmul". Here it
+//! runs as a custom op that widens the bf16 operands to f32 inside the kernel, convolves with
+//! f32 accumulation (what a bf16 tensor core does too), and rounds the result to bf16. Because
+//! the widening happens inside the op, the autograd graph keeps only the bf16 operands, not
+//! f32 copies; the backward is candle's conv2d backward formula, computed the same way.
 
 use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
 use half::bf16;
@@ -43,25 +41,9 @@ fn widen(storage: &CpuStorage, layout: &Layout) -> Result<Tensor> {
 
 /// Gathers a non-contiguous view element by element, in row-major order of its shape.
 fn strided_to_f32(src: &[bf16], layout: &Layout) -> Vec<f32> {
-    let (dims, stride) = (layout.dims(), layout.stride());
-    let count = layout.shape().elem_count();
-    let mut out = Vec::with_capacity(count);
-    let mut index = vec![0usize; dims.len()];
-    let mut offset = layout.start_offset();
-    for _ in 0..count {
-        out.push(src[offset].to_f32());
-        // Odometer increment: bump the last dimension, carrying into earlier ones.
-        for d in (0..dims.len()).rev() {
-            index[d] += 1;
-            offset += stride[d];
-            if index[d] < dims[d] {
-                break;
-            }
-            offset -= stride[d] * dims[d];
-            index[d] = 0;
-        }
-    }
-    out
+    super::strided_offsets(layout)
+        .map(|offset| src[offset].to_f32())
+        .collect()
 }
 
 impl CustomOp2 for CpuBf16Conv2d {

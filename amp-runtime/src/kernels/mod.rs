@@ -1,0 +1,54 @@
+//! Kernels: the half-precision paths candle 0.11 lacks, and the gradient scaler's fused pass.
+//!
+//! - [`conv2d`]: bf16 `conv2d` on CPU (candle fails with "unsupported dtype BF16 for op matmul").
+//! - [`unscale`]: the multi-tensor "multiply by inv_scale in place and record non-finite values"
+//!   pass behind `GradScaler`, one pass over every gradient.
+
+mod conv2d;
+pub mod unscale;
+
+pub(crate) use conv2d::{conv2d, Conv2dParams};
+
+use candle_core::Layout;
+
+/// The storage offsets a strided layout addresses, in row-major order of its shape.
+pub(crate) fn strided_offsets(layout: &Layout) -> impl Iterator<Item = usize> + '_ {
+    let (dims, stride) = (layout.dims(), layout.stride());
+    let mut index = vec![0usize; dims.len()];
+    let mut offset = layout.start_offset();
+    (0..layout.shape().elem_count()).map(move |_| {
+        let current = offset;
+        // Odometer increment: bump the last dimension, carrying into earlier ones.
+        for d in (0..dims.len()).rev() {
+            index[d] += 1;
+            offset += stride[d];
+            if index[d] < dims[d] {
+                break;
+            }
+            offset -= stride[d] * dims[d];
+            index[d] = 0;
+        }
+        current
+    })
+}
+
+/// Whether every element of `layout` has its own storage slot (no broadcast or overlapping
+/// strides), so that an in-place update touches each element exactly once.
+pub(crate) fn is_non_overlapping(layout: &Layout) -> bool {
+    let mut dims: Vec<(usize, usize)> = layout
+        .dims()
+        .iter()
+        .zip(layout.stride())
+        .filter(|(&d, _)| d > 1)
+        .map(|(&d, &s)| (s, d))
+        .collect();
+    dims.sort_unstable();
+    let mut span = 1;
+    for (stride, dim) in dims {
+        if stride < span {
+            return false;
+        }
+        span = stride * dim;
+    }
+    true
+}

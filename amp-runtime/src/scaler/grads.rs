@@ -1,0 +1,286 @@
+//! Gradients in their two states: scaled (straight out of `backward`) and unscaled (checked for
+//! non-finite values, safe to clip and step). The types make PyTorch's run-time errors
+//! ("unscale_() has already been called", clipping scaled gradients) compile errors.
+
+use std::collections::HashSet;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Result, Tensor, TensorId, Var};
+
+use super::state::ScalerError;
+use super::GradScaler;
+use crate::kernels::unscale::unscale_in_place;
+
+/// The gradients of the `Var`s a loss depends on, in graph order (the order is fixed, so
+/// reductions over them are reproducible).
+#[derive(Debug)]
+struct GradSet {
+    store: GradStore,
+    ids: Vec<TensorId>,
+}
+
+impl GradSet {
+    /// Runs `loss.backward()` and keeps the gradients of variables only: candle's store also
+    /// holds gradients of constant inputs, which no optimizer reads and which must not decide
+    /// whether a step is skipped.
+    fn backward(loss: &Tensor) -> Result<Self> {
+        let mut all = loss.backward()?;
+        let mut store = GradStore::default();
+        let mut ids = Vec::new();
+        for node in loss.sorted_nodes() {
+            if node.is_variable() {
+                if let Some(grad) = all.remove(node) {
+                    store.insert(node, grad);
+                    ids.push(node.id());
+                }
+            }
+        }
+        Ok(Self { store, ids })
+    }
+
+    fn get(&self, var: &Tensor) -> Option<&Tensor> {
+        self.store.get(var)
+    }
+
+    fn grad(&self, id: TensorId) -> &Tensor {
+        self.store.get_id(id).expect("ids and store agree")
+    }
+
+    /// Handles to the gradients, in order (sharing their storage, for in-place passes that
+    /// may replace some of them; `put_back` stores the results).
+    fn tensors(&self) -> Vec<Tensor> {
+        self.ids.iter().map(|&id| self.grad(id).clone()).collect()
+    }
+
+    fn put_back(&mut self, grads: Vec<Tensor>) {
+        for (&id, grad) in self.ids.iter().zip(grads) {
+            self.store.insert_id(id, grad);
+        }
+    }
+
+    fn split_off(&mut self, vars: &[Var]) -> Self {
+        // GradStore removes by tensor, not by id: rebuild both halves.
+        let wanted: HashSet<TensorId> = vars.iter().map(|v| v.id()).collect();
+        let (moved, kept): (Vec<TensorId>, Vec<TensorId>) =
+            self.ids.iter().partition(|id| wanted.contains(id));
+        let subset = |ids: Vec<TensorId>| {
+            let mut store = GradStore::default();
+            for &id in &ids {
+                store.insert_id(id, self.grad(id).clone());
+            }
+            Self { store, ids }
+        };
+        let (moved, kept) = (subset(moved), subset(kept));
+        *self = kept;
+        moved
+    }
+
+    fn accumulate(&mut self, other: Self) -> Result<()> {
+        for &id in &other.ids {
+            let grad = other.grad(id);
+            let sum = if let Some(sum) = self.store.get_id(id) {
+                sum.add(grad)?
+            } else {
+                self.ids.push(id);
+                grad.clone()
+            };
+            self.store.insert_id(id, sum);
+        }
+        Ok(())
+    }
+}
+
+/// Gradients of a scaled loss: every value is multiplied by the scale that
+/// [`GradScaler::scale`] used. Unscale them ([`GradScaler::unscale`]) to clip or inspect them,
+/// or hand them straight to [`GradScaler::step`], which unscales.
+///
+/// Holds the gradients of the `Var`s the loss depends on. Combine micro-batches with
+/// [`accumulate`](Self::accumulate); give each optimizer its own gradients (and so its own skip
+/// decision) with [`split_off`](Self::split_off).
+#[derive(Debug)]
+pub struct ScaledGrads {
+    set: GradSet,
+    /// The scale the loss was multiplied by; `None` when the scaler was disabled.
+    scale: Option<f32>,
+}
+
+impl ScaledGrads {
+    pub(super) fn backward(loss: &Tensor, scale: Option<f32>) -> Result<Self> {
+        Ok(Self {
+            set: GradSet::backward(loss)?,
+            scale,
+        })
+    }
+
+    /// The (scaled) gradient of `var`, if the loss depends on it.
+    pub fn get(&self, var: &Tensor) -> Option<&Tensor> {
+        self.set.get(var)
+    }
+
+    /// The scale these gradients carry (1 when the scaler was disabled).
+    pub fn scale(&self) -> f32 {
+        self.scale.unwrap_or(1.0)
+    }
+
+    /// Adds the gradients of another micro-batch (gradient accumulation, PyTorch's repeated
+    /// `scaler.scale(loss).backward()` between steps). Both must carry the same scale: calling
+    /// `update()` between micro-batches is an error, as it would mix two scales.
+    pub fn accumulate(&mut self, other: ScaledGrads) -> Result<()> {
+        if self.scale.map(f32::to_bits) != other.scale.map(f32::to_bits) {
+            return Err(ScalerError::Mismatch(format!(
+                "cannot accumulate gradients scaled by {} into gradients scaled by {}; \
+                 call update() only after the optimizer step",
+                other.scale(),
+                self.scale()
+            ))
+            .into());
+        }
+        self.set.accumulate(other.set)
+    }
+
+    /// Moves the gradients of `vars` (an optimizer's parameters) into a new set, so that each
+    /// optimizer is skipped only for non-finite values in its own gradients, as in PyTorch.
+    pub fn split_off(&mut self, vars: &[Var]) -> ScaledGrads {
+        ScaledGrads {
+            set: self.set.split_off(vars),
+            scale: self.scale,
+        }
+    }
+
+    /// Unscales in place with the fused kernel and records which gradients were non-finite.
+    pub(super) fn unscale(mut self) -> Result<UnscaledGrads> {
+        let mut nonfinite = HashSet::new();
+        if let Some(scale) = self.scale {
+            let inv_scale = (1.0 / f64::from(scale)) as f32;
+            let mut grads = self.set.tensors();
+            let found = unscale_in_place(&mut grads, inv_scale)?;
+            self.set.put_back(grads);
+            for (&id, found) in self.set.ids.iter().zip(found) {
+                if found {
+                    nonfinite.insert(id);
+                }
+            }
+        }
+        Ok(UnscaledGrads {
+            set: self.set,
+            nonfinite,
+        })
+    }
+}
+
+/// Unscaled gradients, checked for inf and NaN: the state in which clipping, inspecting and
+/// stepping are meaningful. Produced by [`GradScaler::unscale`], consumed by
+/// [`GradScaler::step`]; the non-finite check was recorded at unscale time, so clipping
+/// afterwards does not change whether the step is skipped (as in PyTorch).
+#[derive(Debug)]
+pub struct UnscaledGrads {
+    set: GradSet,
+    nonfinite: HashSet<TensorId>,
+}
+
+impl UnscaledGrads {
+    /// The gradient of `var`, if the loss depends on it.
+    pub fn get(&self, var: &Tensor) -> Option<&Tensor> {
+        self.set.get(var)
+    }
+
+    /// Whether any gradient held inf or NaN before unscaling: the step will be skipped.
+    pub fn found_inf(&self) -> bool {
+        !self.nonfinite.is_empty()
+    }
+
+    /// The gradients as candle's store, e.g. for an optimizer driven by hand.
+    pub fn grad_store(&self) -> &GradStore {
+        &self.set.store
+    }
+
+    /// Like [`ScaledGrads::split_off`], keeping each gradient's non-finite record.
+    pub fn split_off(&mut self, vars: &[Var]) -> UnscaledGrads {
+        let set = self.set.split_off(vars);
+        let nonfinite = set
+            .ids
+            .iter()
+            .filter(|id| self.nonfinite.remove(id))
+            .copied()
+            .collect();
+        UnscaledGrads { set, nonfinite }
+    }
+
+    /// Scales all gradients so that their joint L2 norm is at most `max_norm`, like
+    /// `torch.nn.utils.clip_grad_norm_`, and returns the norm before clipping.
+    ///
+    /// The norm is accumulated in f64 over the gradients in graph order; the coefficient
+    /// `max_norm / (norm + 1e-6)` is applied in place when below 1. With non-finite gradients
+    /// the norm is inf or NaN, as in PyTorch; the step is skipped anyway.
+    pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
+        if !(max_norm.is_finite() && max_norm >= 0.0) {
+            return Err(ScalerError::Invalid {
+                field: "max_norm",
+                reason: format!("must be a finite number >= 0, got {max_norm}"),
+            }
+            .into());
+        }
+        let mut sum_sq = 0.0f64;
+        for &id in &self.set.ids {
+            let grad = self.set.grad(id);
+            sum_sq += grad
+                .to_dtype(DType::F64)?
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f64>()?;
+        }
+        let total = sum_sq.sqrt();
+        let coef = (max_norm / (total + 1e-6)) as f32;
+        // A NaN norm scales too (by NaN), as PyTorch's clamp would.
+        if coef < 1.0 || coef.is_nan() {
+            let mut grads = self.set.tensors();
+            unscale_in_place(&mut grads, coef)?;
+            self.set.put_back(grads);
+        }
+        Ok(total)
+    }
+
+    /// Clamps every gradient element to `[-clip_value, clip_value]`, like
+    /// `torch.nn.utils.clip_grad_value_`.
+    pub fn clip_grad_value(&mut self, clip_value: f64) -> Result<()> {
+        if !(clip_value.is_finite() && clip_value >= 0.0) {
+            return Err(ScalerError::Invalid {
+                field: "clip_value",
+                reason: format!("must be a finite number >= 0, got {clip_value}"),
+            }
+            .into());
+        }
+        let grads = self.set.tensors();
+        let clamped = grads
+            .iter()
+            .map(|g| g.clamp(-clip_value, clip_value))
+            .collect::<Result<Vec<_>>>()?;
+        self.set.put_back(clamped);
+        Ok(())
+    }
+}
+
+/// Gradients [`GradScaler::step`] accepts: [`ScaledGrads`] (unscaled inside `step`) or
+/// [`UnscaledGrads`] (already checked). Sealed.
+pub trait Gradients: sealed::Sealed {
+    #[doc(hidden)]
+    fn into_unscaled(self, scaler: &mut GradScaler) -> Result<UnscaledGrads>;
+}
+
+impl Gradients for ScaledGrads {
+    fn into_unscaled(self, scaler: &mut GradScaler) -> Result<UnscaledGrads> {
+        scaler.unscale(self)
+    }
+}
+
+impl Gradients for UnscaledGrads {
+    fn into_unscaled(self, _: &mut GradScaler) -> Result<UnscaledGrads> {
+        Ok(self)
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::ScaledGrads {}
+    impl Sealed for super::UnscaledGrads {}
+}

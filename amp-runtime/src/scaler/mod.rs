@@ -1,0 +1,358 @@
+//! Dynamic loss scaling with PyTorch's `torch.amp.GradScaler` semantics, number for number,
+//! behind a typestate API.
+//!
+//! ```no_run
+//! # use amp_runtime::{GradScaler, Tensor, F32};
+//! # use candle_nn::Optimizer;
+//! # fn demo(mut opt: candle_nn::SGD, losses: Vec<Tensor<F32>>) -> candle_core::Result<()> {
+//! let mut scaler = GradScaler::new();
+//! for loss in losses {
+//!     let grads = scaler.scale(&loss)?.backward()?; // ScaledGrads
+//!     let mut grads = scaler.unscale(grads)?;       // UnscaledGrads: clipping lives here
+//!     grads.clip_grad_norm(1.0)?;
+//!     let outcome = scaler.step(&mut opt, grads)?;  // skipped on inf/NaN, weights untouched
+//!     scaler.update();
+//!     if outcome.is_skipped() { /* e.g. log it */ }
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! What PyTorch checks at run time is a type error here: `unscale` and `step` consume the
+//! gradients (unscaling or stepping twice is a use of a moved value), clipping exists only on
+//! [`UnscaledGrads`], and the [`StepOutcome`] must be used.
+
+mod grads;
+mod state;
+
+use candle_core::{DType, Result, Tensor};
+use candle_nn::Optimizer;
+
+pub use grads::{Gradients, ScaledGrads, UnscaledGrads};
+pub use state::{ScalerError, ScalerState};
+
+use crate::precision::Precision;
+
+/// `tracing` target of the scaler's events (skipped steps, scale changes).
+pub const TRACING_TARGET: &str = "candle_amp::grad_scaler";
+
+/// Dynamic loss scaler: PyTorch's `GradScaler` (see the [module docs](self)).
+///
+/// The scale is an f32. Each iteration: [`scale`](Self::scale) the loss, `backward()` it,
+/// optionally [`unscale`](Self::unscale) to clip, [`step`](Self::step) each optimizer,
+/// [`update`](Self::update) once. After a step with inf/NaN gradients the scale is multiplied
+/// by `backoff_factor`; after `growth_interval` finite steps in a row by `growth_factor`
+/// (unless that would overflow f32).
+#[derive(Clone, Debug)]
+pub struct GradScaler {
+    state: ScalerState,
+    enabled: bool,
+    /// Whether a non-finite gradient was seen since the last `update()`; `None` until an
+    /// unscale or step records a check.
+    found_inf: Option<bool>,
+}
+
+impl Default for GradScaler {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Whether [`GradScaler::step`] ran the optimizer.
+#[must_use = "a skipped step leaves the weights unchanged; check it or bind it to `_`"]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepOutcome {
+    /// The gradients were finite; the optimizer stepped.
+    Stepped,
+    /// Some gradient held inf or NaN; the optimizer did not run and the weights are untouched.
+    Skipped,
+}
+
+impl StepOutcome {
+    pub fn is_skipped(self) -> bool {
+        self == Self::Skipped
+    }
+
+    pub fn is_stepped(self) -> bool {
+        self == Self::Stepped
+    }
+}
+
+/// A loss multiplied by the scale, as an f32 tensor (an f16 loss times 65536 would overflow).
+#[derive(Clone, Debug)]
+pub struct ScaledLoss {
+    tensor: Tensor,
+    scale: Option<f32>,
+}
+
+impl ScaledLoss {
+    /// Backpropagates the scaled loss; the gradients come back scaled.
+    pub fn backward(&self) -> Result<ScaledGrads> {
+        ScaledGrads::backward(&self.tensor, self.scale)
+    }
+
+    /// The scaled loss tensor (f32; the loss itself when the scaler is disabled).
+    pub fn as_tensor(&self) -> &Tensor {
+        &self.tensor
+    }
+}
+
+/// A loss [`GradScaler::scale`] accepts: a typed [`Tensor<P>`](crate::Tensor) of any precision,
+/// or a plain candle tensor.
+pub trait Loss {
+    fn loss_tensor(&self) -> &Tensor;
+}
+
+impl<P: Precision> Loss for crate::Tensor<P> {
+    fn loss_tensor(&self) -> &Tensor {
+        self.as_candle()
+    }
+}
+
+impl Loss for Tensor {
+    fn loss_tensor(&self) -> &Tensor {
+        self
+    }
+}
+
+impl GradScaler {
+    /// A scaler with PyTorch's defaults: init_scale 65536, growth_factor 2, backoff_factor
+    /// 0.5, growth_interval 2000, enabled.
+    ///
+    /// # Panics
+    /// Never: the defaults pass the builder's checks.
+    pub fn new() -> Self {
+        Self::builder()
+            .build()
+            .expect("the default configuration is valid")
+    }
+
+    /// A builder starting from the defaults of [`new`](Self::new).
+    pub fn builder() -> GradScalerBuilder {
+        GradScalerBuilder::default()
+    }
+
+    pub fn is_enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// The current scale (1 when disabled, as PyTorch's `get_scale()`).
+    pub fn scale_value(&self) -> f32 {
+        if self.enabled {
+            self.state.scale
+        } else {
+            1.0
+        }
+    }
+
+    /// Consecutive finite steps since the scale last changed (0 when disabled).
+    pub fn growth_tracker(&self) -> u32 {
+        if self.enabled {
+            self.state.growth_tracker
+        } else {
+            0
+        }
+    }
+
+    /// Steps skipped because of non-finite gradients since the scaler was built (or the count
+    /// stored in a loaded state).
+    pub fn skipped_steps(&self) -> u64 {
+        self.state.skipped_steps
+    }
+
+    /// Multiplies the loss by the scale, in f32. Disabled: the loss itself, untouched.
+    pub fn scale(&self, loss: &impl Loss) -> Result<ScaledLoss> {
+        let loss = loss.loss_tensor();
+        if !self.enabled {
+            return Ok(ScaledLoss {
+                tensor: loss.clone(),
+                scale: None,
+            });
+        }
+        let scale = self.state.scale;
+        Ok(ScaledLoss {
+            tensor: loss.to_dtype(DType::F32)?.affine(f64::from(scale), 0.0)?,
+            scale: Some(scale),
+        })
+    }
+
+    /// Divides the gradients by the scale they carry, in place, in one fused pass, and records
+    /// whether any was inf or NaN (for [`step`](Self::step) and [`update`](Self::update)).
+    /// `inv_scale` is `1/scale` computed in f64 and rounded to f32, as in PyTorch.
+    pub fn unscale(&mut self, grads: ScaledGrads) -> Result<UnscaledGrads> {
+        let unscaled = grads.unscale()?;
+        if self.enabled {
+            self.found_inf = Some(self.found_inf.unwrap_or(false) | unscaled.found_inf());
+        }
+        Ok(unscaled)
+    }
+
+    /// Runs `opt.step` unless the gradients hold inf or NaN; unscales first if given
+    /// [`ScaledGrads`]. A skipped step leaves the weights bit for bit as they were, counts in
+    /// [`skipped_steps`](Self::skipped_steps) and emits a `tracing` warning. Disabled: always
+    /// steps.
+    pub fn step<O: Optimizer, G: Gradients>(
+        &mut self,
+        opt: &mut O,
+        grads: G,
+    ) -> Result<StepOutcome> {
+        let grads = grads.into_unscaled(self)?;
+        if grads.found_inf() {
+            self.state.skipped_steps += 1;
+            tracing::warn!(
+                target: TRACING_TARGET,
+                scale = self.state.scale,
+                skipped_steps = self.state.skipped_steps,
+                "non-finite gradients: optimizer step skipped"
+            );
+            return Ok(StepOutcome::Skipped);
+        }
+        opt.step(grads.grad_store())?;
+        Ok(StepOutcome::Stepped)
+    }
+
+    /// Updates the scale from the checks recorded since the last update (PyTorch's rule):
+    /// any inf/NaN backs off and resets the tracker; otherwise the tracker counts up and the
+    /// scale grows when it reaches `growth_interval`. Call once per iteration, after every
+    /// optimizer's step.
+    ///
+    /// Without a recorded check (no unscale or step since the last update) the scale is left
+    /// as it is and a warning is emitted; PyTorch raises an error there.
+    pub fn update(&mut self) {
+        if !self.enabled {
+            return;
+        }
+        let Some(found_inf) = self.found_inf.take() else {
+            tracing::warn!(
+                target: TRACING_TARGET,
+                "update() without an unscale or step since the last update: scale unchanged"
+            );
+            return;
+        };
+        let before = self.state.scale;
+        self.state.advance(found_inf);
+        if self.state.scale.to_bits() != before.to_bits() {
+            tracing::info!(
+                target: TRACING_TARGET,
+                old_scale = before,
+                new_scale = self.state.scale,
+                found_inf,
+                "loss scale changed"
+            );
+        }
+    }
+
+    /// The state to checkpoint (see [`ScalerState`]).
+    pub fn state(&self) -> ScalerState {
+        self.state.clone()
+    }
+
+    /// Restores a checkpointed state after validating it; on error the scaler is unchanged.
+    /// Checks recorded since the last update are discarded.
+    pub fn load_state(&mut self, state: ScalerState) -> Result<()> {
+        state.validate()?;
+        self.state = state;
+        self.found_inf = None;
+        Ok(())
+    }
+}
+
+/// Configures a [`GradScaler`]; `build` validates (growth_factor > 1, backoff_factor in
+/// (0, 1), growth_interval >= 1, init_scale finite and > 0, bounds consistent).
+#[derive(Clone, Debug)]
+pub struct GradScalerBuilder {
+    init_scale: f64,
+    growth_factor: f64,
+    backoff_factor: f64,
+    growth_interval: u32,
+    enabled: bool,
+    min_scale: Option<f64>,
+    max_scale: Option<f64>,
+}
+
+impl Default for GradScalerBuilder {
+    fn default() -> Self {
+        Self {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+            enabled: true,
+            min_scale: None,
+            max_scale: None,
+        }
+    }
+}
+
+impl GradScalerBuilder {
+    /// Initial scale (65536); stored as an f32, so 1e38 becomes 9.9999997e37.
+    pub fn init_scale(mut self, init_scale: f64) -> Self {
+        self.init_scale = init_scale;
+        self
+    }
+
+    /// Growth factor (2, must be > 1).
+    pub fn growth_factor(mut self, growth_factor: f64) -> Self {
+        self.growth_factor = growth_factor;
+        self
+    }
+
+    /// Backoff factor (0.5, must lie in (0, 1)).
+    pub fn backoff_factor(mut self, backoff_factor: f64) -> Self {
+        self.backoff_factor = backoff_factor;
+        self
+    }
+
+    /// Finite steps in a row before the scale grows (2000, at least 1).
+    pub fn growth_interval(mut self, growth_interval: u32) -> Self {
+        self.growth_interval = growth_interval;
+        self
+    }
+
+    /// `false` makes the scaler an exact pass-through (no scaling, no checks, no skips).
+    pub fn enabled(mut self, enabled: bool) -> Self {
+        self.enabled = enabled;
+        self
+    }
+
+    /// Extension (off by default, as in PyTorch): the scale never backs off below this.
+    pub fn min_scale(mut self, min_scale: f64) -> Self {
+        self.min_scale = Some(min_scale);
+        self
+    }
+
+    /// Extension (off by default, as in PyTorch): the scale never grows above this.
+    pub fn max_scale(mut self, max_scale: f64) -> Self {
+        self.max_scale = Some(max_scale);
+        self
+    }
+
+    pub fn build(self) -> Result<GradScaler> {
+        let scale = self.init_scale as f32;
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(ScalerError::Invalid {
+                field: "init_scale",
+                reason: format!(
+                    "must be a finite number > 0 in f32, got {}",
+                    self.init_scale
+                ),
+            }
+            .into());
+        }
+        let state = ScalerState {
+            scale,
+            growth_factor: self.growth_factor,
+            backoff_factor: self.backoff_factor,
+            growth_interval: self.growth_interval,
+            growth_tracker: 0,
+            skipped_steps: 0,
+            min_scale: self.min_scale.map(|v| v as f32),
+            max_scale: self.max_scale.map(|v| v as f32),
+        };
+        state.validate()?;
+        Ok(GradScaler {
+            state,
+            enabled: self.enabled,
+            found_inf: None,
+        })
+    }
+}

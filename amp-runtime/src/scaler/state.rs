@@ -1,0 +1,258 @@
+//! The scaler's persistent state: what a checkpoint stores, and the checks a loaded state passes.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Result, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// Errors of the gradient scaler: a bad configuration or checkpoint, or gradients that do not
+/// belong together. They reach the caller as `candle_core::Error::Wrapped`, so `?` works in code
+/// returning candle's `Result`; the message names the field and the value.
+#[derive(Debug, thiserror::Error)]
+pub enum ScalerError {
+    /// A builder argument or a loaded state field outside its valid range.
+    #[error("GradScaler: invalid `{field}`: {reason}")]
+    Invalid { field: &'static str, reason: String },
+    /// A checkpoint that lacks a field or stores it with the wrong type.
+    #[error("GradScaler state: {0}")]
+    Malformed(String),
+    /// Gradients that cannot be combined, e.g. scaled by two different scales.
+    #[error("GradScaler: {0}")]
+    Mismatch(String),
+}
+
+impl From<ScalerError> for candle_core::Error {
+    fn from(e: ScalerError) -> Self {
+        candle_core::Error::wrap(e)
+    }
+}
+
+fn invalid(field: &'static str, reason: String) -> candle_core::Error {
+    ScalerError::Invalid { field, reason }.into()
+}
+
+/// Everything a [`GradScaler`](super::GradScaler) needs to continue a run bit for bit: PyTorch's
+/// `GradScaler.state_dict()` (scale, growth factor, backoff factor, growth interval, growth
+/// tracker) plus the skipped-step counter and the optional scale bounds.
+///
+/// Save it next to the weights: as JSON ([`to_json`](Self::to_json), or any serde format), or
+/// as tensors in the model's safetensors file ([`to_tensors`](Self::to_tensors)). Loading checks
+/// every field ([`validate`](Self::validate)); a missing field, a NaN, infinite or negative
+/// scale, `growth_factor <= 1`, `backoff_factor` outside (0, 1) or a tracker at or past the
+/// interval is an error, not a panic.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScalerState {
+    /// The current loss scale, an f32 as in PyTorch.
+    pub scale: f32,
+    /// Factor applied after `growth_interval` consecutive finite steps (> 1).
+    pub growth_factor: f64,
+    /// Factor applied after a step with non-finite gradients (in (0, 1)).
+    pub backoff_factor: f64,
+    /// Consecutive finite steps before the scale grows (>= 1).
+    pub growth_interval: u32,
+    /// Consecutive finite steps since the last growth or backoff (< `growth_interval`).
+    pub growth_tracker: u32,
+    /// Steps skipped because of non-finite gradients, over the run.
+    #[serde(default)]
+    pub skipped_steps: u64,
+    /// Optional floor for the scale (TensorFlow floors at 1); PyTorch has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_scale: Option<f32>,
+    /// Optional ceiling for the scale (Apex caps at 2^24); PyTorch has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_scale: Option<f32>,
+}
+
+impl ScalerState {
+    /// Checks every field; the error names the first bad one.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.scale.is_finite() && self.scale >= 0.0) {
+            return Err(invalid(
+                "scale",
+                format!("must be a finite number >= 0, got {}", self.scale),
+            ));
+        }
+        if !(self.growth_factor.is_finite() && self.growth_factor > 1.0) {
+            return Err(invalid(
+                "growth_factor",
+                format!("must be a finite number > 1, got {}", self.growth_factor),
+            ));
+        }
+        if !(self.backoff_factor > 0.0 && self.backoff_factor < 1.0) {
+            return Err(invalid(
+                "backoff_factor",
+                format!("must lie in (0, 1), got {}", self.backoff_factor),
+            ));
+        }
+        if self.growth_interval == 0 {
+            return Err(invalid(
+                "growth_interval",
+                "must be at least 1, got 0".into(),
+            ));
+        }
+        if self.growth_tracker >= self.growth_interval {
+            return Err(invalid(
+                "growth_tracker",
+                format!(
+                    "must be below growth_interval ({}), got {}",
+                    self.growth_interval, self.growth_tracker
+                ),
+            ));
+        }
+        for (field, bound) in [("min_scale", self.min_scale), ("max_scale", self.max_scale)] {
+            if let Some(b) = bound {
+                if !(b.is_finite() && b > 0.0) {
+                    return Err(invalid(
+                        field,
+                        format!("must be a finite number > 0, got {b}"),
+                    ));
+                }
+            }
+        }
+        if let (Some(lo), Some(hi)) = (self.min_scale, self.max_scale) {
+            if lo > hi {
+                return Err(invalid(
+                    "min_scale",
+                    format!("must not exceed max_scale ({hi}), got {lo}"),
+                ));
+            }
+        }
+        let below = self.min_scale.is_some_and(|lo| self.scale < lo);
+        let above = self.max_scale.is_some_and(|hi| self.scale > hi);
+        if below || above {
+            return Err(invalid(
+                "scale",
+                format!(
+                    "must lie within min_scale/max_scale ({:?}/{:?}), got {}",
+                    self.min_scale, self.max_scale, self.scale
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// One `update()`: PyTorch's `_amp_update_scale_` rule, with the optional bounds applied.
+    ///
+    /// The products are computed in f64 (PyTorch multiplies the f32 scale by a Python float)
+    /// and rounded to f32; growth that would reach inf leaves the scale unchanged.
+    pub(crate) fn advance(&mut self, found_inf: bool) {
+        if found_inf {
+            let backed_off = (f64::from(self.scale) * self.backoff_factor) as f32;
+            self.scale = self.min_scale.map_or(backed_off, |lo| backed_off.max(lo));
+            self.growth_tracker = 0;
+        } else if self.growth_tracker + 1 == self.growth_interval {
+            let grown = (f64::from(self.scale) * self.growth_factor) as f32;
+            if grown.is_finite() {
+                self.scale = self.max_scale.map_or(grown, |hi| grown.min(hi));
+            }
+            self.growth_tracker = 0;
+        } else {
+            self.growth_tracker += 1;
+        }
+    }
+
+    /// The state as a JSON object (PyTorch's state_dict keys, `_growth_tracker` without the
+    /// underscore).
+    ///
+    /// # Panics
+    /// Never: the state holds plain numbers, which serde_json always serialises.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("ScalerState serialises: plain numbers only")
+    }
+
+    /// Parses and validates a state written by [`to_json`](Self::to_json).
+    pub fn from_json(json: &str) -> Result<Self> {
+        let state: Self = serde_json::from_str(json)
+            .map_err(|e| candle_core::Error::from(ScalerError::Malformed(e.to_string())))?;
+        state.validate()?;
+        Ok(state)
+    }
+
+    /// The state as named scalar tensors (`{prefix}scale`, ...), to save in the same
+    /// safetensors file as the weights. Floats keep their exact bits; the counters are stored
+    /// as u32 and i64.
+    pub fn to_tensors(&self, prefix: &str) -> Result<HashMap<String, Tensor>> {
+        let cpu = &Device::Cpu;
+        let mut out = HashMap::from([
+            (format!("{prefix}scale"), Tensor::new(self.scale, cpu)?),
+            (
+                format!("{prefix}growth_factor"),
+                Tensor::new(self.growth_factor, cpu)?,
+            ),
+            (
+                format!("{prefix}backoff_factor"),
+                Tensor::new(self.backoff_factor, cpu)?,
+            ),
+            (
+                format!("{prefix}growth_interval"),
+                Tensor::new(self.growth_interval, cpu)?,
+            ),
+            (
+                format!("{prefix}growth_tracker"),
+                Tensor::new(self.growth_tracker, cpu)?,
+            ),
+            (
+                format!("{prefix}skipped_steps"),
+                Tensor::new(i64::try_from(self.skipped_steps).unwrap_or(i64::MAX), cpu)?,
+            ),
+        ]);
+        if let Some(lo) = self.min_scale {
+            out.insert(format!("{prefix}min_scale"), Tensor::new(lo, cpu)?);
+        }
+        if let Some(hi) = self.max_scale {
+            out.insert(format!("{prefix}max_scale"), Tensor::new(hi, cpu)?);
+        }
+        Ok(out)
+    }
+
+    /// Reads and validates a state written by [`to_tensors`](Self::to_tensors) with the same
+    /// prefix; other entries of `tensors` (the weights) are ignored.
+    pub fn from_tensors(tensors: &HashMap<String, Tensor>, prefix: &str) -> Result<Self> {
+        let read = Reader { tensors, prefix };
+        let skipped: i64 = read.required("skipped_steps", DType::I64)?;
+        let state = Self {
+            scale: read.required("scale", DType::F32)?,
+            growth_factor: read.required("growth_factor", DType::F64)?,
+            backoff_factor: read.required("backoff_factor", DType::F64)?,
+            growth_interval: read.required("growth_interval", DType::U32)?,
+            growth_tracker: read.required("growth_tracker", DType::U32)?,
+            skipped_steps: u64::try_from(skipped)
+                .map_err(|_| invalid("skipped_steps", format!("must be >= 0, got {skipped}")))?,
+            min_scale: read.optional("min_scale", DType::F32)?,
+            max_scale: read.optional("max_scale", DType::F32)?,
+        };
+        state.validate()?;
+        Ok(state)
+    }
+}
+
+/// Reads one scalar field of a tensor checkpoint, checking presence, dtype and shape.
+struct Reader<'a> {
+    tensors: &'a HashMap<String, Tensor>,
+    prefix: &'a str,
+}
+
+impl Reader<'_> {
+    fn required<T: candle_core::WithDType>(&self, field: &str, dtype: DType) -> Result<T> {
+        self.optional(field, dtype)?.ok_or_else(|| {
+            ScalerError::Malformed(format!("missing field `{}{field}`", self.prefix)).into()
+        })
+    }
+
+    fn optional<T: candle_core::WithDType>(&self, field: &str, dtype: DType) -> Result<Option<T>> {
+        let name = format!("{}{field}", self.prefix);
+        let Some(t) = self.tensors.get(&name) else {
+            return Ok(None);
+        };
+        if t.dtype() != dtype || t.elem_count() != 1 {
+            return Err(ScalerError::Malformed(format!(
+                "`{name}` must be one {dtype:?} value, got {:?} of shape {:?}",
+                t.dtype(),
+                t.dims()
+            ))
+            .into());
+        }
+        Ok(Some(t.flatten_all()?.get(0)?.to_scalar::<T>()?))
+    }
+}

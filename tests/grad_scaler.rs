@@ -1,0 +1,854 @@
+//! `GradScaler` against PyTorch's grad-scaling tests (DESIGN section 8), each scenario checked
+//! against an independent expectation: the numbers PyTorch's tests assert, a hand computation,
+//! or the same training run without a scaler.
+#![allow(clippy::float_cmp)]
+
+use std::sync::{Arc, Mutex};
+
+use candle_amp::kernels::unscale::{naive_unscale, unscale_in_place};
+use candle_amp::nn::{self, loss};
+use candle_amp::scaler::TRACING_TARGET;
+use candle_amp::{autocast, GradScaler, ScalerState, StepOutcome, Tensor, F32};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Var};
+use candle_nn::{Optimizer, SGD};
+use half::{bf16, f16};
+
+fn dev() -> Device {
+    Device::Cpu
+}
+
+/// Deterministic pseudo-random values in [-1, 1) (a 64-bit LCG), so runs can be repeated.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((s >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+        })
+        .collect()
+}
+
+fn tensor(shape: &[usize], seed: u64) -> Result<candle_core::Tensor> {
+    let n = shape.iter().product();
+    candle_core::Tensor::from_vec(values(n, seed), shape, &dev())
+}
+
+fn bits(t: &candle_core::Tensor) -> Result<Vec<u32>> {
+    Ok(t.flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .map(|v| v.to_bits())
+        .collect())
+}
+
+// ---- The fused kernel: PyTorch's test_grad_scaling_unscale. ----
+
+#[test]
+fn unscale_multiplies_contiguous_and_strided_gradients_in_place() -> Result<()> {
+    // PyTorch: grads full of 4.0, inv_scale 0.25 -> every element 1.0, found_inf 0.
+    let base = candle_core::Tensor::full(4.0f32, (6, 5), &dev())?;
+    let strided = base.t()?.narrow(0, 1, 3)?; // (3, 6) view with strides (1, 5), offset 1
+    let big = candle_core::Tensor::full(4.0f32, 100_003, &dev())?; // spans several chunks
+    let mut grads = vec![strided.clone(), big.clone()];
+    let found = unscale_in_place(&mut grads, 0.25)?;
+    assert_eq!(found, vec![false, false]);
+    // In place: the view and the tensor handles outside the call see the new values.
+    assert!(strided
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .all(|&v| v == 1.0));
+    assert!(big.to_vec1::<f32>()?.iter().all(|&v| v == 1.0));
+    // Elements of the storage outside the view are untouched.
+    let all = base.flatten_all()?.to_vec1::<f32>()?;
+    let touched = all.iter().filter(|&&v| v == 1.0).count();
+    assert_eq!(touched, 18);
+    assert_eq!(all.iter().filter(|&&v| v == 4.0).count(), 30 - 18);
+    Ok(())
+}
+
+#[test]
+fn unscale_flags_exactly_the_gradient_holding_inf_or_nan() -> Result<()> {
+    for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+        let mut data = vec![4.0f32; 70_000];
+        data[65_537] = bad; // in the third chunk
+        let mut grads = vec![
+            candle_core::Tensor::full(4.0f32, (3, 3), &dev())?,
+            candle_core::Tensor::from_vec(data, 70_000, &dev())?,
+            candle_core::Tensor::full(4.0f32, (3, 3), &dev())?.t()?,
+        ];
+        let found = unscale_in_place(&mut grads, 0.25)?;
+        assert_eq!(found, vec![false, true, false], "{bad}");
+        let v = grads[1].to_vec1::<f32>()?;
+        assert_eq!(v[0], 1.0);
+        assert!(v[65_537].is_nan() || v[65_537] == bad * 0.25);
+    }
+    Ok(())
+}
+
+#[test]
+fn unscale_matches_the_candle_ops_version_for_every_float_dtype() -> Result<()> {
+    let inv = (1.0 / 65536.0f64) as f32;
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let make = |seed| -> Result<Vec<candle_core::Tensor>> {
+            [(7, 9), (1, 40_000), (3, 5)]
+                .iter()
+                .map(|&shape| (tensor(&[shape.0, shape.1], seed)? * 1000.0)?.to_dtype(dtype))
+                .collect()
+        };
+        let mut fused = make(3)?;
+        fused[2] = fused[2].t()?;
+        let mut naive = make(3)?;
+        naive[2] = naive[2].t()?;
+        assert_eq!(unscale_in_place(&mut fused, inv)?, vec![false; 3]);
+        assert_eq!(naive_unscale(&mut naive, inv)?, vec![false; 3]);
+        for (a, b) in fused.iter().zip(&naive) {
+            let (a, b) = (a.to_dtype(DType::F64)?, b.to_dtype(DType::F64)?);
+            let (a, b) = (
+                a.flatten_all()?.to_vec1::<f64>()?,
+                b.flatten_all()?.to_vec1::<f64>()?,
+            );
+            assert_eq!(a, b, "{dtype:?}");
+        }
+    }
+    // Half precision is scaled in f32 and rounded once, as PyTorch does.
+    let mut h = vec![candle_core::Tensor::new(&[f16::from_f32(3.0)], &dev())?];
+    unscale_in_place(&mut h, 1.0 / 3.0)?;
+    assert_eq!(
+        h[0].to_vec1::<f16>()?[0],
+        f16::from_f32(3.0 * (1.0f32 / 3.0))
+    );
+    let mut b = vec![candle_core::Tensor::new(
+        &[bf16::from_f32(f32::NAN)],
+        &dev(),
+    )?];
+    assert_eq!(unscale_in_place(&mut b, 0.5)?, vec![true]);
+    Ok(())
+}
+
+#[test]
+fn unscale_scales_shared_and_broadcast_storage_once() -> Result<()> {
+    let g = candle_core::Tensor::full(8.0f32, 4, &dev())?;
+    let wide = candle_core::Tensor::full(8.0f32, (1, 3), &dev())?.broadcast_as((2, 3))?;
+    let mut grads = vec![g.clone(), g.clone(), wide];
+    unscale_in_place(&mut grads, 0.5)?;
+    for grad in &grads {
+        assert!(grad
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .all(|&v| v == 4.0));
+    }
+    let ints = candle_core::Tensor::new(&[1u32], &dev())?;
+    let err = unscale_in_place(&mut [ints], 0.5).unwrap_err().to_string();
+    assert!(err.contains("must be f32, f64, f16 or bf16"), "{err}");
+    Ok(())
+}
+
+// ---- A tiny model whose gradient is chosen by the test: loss = sum(w * c), dL/dw = c. ----
+
+struct Probe {
+    w: Var,
+    opt: SGD,
+}
+
+impl Probe {
+    fn new() -> Result<Self> {
+        let w = Var::new(&[1.0f32, 2.0], &dev())?;
+        let opt = SGD::new(vec![w.clone()], 0.5)?;
+        Ok(Self { w, opt })
+    }
+
+    /// One iteration whose (unscaled) gradient is `c`.
+    fn iteration(&mut self, scaler: &mut GradScaler, c: f32) -> Result<StepOutcome> {
+        let c = candle_core::Tensor::new(&[c, 1.0], &dev())?;
+        let loss = self.w.as_tensor().mul(&c)?.sum_all()?;
+        let grads = scaler.scale(&loss)?.backward()?;
+        let outcome = scaler.step(&mut self.opt, grads)?;
+        scaler.update();
+        Ok(outcome)
+    }
+
+    fn weights(&self) -> Result<Vec<f32>> {
+        self.w.as_tensor().to_vec1()
+    }
+}
+
+#[test]
+fn update_scale_follows_pytorch_4_4_8_2() -> Result<()> {
+    // PyTorch's test_grad_scaling_update_scale: growth 2, backoff 0.25, interval 2, init 4.
+    let mut scaler = GradScaler::builder()
+        .init_scale(4.0)
+        .growth_factor(2.0)
+        .backoff_factor(0.25)
+        .growth_interval(2)
+        .build()?;
+    let mut probe = Probe::new()?;
+    let mut seen = vec![];
+    for c in [1.0, 1.0, f32::INFINITY] {
+        let _ = probe.iteration(&mut scaler, c)?;
+        seen.push((scaler.scale_value(), scaler.growth_tracker()));
+    }
+    assert_eq!(seen, vec![(4.0, 1), (8.0, 0), (2.0, 0)]);
+    assert_eq!(scaler.skipped_steps(), 1);
+    Ok(())
+}
+
+#[test]
+fn the_scale_never_grows_to_inf() -> Result<()> {
+    // PyTorch's test_grad_scaling_will_not_overflow: init 1e38, growth 16, interval 1.
+    let mut scaler = GradScaler::builder()
+        .init_scale(1e38)
+        .growth_factor(16.0)
+        .growth_interval(1)
+        .build()?;
+    assert_eq!(scaler.scale_value(), 1e38f32); // stored as an f32: 9.9999997e37
+    assert_eq!(f64::from(scaler.scale_value()), 9.999_999_680_285_692e37);
+    let mut probe = Probe::new()?;
+    let _ = probe.iteration(&mut scaler, 1e-3)?;
+    assert_eq!(
+        (scaler.scale_value(), scaler.growth_tracker()),
+        (1e38f32, 0)
+    );
+    Ok(())
+}
+
+#[test]
+fn a_skipped_step_leaves_the_weights_bit_for_bit() -> Result<()> {
+    let mut scaler = GradScaler::new();
+    let mut probe = Probe::new()?;
+    let before = probe.weights()?;
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        assert_eq!(probe.iteration(&mut scaler, bad)?, StepOutcome::Skipped);
+        assert_eq!(probe.weights()?, before);
+    }
+    assert_eq!(scaler.scale_value(), 65536.0 / 8.0);
+    // A finite gradient steps with the unscaled value: w - 0.5 * (c, 1).
+    assert!(probe.iteration(&mut scaler, 2.0)?.is_stepped());
+    assert_eq!(probe.weights()?, vec![0.0, 1.5]);
+    assert_eq!(scaler.skipped_steps(), 3);
+    Ok(())
+}
+
+#[test]
+fn builder_defaults_and_rejections() {
+    let s = GradScaler::new();
+    assert_eq!((s.scale_value(), s.growth_tracker()), (65536.0, 0));
+    let st = s.state();
+    assert_eq!(
+        (st.growth_factor, st.backoff_factor, st.growth_interval),
+        (2.0, 0.5, 2000)
+    );
+    assert!(s.is_enabled());
+    let cases = [
+        (GradScaler::builder().growth_factor(1.0), "growth_factor"),
+        (GradScaler::builder().growth_factor(0.5), "growth_factor"),
+        (GradScaler::builder().backoff_factor(1.0), "backoff_factor"),
+        (GradScaler::builder().backoff_factor(0.0), "backoff_factor"),
+        (GradScaler::builder().growth_interval(0), "growth_interval"),
+        (GradScaler::builder().init_scale(f64::NAN), "init_scale"),
+        (GradScaler::builder().init_scale(-1.0), "init_scale"),
+        (GradScaler::builder().init_scale(1e39), "init_scale"), // inf in f32
+        (
+            GradScaler::builder().min_scale(8.0).max_scale(4.0),
+            "min_scale",
+        ),
+        (GradScaler::builder().max_scale(1024.0), "scale"),
+    ];
+    for (builder, field) in cases {
+        let err = builder.build().unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("invalid `{field}`")),
+            "{field}: {err}"
+        );
+    }
+}
+
+#[test]
+fn optional_bounds_clamp_the_scale() -> Result<()> {
+    let mut scaler = GradScaler::builder()
+        .init_scale(4.0)
+        .growth_interval(1)
+        .min_scale(1.0)
+        .max_scale(16.0)
+        .build()?;
+    let mut probe = Probe::new()?;
+    let mut seen = vec![];
+    for c in [
+        1.0,
+        1.0,
+        1.0,
+        f32::NAN,
+        f32::NAN,
+        f32::NAN,
+        f32::NAN,
+        f32::NAN,
+    ] {
+        let _ = probe.iteration(&mut scaler, c)?;
+        seen.push(scaler.scale_value());
+    }
+    assert_eq!(seen, vec![8.0, 16.0, 16.0, 8.0, 4.0, 2.0, 1.0, 1.0]);
+    Ok(())
+}
+
+// ---- State: PyTorch's state_dict round trip, and malformed checkpoints. ----
+
+fn trained_scaler() -> Result<GradScaler> {
+    let mut scaler = GradScaler::builder()
+        .init_scale(2.0f64.powi(20))
+        .growth_factor(3.0)
+        .backoff_factor(0.3)
+        .growth_interval(3)
+        .max_scale(1e30)
+        .build()?;
+    let mut probe = Probe::new()?;
+    for c in [1.0, f32::NAN, 1.0, 1.0, 1.0, 1.0] {
+        let _ = probe.iteration(&mut scaler, c)?;
+    }
+    Ok(scaler)
+}
+
+#[test]
+fn state_round_trips_through_json_and_safetensors() -> Result<()> {
+    let scaler = trained_scaler()?;
+    let state = scaler.state();
+    // 2^20 * 0.3 (in f64, rounded to f32), then one growth by 3 after three finite steps.
+    let expected = (f64::from((2.0f64.powi(20) * 0.3) as f32) * 3.0) as f32;
+    assert_eq!(
+        (state.scale, state.growth_tracker, state.skipped_steps),
+        (expected, 1, 1)
+    );
+
+    let from_json = ScalerState::from_json(&state.to_json())?;
+    assert_eq!(from_json, state);
+
+    let path = std::env::temp_dir().join(format!(
+        "candle-amp-scaler-{}.safetensors",
+        std::process::id()
+    ));
+    candle_core::safetensors::save(&state.to_tensors("scaler.")?, &path)?;
+    let loaded = candle_core::safetensors::load(&path, &dev())?;
+    std::fs::remove_file(&path).ok();
+    let from_file = ScalerState::from_tensors(&loaded, "scaler.")?;
+    assert_eq!(from_file, state);
+
+    let mut fresh = GradScaler::new();
+    fresh.load_state(from_file)?;
+    assert_eq!(fresh.scale_value(), scaler.scale_value());
+    assert_eq!(fresh.growth_tracker(), scaler.growth_tracker());
+    assert_eq!(fresh.skipped_steps(), 1);
+    Ok(())
+}
+
+/// A change that makes a state invalid.
+type Corruption = fn(&mut ScalerState);
+
+#[test]
+fn malformed_state_is_an_error_naming_the_field() -> Result<()> {
+    let good = trained_scaler()?.state();
+    let json = good.to_json();
+    let mut object: serde_json::Value = serde_json::from_str(&json).unwrap();
+    object.as_object_mut().unwrap().remove("scale");
+    let err = ScalerState::from_json(&object.to_string())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("missing field `scale`"), "{err}");
+    let err = ScalerState::from_json(&json.replace("\"growth_interval\"", "\"interval\""))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("unknown field `interval`"), "{err}");
+    let err = ScalerState::from_json("{\"scale\": NaN}")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("GradScaler state"), "{err}");
+
+    let bad_values: [(&str, Corruption); 6] = [
+        ("scale", |s| s.scale = f32::NAN),
+        ("scale", |s| s.scale = -1.0),
+        ("scale", |s| s.scale = f32::INFINITY),
+        ("growth_factor", |s| s.growth_factor = 1.0),
+        ("backoff_factor", |s| s.backoff_factor = 1.5),
+        ("growth_tracker", |s| s.growth_tracker = s.growth_interval),
+    ];
+    for (field, corrupt) in bad_values {
+        let mut state = good.clone();
+        corrupt(&mut state);
+        let mut scaler = trained_scaler()?;
+        let err = scaler.load_state(state.clone()).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("invalid `{field}`")),
+            "{field}: {err}"
+        );
+        assert_eq!(
+            scaler.state(),
+            good,
+            "a failed load leaves the scaler as it was"
+        );
+        // The same corruption stored as tensors is caught on load too.
+        let err = ScalerState::from_tensors(&state.to_tensors("")?, "")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("invalid `{field}`")),
+            "{field}: {err}"
+        );
+    }
+    let mut tensors = good.to_tensors("s.")?;
+    tensors.remove("s.growth_tracker");
+    let err = ScalerState::from_tensors(&tensors, "s.")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("missing field `s.growth_tracker`"), "{err}");
+    let mut tensors = good.to_tensors("")?;
+    tensors.insert("scale".into(), candle_core::Tensor::new(&[1.0f64], &dev())?);
+    let err = ScalerState::from_tensors(&tensors, "")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("`scale` must be one F32 value"), "{err}");
+    Ok(())
+}
+
+// ---- Training scenarios. ----
+
+/// A two-layer MLP with explicit weights, so two runs can start from the same values.
+struct Mlp {
+    l1: nn::Linear,
+    l2: nn::Linear,
+    vars: Vec<Var>,
+}
+
+impl Mlp {
+    fn new(seed: u64) -> Result<Self> {
+        let var =
+            |shape: &[usize], s| -> Result<Var> { Var::from_tensor(&(tensor(shape, s)? * 0.3)?) };
+        let vars = vec![
+            var(&[16, 8], seed)?,
+            var(&[16], seed + 1)?,
+            var(&[4, 16], seed + 2)?,
+            var(&[4], seed + 3)?,
+        ];
+        Ok(Self {
+            l1: nn::Linear::new(vars[0].clone(), Some(vars[1].clone()))?,
+            l2: nn::Linear::new(vars[2].clone(), Some(vars[3].clone()))?,
+            vars,
+        })
+    }
+
+    #[autocast(fp16)]
+    fn forward_fp16(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let h = self.l1.forward(&x)?.relu()?;
+        self.l2.forward(&h)
+    }
+
+    #[autocast(bf16)]
+    fn forward_bf16(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let h = self.l1.forward(&x)?.relu()?;
+        self.l2.forward(&h)
+    }
+
+    fn forward_f32(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        self.l2.forward(&self.l1.forward(x)?.relu()?)
+    }
+
+    fn weight_bits(&self) -> Result<Vec<u32>> {
+        let mut out = vec![];
+        for v in &self.vars {
+            out.extend(bits(v.as_tensor())?);
+        }
+        Ok(out)
+    }
+
+    fn weights(&self) -> Result<Vec<f32>> {
+        let mut out = vec![];
+        for v in &self.vars {
+            out.extend(v.as_tensor().flatten_all()?.to_vec1::<f32>()?);
+        }
+        Ok(out)
+    }
+}
+
+fn batch(i: u64) -> Result<(Tensor<F32>, Tensor<F32>)> {
+    let x = Tensor::from_candle(tensor(&[32, 8], 100 + i)?)?;
+    let y = Tensor::from_candle(tensor(&[32, 4], 200 + i)?)?;
+    Ok((x, y))
+}
+
+#[test]
+fn autocast_with_scaler_tracks_the_f32_control() -> Result<()> {
+    // PyTorch's test_grad_scaling_autocast: the same training with autocast + scaler and in f32.
+    let (amp, control) = (Mlp::new(1)?, Mlp::new(1)?);
+    let mut amp_opt = SGD::new(amp.vars.clone(), 0.1)?;
+    let mut control_opt = SGD::new(control.vars.clone(), 0.1)?;
+    let mut scaler = GradScaler::new();
+    let (mut first, mut last) = (0.0, 0.0);
+    for i in 0..20 {
+        let (x, y) = batch(i % 4)?;
+        let l = loss::mse(&amp.forward_fp16(&x)?, &y)?;
+        let grads = scaler.scale(&l)?.backward()?;
+        assert!(scaler.step(&mut amp_opt, grads)?.is_stepped());
+        scaler.update();
+        control_opt.backward_step(loss::mse(&control.forward_f32(&x)?, &y)?.as_candle())?;
+        if i == 0 {
+            first = l.to_scalar::<f32>()?;
+        }
+        last = l.to_scalar::<f32>()?;
+    }
+    assert!(
+        last < 0.8 * first,
+        "training makes progress: {first} -> {last}"
+    );
+    assert_eq!((scaler.scale_value(), scaler.growth_tracker()), (65536.0, 20));
+    for (a, c) in amp.weights()?.iter().zip(control.weights()?) {
+        assert!((a - c).abs() <= 5e-3, "{a} vs {c}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_scaler_under_bf16_autocast_is_harmless() -> Result<()> {
+    let model = Mlp::new(2)?;
+    let mut opt = SGD::new(model.vars.clone(), 0.1)?;
+    let mut scaler = GradScaler::new();
+    for i in 0..5 {
+        let (x, y) = batch(i)?;
+        let l = loss::mse(&model.forward_bf16(&x)?, &y)?;
+        let grads = scaler.scale(&l)?.backward()?;
+        assert!(scaler.step(&mut opt, grads)?.is_stepped());
+        scaler.update();
+    }
+    assert_eq!(scaler.skipped_steps(), 0);
+    Ok(())
+}
+
+#[test]
+fn disabled_scaler_is_an_exact_pass_through() -> Result<()> {
+    let (a, b) = (Mlp::new(3)?, Mlp::new(3)?);
+    let mut opt_a = SGD::new(a.vars.clone(), 0.1)?;
+    let mut opt_b = SGD::new(b.vars.clone(), 0.1)?;
+    let mut scaler = GradScaler::builder().enabled(false).build()?;
+    assert_eq!((scaler.scale_value(), scaler.is_enabled()), (1.0, false));
+    for i in 0..6 {
+        let (x, y) = batch(i)?;
+        let l = loss::mse(&a.forward_fp16(&x)?, &y)?;
+        let scaled = scaler.scale(&l)?;
+        assert_eq!(bits(scaled.as_tensor())?, bits(l.as_candle())?);
+        let outcome = scaler.step(&mut opt_a, scaled.backward()?)?;
+        assert!(outcome.is_stepped());
+        scaler.update();
+        opt_b.backward_step(loss::mse(&b.forward_fp16(&x)?, &y)?.as_candle())?;
+    }
+    assert_eq!(a.weight_bits()?, b.weight_bits()?);
+    assert_eq!((scaler.scale_value(), scaler.growth_tracker()), (1.0, 0));
+    Ok(())
+}
+
+/// With an f32 model and a power-of-two scale, scaling and unscaling are exact: the unscaled
+/// gradients equal candle's plain gradients bit for bit (the control for the next tests).
+#[test]
+fn unscaled_gradients_equal_plain_gradients_bit_for_bit() -> Result<()> {
+    let model = Mlp::new(4)?;
+    let (x, y) = batch(0)?;
+    let l = loss::mse(&model.forward_f32(&x)?, &y)?;
+    let plain = l.as_candle().backward()?;
+    let mut scaler = GradScaler::new();
+    let scaled = scaler.scale(&l)?.backward()?;
+    let g0 = bits(plain.get(&model.vars[0]).unwrap())?;
+    let s0 = scaled.get(&model.vars[0]).unwrap().to_vec2::<f32>()?;
+    let expected_scaled: Vec<f32> = plain
+        .get(&model.vars[0])
+        .unwrap()
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .map(|g| g * 65536.0)
+        .collect();
+    assert_eq!(s0.concat(), expected_scaled);
+    let unscaled = scaler.unscale(scaled)?;
+    assert!(!unscaled.found_inf());
+    for v in &model.vars {
+        assert_eq!(
+            bits(unscaled.get(v).unwrap())?,
+            bits(plain.get(v).unwrap())?
+        );
+    }
+    assert_eq!(bits(unscaled.get(&model.vars[0]).unwrap())?, g0);
+    Ok(())
+}
+
+#[test]
+fn clip_grad_norm_after_unscale_matches_the_hand_computation() -> Result<()> {
+    // PyTorch's test_grad_scaling_clipping_separate_unscale: unscale_, then clip_grad_norm_.
+    let model = Mlp::new(5)?;
+    let (x, y) = batch(1)?;
+    let l = loss::mse(&model.forward_f32(&x)?, &y)?;
+    let plain = l.as_candle().backward()?;
+    let plain: Vec<Vec<f32>> = model
+        .vars
+        .iter()
+        .map(|v| plain.get(v).unwrap().flatten_all()?.to_vec1())
+        .collect::<Result<_>>()?;
+    let norm = plain
+        .iter()
+        .flatten()
+        .map(|&g| f64::from(g) * f64::from(g))
+        .sum::<f64>()
+        .sqrt();
+    let max_norm = norm / 4.0;
+
+    let mut scaler = GradScaler::new();
+    let mut grads = scaler.unscale(scaler.scale(&l)?.backward()?)?;
+    let total = grads.clip_grad_norm(max_norm)?;
+    assert!((total - norm).abs() <= 1e-12 * norm, "{total} vs {norm}");
+    let coef = (max_norm / (norm + 1e-6)) as f32;
+    for (v, g) in model.vars.iter().zip(&plain) {
+        let clipped = grads.get(v).unwrap().flatten_all()?.to_vec1::<f32>()?;
+        let expected: Vec<f32> = g.iter().map(|g| g * coef).collect();
+        assert_eq!(clipped, expected);
+    }
+    // A norm below max_norm leaves the gradients alone.
+    let before = bits(grads.get(&model.vars[2]).unwrap())?;
+    let again = grads.clip_grad_norm(max_norm * 2.0)?;
+    assert!((again - max_norm).abs() <= 1e-5 * max_norm);
+    assert_eq!(bits(grads.get(&model.vars[2]).unwrap())?, before);
+    Ok(())
+}
+
+#[test]
+fn clip_grad_value_clamps_unscaled_gradients() -> Result<()> {
+    let model = Mlp::new(6)?;
+    let (x, y) = batch(2)?;
+    let l = loss::mse(&model.forward_f32(&x)?, &y)?;
+    let plain = l.as_candle().backward()?;
+    let mut scaler = GradScaler::new();
+    let mut grads = scaler.unscale(scaler.scale(&l)?.backward()?)?;
+    grads.clip_grad_value(0.01)?;
+    for v in &model.vars {
+        let got = grads.get(v).unwrap().flatten_all()?.to_vec1::<f32>()?;
+        let want: Vec<f32> = plain
+            .get(v)
+            .unwrap()
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|g| g.clamp(-0.01, 0.01))
+            .collect();
+        assert_eq!(got, want);
+    }
+    assert!(grads.clip_grad_norm(f64::NAN).is_err());
+    assert!(grads.clip_grad_value(-1.0).is_err());
+    Ok(())
+}
+
+#[test]
+fn accumulation_over_two_micro_batches_matches_plain_accumulation() -> Result<()> {
+    // PyTorch's test_grad_scaling_accumulation: iters_to_accumulate = 2, loss / 2 per micro-step.
+    let (amp, control) = (Mlp::new(7)?, Mlp::new(7)?);
+    let mut opt = SGD::new(amp.vars.clone(), 0.1)?;
+    let mut control_opt = SGD::new(control.vars.clone(), 0.1)?;
+    let mut scaler = GradScaler::builder().growth_interval(2).build()?;
+    for step in 0..4 {
+        let mut acc = None;
+        let mut control_acc: Option<candle_core::backprop::GradStore> = None;
+        for micro in 0..2 {
+            let (x, y) = batch(step * 2 + micro)?;
+            let l = (loss::mse(&amp.forward_f32(&x)?, &y)? / 2.0)?;
+            let grads = scaler.scale(&l)?.backward()?;
+            match acc.as_mut() {
+                None => acc = Some(grads),
+                Some(acc) => acc.accumulate(grads)?,
+            }
+            let cl = (loss::mse(&control.forward_f32(&x)?, &y)? / 2.0)?;
+            let g = cl.as_candle().backward()?;
+            match control_acc.as_mut() {
+                None => control_acc = Some(g),
+                Some(acc) => acc.extend(g)?,
+            }
+        }
+        assert!(scaler.step(&mut opt, acc.unwrap())?.is_stepped());
+        scaler.update();
+        control_opt.step(&control_acc.unwrap())?;
+    }
+    assert_eq!(amp.weight_bits()?, control.weight_bits()?);
+    assert_eq!(scaler.scale_value(), 65536.0 * 4.0);
+    Ok(())
+}
+
+#[test]
+fn accumulating_gradients_of_two_scales_is_an_error() -> Result<()> {
+    let model = Mlp::new(8)?;
+    let (x, y) = batch(0)?;
+    let mut scaler = GradScaler::builder().growth_interval(1).build()?;
+    let l = loss::mse(&model.forward_f32(&x)?, &y)?;
+    let mut first = scaler.scale(&l)?.backward()?;
+    let probe = scaler.unscale(scaler.scale(&l)?.backward()?)?;
+    assert!(!probe.found_inf());
+    scaler.update(); // the scale doubles between the micro-batches
+    let second = scaler.scale(&l)?.backward()?;
+    let err = first.accumulate(second).unwrap_err().to_string();
+    assert!(
+        err.contains("cannot accumulate gradients scaled by 131072"),
+        "{err}"
+    );
+    Ok(())
+}
+
+/// Identity forward, a backward that returns inf: a gradient blow-up in one model only
+/// (PyTorch's test fills `model1[1].weight.grad` with inf).
+struct InfGrad;
+
+impl CustomOp1 for InfGrad {
+    fn name(&self) -> &'static str {
+        "inf-grad"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let v = s.as_slice::<f32>()?;
+        let (a, b) = l.contiguous_offsets().expect("contiguous weight");
+        Ok((CpuStorage::F32(v[a..b].to_vec()), l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        arg: &candle_core::Tensor,
+        _res: &candle_core::Tensor,
+        _grad: &candle_core::Tensor,
+    ) -> Result<Option<candle_core::Tensor>> {
+        Ok(Some(arg.ones_like()?.affine(f64::INFINITY, 0.0)?))
+    }
+}
+
+/// PyTorch's test_grad_scaling_multiple: two models, two optimizers, two losses; at one
+/// iteration model 1's gradient is inf. Returns the weights and the scaler.
+fn two_models(use_scaler: bool) -> Result<(Vec<f32>, Vec<f32>, GradScaler)> {
+    let (m0, m1) = (Mlp::new(20)?, Mlp::new(30)?);
+    let mut opt0 = SGD::new(m0.vars.clone(), 0.1)?;
+    let mut opt1 = SGD::new(m1.vars.clone(), 0.1)?;
+    let mut scaler = GradScaler::builder()
+        .init_scale(128.0)
+        .growth_interval(1)
+        .build()?;
+    let skip_iter = 2;
+    for i in 0..5u64 {
+        let (x, y) = batch(i)?;
+        let out0 = m0.forward_f32(&x)?;
+        // Model 1's first weight goes through the inf-gradient op at the skip iteration.
+        let out1 = if i == skip_iter && use_scaler {
+            let poisoned = m1.vars[0].as_tensor().apply_op1(InfGrad)?;
+            let h = x
+                .as_candle()
+                .matmul(&poisoned.t()?)?
+                .broadcast_add(m1.vars[1].as_tensor())?
+                .relu()?;
+            m1.l2.forward(&Tensor::<F32>::from_candle(h)?)?
+        } else {
+            m1.forward_f32(&x)?
+        };
+        let mix = |a: f64, b: f64| -> Result<Tensor<F32>> { &(&out0 * a)? + &(&out1 * b)? };
+        let loss0 = loss::mse(&mix(0.3, 0.7)?, &y)?;
+        let loss1 = loss::mse(&mix(0.6, -0.4)?, &y)?;
+        if use_scaler {
+            let mut grads = scaler.scale(&loss0)?.backward()?;
+            grads.accumulate(scaler.scale(&loss1)?.backward()?)?;
+            let grads1 = grads.split_off(&m1.vars);
+            // As PyTorch's test does, unscale one optimizer's gradients separately.
+            let grads0 = scaler.unscale(grads)?;
+            let stepped0 = scaler.step(&mut opt0, grads0)?;
+            let stepped1 = scaler.step(&mut opt1, grads1)?;
+            assert!(stepped0.is_stepped(), "model 0 steps at every iteration");
+            assert_eq!(stepped1.is_skipped(), i == skip_iter);
+            scaler.update();
+        } else {
+            let mut g = loss0.as_candle().backward()?;
+            g.extend(loss1.as_candle().backward()?)?;
+            opt0.step(&g)?;
+            if i != skip_iter {
+                opt1.step(&g)?;
+            }
+        }
+    }
+    Ok((m0.weights()?, m1.weights()?, scaler))
+}
+
+#[test]
+fn multiple_models_and_optimizers_skip_independently() -> Result<()> {
+    let (s0, s1, scaler) = two_models(true)?;
+    let (c0, c1, _) = two_models(false)?;
+    // Power-of-two scales and f32 models: the scaled run equals the control bit for bit.
+    assert_eq!(s0, c0);
+    assert_eq!(s1, c1);
+    // Two growths, one backoff, two growths: 128 * 2 * 2 / 2 * 2 * 2.
+    assert_eq!(scaler.scale_value(), 128.0 * 8.0);
+    assert_eq!(scaler.skipped_steps(), 1);
+    Ok(())
+}
+
+// ---- tracing events. ----
+
+/// Records (level, message) of every event at the scaler's target.
+#[derive(Clone, Default)]
+struct Recorder(Arc<Mutex<Vec<(tracing::Level, String)>>>);
+
+struct Message<'a>(&'a mut String);
+
+impl tracing::field::Visit for Message<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            *self.0 = format!("{value:?}");
+        }
+    }
+}
+
+impl tracing::Subscriber for Recorder {
+    fn enabled(&self, meta: &tracing::Metadata<'_>) -> bool {
+        meta.target() == TRACING_TARGET
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut message = String::new();
+        event.record(&mut Message(&mut message));
+        self.0
+            .lock()
+            .unwrap()
+            .push((*event.metadata().level(), message));
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[test]
+fn skips_and_scale_changes_emit_tracing_events() -> Result<()> {
+    let recorder = Recorder::default();
+    let events = recorder.0.clone();
+    tracing::subscriber::with_default(recorder, || -> Result<()> {
+        let mut scaler = GradScaler::builder().growth_interval(2).build()?;
+        let mut probe = Probe::new()?;
+        let _ = probe.iteration(&mut scaler, 1.0)?; // tracker 1: no event
+        let _ = probe.iteration(&mut scaler, f32::NAN)?; // skip + backoff
+        let _ = probe.iteration(&mut scaler, 1.0)?;
+        let _ = probe.iteration(&mut scaler, 1.0)?; // growth
+        scaler.update(); // nothing recorded since the last update
+        Ok(())
+    })?;
+    let events = events.lock().unwrap().clone();
+    let expected = [
+        (
+            tracing::Level::WARN,
+            "non-finite gradients: optimizer step skipped",
+        ),
+        (tracing::Level::INFO, "loss scale changed"),
+        (tracing::Level::INFO, "loss scale changed"),
+        (
+            tracing::Level::WARN,
+            "update() without an unscale or step since the last update: scale unchanged",
+        ),
+    ];
+    let got: Vec<(tracing::Level, &str)> = events.iter().map(|(l, m)| (*l, m.as_str())).collect();
+    assert_eq!(got, expected);
+    Ok(())
+}
