@@ -3,7 +3,7 @@
 //! or the same training run without a scaler.
 #![allow(clippy::float_cmp)]
 
-use std::sync::{Arc, Mutex};
+use std::cell::RefCell;
 
 use candle_amp::kernels::unscale::{naive_unscale, unscale_in_place};
 use candle_amp::nn::{self, loss};
@@ -420,15 +420,23 @@ struct Mlp {
 }
 
 impl Mlp {
+    const NAMES: [&str; 4] = ["l1.weight", "l1.bias", "l2.weight", "l2.bias"];
+
     fn new(seed: u64) -> Result<Self> {
-        let var =
-            |shape: &[usize], s| -> Result<Var> { Var::from_tensor(&(tensor(shape, s)? * 0.3)?) };
-        let vars = vec![
-            var(&[16, 8], seed)?,
-            var(&[16], seed + 1)?,
-            var(&[4, 16], seed + 2)?,
-            var(&[4], seed + 3)?,
-        ];
+        let init = |shape: &[usize], s| tensor(shape, s)? * 0.3;
+        Self::from_weights(&[
+            init(&[16, 8], seed)?,
+            init(&[16], seed + 1)?,
+            init(&[4, 16], seed + 2)?,
+            init(&[4], seed + 3)?,
+        ])
+    }
+
+    fn from_weights(weights: &[candle_core::Tensor]) -> Result<Self> {
+        let vars = weights
+            .iter()
+            .map(Var::from_tensor)
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             l1: nn::Linear::new(vars[0].clone(), Some(vars[1].clone()))?,
             l2: nn::Linear::new(vars[2].clone(), Some(vars[3].clone()))?,
@@ -499,7 +507,10 @@ fn autocast_with_scaler_tracks_the_f32_control() -> Result<()> {
         last < 0.8 * first,
         "training makes progress: {first} -> {last}"
     );
-    assert_eq!((scaler.scale_value(), scaler.growth_tracker()), (65536.0, 20));
+    assert_eq!(
+        (scaler.scale_value(), scaler.growth_tracker()),
+        (65536.0, 20)
+    );
     for (a, c) in amp.weights()?.iter().zip(control.weights()?) {
         assert!((a - c).abs() <= 5e-3, "{a} vs {c}");
     }
@@ -786,9 +797,15 @@ fn multiple_models_and_optimizers_skip_independently() -> Result<()> {
 
 // ---- tracing events. ----
 
-/// Records (level, message) of every event at the scaler's target.
-#[derive(Clone, Default)]
-struct Recorder(Arc<Mutex<Vec<(tracing::Level, String)>>>);
+thread_local! {
+    /// Events at the scaler's target seen on this thread while recording.
+    static RECORDED: RefCell<Option<Vec<(tracing::Level, String)>>> = const { RefCell::new(None) };
+}
+
+/// A global subscriber that records the scaler's events on threads that asked for it. Global,
+/// not scoped: tracing caches per-callsite interest across threads, and a scoped subscriber
+/// misses events whose callsites other tests' threads registered first.
+struct Recorder;
 
 struct Message<'a>(&'a mut String);
 
@@ -810,22 +827,31 @@ impl tracing::Subscriber for Recorder {
     fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
     fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
     fn event(&self, event: &tracing::Event<'_>) {
-        let mut message = String::new();
-        event.record(&mut Message(&mut message));
-        self.0
-            .lock()
-            .unwrap()
-            .push((*event.metadata().level(), message));
+        RECORDED.with_borrow_mut(|recorded| {
+            if let Some(events) = recorded {
+                let mut message = String::new();
+                event.record(&mut Message(&mut message));
+                events.push((*event.metadata().level(), message));
+            }
+        });
     }
     fn enter(&self, _: &tracing::span::Id) {}
     fn exit(&self, _: &tracing::span::Id) {}
 }
 
+fn recording<T>(f: impl FnOnce() -> Result<T>) -> Result<Vec<(tracing::Level, String)>> {
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL
+        .call_once(|| tracing::subscriber::set_global_default(Recorder).expect("first subscriber"));
+    RECORDED.with_borrow_mut(|r| *r = Some(vec![]));
+    let result = f();
+    let events = RECORDED.with_borrow_mut(Option::take).unwrap_or_default();
+    result.map(|_| events)
+}
+
 #[test]
 fn skips_and_scale_changes_emit_tracing_events() -> Result<()> {
-    let recorder = Recorder::default();
-    let events = recorder.0.clone();
-    tracing::subscriber::with_default(recorder, || -> Result<()> {
+    let events = recording(|| {
         let mut scaler = GradScaler::builder().growth_interval(2).build()?;
         let mut probe = Probe::new()?;
         let _ = probe.iteration(&mut scaler, 1.0)?; // tracker 1: no event
@@ -835,7 +861,6 @@ fn skips_and_scale_changes_emit_tracing_events() -> Result<()> {
         scaler.update(); // nothing recorded since the last update
         Ok(())
     })?;
-    let events = events.lock().unwrap().clone();
     let expected = [
         (
             tracing::Level::WARN,
@@ -850,5 +875,66 @@ fn skips_and_scale_changes_emit_tracing_events() -> Result<()> {
     ];
     let got: Vec<(tracing::Level, &str)> = events.iter().map(|(l, m)| (*l, m.as_str())).collect();
     assert_eq!(got, expected);
+    Ok(())
+}
+
+// ---- Checkpoints: a resumed run continues bit for bit. ----
+
+/// `steps` iterations of fp16 autocast training. The scaler of the test below starts high
+/// enough to skip and back off, and grows every 3 steps; its checkpoint after 9 steps has a
+/// growth tracker of 2, one step before a growth.
+fn train(model: &Mlp, scaler: &mut GradScaler, steps: std::ops::Range<u64>) -> Result<()> {
+    let mut opt = SGD::new(model.vars.clone(), 0.05)?;
+    for i in steps {
+        let (x, y) = batch(i % 5)?;
+        let l = loss::mse(&model.forward_fp16(&x)?, &y)?;
+        let grads = scaler.scale(&l)?.backward()?;
+        let _ = scaler.step(&mut opt, grads)?;
+        scaler.update();
+    }
+    Ok(())
+}
+
+#[test]
+fn a_resumed_run_continues_bit_for_bit() -> Result<()> {
+    let (n, m) = (9, 9);
+    let scaler = || {
+        GradScaler::builder()
+            .init_scale(2.0f64.powi(17))
+            .growth_interval(3)
+            .build()
+    };
+    let straight = Mlp::new(40)?;
+    let mut straight_scaler = scaler()?;
+    train(&straight, &mut straight_scaler, 0..n + m)?;
+
+    let first = Mlp::new(40)?;
+    let mut first_scaler = scaler()?;
+    train(&first, &mut first_scaler, 0..n)?;
+    let mut checkpoint = first_scaler.state().to_tensors("scaler.")?;
+    for (name, var) in Mlp::NAMES.iter().zip(&first.vars) {
+        checkpoint.insert((*name).to_string(), var.as_tensor().clone());
+    }
+    let path = std::env::temp_dir().join(format!(
+        "candle-amp-resume-{}.safetensors",
+        std::process::id()
+    ));
+    candle_core::safetensors::save(&checkpoint, &path)?;
+    drop((first, first_scaler));
+
+    let loaded = candle_core::safetensors::load(&path, &dev())?;
+    std::fs::remove_file(&path).ok();
+    let weights: Vec<_> = Mlp::NAMES.iter().map(|n| loaded[*n].clone()).collect();
+    let resumed = Mlp::from_weights(&weights)?;
+    let mut resumed_scaler = GradScaler::new();
+    resumed_scaler.load_state(ScalerState::from_tensors(&loaded, "scaler.")?)?;
+    train(&resumed, &mut resumed_scaler, n..n + m)?;
+
+    assert!(
+        straight_scaler.skipped_steps() >= 2,
+        "the run exercises skips"
+    );
+    assert_eq!(resumed.weight_bits()?, straight.weight_bits()?);
+    assert_eq!(resumed_scaler.state(), straight_scaler.state());
     Ok(())
 }
