@@ -1,0 +1,509 @@
+//! The performance figures of candle-amp, measured side by side in one run:
+//! `cargo run --release --example bench` prints a table with the targets,
+//! `cargo run --release --example bench -- --json` prints exactly one JSON line on stdout.
+//!
+//! The figures (each ratio is taken between two sides timed in the same loop):
+//!
+//! - `macro_vs_handwritten` (target <= 1.02): the forward of a 3-layer MLP (width 512, batch 64,
+//!   the model of `benches/autocast_overhead.rs`) annotated `#[autocast(fp16)]`, over the same
+//!   forward hand-written in raw candle as careful mixed precision (cast the input, each weight
+//!   and bias to f16 once, f16 matmuls, cast back). Both do the same 8 casts, so this is the cost
+//!   of the macro itself and means the same thing on any device.
+//! - `fused_unscale_gbps`, `memcpy_gbps`, `fused_unscale_vs_memcpy` (target >= 0.7): the fused
+//!   gradient unscale `kernels::unscale::unscale_in_place` over the gradient set of
+//!   `benches/unscale.rs` (35 tensors, 31.7M f32 values: 127 MB), against `copy_from_slice` of
+//!   the same number of bytes into a preallocated, already-written buffer. GB/s are gradient
+//!   bytes (1e9) per second for both, so the ratio is memcpy time over fused time. The fused pass
+//!   reads and writes every byte in place; memcpy reads one buffer and writes another.
+//! - `naive_unscale_vs_fused` (target >= 3): `kernels::unscale::naive_unscale` (per-tensor candle
+//!   ops, one host sync per gradient) over the fused pass, on copies of the same gradients.
+//! - `amp_vs_f32_step` (no target on CPU): one training step of the PyTorch AMP recipe MLP
+//!   (Linear+ReLU, Linear+ReLU, Linear, MSE, SGD lr 1e-3; `--width` 1024, `--batch` 256 by
+//!   default) with `#[autocast(fp16)]` and `GradScaler`, over the same step in plain f32 (the same
+//!   function with `enabled = false`, `backward` and `opt.step`). Only on a GPU with f16 tensor
+//!   cores is this expected below 1. candle's f16 gemm on CPU converts to f32 and back, so on CPU
+//!   it is expected >= 1 and is reported as measured: it shows what the casts and f16 kernels
+//!   cost there, not what AMP buys.
+//!
+//! This example runs on the CPU device: the first three figures are what this crate promises on
+//! CPU, the fourth is only a speed-up figure on a GPU.
+//!
+//! Timing: every side is warmed up (`--warmup` rounds), then the sides take turns (A, B, A, B,
+//! the starting side rotating each round) so that drift and other tenants' noise hit all of them
+//! alike; `--forward-samples` (300), `--samples` (30, unscale) and `--step-samples` (10) rounds
+//! are timed. Each `*_ms` is the median of one side's runs; each ratio is the median over rounds
+//! of the two sides' quotient within a round (runs that were neighbours in time), which a burst
+//! of load cancels out of, so it can differ slightly from the quotient of the two medians. The
+//! default run takes well under a minute on 2 cores. Debug builds refuse to run: their timings
+//! mean nothing.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use candle_amp::kernels::unscale::{naive_unscale, unscale_in_place};
+use candle_amp::nn::{self, loss, Linear};
+use candle_amp::{autocast, GradScaler, Tensor, F32};
+use candle_core::{DType, Device, Result};
+use candle_nn::{Optimizer, VarBuilder, VarMap, SGD};
+use clap::Parser;
+use serde::Serialize;
+
+/// Side-by-side timings of the macro, the fused unscale and an AMP training step.
+#[derive(Parser, Debug)]
+#[command(about)]
+struct Args {
+    /// Print one JSON line on stdout instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Width of the training-step MLP (`amp_vs_f32_step`).
+    #[arg(long, default_value_t = 1024, value_parser = positive)]
+    width: usize,
+    /// Batch size of the training-step MLP (`amp_vs_f32_step`).
+    #[arg(long, default_value_t = 256, value_parser = positive)]
+    batch: usize,
+    /// Timed runs per side for the unscale figures (medians are reported).
+    #[arg(long, default_value_t = 30, value_parser = positive)]
+    samples: usize,
+    /// Timed runs per side for the forward figure (a few ms each, so more of them).
+    #[arg(long, default_value_t = 300, value_parser = positive)]
+    forward_samples: usize,
+    /// Timed runs per side for the training steps (medians are reported).
+    #[arg(long, default_value_t = 10, value_parser = positive)]
+    step_samples: usize,
+    /// Untimed rounds per side before timing.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+}
+
+fn positive(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+// ---- Timing. ----
+
+/// One side of a comparison: a closure run once per sample.
+type Job<'a> = &'a mut dyn FnMut() -> Result<()>;
+
+/// Every timed run of each side, in milliseconds, one entry per round.
+struct Samples(Vec<Vec<f64>>);
+
+impl Samples {
+    /// The median time of side `i`.
+    fn median(&self, i: usize) -> f64 {
+        median(self.0[i].clone())
+    }
+
+    /// The median over rounds of `time(a) / time(b)`: the two runs of one round are neighbours
+    /// in time, so a burst of load from other tenants scales both and cancels in the quotient.
+    fn ratio(&self, a: usize, b: usize) -> f64 {
+        median(
+            self.0[a]
+                .iter()
+                .zip(&self.0[b])
+                .map(|(x, y)| x / y)
+                .collect(),
+        )
+    }
+}
+
+/// Runs every job `warmup` times untimed, then `samples` timed times each, taking turns (the
+/// starting job rotates every round so no side always runs right after the same neighbour).
+fn interleaved(warmup: usize, samples: usize, jobs: &mut [Job<'_>]) -> Result<Samples> {
+    for _ in 0..warmup {
+        for job in jobs.iter_mut() {
+            job()?;
+        }
+    }
+    let n = jobs.len();
+    let mut times = vec![Vec::with_capacity(samples); n];
+    for round in 0..samples {
+        for k in 0..n {
+            let i = (round + k) % n;
+            let start = Instant::now();
+            jobs[i]()?;
+            times[i].push(start.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok(Samples(times))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len().is_multiple_of(2) {
+        f64::midpoint(v[m - 1], v[m])
+    } else {
+        v[m]
+    }
+}
+
+// ---- The MLP: the autocast_overhead model and the PyTorch recipe model (same shape). ----
+
+struct Mlp {
+    layers: Vec<Linear>,
+}
+
+impl Mlp {
+    fn new(width: usize, vb: &VarBuilder) -> Result<Self> {
+        let layers = (0..3)
+            .map(|i| nn::linear(width, width, vb.pp(format!("l{i}"))))
+            .collect::<Result<_>>()?;
+        Ok(Self { layers })
+    }
+
+    #[autocast(fp16)]
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let mut h = x.clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward(&h)?;
+            if i + 1 < self.layers.len() {
+                h = h.relu()?;
+            }
+        }
+        Ok(h)
+    }
+
+    /// The same body; `use_amp = false` is the plain f32 program.
+    #[autocast(fp16, enabled = use_amp)]
+    fn forward_switch(&self, x: &Tensor<F32>, use_amp: bool) -> Result<Tensor<F32>> {
+        let mut h = x.clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward(&h)?;
+            if i + 1 < self.layers.len() {
+                h = h.relu()?;
+            }
+        }
+        Ok(h)
+    }
+
+    /// What a careful candle user writes by hand: the input, each weight and each bias cast to
+    /// f16 once, f16 matmuls, the result cast back.
+    fn forward_by_hand(&self, x: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+        let mut h = x.to_dtype(DType::F16)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let w = layer.weight().as_tensor().to_dtype(DType::F16)?;
+            let b = layer
+                .bias()
+                .ok_or_else(|| candle_core::Error::Msg("layer without bias".into()))?
+                .as_tensor()
+                .to_dtype(DType::F16)?;
+            h = h.matmul(&w.t()?)?.broadcast_add(&b)?;
+            if i + 1 < self.layers.len() {
+                h = h.relu()?;
+            }
+        }
+        h.to_dtype(DType::F32)
+    }
+}
+
+// ---- The three measurements. ----
+
+/// Side 0: `#[autocast(fp16)]`, side 1: hand-written.
+struct Forward(Samples);
+
+fn measure_forward(args: &Args, dev: &Device) -> Result<Forward> {
+    let vars = VarMap::new();
+    let mlp = Mlp::new(512, &VarBuilder::from_varmap(&vars, DType::F32, dev))?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (64, 512), dev)?;
+    let mut by_macro = || -> Result<()> {
+        black_box(mlp.forward(black_box(&x))?);
+        Ok(())
+    };
+    let mut by_hand = || -> Result<()> {
+        black_box(mlp.forward_by_hand(black_box(x.as_candle()))?);
+        Ok(())
+    };
+    let t = interleaved(
+        args.warmup,
+        args.forward_samples,
+        &mut [&mut by_macro, &mut by_hand],
+    )?;
+    Ok(Forward(t))
+}
+
+/// The gradient set of `benches/unscale.rs`: a stack of MLP blocks, a few large matrices and
+/// many small vectors.
+fn gradients(dev: &Device) -> Result<Vec<candle_core::Tensor>> {
+    let mut shapes: Vec<Vec<usize>> = Vec::new();
+    for _ in 0..4 {
+        shapes.extend([vec![2048, 2048], vec![2048], vec![2048, 1536], vec![1536]]);
+        shapes.extend([vec![256, 256], vec![256], vec![256], vec![256]]);
+    }
+    shapes.extend([vec![4096, 512], vec![4096], vec![512]]);
+    shapes
+        .iter()
+        .map(|s| candle_core::Tensor::randn(0f32, 1.0, s.as_slice(), dev))
+        .collect()
+}
+
+struct Unscale {
+    tensors: usize,
+    bytes: usize,
+    /// Sides `FUSED`, `NAIVE`, `MEMCPY`.
+    t: Samples,
+}
+
+const FUSED: usize = 0;
+const NAIVE: usize = 1;
+const MEMCPY: usize = 2;
+
+fn measure_unscale(args: &Args, dev: &Device) -> Result<Unscale> {
+    let mut fused = gradients(dev)?;
+    // A deep copy: the naive side must not share storage with the fused side.
+    let mut naive = fused
+        .iter()
+        .map(candle_core::Tensor::copy)
+        .collect::<Result<Vec<_>>>()?;
+    let n: usize = fused.iter().map(candle_core::Tensor::elem_count).sum();
+    // Both buffers written now (not lazily zeroed pages), so no page faults are timed.
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.5f32; n];
+    // inv_scale 1: the same work as any other factor, and the values stay put across runs.
+    let mut run_fused = || -> Result<()> {
+        black_box(unscale_in_place(&mut fused, black_box(1.0))?);
+        Ok(())
+    };
+    let mut run_naive = || -> Result<()> {
+        black_box(naive_unscale(&mut naive, black_box(1.0))?);
+        Ok(())
+    };
+    let mut run_memcpy = || -> Result<()> {
+        dst.copy_from_slice(black_box(&src));
+        black_box(&mut dst);
+        Ok(())
+    };
+    let t = interleaved(
+        args.warmup,
+        args.samples,
+        &mut [&mut run_fused, &mut run_naive, &mut run_memcpy],
+    )?;
+    Ok(Unscale {
+        tensors: fused.len(),
+        bytes: n * 4,
+        t,
+    })
+}
+
+struct Step {
+    /// Side 0: AMP + GradScaler, side 1: f32.
+    t: Samples,
+    amp_skipped: u64,
+}
+
+fn measure_step(args: &Args, dev: &Device) -> Result<Step> {
+    let vars = VarMap::new();
+    let mlp = Mlp::new(args.width, &VarBuilder::from_varmap(&vars, DType::F32, dev))?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (args.batch, args.width), dev)?;
+    let y = Tensor::<F32>::randn(0.0, 1.0, (args.batch, args.width), dev)?;
+    // Two optimizers over the same master weights: SGD keeps no state, and each side needs its
+    // own `&mut`.
+    let mut amp_opt = SGD::new(vars.all_vars(), 1e-3)?;
+    let mut f32_opt = SGD::new(vars.all_vars(), 1e-3)?;
+    let mut scaler = GradScaler::new();
+    let mut amp_step = || -> Result<()> {
+        let l = loss::mse(&mlp.forward_switch(&x, true)?, &y)?;
+        let grads = scaler.scale(&l)?.backward()?;
+        let _ = scaler.step(&mut amp_opt, grads)?;
+        scaler.update();
+        Ok(())
+    };
+    let mut f32_step = || -> Result<()> {
+        let l = loss::mse(&mlp.forward_switch(&x, false)?, &y)?;
+        let grads = l.as_candle().backward()?;
+        f32_opt.step(&grads)
+    };
+    let t = interleaved(
+        args.warmup,
+        args.step_samples,
+        &mut [&mut amp_step, &mut f32_step],
+    )?;
+    Ok(Step {
+        t,
+        amp_skipped: scaler.skipped_steps(),
+    })
+}
+
+// ---- Report. ----
+
+#[derive(Serialize, Debug)]
+struct Report {
+    macro_vs_handwritten: f64,
+    fused_unscale_gbps: f64,
+    memcpy_gbps: f64,
+    fused_unscale_vs_memcpy: f64,
+    naive_unscale_vs_fused: f64,
+    amp_vs_f32_step: f64,
+    macro_ms: f64,
+    handwritten_ms: f64,
+    fused_ms: f64,
+    naive_ms: f64,
+    memcpy_ms: f64,
+    amp_step_ms: f64,
+    f32_step_ms: f64,
+    amp_skipped_steps: u64,
+    unscale_tensors: usize,
+    unscale_bytes: usize,
+    width: usize,
+    batch: usize,
+    samples: usize,
+    forward_samples: usize,
+    step_samples: usize,
+    device: &'static str,
+    machine: String,
+}
+
+/// `x` rounded to `digits` decimals, so the JSON line stays readable.
+fn round(x: f64, digits: i32) -> f64 {
+    let p = 10f64.powi(digits);
+    (x * p).round() / p
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, name)| name.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let threads = std::thread::available_parallelism()
+        .map_or_else(|_| "unknown".into(), |n| n.get().to_string());
+    format!("{cpu}, {threads} threads")
+}
+
+fn report(args: &Args, f: &Forward, u: &Unscale, s: &Step) -> Report {
+    let gbps = |ms: f64| u.bytes as f64 / (ms * 1e-3) / 1e9;
+    Report {
+        macro_vs_handwritten: round(f.0.ratio(0, 1), 4),
+        fused_unscale_gbps: round(gbps(u.t.median(FUSED)), 2),
+        memcpy_gbps: round(gbps(u.t.median(MEMCPY)), 2),
+        // Same bytes on both sides: fused GB/s over memcpy GB/s is memcpy time over fused time.
+        fused_unscale_vs_memcpy: round(u.t.ratio(MEMCPY, FUSED), 3),
+        naive_unscale_vs_fused: round(u.t.ratio(NAIVE, FUSED), 3),
+        amp_vs_f32_step: round(s.t.ratio(0, 1), 3),
+        macro_ms: round(f.0.median(0), 4),
+        handwritten_ms: round(f.0.median(1), 4),
+        fused_ms: round(u.t.median(FUSED), 3),
+        naive_ms: round(u.t.median(NAIVE), 3),
+        memcpy_ms: round(u.t.median(MEMCPY), 3),
+        amp_step_ms: round(s.t.median(0), 2),
+        f32_step_ms: round(s.t.median(1), 2),
+        amp_skipped_steps: s.amp_skipped,
+        unscale_tensors: u.tensors,
+        unscale_bytes: u.bytes,
+        width: args.width,
+        batch: args.batch,
+        samples: args.samples,
+        forward_samples: args.forward_samples,
+        step_samples: args.step_samples,
+        device: "cpu",
+        machine: machine(),
+    }
+}
+
+fn verdict(met: bool) -> &'static str {
+    if met {
+        "met"
+    } else {
+        "MISSED"
+    }
+}
+
+fn print_table(r: &Report) {
+    println!(
+        "candle-amp bench on {} ({} device; medians of {} runs per side for the forward, {} for \
+         the unscale, {} for the steps)\n",
+        r.machine, r.device, r.forward_samples, r.samples, r.step_samples
+    );
+    println!(
+        "{:<26} {:>8}  {:<10} {:<7} raw",
+        "figure", "value", "target", ""
+    );
+    println!(
+        "{:<26} {:>8.4}  {:<10} {:<7} autocast {:.3} ms, hand-written {:.3} ms",
+        "macro_vs_handwritten",
+        r.macro_vs_handwritten,
+        "<= 1.02",
+        verdict(r.macro_vs_handwritten <= 1.02),
+        r.macro_ms,
+        r.handwritten_ms
+    );
+    println!(
+        "{:<26} {:>8.3}  {:<10} {:<7} fused {:.2} GB/s ({:.3} ms), \
+         memcpy {:.2} GB/s ({:.3} ms), {:.0} MB",
+        "fused_unscale_vs_memcpy",
+        r.fused_unscale_vs_memcpy,
+        ">= 0.7",
+        verdict(r.fused_unscale_vs_memcpy >= 0.7),
+        r.fused_unscale_gbps,
+        r.fused_ms,
+        r.memcpy_gbps,
+        r.memcpy_ms,
+        r.unscale_bytes as f64 / 1e6
+    );
+    println!(
+        "{:<26} {:>8.3}  {:<10} {:<7} naive {:.3} ms, fused {:.3} ms, {} tensors",
+        "naive_unscale_vs_fused",
+        r.naive_unscale_vs_fused,
+        ">= 3",
+        verdict(r.naive_unscale_vs_fused >= 3.0),
+        r.naive_ms,
+        r.fused_ms,
+        r.unscale_tensors
+    );
+    println!(
+        "{:<26} {:>8.3}  {:<10} {:<7} amp {:.2} ms, f32 {:.2} ms (width {}, batch {}, {} skipped)",
+        "amp_vs_f32_step",
+        r.amp_vs_f32_step,
+        "< 1 (GPU)",
+        "n/a cpu",
+        r.amp_step_ms,
+        r.f32_step_ms,
+        r.width,
+        r.batch,
+        r.amp_skipped_steps
+    );
+    println!(
+        "\namp_vs_f32_step has no target on CPU: candle's f16 gemm there converts to f32, so AMP \
+         costs casts and buys nothing; the speed-up needs a GPU with f16 tensor cores."
+    );
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if cfg!(debug_assertions) {
+        return Err(candle_core::Error::Msg(
+            "bench: debug build; timings only mean something in release: \
+             `cargo run --release --example bench`"
+                .into(),
+        ));
+    }
+    let dev = Device::Cpu;
+    let progress = |what: &str| {
+        if !args.json {
+            eprintln!("measuring {what} ...");
+        }
+    };
+    progress("the forward: #[autocast(fp16)] vs hand-written");
+    let forward = measure_forward(&args, &dev)?;
+    progress("the gradient unscale: fused vs naive vs memcpy");
+    let unscale = measure_unscale(&args, &dev)?;
+    progress("the training step: AMP + GradScaler vs f32");
+    let step = measure_step(&args, &dev)?;
+    let r = report(&args, &forward, &unscale, &step);
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string(&r).map_err(candle_core::Error::wrap)?
+        );
+    } else {
+        print_table(&r);
+    }
+    Ok(())
+}

@@ -1,0 +1,138 @@
+//! Shared by the seed-experiment examples: peak-heap accounting, the per-mode result record, the
+//! comparison table, the `--json` object, progress bars and the plots' font.
+#![allow(dead_code)] // each example uses a different subset
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use serde::Serialize;
+
+/// The system allocator, counting live heap bytes and their peak (CPU tensors live on the heap,
+/// so this is `torch.cuda.max_memory_allocated` for the CPU device).
+pub struct CountingAlloc;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            grew(layout.size());
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            grew(layout.size());
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+            grew(new_size);
+        }
+        p
+    }
+}
+
+fn grew(bytes: usize) {
+    let live = LIVE.fetch_add(bytes, Ordering::Relaxed) + bytes;
+    PEAK.fetch_max(live, Ordering::Relaxed);
+}
+
+/// Starts a new peak measurement from the bytes live now (`torch.cuda.reset_peak_memory_stats`).
+pub fn reset_peak() {
+    PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+}
+
+/// Peak live heap bytes since the last [`reset_peak`], above `baseline` (the bytes live when
+/// the mode started: data set and anything else both modes share).
+pub fn peak_since(baseline: usize) -> usize {
+    PEAK.load(Ordering::Relaxed).saturating_sub(baseline)
+}
+
+pub fn live_bytes() -> usize {
+    LIVE.load(Ordering::Relaxed)
+}
+
+/// One mode's figures, the fields of the `--json` object.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModeResult {
+    pub ms_per_step: f64,
+    pub peak_bytes: usize,
+    pub final_loss: f32,
+    pub skipped_steps: u64,
+    pub final_scale: f32,
+}
+
+/// `{"f32": {...}, "amp": {...}}` on one line.
+pub fn json(f32: &ModeResult, amp: &ModeResult) -> String {
+    serde_json::json!({ "f32": f32, "amp": amp }).to_string()
+}
+
+/// The comparison table: one row per mode, then AMP's speedup and memory saving in %.
+pub fn table(title: &str, f32: &ModeResult, amp: &ModeResult) -> String {
+    let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+    let row = |name: &str, r: &ModeResult| {
+        format!(
+            "| {name:<4} | {:>11.2} | {:>14.1} | {:>10.5} | {:>13} | {:>11} |\n",
+            r.ms_per_step,
+            mib(r.peak_bytes),
+            r.final_loss,
+            r.skipped_steps,
+            r.final_scale
+        )
+    };
+    let speedup = (f32.ms_per_step / amp.ms_per_step - 1.0) * 100.0;
+    let saving = (1.0 - amp.peak_bytes as f64 / f32.peak_bytes as f64) * 100.0;
+    format!(
+        "{title}\n\
+         | mode | ms per step | peak heap MiB | final loss | skipped steps | final scale |\n\
+         |------|-------------|----------------|------------|---------------|-------------|\n\
+         {}{}\
+         AMP vs f32: {speedup:+.1}% speed ({:.2}x time), {saving:+.1}% memory saving ({:.2}x peak)\n",
+        row("f32", f32),
+        row("amp", amp),
+        amp.ms_per_step / f32.ms_per_step,
+        amp.peak_bytes as f64 / f32.peak_bytes as f64,
+    )
+}
+
+/// A progress bar on stderr (hidden with `--json`, so stdout stays one JSON object).
+pub fn progress(len: u64, label: &str, hidden: bool) -> indicatif::ProgressBar {
+    if hidden {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{prefix:>5} [{bar:40}] {pos}/{len} {msg} ({eta})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(label.to_string());
+    bar
+}
+
+/// Registers the bundled DejaVu Sans (see assets/DejaVuSans-LICENSE.txt) as plotters'
+/// "sans-serif", so plots render text without system fonts.
+pub fn register_font() {
+    static FONT: &[u8] = include_bytes!("assets/DejaVuSans.ttf");
+    plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, FONT)
+        .map_err(|_| "invalid font")
+        .expect("the bundled font parses");
+}
+
+#[global_allocator]
+static GLOBAL: CountingAlloc = CountingAlloc;
