@@ -21,7 +21,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::f64::consts::PI;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -52,8 +51,8 @@ struct Args {
     #[arg(long, default_value = "target/quantized_sine")]
     out: PathBuf,
     /// Device: `cpu` (CUDA lands with the CUDA issue).
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
+    device: Device,
 }
 
 /// Inputs `(1, 2, size, size)` and target `(1, 1, size, size)`.
@@ -120,42 +119,24 @@ struct Run {
     inference_ms: f64,
 }
 
-/// Initial weights by name, so that both modes start from the same model.
-type Init = HashMap<String, candle_core::Tensor>;
-
-/// Trains a fresh model in one mode, then runs inference; peak heap counted from model creation.
-/// The first call records the initial weights in `init`, later calls start from them.
+/// Trains a fresh model from the `init` weights in one mode, then runs inference; peak heap
+/// counted from model creation.
 fn run(
     args: &Args,
     amp: bool,
     x: &Tensor<F32>,
     target: &Tensor<F32>,
-    init: &mut Option<Init>,
+    init: &common::Init,
 ) -> Result<Run> {
     let base = common::live_bytes();
     common::reset_peak();
     let dev = x.device().clone();
-    let vars = VarMap::new();
+    let mut vars = VarMap::new();
     let model = Model::new(
         args.hidden,
         &VarBuilder::from_varmap(&vars, DType::F32, &dev),
     )?;
-    {
-        let vars = vars
-            .data()
-            .lock()
-            .expect("no other thread holds the var map");
-        if let Some(init) = init {
-            for (name, var) in vars.iter() {
-                var.set(&init[name])?;
-            }
-        } else {
-            let copies = vars
-                .iter()
-                .map(|(n, v)| Ok((n.clone(), v.as_tensor().copy()?)));
-            *init = Some(copies.collect::<Result<_>>()?);
-        }
-    }
+    vars.set(init.iter().map(|(name, t)| (name, t)))?;
     let params = ParamsAdamW {
         lr: 1e-3,
         weight_decay: 0.0,
@@ -201,19 +182,20 @@ fn run(
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let dev = match args.device.as_str() {
-        "cpu" => Device::Cpu,
-        other => candle_core::bail!(
-            "--device {other}: only `cpu` is supported so far (CUDA lands with the CUDA issue)"
-        ),
-    };
+    let dev = args.device.clone();
     if args.size < 2 || args.hidden == 0 || args.epochs == 0 {
         candle_core::bail!("--size must be >= 2, --hidden and --epochs >= 1");
     }
     let (x, target) = data(args.size, &dev)?;
-    let mut init = None;
-    let f32_run = run(&args, false, &x, &target, &mut init)?;
-    let amp_run = run(&args, true, &x, &target, &mut init)?;
+    // One set of initial weights, copied into each mode's fresh model.
+    let init_map = VarMap::new();
+    Model::new(
+        args.hidden,
+        &VarBuilder::from_varmap(&init_map, DType::F32, &dev),
+    )?;
+    let init = common::snapshot(&init_map)?;
+    let f32_run = run(&args, false, &x, &target, &init)?;
+    let amp_run = run(&args, true, &x, &target, &init)?;
 
     let written = plots(&args, &target.to_flat_vec::<f32>()?, &f32_run, &amp_run);
     if args.json {

@@ -49,10 +49,8 @@
 
 mod common;
 
-use std::time::Instant;
-
 use candle_amp::nn::{self, loss};
-use candle_amp::{autocast, GradScaler, Tensor, F32};
+use candle_amp::{autocast, Tensor, F32};
 use candle_core::{DType, Device, Result};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use clap::Parser;
@@ -69,13 +67,13 @@ const SIDE: usize = 32;
 #[derive(Parser, Debug)]
 struct Args {
     /// Batch size.
-    #[arg(long, default_value_t = 64, value_parser = positive)]
+    #[arg(long, default_value_t = 64, value_parser = common::positive)]
     batch: usize,
     /// Random batches per epoch, made once up front.
-    #[arg(long, default_value_t = 6, value_parser = positive)]
+    #[arg(long, default_value_t = 6, value_parser = common::positive)]
     batches: usize,
     /// Epochs.
-    #[arg(long, default_value_t = 5, value_parser = positive)]
+    #[arg(long, default_value_t = 5, value_parser = common::positive)]
     epochs: usize,
     /// AMP on (true) or off (false) in the "amp" run; off, it is the f32 program.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -84,30 +82,8 @@ struct Args {
     #[arg(long)]
     json: bool,
     /// Device to train on: only `cpu` for now.
-    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
-}
-
-/// A count of at least 1 (clap prints the message for 0 or a non-number).
-fn positive(s: &str) -> std::result::Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(0) => Err("must be at least 1".into()),
-        Ok(n) => Ok(n),
-        Err(e) => Err(e.to_string()),
-    }
-}
-
-/// `cpu`, or an error message clap prints (exit code 2) for anything else.
-fn parse_device(name: &str) -> std::result::Result<Device, String> {
-    match name {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" | "gpu" => Err(format!(
-            "`{name}` is not supported yet: candle-amp's CUDA kernels are on the roadmap; use `cpu`"
-        )),
-        _ => Err(format!(
-            "unknown device `{name}`; the only device for now is `cpu`"
-        )),
-    }
 }
 
 /// Conv(3, 32, 3, pad 1) + ReLU + MaxPool(2), Conv(32, 64, 3, pad 1) + ReLU + MaxPool(2),
@@ -161,76 +137,38 @@ fn data(args: &Args) -> Result<Vec<(Tensor<F32>, candle_core::Tensor)>> {
         .collect()
 }
 
-/// Trains a fresh model from the `init` weights for `steps` steps over `data` (in order, cycling)
-/// and measures it; `label` names the progress bar, `None` hides it (the warm-up).
+/// One mode of the seed CNN (see `common::run_mode`): Adam lr 1e-3 on cross-entropy, the
+/// batches in order.
 fn run_mode(
     label: Option<&str>,
-    use_amp: bool,
+    amp: bool,
     args: &Args,
-    init: &[(String, candle_core::Tensor)],
+    init: &common::Init,
     data: &[(Tensor<F32>, candle_core::Tensor)],
     steps: usize,
 ) -> Result<common::ModeResult> {
-    let base = common::live_bytes();
-    common::reset_peak();
-
-    let mut vars = VarMap::new();
-    let model = Cnn::new(&VarBuilder::from_varmap(&vars, DType::F32, &args.device))?;
-    vars.set(init.iter().map(|(name, t)| (name, t)))?;
+    let mode = common::Mode {
+        label,
+        quiet: args.json,
+        amp,
+        steps,
+    };
     let params = ParamsAdamW {
         lr: 1e-3,
         weight_decay: 0.0, // Adam
         ..Default::default()
     };
-    let mut opt = AdamW::new(vars.all_vars(), params)?;
-    let mut scaler = GradScaler::builder().enabled(use_amp).build()?;
-
-    let bar = common::progress(
-        steps as u64,
-        label.unwrap_or(""),
-        args.json || label.is_none(),
-    );
-    let mut start = Instant::now();
-    let mut final_loss = f32::NAN;
-    for step in 0..steps {
-        if step == 1 {
-            start = Instant::now(); // step 0 is the untimed warm-up
-        }
-        let (x, labels) = &data[step % data.len()];
-        let logits = model.forward(x, use_amp)?;
-        let l = loss::cross_entropy(&logits, labels)?;
-        let grads = scaler.scale(&l)?.backward()?;
-        let _ = scaler.step(&mut opt, grads)?; // skips are counted by the scaler
-        scaler.update();
-        final_loss = l.to_scalar::<f32>()?;
-        bar.set_message(format!("loss {final_loss:.5}"));
-        bar.inc(1);
-    }
-    let timed_steps = steps.saturating_sub(1).max(1);
-    let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / timed_steps as f64;
-    bar.finish();
-
-    let result = common::ModeResult {
-        ms_per_step,
-        peak_bytes: common::peak_since(base),
-        final_loss,
-        skipped_steps: scaler.skipped_steps(),
-        final_scale: scaler.scale_value(),
-    };
-    drop((model, opt, vars));
-    Ok(result)
-}
-
-/// Name and tensor of every variable in `map` (the shared initial weights).
-fn snapshot(map: &VarMap) -> Result<Vec<(String, candle_core::Tensor)>> {
-    let data = map
-        .data()
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("the initial weights' lock is poisoned".into()))?;
-    Ok(data
-        .iter()
-        .map(|(name, var)| (name.clone(), var.as_tensor().clone()))
-        .collect())
+    common::run_mode(
+        &mode,
+        init,
+        &args.device,
+        Cnn::new,
+        |vars| AdamW::new(vars, params),
+        |model, step, amp| {
+            let (x, labels) = &data[step % data.len()];
+            loss::cross_entropy(&model.forward(x, amp)?, labels)
+        },
+    )
 }
 
 fn main() -> Result<()> {
@@ -243,7 +181,7 @@ fn main() -> Result<()> {
         DType::F32,
         &args.device,
     ))?;
-    let init = snapshot(&init_map)?;
+    let init = common::snapshot(&init_map)?;
 
     // One untimed, unmeasured step of each mode first: the first use of the thread pool and of
     // gemm's per-thread packing buffers allocates memory that stays for the process, which would

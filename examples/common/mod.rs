@@ -5,6 +5,11 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use std::time::Instant;
+
+use candle_amp::{GradScaler, Tensor, F32};
+use candle_core::{DType, Device, Result, Var};
+use candle_nn::{Optimizer, VarBuilder, VarMap};
 use serde::Serialize;
 
 /// The system allocator, counting live heap bytes and their peak (CPU tensors live on the heap,
@@ -108,6 +113,106 @@ pub fn table(title: &str, f32: &ModeResult, amp: &ModeResult) -> String {
         amp.ms_per_step / f32.ms_per_step,
         amp.peak_bytes as f64 / f32.peak_bytes as f64,
     )
+}
+
+/// A count of at least 1, as a clap value parser (clap prints the message for 0 or a
+/// non-number).
+pub fn positive(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// `--device` as a clap value parser: `cpu`, or an error message clap prints (exit code 2).
+pub fn parse_device(name: &str) -> std::result::Result<Device, String> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" | "gpu" => Err(format!(
+            "`{name}` is not supported yet: candle-amp's CUDA kernels are on the roadmap; use `cpu`"
+        )),
+        _ => Err(format!(
+            "unknown device `{name}`; the only device for now is `cpu`"
+        )),
+    }
+}
+
+/// Initial weights by name, copied into each mode's fresh model.
+pub type Init = Vec<(String, candle_core::Tensor)>;
+
+/// Name and tensor of every variable in `map` (the shared initial weights).
+pub fn snapshot(map: &VarMap) -> Result<Init> {
+    let data = map
+        .data()
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("the initial weights' lock is poisoned".into()))?;
+    Ok(data
+        .iter()
+        .map(|(name, var)| (name.clone(), var.as_tensor().clone()))
+        .collect())
+}
+
+/// How one mode runs: AMP on or off, the number of steps, and the progress bar's label (`None`
+/// hides it, as for the warm-up; `quiet` hides it too, for `--json`).
+pub struct Mode<'a> {
+    pub label: Option<&'a str>,
+    pub quiet: bool,
+    pub amp: bool,
+    pub steps: usize,
+}
+
+/// Trains a fresh model in one mode and measures it: `build` makes the model on a new f32
+/// `VarMap`, which then takes the `init` weights; `optimizer` is made from its variables; each
+/// step runs the GradScaler loop on `loss(model, step, amp)`. Every step but the first (the
+/// untimed warm-up) is timed; peak heap counts from model creation.
+pub fn run_mode<M, O: Optimizer>(
+    mode: &Mode,
+    init: &Init,
+    dev: &Device,
+    build: impl FnOnce(&VarBuilder) -> Result<M>,
+    optimizer: impl FnOnce(Vec<Var>) -> Result<O>,
+    mut loss: impl FnMut(&M, usize, bool) -> Result<Tensor<F32>>,
+) -> Result<ModeResult> {
+    let base = live_bytes();
+    reset_peak();
+
+    let mut vars = VarMap::new();
+    let model = build(&VarBuilder::from_varmap(&vars, DType::F32, dev))?;
+    vars.set(init.iter().map(|(name, t)| (name, t)))?;
+    let mut opt = optimizer(vars.all_vars())?;
+    let mut scaler = GradScaler::builder().enabled(mode.amp).build()?;
+
+    let bar = progress(
+        mode.steps as u64,
+        mode.label.unwrap_or(""),
+        mode.quiet || mode.label.is_none(),
+    );
+    let mut start = Instant::now();
+    let mut final_loss = f32::NAN;
+    for step in 0..mode.steps {
+        if step == 1 {
+            start = Instant::now(); // step 0 is the untimed warm-up
+        }
+        let l = loss(&model, step, mode.amp)?;
+        let grads = scaler.scale(&l)?.backward()?;
+        let _ = scaler.step(&mut opt, grads)?; // skips are counted by the scaler
+        scaler.update();
+        final_loss = l.to_scalar::<f32>()?;
+        bar.set_message(format!("loss {final_loss:.5}"));
+        bar.inc(1);
+    }
+    let timed_steps = mode.steps.saturating_sub(1).max(1);
+    let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / timed_steps as f64;
+    bar.finish();
+
+    Ok(ModeResult {
+        ms_per_step,
+        peak_bytes: peak_since(base),
+        final_loss,
+        skipped_steps: scaler.skipped_steps(),
+        final_scale: scaler.scale_value(),
+    })
 }
 
 /// A progress bar on stderr (hidden with `--json`, so stdout stays one JSON object).
