@@ -3,30 +3,18 @@
 //! per-tensor candle-ops version. Run with `cargo bench --bench unscale`; criterion prints
 //! GB/s for each, measured side by side in one run.
 //!
-//! The gradient set is shaped like a stack of MLP blocks: a few large matrices and many small
-//! vectors, 31.7M f32 values (127 MB, four times this machine's 32 MiB L3), so both sides
-//! stream from memory.
+//! The gradient set is `fixtures::unscale_gradients` (127 MB, larger than the caches), so both
+//! sides stream from memory.
+
+mod fixtures;
 
 use candle_amp::kernels::unscale::{naive_unscale, unscale_in_place};
 use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use std::hint::black_box;
 
-fn gradients() -> Vec<Tensor> {
-    let mut shapes: Vec<Vec<usize>> = Vec::new();
-    for _ in 0..4 {
-        shapes.extend([vec![2048, 2048], vec![2048], vec![2048, 1536], vec![1536]]);
-        shapes.extend([vec![256, 256], vec![256], vec![256], vec![256]]);
-    }
-    shapes.extend([vec![4096, 512], vec![4096], vec![512]]);
-    shapes
-        .iter()
-        .map(|s| Tensor::randn(0f32, 1.0, s.as_slice(), &Device::Cpu).unwrap())
-        .collect()
-}
-
 fn unscale(c: &mut Criterion) {
-    let mut grads = gradients();
+    let mut grads = fixtures::unscale_gradients(&Device::Cpu).unwrap();
     let mut naive = grads.clone();
     let n: usize = grads.iter().map(Tensor::elem_count).sum();
     let src = vec![1.0f32; n];

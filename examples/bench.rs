@@ -37,15 +37,19 @@
 //! default run takes well under a minute on 2 cores. Debug builds refuse to run: their timings
 //! mean nothing.
 
+#[path = "../benches/fixtures/mod.rs"]
+mod fixtures;
+
 use std::hint::black_box;
 use std::time::Instant;
 
 use candle_amp::kernels::unscale::{naive_unscale, unscale_in_place};
-use candle_amp::nn::{self, loss, Linear};
-use candle_amp::{autocast, GradScaler, Tensor, F32};
+use candle_amp::nn::loss;
+use candle_amp::{GradScaler, Tensor, F32};
 use candle_core::{DType, Device, Result};
 use candle_nn::{Optimizer, VarBuilder, VarMap, SGD};
 use clap::Parser;
+use fixtures::Mlp;
 use serde::Serialize;
 
 /// Side-by-side timings of the macro, the fused unscale and an AMP training step.
@@ -141,65 +145,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-// ---- The MLP: the autocast_overhead model and the PyTorch recipe model (same shape). ----
-
-struct Mlp {
-    layers: Vec<Linear>,
-}
-
-impl Mlp {
-    fn new(width: usize, vb: &VarBuilder) -> Result<Self> {
-        let layers = (0..3)
-            .map(|i| nn::linear(width, width, vb.pp(format!("l{i}"))))
-            .collect::<Result<_>>()?;
-        Ok(Self { layers })
-    }
-
-    #[autocast(fp16)]
-    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
-        let mut h = x.clone();
-        for (i, layer) in self.layers.iter().enumerate() {
-            h = layer.forward(&h)?;
-            if i + 1 < self.layers.len() {
-                h = h.relu()?;
-            }
-        }
-        Ok(h)
-    }
-
-    /// The same body; `use_amp = false` is the plain f32 program.
-    #[autocast(fp16, enabled = use_amp)]
-    fn forward_switch(&self, x: &Tensor<F32>, use_amp: bool) -> Result<Tensor<F32>> {
-        let mut h = x.clone();
-        for (i, layer) in self.layers.iter().enumerate() {
-            h = layer.forward(&h)?;
-            if i + 1 < self.layers.len() {
-                h = h.relu()?;
-            }
-        }
-        Ok(h)
-    }
-
-    /// What a careful candle user writes by hand: the input, each weight and each bias cast to
-    /// f16 once, f16 matmuls, the result cast back.
-    fn forward_by_hand(&self, x: &candle_core::Tensor) -> Result<candle_core::Tensor> {
-        let mut h = x.to_dtype(DType::F16)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let w = layer.weight().as_tensor().to_dtype(DType::F16)?;
-            let b = layer
-                .bias()
-                .ok_or_else(|| candle_core::Error::Msg("layer without bias".into()))?
-                .as_tensor()
-                .to_dtype(DType::F16)?;
-            h = h.matmul(&w.t()?)?.broadcast_add(&b)?;
-            if i + 1 < self.layers.len() {
-                h = h.relu()?;
-            }
-        }
-        h.to_dtype(DType::F32)
-    }
-}
-
 // ---- The three measurements. ----
 
 /// Side 0: `#[autocast(fp16)]`, side 1: hand-written.
@@ -225,21 +170,6 @@ fn measure_forward(args: &Args, dev: &Device) -> Result<Forward> {
     Ok(Forward(t))
 }
 
-/// The gradient set of `benches/unscale.rs`: a stack of MLP blocks, a few large matrices and
-/// many small vectors.
-fn gradients(dev: &Device) -> Result<Vec<candle_core::Tensor>> {
-    let mut shapes: Vec<Vec<usize>> = Vec::new();
-    for _ in 0..4 {
-        shapes.extend([vec![2048, 2048], vec![2048], vec![2048, 1536], vec![1536]]);
-        shapes.extend([vec![256, 256], vec![256], vec![256], vec![256]]);
-    }
-    shapes.extend([vec![4096, 512], vec![4096], vec![512]]);
-    shapes
-        .iter()
-        .map(|s| candle_core::Tensor::randn(0f32, 1.0, s.as_slice(), dev))
-        .collect()
-}
-
 struct Unscale {
     tensors: usize,
     bytes: usize,
@@ -252,7 +182,7 @@ const NAIVE: usize = 1;
 const MEMCPY: usize = 2;
 
 fn measure_unscale(args: &Args, dev: &Device) -> Result<Unscale> {
-    let mut fused = gradients(dev)?;
+    let mut fused = fixtures::unscale_gradients(dev)?;
     // A deep copy: the naive side must not share storage with the fused side.
     let mut naive = fused
         .iter()
