@@ -269,6 +269,113 @@ fn batch_norm2d_matches_pytorch_semantics() -> Result<()> {
     Ok(())
 }
 
+/// The batch norm's output and its gradients for the input, the scale and the shift, in every
+/// precision, training and eval, affine or not, from a non-contiguous input: against candle's
+/// autograd through the textbook formula in f64, on the same (rounded) input.
+#[test]
+fn batch_norm2d_gradients_match_an_f64_reference() -> Result<()> {
+    fn check<P: Precision>(train: bool, affine: bool, tol: f64) -> Result<()> {
+        let d = dev();
+        let what = format!("{:?} train={train} affine={affine}", P::DTYPE);
+        let c = 4;
+        let gamma = candle_core::Tensor::new(&[1.5f32, -0.5, 2.0, 0.75], &d)?;
+        let beta = candle_core::Tensor::new(&[0.1f32, -0.2, 0.3, 0.0], &d)?;
+        let mean0 = candle_core::Tensor::new(&[0.2f32, -0.1, 0.5, 1.0], &d)?;
+        let var0 = candle_core::Tensor::new(&[1.5f32, 0.5, 2.0, 0.8], &d)?;
+        let var = |t: &candle_core::Tensor| Var::from_tensor(t);
+        let bn = nn::BatchNorm2d::new(
+            var(&mean0)?,
+            var(&var0)?,
+            affine
+                .then(|| Ok::<_, candle_core::Error>((var(&gamma)?, var(&beta)?)))
+                .transpose()?,
+            1e-5,
+            0.1,
+        )?;
+        // (3, 5, c, 6) transposed to (3, c, 5, 6): a strided input; values in P's grid.
+        let raw = candle_core::Tensor::randn(1f32, 2.0, (3, 5, c, 6), &d)?
+            .to_dtype(P::DTYPE)?
+            .to_dtype(DType::F32)?;
+        let xv = Var::from_tensor(&raw)?;
+        let x = Tensor::<F32>::from_candle(xv.as_tensor().transpose(1, 2)?)?.cast::<P>()?;
+        let r = candle_core::Tensor::randn(0f32, 1.0, (3, c, 5, 6), &d)?
+            .to_dtype(P::DTYPE)?
+            .to_dtype(DType::F32)?;
+        let y = bn.forward_t(&x, train)?;
+        assert_eq!(y.dtype(), P::DTYPE, "{what}");
+        let y = y.cast::<F32>()?.into_candle();
+        let grads = (&y * &r)?.sum_all()?.backward()?;
+
+        // Reference in f64.
+        let f64v = |t: &candle_core::Tensor| Var::from_tensor(&t.to_dtype(DType::F64)?);
+        let (x64, g64, b64) = (f64v(&raw)?, f64v(&gamma)?, f64v(&beta)?);
+        let xt = x64.as_tensor().transpose(1, 2)?;
+        let per_channel = |t: &candle_core::Tensor| t.reshape((1, c, 1, 1));
+        let (mean, v) = if train {
+            let mean = xt.mean_keepdim((0, 2, 3))?;
+            let v = xt.broadcast_sub(&mean)?.sqr()?.mean_keepdim((0, 2, 3))?;
+            (mean, v)
+        } else {
+            (
+                per_channel(&mean0.to_dtype(DType::F64)?)?,
+                per_channel(&var0.to_dtype(DType::F64)?)?,
+            )
+        };
+        let mut want = xt
+            .broadcast_sub(&mean)?
+            .broadcast_div(&(v + 1e-5)?.sqrt()?)?;
+        if affine {
+            want = want
+                .broadcast_mul(&per_channel(g64.as_tensor())?)?
+                .broadcast_add(&per_channel(b64.as_tensor())?)?;
+        }
+        let want_grads = (&want * r.to_dtype(DType::F64)?)?.sum_all()?.backward()?;
+
+        let close = |name: &str, got: &candle_core::Tensor, want: &candle_core::Tensor| {
+            let got = got.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+            let want = want.flatten_all()?.to_vec1::<f64>()?;
+            let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f64, f64::max);
+            assert!(
+                worst <= tol * scale,
+                "{what}: {name} max error {worst} vs scale {scale}"
+            );
+            Ok::<_, candle_core::Error>(())
+        };
+        close("output", &y, &want)?;
+        close("dx", grads.get(&xv).unwrap(), want_grads.get(&x64).unwrap())?;
+        if affine {
+            let (w, b) = (bn.weight().unwrap(), bn.bias().unwrap());
+            close(
+                "dweight",
+                grads.get(w).unwrap(),
+                want_grads.get(&g64).unwrap(),
+            )?;
+            close(
+                "dbias",
+                grads.get(b).unwrap(),
+                want_grads.get(&b64).unwrap(),
+            )?;
+        }
+        // Running statistics move only in training, by PyTorch's rule.
+        let moved = bn.running_mean().to_vec1::<f32>()? != mean0.to_vec1::<f32>()?;
+        assert_eq!(moved, train, "{what}: running mean updated");
+        Ok(())
+    }
+    for train in [true, false] {
+        for affine in [true, false] {
+            check::<F32>(train, affine, 1e-5)?;
+            check::<F16>(train, affine, 4e-3)?;
+            check::<BF16>(train, affine, 3e-2)?;
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn bf16_conv2d_layer_matches_f32_on_cpu() -> Result<()> {
     let (_map, vb) = vars();

@@ -1,9 +1,13 @@
 //! Kernels: the half-precision paths candle 0.11 lacks, and the gradient scaler's fused pass.
 //!
+//! - `batch_norm`: batch norm as one op with its own backward on CPU, keeping only its input and
+//!   per-channel statistics for the backward pass (a composition of candle ops keeps six f32
+//!   intermediates per layer).
 //! - [`conv2d`]: bf16 `conv2d` on CPU (candle fails with "unsupported dtype BF16 for op matmul").
 //! - [`unscale`]: the multi-tensor "multiply by inv_scale in place and record non-finite values"
 //!   pass behind `GradScaler`, one pass over every gradient.
 
+pub(crate) mod batch_norm;
 mod conv2d;
 pub mod unscale;
 

@@ -2,10 +2,10 @@ use candle_core::{DType, Result, Var};
 use candle_nn::{BatchNormConfig, VarBuilder};
 
 use super::{expect_dims, master, weight_as, AmpLayer};
-use crate::fp32;
 use crate::op::{self, Fp32Input};
 use crate::precision::{Precision, F32};
 use crate::tensor::Tensor;
+use crate::{fp32, kernels};
 
 /// Layer norm over the last dimension; an fp32-class op (f32 output, as PyTorch's autocast).
 #[derive(Clone, Debug)]
@@ -108,6 +108,11 @@ pub fn rms_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<RmsNorm> {
 /// On no autocast list: it runs in its input's precision, with f32 scale, shift, running
 /// statistics and computation inside (cuDNN's behaviour). Training normalises with the batch's
 /// biased variance and updates the running statistics with the unbiased one, as PyTorch.
+///
+/// On CPU (f32, f16, bf16) it is one op with its own backward that keeps only its input and two
+/// f32 numbers per channel for the backward pass, as cuDNN does; on other devices it is a
+/// composition of candle ops whose intermediates (six f32 tensors of the input's size) stay in
+/// the graph until `backward`.
 #[derive(Clone, Debug)]
 pub struct BatchNorm2d {
     weight: Option<Var>,
@@ -204,24 +209,69 @@ impl BatchNorm2d {
                 self.running_mean.dim(0)?
             )
         }
+        if train && n * h * w < 2 {
+            candle_core::bail!("BatchNorm2d: training needs more than one value per channel")
+        }
+        if kernels::batch_norm::supports(x.as_candle()) {
+            self.forward_fused(x.as_candle(), train)
+        } else {
+            self.forward_composed(x.as_candle(), train)
+        }
+        .and_then(Tensor::<P>::from_candle)
+    }
+
+    /// The CPU kernel: the graph keeps `x` and per-channel statistics, nothing else.
+    fn forward_fused(&self, x: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
+        let c = self.running_mean.dim(0)?;
+        let (mean, var) = if train {
+            let (mean, var) = kernels::batch_norm::channel_stats(x)?;
+            let to_tensor =
+                |v: &[f64]| candle_core::Tensor::from_iter(v.iter().map(|&v| v as f32), x.device());
+            let count = (x.elem_count() / c) as f64;
+            let unbiased: Vec<f64> = var.iter().map(|v| v * count / (count - 1.0)).collect();
+            self.update_running(&to_tensor(&mean)?, &to_tensor(&unbiased)?)?;
+            (mean, var)
+        } else {
+            let stat = |v: &Var| -> Result<Vec<f64>> {
+                Ok(v.to_vec1::<f32>()?.into_iter().map(f64::from).collect())
+            };
+            (stat(&self.running_mean)?, stat(&self.running_var)?)
+        };
+        let (weight, bias) = match (&self.weight, &self.bias) {
+            (Some(w), Some(b)) => (w.as_tensor().clone(), b.as_tensor().clone()),
+            _ => (
+                candle_core::Tensor::ones(c, DType::F32, x.device())?,
+                candle_core::Tensor::zeros(c, DType::F32, x.device())?,
+            ),
+        };
+        let stats = kernels::batch_norm::Normalisation {
+            mean: mean.iter().map(|&m| m as f32).collect(),
+            invstd: var
+                .iter()
+                .map(|v| (1.0 / (v + self.eps).sqrt()) as f32)
+                .collect(),
+            train,
+            affine: self.weight.is_some(),
+        };
+        kernels::batch_norm::batch_norm(x, &weight, &bias, stats)
+    }
+
+    /// Candle ops (other devices): every intermediate stays in the graph.
+    fn forward_composed(
+        &self,
+        x: &candle_core::Tensor,
+        train: bool,
+    ) -> Result<candle_core::Tensor> {
+        let c = self.running_mean.dim(0)?;
         let per_channel = |v: &candle_core::Tensor| v.reshape((1, c, 1, 1));
-        let x32 = x.as_candle().to_dtype(DType::F32)?;
+        let x32 = x.to_dtype(DType::F32)?;
         let (centered, var) = if train {
-            let count = n * h * w;
-            if count < 2 {
-                candle_core::bail!("BatchNorm2d: training needs more than one value per channel")
-            }
+            let count = (x.elem_count() / c) as f64;
             let mean = x32.mean_keepdim((0, 2, 3))?;
             let centered = x32.broadcast_sub(&mean)?;
             let var = centered.sqr()?.mean_keepdim((0, 2, 3))?;
-            let unbiased = (var.detach() * (count as f64 / (count - 1) as f64))?;
-            let m = self.momentum;
-            let update = |running: &Var, batch: &candle_core::Tensor| -> Result<()> {
-                let batch = batch.detach().flatten_all()?;
-                running.set(&((running.as_tensor() * (1.0 - m))? + (batch * m)?)?)
-            };
-            update(&self.running_mean, &mean)?;
-            update(&self.running_var, &unbiased)?;
+            let unbiased = (var.detach() * (count / (count - 1.0)))?;
+            self.update_running(&mean.flatten_all()?, &unbiased.flatten_all()?)?;
             (centered, var)
         } else {
             let centered = x32.broadcast_sub(&per_channel(self.running_mean.as_tensor())?)?;
@@ -233,7 +283,24 @@ impl BatchNorm2d {
                 .broadcast_mul(&per_channel(wt.as_tensor())?)?
                 .broadcast_add(&per_channel(b.as_tensor())?)?;
         }
-        Tensor::<F32>::wrap(y).cast()
+        y.to_dtype(x.dtype())
+    }
+
+    /// `running = (1 - momentum) * running + momentum * batch` for both statistics, PyTorch's
+    /// update (the variance estimate is the unbiased one).
+    fn update_running(
+        &self,
+        mean: &candle_core::Tensor,
+        unbiased_var: &candle_core::Tensor,
+    ) -> Result<()> {
+        let m = self.momentum;
+        for (running, batch) in [
+            (&self.running_mean, mean),
+            (&self.running_var, unbiased_var),
+        ] {
+            running.set(&((running.as_tensor() * (1.0 - m))? + (batch.detach() * m)?)?)?;
+        }
+        Ok(())
     }
 }
 

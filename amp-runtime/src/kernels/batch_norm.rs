@@ -1,0 +1,429 @@
+//! Batch norm over `(batch, channels, h, w)` as one custom op with its own backward, on CPU.
+//!
+//! A batch norm written as candle ops (mean, subtract, square, mean, add, sqrt, divide, multiply,
+//! add) leaves every intermediate in the autograd graph: six full-size f32 tensors per layer,
+//! whatever the input's precision. That is most of a conv net's activation memory and it hides
+//! what AMP saves. This op keeps what cuDNN keeps: its input (in the input's precision, f16
+//! under autocast) and two f32 numbers per channel (mean and inverse standard deviation).
+//!
+//! All arithmetic is f32 per element with f64 per-channel sums; outputs and the input gradient
+//! are rounded once to the input's dtype. Work is split over channels (statistics) or over
+//! `(n, c)` rows (elementwise passes) on rayon's pool. Other devices keep the composition of
+//! candle ops in `nn::BatchNorm2d` until they get a kernel.
+
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor,
+};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Whether [`channel_stats`] and [`batch_norm`] handle `x`: a 4-d f32, f16 or bf16 tensor on
+/// CPU.
+pub(crate) fn supports(x: &Tensor) -> bool {
+    x.device().is_cpu()
+        && x.rank() == 4
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// Per-channel mean and biased variance of `x` (two passes, f64 sums).
+pub(crate) fn channel_stats(x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
+    let rows = x.contiguous()?.apply_op1_no_bwd(&ChannelStats)?.to_vec2()?;
+    let mut rows = rows.into_iter();
+    Ok((
+        rows.next().unwrap_or_default(),
+        rows.next().unwrap_or_default(),
+    ))
+}
+
+/// `(x - mean) * invstd * weight + bias` per channel, in `x`'s dtype, differentiable in `x`,
+/// `weight` and `bias` (f32 `(channels)` tensors). `train` says that `mean` and `invstd` are the
+/// batch's own statistics, so that the input gradient flows through them too; otherwise they
+/// are constants (running statistics). Without `affine`, `weight` and `bias` are ones and zeros
+/// and get no gradient.
+pub(crate) fn batch_norm(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    stats: Normalisation,
+) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(weight, bias, stats)
+}
+
+/// The per-channel constants of one batch-norm application.
+#[derive(Clone, Debug)]
+pub(crate) struct Normalisation {
+    pub mean: Vec<f32>,
+    pub invstd: Vec<f32>,
+    pub train: bool,
+    pub affine: bool,
+}
+
+/// `(n, c, h * w)` of a contiguous 4-d layout, and the slice of `data` it addresses.
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    n: usize,
+    c: usize,
+    hw: usize,
+}
+
+impl Geometry {
+    fn of(layout: &Layout) -> Result<Self> {
+        match layout.dims() {
+            &[n, c, h, w] => Ok(Self { n, c, hw: h * w }),
+            dims => candle_core::bail!("batch norm kernel: expected 4 dims, got {dims:?}"),
+        }
+    }
+
+    /// Values per channel.
+    fn count(self) -> usize {
+        self.n * self.hw
+    }
+
+    /// The contiguous `(n, c)` rows of channel `c`.
+    fn rows<T>(self, xs: &[T], c: usize) -> impl Iterator<Item = &[T]> {
+        (0..self.n).map(move |n| &xs[(n * self.c + c) * self.hw..][..self.hw])
+    }
+}
+
+/// The elements a contiguous layout addresses.
+fn contiguous<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&data[start..end]),
+        None => candle_core::bail!("batch norm kernel: input must be contiguous"),
+    }
+}
+
+/// An input element type, computed in f32.
+trait Real: Copy + Send + Sync {
+    fn get(self) -> f32;
+    fn put(v: f32) -> Self;
+}
+
+impl Real for f32 {
+    #[inline]
+    fn get(self) -> f32 {
+        self
+    }
+    #[inline]
+    fn put(v: f32) -> Self {
+        v
+    }
+}
+
+impl Real for f16 {
+    #[inline]
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline]
+    fn put(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+impl Real for bf16 {
+    #[inline]
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline]
+    fn put(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+/// Runs `$body` with `$xs` bound to the contiguous elements of an f32, f16 or bf16 storage
+/// (and `$dys` to those of a second storage of the same dtype).
+macro_rules! with_floats {
+    ($storage:expr, $layout:expr, |$xs:ident| $body:expr) => {
+        match $storage {
+            CpuStorage::F32(v) => {
+                let $xs = contiguous(v, $layout)?;
+                $body
+            }
+            CpuStorage::F16(v) => {
+                let $xs = contiguous(v, $layout)?;
+                $body
+            }
+            CpuStorage::BF16(v) => {
+                let $xs = contiguous(v, $layout)?;
+                $body
+            }
+            other => candle_core::bail!(
+                "batch norm kernel: expected f32, f16 or bf16, got {:?}",
+                candle_core::backend::BackendStorage::dtype(other)
+            ),
+        }
+    };
+    ($x:expr, $lx:expr, $dy:expr, $ldy:expr, |$xs:ident, $dys:ident| $body:expr) => {
+        match ($x, $dy) {
+            (CpuStorage::F32(x), CpuStorage::F32(dy)) => {
+                let ($xs, $dys) = (contiguous(x, $lx)?, contiguous(dy, $ldy)?);
+                $body
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(dy)) => {
+                let ($xs, $dys) = (contiguous(x, $lx)?, contiguous(dy, $ldy)?);
+                $body
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(dy)) => {
+                let ($xs, $dys) = (contiguous(x, $lx)?, contiguous(dy, $ldy)?);
+                $body
+            }
+            _ => candle_core::bail!("batch norm kernel: x and dy must share a float dtype"),
+        }
+    };
+}
+
+/// Two f64 values per channel from `x` alone: mean and biased variance.
+struct ChannelStats;
+
+impl CustomOp1 for ChannelStats {
+    fn name(&self) -> &'static str {
+        "amp-batch-norm-stats"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::of(layout)?;
+        let (mean, var): (Vec<f64>, Vec<f64>) = with_floats!(storage, layout, |xs| stats(xs, g));
+        Ok((CpuStorage::F64([mean, var].concat()), Shape::from((2, g.c))))
+    }
+}
+
+fn stats<T: Real>(xs: &[T], g: Geometry) -> (Vec<f64>, Vec<f64>) {
+    let m = g.count() as f64;
+    (0..g.c)
+        .into_par_iter()
+        .map(|c| {
+            let values = || g.rows(xs, c).flatten().map(|x| f64::from(x.get()));
+            let mean = values().sum::<f64>() / m;
+            let var = values().map(|x| (x - mean) * (x - mean)).sum::<f64>() / m;
+            (mean, var)
+        })
+        .unzip()
+}
+
+impl CustomOp3 for Normalisation {
+    fn name(&self) -> &'static str {
+        "amp-batch-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        weight: &CpuStorage,
+        lw: &Layout,
+        bias: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::of(lx)?;
+        let (CpuStorage::F32(w), CpuStorage::F32(b)) = (weight, bias) else {
+            candle_core::bail!("batch norm kernel: weight and bias must be f32")
+        };
+        let (w, b) = (contiguous(w, lw)?, contiguous(b, lb)?);
+        if [w.len(), b.len(), self.mean.len(), self.invstd.len()] != [g.c; 4] {
+            candle_core::bail!(
+                "batch norm kernel: per-channel values do not match {} channels",
+                g.c
+            )
+        }
+        // y = x * scale + shift, scale = invstd * w, shift = b - mean * scale.
+        let scale: Vec<f32> = self.invstd.iter().zip(w).map(|(s, w)| s * w).collect();
+        let shift: Vec<f32> = (0..g.c).map(|c| b[c] - self.mean[c] * scale[c]).collect();
+        let affine = Affine {
+            scale: &scale,
+            shift: &shift,
+        };
+        let y = with_floats!(x, lx, |xs| affine.apply(xs, None, g).into_storage());
+        Ok((y, lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        _bias: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let x = x.contiguous()?;
+        let dy = dy.to_dtype(x.dtype())?.contiguous()?;
+        let sums = x
+            .apply_op2_no_bwd(&dy, &GradSums(self.clone()))?
+            .to_vec2::<f64>()?;
+        let (sum_dy, sum_dy_xhat) = (&sums[0], &sums[1]);
+        let w = weight.to_vec1::<f32>()?;
+        let m = x.elem_count() as f64 / w.len() as f64;
+        // dx = k * dy + p * x + q per channel, with k = w * invstd and, when the statistics
+        // are the batch's: p = -k * invstd * sum(dy * xhat) / m,
+        //                  q = -k * sum(dy) / m - mean * p.
+        let mut grad = InputGrad {
+            k: Vec::with_capacity(w.len()),
+            p: Vec::with_capacity(w.len()),
+            q: Vec::with_capacity(w.len()),
+        };
+        for c in 0..w.len() {
+            let (invstd, mean) = (f64::from(self.invstd[c]), f64::from(self.mean[c]));
+            let k = f64::from(w[c]) * invstd;
+            let (p, q) = if self.train {
+                let p = -k * invstd * sum_dy_xhat[c] / m;
+                (p, -k * sum_dy[c] / m - mean * p)
+            } else {
+                (0.0, 0.0)
+            };
+            grad.k.push(k as f32);
+            grad.p.push(p as f32);
+            grad.q.push(q as f32);
+        }
+        let dx = x.apply_op2_no_bwd(&dy, &grad)?;
+        if !self.affine {
+            return Ok((Some(dx), None, None));
+        }
+        let per_channel = |v: &[f64]| {
+            let v: Vec<f32> = v.iter().map(|&v| v as f32).collect();
+            Tensor::from_vec(v, w.len(), x.device())
+        };
+        Ok((
+            Some(dx),
+            Some(per_channel(sum_dy_xhat)?),
+            Some(per_channel(sum_dy)?),
+        ))
+    }
+}
+
+/// Per-channel `x * scale + shift`: the elementwise pass shared by the forward and the input
+/// gradient, row by row.
+struct Affine<'a> {
+    scale: &'a [f32],
+    shift: &'a [f32],
+}
+
+impl Affine<'_> {
+    /// `out = x * scale + shift (+ k * dy)` per channel, rounded to `T`.
+    fn apply<T: Real>(&self, xs: &[T], extra: Option<(&[T], &[f32])>, g: Geometry) -> Vec<T> {
+        let mut out = vec![T::put(0.0); xs.len()];
+        out.par_chunks_mut(g.hw.max(1))
+            .enumerate()
+            .for_each(|(row, out)| {
+                let c = row % g.c;
+                let (scale, shift) = (self.scale[c], self.shift[c]);
+                let xs = &xs[row * g.hw..][..g.hw];
+                match extra {
+                    None => {
+                        for (o, x) in out.iter_mut().zip(xs) {
+                            *o = T::put(x.get() * scale + shift);
+                        }
+                    }
+                    Some((dys, k)) => {
+                        let (dys, k) = (&dys[row * g.hw..][..g.hw], k[c]);
+                        for ((o, x), dy) in out.iter_mut().zip(xs).zip(dys) {
+                            *o = T::put(k * dy.get() + x.get() * scale + shift);
+                        }
+                    }
+                }
+            });
+        out
+    }
+}
+
+/// A computed `Vec` back into a storage of its dtype.
+trait IntoStorage {
+    fn into_storage(self) -> CpuStorage;
+}
+
+impl IntoStorage for Vec<f32> {
+    fn into_storage(self) -> CpuStorage {
+        CpuStorage::F32(self)
+    }
+}
+
+impl IntoStorage for Vec<f16> {
+    fn into_storage(self) -> CpuStorage {
+        CpuStorage::F16(self)
+    }
+}
+
+impl IntoStorage for Vec<bf16> {
+    fn into_storage(self) -> CpuStorage {
+        CpuStorage::BF16(self)
+    }
+}
+
+/// Per channel, from `x` and `dy`: `sum(dy)` and `sum(dy * xhat)` (f64, shape `(2, channels)`).
+struct GradSums(Normalisation);
+
+impl CustomOp2 for GradSums {
+    fn name(&self) -> &'static str {
+        "amp-batch-norm-grad-sums"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        dy: &CpuStorage,
+        ldy: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::of(lx)?;
+        let (sum_dy, sum_dy_xhat) =
+            with_floats!(x, lx, dy, ldy, |xs, dys| grad_sums(xs, dys, &self.0, g));
+        Ok((
+            CpuStorage::F64([sum_dy, sum_dy_xhat].concat()),
+            Shape::from((2, g.c)),
+        ))
+    }
+}
+
+fn grad_sums<T: Real>(xs: &[T], dys: &[T], n: &Normalisation, g: Geometry) -> (Vec<f64>, Vec<f64>) {
+    (0..g.c)
+        .into_par_iter()
+        .map(|c| {
+            let (mean, invstd) = (n.mean[c], n.invstd[c]);
+            let mut sum_dy = 0f64;
+            let mut sum_dy_xhat = 0f64;
+            for (x, dy) in g.rows(xs, c).zip(g.rows(dys, c)) {
+                // f32 within a row, f64 across rows.
+                let (mut a, mut b) = (0f32, 0f32);
+                for (x, dy) in x.iter().zip(dy) {
+                    let dy = dy.get();
+                    a += dy;
+                    b += dy * (x.get() - mean) * invstd;
+                }
+                sum_dy += f64::from(a);
+                sum_dy_xhat += f64::from(b);
+            }
+            (sum_dy, sum_dy_xhat)
+        })
+        .unzip()
+}
+
+/// The input gradient `dx = k * dy + p * x + q` per channel, in `x`'s dtype.
+struct InputGrad {
+    k: Vec<f32>,
+    p: Vec<f32>,
+    q: Vec<f32>,
+}
+
+impl CustomOp2 for InputGrad {
+    fn name(&self) -> &'static str {
+        "amp-batch-norm-input-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        dy: &CpuStorage,
+        ldy: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::of(lx)?;
+        let affine = Affine {
+            scale: &self.p,
+            shift: &self.q,
+        };
+        let dx = with_floats!(x, lx, dy, ldy, |xs, dys| affine
+            .apply(xs, Some((dys, &self.k)), g)
+            .into_storage());
+        Ok((dx, lx.shape().clone()))
+    }
+}
