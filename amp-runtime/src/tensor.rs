@@ -577,8 +577,8 @@ impl<P: Precision> Tensor<P> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Convolutions: lower-precision ops. bf16 conv2d on CPU, which candle lacks, goes through
-// `crate::kernels`.
+// Convolutions: lower-precision ops. Half-precision conv2d on CPU (bf16, which candle lacks,
+// and f16) goes through `crate::kernels`.
 impl<P: Precision> Tensor<P> {
     /// 1-D convolution; `self` is `(batch, c_in, length)`, `kernel` `(c_out, c_in / groups, k)`.
     pub fn conv1d<Q>(

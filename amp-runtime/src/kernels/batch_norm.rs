@@ -17,6 +17,8 @@ use candle_core::{
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use super::Real;
+
 /// Whether [`channel_stats`] and [`batch_norm`] handle `x`: a 4-d f32, f16 or bf16 tensor on
 /// CPU.
 pub(crate) fn supports(x: &Tensor) -> bool {
@@ -90,45 +92,6 @@ fn contiguous<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
     match layout.contiguous_offsets() {
         Some((start, end)) => Ok(&data[start..end]),
         None => candle_core::bail!("batch norm kernel: input must be contiguous"),
-    }
-}
-
-/// An input element type, computed in f32.
-trait Real: Copy + Send + Sync {
-    fn get(self) -> f32;
-    fn put(v: f32) -> Self;
-}
-
-impl Real for f32 {
-    #[inline]
-    fn get(self) -> f32 {
-        self
-    }
-    #[inline]
-    fn put(v: f32) -> Self {
-        v
-    }
-}
-
-impl Real for f16 {
-    #[inline]
-    fn get(self) -> f32 {
-        self.to_f32()
-    }
-    #[inline]
-    fn put(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-}
-
-impl Real for bf16 {
-    #[inline]
-    fn get(self) -> f32 {
-        self.to_f32()
-    }
-    #[inline]
-    fn put(v: f32) -> Self {
-        bf16::from_f32(v)
     }
 }
 

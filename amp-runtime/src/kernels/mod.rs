@@ -3,7 +3,8 @@
 //! - `batch_norm`: batch norm as one op with its own backward on CPU, keeping only its input and
 //!   per-channel statistics for the backward pass (a composition of candle ops keeps six f32
 //!   intermediates per layer).
-//! - [`conv2d`]: bf16 `conv2d` on CPU (candle fails with "unsupported dtype BF16 for op matmul").
+//! - [`conv2d`]: half-precision `conv2d` on CPU computed in f32 (candle fails on bf16 with
+//!   "unsupported dtype BF16 for op matmul", and its f16 backward is slow).
 //! - [`unscale`]: the multi-tensor "multiply by inv_scale in place and record non-finite values"
 //!   pass behind `GradScaler`, one pass over every gradient.
 
@@ -14,6 +15,46 @@ pub mod unscale;
 pub(crate) use conv2d::{conv2d, Conv2dParams};
 
 use candle_core::Layout;
+use half::{bf16, f16};
+
+/// A kernel element type whose arithmetic is done in f32: read widens, write rounds.
+pub(crate) trait Real: Copy + Send + Sync {
+    fn get(self) -> f32;
+    fn put(v: f32) -> Self;
+}
+
+impl Real for f32 {
+    #[inline]
+    fn get(self) -> f32 {
+        self
+    }
+    #[inline]
+    fn put(v: f32) -> Self {
+        v
+    }
+}
+
+impl Real for f16 {
+    #[inline]
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline]
+    fn put(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+impl Real for bf16 {
+    #[inline]
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline]
+    fn put(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
 
 /// The storage offsets a strided layout addresses, in row-major order of its shape.
 pub(crate) fn strided_offsets(layout: &Layout) -> impl Iterator<Item = usize> + '_ {
