@@ -19,7 +19,7 @@
 //! (50, as the recipe), `--epochs` (3, as the recipe), `--enabled false` (AMP off in the "amp" run,
 //! nothing else changed: it then is the f32 program with a disabled scaler and should match the
 //! f32 row), `--json` (print only `{"f32": {...}, "amp": {...}}` and hide the progress bars),
-//! `--device cpu` (the only device for now; CUDA comes with the CUDA kernels).
+//! `--device cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
 //!
 //! Measured per mode: milliseconds per training step (forward, loss, scaled backward, unscale,
 //! optimizer step, scale update), excluding the mode's first step (it is trained on, just not
@@ -73,7 +73,7 @@ struct Args {
     /// Print one JSON line (`{"f32": {...}, "amp": {...}}`) instead of the table.
     #[arg(long)]
     json: bool,
-    /// Device to train on: only `cpu` for now.
+    /// Device to train on: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
 }

@@ -50,7 +50,7 @@ struct Args {
     /// Where the PNGs go.
     #[arg(long, default_value = "target/quantized_sine")]
     out: PathBuf,
-    /// Device: `cpu` (CUDA lands with the CUDA issue).
+    /// Device: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
 }
@@ -163,6 +163,7 @@ fn run(
 
     let start = Instant::now();
     let output = model.forward(x, false, amp)?;
+    x.device().synchronize()?; // on CUDA, wait for the queued kernels before reading the timer
     let inference_ms = start.elapsed().as_secs_f64() * 1e3;
     let output = output.to_flat_vec::<f32>()?;
     let result = ModeResult {

@@ -12,6 +12,9 @@ use candle_core::{DType, Device, Result, Var};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use serde::Serialize;
 
+mod device;
+pub use device::parse_device;
+
 /// The system allocator, counting live heap bytes and their peak (CPU tensors live on the heap,
 /// so this is `torch.cuda.max_memory_allocated` for the CPU device).
 pub struct CountingAlloc;
@@ -122,19 +125,6 @@ pub fn positive(s: &str) -> std::result::Result<usize, String> {
         Ok(0) => Err("must be at least 1".into()),
         Ok(n) => Ok(n),
         Err(e) => Err(e.to_string()),
-    }
-}
-
-/// `--device` as a clap value parser: `cpu`, or an error message clap prints (exit code 2).
-pub fn parse_device(name: &str) -> std::result::Result<Device, String> {
-    match name {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" | "gpu" => Err(format!(
-            "`{name}` is not supported yet: candle-amp's CUDA kernels are on the roadmap; use `cpu`"
-        )),
-        _ => Err(format!(
-            "unknown device `{name}`; the only device for now is `cpu`"
-        )),
     }
 }
 

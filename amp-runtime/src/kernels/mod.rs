@@ -5,11 +5,15 @@
 //!   intermediates per layer).
 //! - [`conv2d`]: half-precision `conv2d` on CPU computed in f32 (candle fails on bf16 with
 //!   "unsupported dtype BF16 for op matmul", and its f16 backward is slow).
+//! - `cuda` (feature `cuda`): the CUDA backend of the unscale pass, compiled at run time by
+//!   NVRTC.
 //! - [`unscale`]: the multi-tensor "multiply by inv_scale in place and record non-finite values"
 //!   pass behind `GradScaler`, one pass over every gradient.
 
 pub(crate) mod batch_norm;
 mod conv2d;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod unscale;
 
 pub(crate) use conv2d::{conv2d, Conv2dParams};

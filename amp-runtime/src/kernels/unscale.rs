@@ -5,9 +5,9 @@
 //! [`unscale_in_place`] is the one entry point, whatever the device. On CPU it is one pass over
 //! all gradients at once: the gradients' storages are borrowed together and their elements are
 //! cut into chunks that rayon's pool processes in parallel, so a model with many small tensors
-//! costs one parallel pass, not one candle op (and one host sync) per tensor. Other devices take
-//! the per-tensor candle-ops path ([`naive_unscale`]) until they get a backend of their own; the
-//! CUDA issue adds one behind the same function.
+//! costs one parallel pass, not one candle op (and one host sync) per tensor. With the `cuda`
+//! feature, contiguous CUDA gradients go through one kernel launch per dtype and device
+//! (`kernels::cuda`); anything else takes the per-tensor candle-ops path ([`naive_unscale`]).
 //!
 //! The check looks at each value *before* scaling, as PyTorch's kernel does: an inf stays inf
 //! after multiplying by a small `inv_scale`, and a finite value that would overflow cannot occur
@@ -43,22 +43,61 @@ pub fn unscale_in_place(grads: &mut [Tensor], inv_scale: f32) -> Result<Vec<bool
     let mut found = vec![false; grads.len()];
     let (cpu, other): (Vec<usize>, Vec<usize>) =
         (0..grads.len()).partition(|&i| grads[i].device().is_cpu());
-    if !cpu.is_empty() {
-        make_exclusive(grads, &cpu)?;
-        let tensors: Vec<Tensor> = cpu.iter().map(|&i| grads[i].clone()).collect();
-        for (batch, indices) in tensors.chunks(BATCH).zip(cpu.chunks(BATCH)) {
-            let flags = cpu_unscale(batch, inv_scale)?;
-            for (&i, flag) in indices.iter().zip(flags) {
-                found[i] = flag;
+    fused_batches(grads, &cpu, &mut found, |batch| {
+        cpu_unscale(batch, inv_scale)
+    })?;
+    #[cfg(feature = "cuda")]
+    let other = {
+        // Contiguous gradients, one device at a time, through the CUDA kernel; anything else
+        // (a strided CUDA gradient) takes the per-tensor path below.
+        let (cuda, other): (Vec<usize>, Vec<usize>) = other
+            .into_iter()
+            .partition(|&i| grads[i].device().is_cuda() && grads[i].is_contiguous());
+        let mut devices: Vec<candle_core::DeviceLocation> = Vec::new();
+        for &i in &cuda {
+            if !devices.contains(&grads[i].device().location()) {
+                devices.push(grads[i].device().location());
             }
         }
-    }
+        for location in devices {
+            let on_device: Vec<usize> = cuda
+                .iter()
+                .copied()
+                .filter(|&i| grads[i].device().location() == location)
+                .collect();
+            fused_batches(grads, &on_device, &mut found, |batch| {
+                super::cuda::unscale(batch, inv_scale)
+            })?;
+        }
+        other
+    };
     for i in other {
         let (scaled, flag) = naive_unscale_one(&grads[i], inv_scale)?;
         grads[i] = scaled;
         found[i] = flag;
     }
     Ok(found)
+}
+
+/// Runs a fused pass over `grads[indices]`, `BATCH` storages at a time, after making their
+/// storages exclusive; writes each gradient's flag into `found`.
+fn fused_batches(
+    grads: &mut [Tensor],
+    indices: &[usize],
+    found: &mut [bool],
+    mut pass: impl FnMut(&[Tensor]) -> Result<Vec<bool>>,
+) -> Result<()> {
+    if indices.is_empty() {
+        return Ok(());
+    }
+    make_exclusive(grads, indices)?;
+    let tensors: Vec<Tensor> = indices.iter().map(|&i| grads[i].clone()).collect();
+    for (batch, indices) in tensors.chunks(BATCH).zip(indices.chunks(BATCH)) {
+        for (&i, flag) in indices.iter().zip(pass(batch)?) {
+            found[i] = flag;
+        }
+    }
+    Ok(())
 }
 
 /// The same result built from candle ops, one gradient at a time: a finiteness probe (`g - g`

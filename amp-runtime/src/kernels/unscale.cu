@@ -1,0 +1,92 @@
+// The CUDA half of GradScaler's fused pass (PyTorch's _amp_foreach_non_finite_check_and_unscale_):
+// every gradient of one dtype is multiplied by inv_scale in place, in ONE launch, and each
+// gradient that held an inf or NaN before the multiplication sets its flag in `found`.
+//
+// Compiled at run time by NVRTC (no CUDA toolkit needed to build the crate), so it includes no
+// headers: half and bfloat16 values travel as 16-bit integers and are converted here.
+//
+// Launch: one block per chunk. The host builds the chunk table: chunk c covers elements
+// [chunk_start[c], min(chunk_start[c] + chunk, lens[t])) of gradient t = chunk_tensor[c], whose
+// first element is at address ptrs[t]; flag_index[t] is t's slot in `found`.
+
+__device__ __forceinline__ float amp_load(const unsigned short* p, bool bf) {
+    unsigned short bits = *p;
+    if (bf) {
+        return __uint_as_float(((unsigned int)bits) << 16);
+    }
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
+    return f;
+}
+
+__device__ __forceinline__ void amp_store(unsigned short* p, float v, bool bf) {
+    unsigned short bits;
+    if (bf) {
+        unsigned int u = __float_as_uint(v);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            bits = (unsigned short)((u >> 16) | 0x40u); // NaN stays a (quiet) NaN
+        } else {
+            u += 0x7fffu + ((u >> 16) & 1u);           // round to nearest, ties to even
+            bits = (unsigned short)(u >> 16);
+        }
+    } else {
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(v));
+    }
+    *p = bits;
+}
+
+#define AMP_CHUNK_PROLOGUE                                                   \
+    const unsigned int c = blockIdx.x;                                       \
+    const unsigned int t = chunk_tensor[c];                                  \
+    const unsigned long long start = chunk_start[c];                         \
+    const unsigned long long stop =                                          \
+        start + chunk < lens[t] ? start + chunk : lens[t];                   \
+    bool bad = false;
+
+#define AMP_CHUNK_EPILOGUE                                                   \
+    if (__syncthreads_or(bad) && threadIdx.x == 0) {                         \
+        found[flag_index[t]] = 1u;                                           \
+    }
+
+#define AMP_UNSCALE_ARGS                                                     \
+    const unsigned long long* ptrs, const unsigned long long* lens,         \
+    const unsigned int* flag_index, const unsigned int* chunk_tensor,        \
+    const unsigned long long* chunk_start, unsigned int chunk,               \
+    float inv_scale, unsigned int* found
+
+extern "C" __global__ void amp_unscale_f32(AMP_UNSCALE_ARGS) {
+    AMP_CHUNK_PROLOGUE
+    float* x = (float*)ptrs[t];
+    for (unsigned long long i = start + threadIdx.x; i < stop; i += blockDim.x) {
+        float v = x[i];
+        bad |= !isfinite(v);
+        x[i] = v * inv_scale;
+    }
+    AMP_CHUNK_EPILOGUE
+}
+
+extern "C" __global__ void amp_unscale_f64(AMP_UNSCALE_ARGS) {
+    AMP_CHUNK_PROLOGUE
+    double* x = (double*)ptrs[t];
+    for (unsigned long long i = start + threadIdx.x; i < stop; i += blockDim.x) {
+        double v = x[i];
+        bad |= !isfinite(v);
+        x[i] = v * (double)inv_scale;
+    }
+    AMP_CHUNK_EPILOGUE
+}
+
+#define AMP_UNSCALE_HALF(NAME, BF)                                           \
+extern "C" __global__ void NAME(AMP_UNSCALE_ARGS) {                          \
+    AMP_CHUNK_PROLOGUE                                                       \
+    unsigned short* x = (unsigned short*)ptrs[t];                            \
+    for (unsigned long long i = start + threadIdx.x; i < stop; i += blockDim.x) { \
+        float v = amp_load(x + i, BF);                                       \
+        bad |= !isfinite(v);                                                 \
+        amp_store(x + i, v * inv_scale, BF);                                 \
+    }                                                                        \
+    AMP_CHUNK_EPILOGUE                                                       \
+}
+
+AMP_UNSCALE_HALF(amp_unscale_f16, false)
+AMP_UNSCALE_HALF(amp_unscale_bf16, true)
