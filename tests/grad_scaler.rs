@@ -13,6 +13,8 @@ use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, V
 use candle_nn::{Optimizer, SGD};
 use half::{bf16, f16};
 
+mod common;
+
 fn dev() -> Device {
     Device::Cpu
 }
@@ -31,8 +33,12 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 }
 
 fn tensor(shape: &[usize], seed: u64) -> Result<candle_core::Tensor> {
+    tensor_on(shape, seed, &dev())
+}
+
+fn tensor_on(shape: &[usize], seed: u64, dev: &Device) -> Result<candle_core::Tensor> {
     let n = shape.iter().product();
-    candle_core::Tensor::from_vec(values(n, seed), shape, &dev())
+    candle_core::Tensor::from_vec(values(n, seed), shape, dev)
 }
 
 fn bits(t: &candle_core::Tensor) -> Result<Vec<u32>> {
@@ -69,15 +75,14 @@ fn unscale_multiplies_contiguous_and_strided_gradients_in_place() -> Result<()> 
     Ok(())
 }
 
-#[test]
-fn unscale_flags_exactly_the_gradient_holding_inf_or_nan() -> Result<()> {
+fn unscale_flags_exactly_the_gradient_holding_inf_or_nan(dev: &Device) -> Result<()> {
     for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
         let mut data = vec![4.0f32; 70_000];
         data[65_537] = bad; // in the third chunk
         let mut grads = vec![
-            candle_core::Tensor::full(4.0f32, (3, 3), &dev())?,
-            candle_core::Tensor::from_vec(data, 70_000, &dev())?,
-            candle_core::Tensor::full(4.0f32, (3, 3), &dev())?.t()?,
+            candle_core::Tensor::full(4.0f32, (3, 3), dev)?,
+            candle_core::Tensor::from_vec(data, 70_000, dev)?,
+            candle_core::Tensor::full(4.0f32, (3, 3), dev)?.t()?,
         ];
         let found = unscale_in_place(&mut grads, 0.25)?;
         assert_eq!(found, vec![false, true, false], "{bad}");
@@ -87,15 +92,21 @@ fn unscale_flags_exactly_the_gradient_holding_inf_or_nan() -> Result<()> {
     }
     Ok(())
 }
+test_device!(
+    unscale_flags_exactly_the_gradient_holding_inf_or_nan,
+    unscale_flags_inf_nan_cpu,
+    unscale_flags_inf_nan_cuda
+);
 
-#[test]
-fn unscale_matches_the_candle_ops_version_for_every_float_dtype() -> Result<()> {
+fn unscale_matches_the_candle_ops_version_for_every_float_dtype(dev: &Device) -> Result<()> {
     let inv = (1.0 / 65536.0f64) as f32;
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         let make = |seed| -> Result<Vec<candle_core::Tensor>> {
             [(7, 9), (1, 40_000), (3, 5)]
                 .iter()
-                .map(|&shape| (tensor(&[shape.0, shape.1], seed)? * 1000.0)?.to_dtype(dtype))
+                .map(|&shape| {
+                    (tensor_on(&[shape.0, shape.1], seed, dev)? * 1000.0)?.to_dtype(dtype)
+                })
                 .collect()
         };
         let mut fused = make(3)?;
@@ -114,24 +125,25 @@ fn unscale_matches_the_candle_ops_version_for_every_float_dtype() -> Result<()> 
         }
     }
     // Half precision is scaled in f32 and rounded once, as PyTorch does.
-    let mut h = vec![candle_core::Tensor::new(&[f16::from_f32(3.0)], &dev())?];
+    let mut h = vec![candle_core::Tensor::new(&[f16::from_f32(3.0)], dev)?];
     unscale_in_place(&mut h, 1.0 / 3.0)?;
     assert_eq!(
         h[0].to_vec1::<f16>()?[0],
         f16::from_f32(3.0 * (1.0f32 / 3.0))
     );
-    let mut b = vec![candle_core::Tensor::new(
-        &[bf16::from_f32(f32::NAN)],
-        &dev(),
-    )?];
+    let mut b = vec![candle_core::Tensor::new(&[bf16::from_f32(f32::NAN)], dev)?];
     assert_eq!(unscale_in_place(&mut b, 0.5)?, vec![true]);
     Ok(())
 }
+test_device!(
+    unscale_matches_the_candle_ops_version_for_every_float_dtype,
+    unscale_matches_naive_cpu,
+    unscale_matches_naive_cuda
+);
 
-#[test]
-fn unscale_scales_shared_and_broadcast_storage_once() -> Result<()> {
-    let g = candle_core::Tensor::full(8.0f32, 4, &dev())?;
-    let wide = candle_core::Tensor::full(8.0f32, (1, 3), &dev())?.broadcast_as((2, 3))?;
+fn unscale_scales_shared_and_broadcast_storage_once(dev: &Device) -> Result<()> {
+    let g = candle_core::Tensor::full(8.0f32, 4, dev)?;
+    let wide = candle_core::Tensor::full(8.0f32, (1, 3), dev)?.broadcast_as((2, 3))?;
     let mut grads = vec![g.clone(), g.clone(), wide];
     unscale_in_place(&mut grads, 0.5)?;
     for grad in &grads {
@@ -141,11 +153,16 @@ fn unscale_scales_shared_and_broadcast_storage_once() -> Result<()> {
             .iter()
             .all(|&v| v == 4.0));
     }
-    let ints = candle_core::Tensor::new(&[1u32], &dev())?;
+    let ints = candle_core::Tensor::new(&[1u32], dev)?;
     let err = unscale_in_place(&mut [ints], 0.5).unwrap_err().to_string();
     assert!(err.contains("must be f32, f64, f16 or bf16"), "{err}");
     Ok(())
 }
+test_device!(
+    unscale_scales_shared_and_broadcast_storage_once,
+    unscale_shared_storage_once_cpu,
+    unscale_shared_storage_once_cuda
+);
 
 // ---- A tiny model whose gradient is chosen by the test: loss = sum(w * c), dL/dw = c. ----
 

@@ -9,13 +9,19 @@ use candle_amp::{fp32, Op, OpClass, Precision, Tensor, BF16, F16, F32};
 use candle_core::{DType, Device, Result, Var};
 use candle_nn::{VarBuilder, VarMap};
 
+mod common;
+
 fn dev() -> Device {
     Device::Cpu
 }
 
 fn vars() -> (VarMap, VarBuilder<'static>) {
+    vars_on(&dev())
+}
+
+fn vars_on(dev: &Device) -> (VarMap, VarBuilder<'static>) {
     let map = VarMap::new();
-    let vb = VarBuilder::from_varmap(&map, DType::F32, &dev());
+    let vb = VarBuilder::from_varmap(&map, DType::F32, dev);
     (map, vb)
 }
 
@@ -52,19 +58,19 @@ fn assert_every_parameter_learns(what: &str, map: &VarMap, loss: &Tensor<F32>) -
 /// A loss that depends on every output element with distinct weights.
 fn weighted_loss<P: Precision>(y: &Tensor<P>) -> Result<Tensor<F32>> {
     let y = y.cast::<F32>()?;
-    let w = Tensor::<F32>::rand(0.5, 1.5, y.dims(), &dev())?;
+    let w = Tensor::<F32>::rand(0.5, 1.5, y.dims(), y.device())?;
     (&y * &w)?.sqr()?.mean_all()
 }
 
-fn lower_precision_layers_learn<P: Precision>() -> Result<()> {
-    let (map, vb) = vars();
+fn lower_precision_layers_learn<P: Precision>(dev: &Device) -> Result<()> {
+    let (map, vb) = vars_on(dev);
     let fc = nn::linear(6, 5, vb.pp("fc"))?;
-    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 6), &dev())?.cast::<P>()?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 6), dev)?.cast::<P>()?;
     let y = fc.forward(&x)?;
     assert_eq!((y.dtype(), y.dims()), (P::DTYPE, &[2, 3, 5][..]));
     assert_every_parameter_learns("Linear", &map, &weighted_loss(&y)?)?;
 
-    let (map, vb) = vars();
+    let (map, vb) = vars_on(dev);
     let c1 = nn::conv1d(
         3,
         4,
@@ -75,25 +81,25 @@ fn lower_precision_layers_learn<P: Precision>() -> Result<()> {
         },
         vb.pp("c1"),
     )?;
-    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 9), &dev())?.cast::<P>()?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 9), dev)?.cast::<P>()?;
     let y = c1.forward(&x)?;
     assert_eq!((y.dtype(), y.dims()), (P::DTYPE, &[2, 4, 9][..]));
     assert_every_parameter_learns("Conv1d", &map, &weighted_loss(&y)?)?;
 
-    let (map, vb) = vars();
+    let (map, vb) = vars_on(dev);
     let cfg = nn::Conv2dConfig {
         padding: 1,
         stride: 2,
         ..Default::default()
     };
     let c2 = nn::conv2d(3, 4, 3, cfg, vb.pp("c2"))?;
-    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 8, 8), &dev())?.cast::<P>()?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 8, 8), dev)?.cast::<P>()?;
     let y = c2.forward(&x)?;
     assert_eq!((y.dtype(), y.dims()), (P::DTYPE, &[2, 4, 4, 4][..]));
     assert_every_parameter_learns("Conv2d", &map, &weighted_loss(&y)?)?;
 
     // Pooling between layers keeps the precision and passes gradients on.
-    let (map, vb) = vars();
+    let (map, vb) = vars_on(dev);
     let c2 = nn::conv2d_no_bias(3, 4, 3, nn::Conv2dConfig::default(), vb.pp("c2"))?;
     let y = nn::MaxPool2d::new(2).forward(&c2.forward(&x)?)?;
     let y = nn::AvgPool2d::new(2).forward(&y)?;
@@ -101,7 +107,7 @@ fn lower_precision_layers_learn<P: Precision>() -> Result<()> {
     assert_every_parameter_learns("Conv2d + pools", &map, &weighted_loss(&y)?)?;
 
     // Batch norm: input precision out, f32 parameters and statistics inside.
-    let (map, vb) = vars();
+    let (map, vb) = vars_on(dev);
     let bn = nn::batch_norm2d(3, 1e-5, vb.pp("bn"))?;
     let y = bn.forward_train(&x)?;
     assert_eq!(y.dtype(), P::DTYPE);
@@ -109,20 +115,32 @@ fn lower_precision_layers_learn<P: Precision>() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn lower_precision_layers_learn_f32() -> Result<()> {
-    lower_precision_layers_learn::<F32>()
+fn lower_precision_layers_learn_f32(dev: &Device) -> Result<()> {
+    lower_precision_layers_learn::<F32>(dev)
 }
+test_device!(
+    lower_precision_layers_learn_f32,
+    lower_precision_layers_learn_f32_cpu,
+    lower_precision_layers_learn_f32_cuda
+);
 
-#[test]
-fn lower_precision_layers_learn_f16() -> Result<()> {
-    lower_precision_layers_learn::<F16>()
+fn lower_precision_layers_learn_f16(dev: &Device) -> Result<()> {
+    lower_precision_layers_learn::<F16>(dev)
 }
+test_device!(
+    lower_precision_layers_learn_f16,
+    lower_precision_layers_learn_f16_cpu,
+    lower_precision_layers_learn_f16_cuda
+);
 
-#[test]
-fn lower_precision_layers_learn_bf16() -> Result<()> {
-    lower_precision_layers_learn::<BF16>()
+fn lower_precision_layers_learn_bf16(dev: &Device) -> Result<()> {
+    lower_precision_layers_learn::<BF16>(dev)
 }
+test_device!(
+    lower_precision_layers_learn_bf16,
+    lower_precision_layers_learn_bf16_cpu,
+    lower_precision_layers_learn_bf16_cuda
+);
 
 #[test]
 fn fp32_layers_learn_from_every_precision() -> Result<()> {
@@ -272,16 +290,14 @@ fn batch_norm2d_matches_pytorch_semantics() -> Result<()> {
 /// The batch norm's output and its gradients for the input, the scale and the shift, in every
 /// precision, training and eval, affine or not, from a non-contiguous input: against candle's
 /// autograd through the textbook formula in f64, on the same (rounded) input.
-#[test]
-fn batch_norm2d_gradients_match_an_f64_reference() -> Result<()> {
-    fn check<P: Precision>(train: bool, affine: bool, tol: f64) -> Result<()> {
-        let d = dev();
+fn batch_norm2d_gradients_match_an_f64_reference(d: &Device) -> Result<()> {
+    fn check<P: Precision>(d: &Device, train: bool, affine: bool, tol: f64) -> Result<()> {
         let what = format!("{:?} train={train} affine={affine}", P::DTYPE);
         let c = 4;
-        let gamma = candle_core::Tensor::new(&[1.5f32, -0.5, 2.0, 0.75], &d)?;
-        let beta = candle_core::Tensor::new(&[0.1f32, -0.2, 0.3, 0.0], &d)?;
-        let mean0 = candle_core::Tensor::new(&[0.2f32, -0.1, 0.5, 1.0], &d)?;
-        let var0 = candle_core::Tensor::new(&[1.5f32, 0.5, 2.0, 0.8], &d)?;
+        let gamma = candle_core::Tensor::new(&[1.5f32, -0.5, 2.0, 0.75], d)?;
+        let beta = candle_core::Tensor::new(&[0.1f32, -0.2, 0.3, 0.0], d)?;
+        let mean0 = candle_core::Tensor::new(&[0.2f32, -0.1, 0.5, 1.0], d)?;
+        let var0 = candle_core::Tensor::new(&[1.5f32, 0.5, 2.0, 0.8], d)?;
         let var = |t: &candle_core::Tensor| Var::from_tensor(t);
         let bn = nn::BatchNorm2d::new(
             var(&mean0)?,
@@ -293,12 +309,12 @@ fn batch_norm2d_gradients_match_an_f64_reference() -> Result<()> {
             0.1,
         )?;
         // (3, 5, c, 6) transposed to (3, c, 5, 6): a strided input; values in P's grid.
-        let raw = candle_core::Tensor::randn(1f32, 2.0, (3, 5, c, 6), &d)?
+        let raw = candle_core::Tensor::randn(1f32, 2.0, (3, 5, c, 6), d)?
             .to_dtype(P::DTYPE)?
             .to_dtype(DType::F32)?;
         let xv = Var::from_tensor(&raw)?;
         let x = Tensor::<F32>::from_candle(xv.as_tensor().transpose(1, 2)?)?.cast::<P>()?;
-        let r = candle_core::Tensor::randn(0f32, 1.0, (3, c, 5, 6), &d)?
+        let r = candle_core::Tensor::randn(0f32, 1.0, (3, c, 5, 6), d)?
             .to_dtype(P::DTYPE)?
             .to_dtype(DType::F32)?;
         let y = bn.forward_t(&x, train)?;
@@ -368,13 +384,18 @@ fn batch_norm2d_gradients_match_an_f64_reference() -> Result<()> {
     }
     for train in [true, false] {
         for affine in [true, false] {
-            check::<F32>(train, affine, 1e-5)?;
-            check::<F16>(train, affine, 4e-3)?;
-            check::<BF16>(train, affine, 3e-2)?;
+            check::<F32>(d, train, affine, 1e-5)?;
+            check::<F16>(d, train, affine, 4e-3)?;
+            check::<BF16>(d, train, affine, 3e-2)?;
         }
     }
     Ok(())
 }
+test_device!(
+    batch_norm2d_gradients_match_an_f64_reference,
+    batch_norm2d_gradients_cpu,
+    batch_norm2d_gradients_cuda
+);
 
 #[test]
 fn bf16_conv2d_layer_matches_f32_on_cpu() -> Result<()> {
