@@ -15,9 +15,9 @@
 //!
 //! Prints a table (time per step, peak heap, final loss, skipped steps, final scale; AMP's
 //! speedup and memory saving) and writes `outputs.png` (target | f32 | AMP) and `loss.png` (both
-//! loss curves) to `--out` (default `target/quantized_sine`). On CPU, candle's f16 convolution
-//! is no faster than f32 (its gemm converts to f32), so expect AMP to be slower here; the
-//! blog's 46% speedup needs a GPU (the CUDA issue).
+//! loss curves) to `--out` (default `target/quantized_sine`). On CPU, a half convolution is
+//! computed in f32 after a conversion, so expect AMP to be slower here; the blog's 46% speedup
+//! needs a GPU (`--device cuda` in a `--features cuda` build).
 
 mod common;
 

@@ -146,8 +146,11 @@ fn launch_all(
 struct Borrow<'a> {
     rest: &'a [Tensor],
     views: RefCell<&'a mut Vec<View>>,
-    body: RefCell<&'a mut dyn FnMut(&[View]) -> Result<()>>,
+    body: RefCell<&'a mut Body<'a>>,
 }
+
+/// The work done while every storage is borrowed.
+type Body<'a> = dyn FnMut(&[View]) -> Result<()> + 'a;
 
 impl InplaceOp1 for Borrow<'_> {
     fn name(&self) -> &'static str {
@@ -189,7 +192,7 @@ impl InplaceOp1 for Borrow<'_> {
 fn with_views(
     tensors: &[Tensor],
     views: &mut Vec<View>,
-    body: &mut dyn FnMut(&[View]) -> Result<()>,
+    body: &mut Body<'_>,
 ) -> Result<()> {
     match tensors.split_first() {
         None => body(views),

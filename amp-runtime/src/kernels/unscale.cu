@@ -54,28 +54,23 @@ __device__ __forceinline__ void amp_store(unsigned short* p, float v, bool bf) {
     const unsigned long long* chunk_start, unsigned int chunk,               \
     float inv_scale, unsigned int* found
 
-extern "C" __global__ void amp_unscale_f32(AMP_UNSCALE_ARGS) {
-    AMP_CHUNK_PROLOGUE
-    float* x = (float*)ptrs[t];
-    for (unsigned long long i = start + threadIdx.x; i < stop; i += blockDim.x) {
-        float v = x[i];
-        bad |= !isfinite(v);
-        x[i] = v * inv_scale;
-    }
-    AMP_CHUNK_EPILOGUE
+// f32 and f64 in place; the f64 kernel multiplies by the widened f32 inv_scale, as on CPU.
+#define AMP_UNSCALE_FLOAT(NAME, T)                                           \
+extern "C" __global__ void NAME(AMP_UNSCALE_ARGS) {                          \
+    AMP_CHUNK_PROLOGUE                                                       \
+    T* x = (T*)ptrs[t];                                                      \
+    for (unsigned long long i = start + threadIdx.x; i < stop; i += blockDim.x) { \
+        T v = x[i];                                                          \
+        bad |= !isfinite(v);                                                 \
+        x[i] = v * (T)inv_scale;                                             \
+    }                                                                        \
+    AMP_CHUNK_EPILOGUE                                                       \
 }
 
-extern "C" __global__ void amp_unscale_f64(AMP_UNSCALE_ARGS) {
-    AMP_CHUNK_PROLOGUE
-    double* x = (double*)ptrs[t];
-    for (unsigned long long i = start + threadIdx.x; i < stop; i += blockDim.x) {
-        double v = x[i];
-        bad |= !isfinite(v);
-        x[i] = v * (double)inv_scale;
-    }
-    AMP_CHUNK_EPILOGUE
-}
+AMP_UNSCALE_FLOAT(amp_unscale_f32, float)
+AMP_UNSCALE_FLOAT(amp_unscale_f64, double)
 
+// f16 and bf16: computed in f32, rounded once.
 #define AMP_UNSCALE_HALF(NAME, BF)                                           \
 extern "C" __global__ void NAME(AMP_UNSCALE_ARGS) {                          \
     AMP_CHUNK_PROLOGUE                                                       \
