@@ -189,11 +189,7 @@ impl InplaceOp1 for Borrow<'_> {
 }
 
 /// Runs `body` with every tensor's storage write-borrowed at once.
-fn with_views(
-    tensors: &[Tensor],
-    views: &mut Vec<View>,
-    body: &mut Body<'_>,
-) -> Result<()> {
+fn with_views(tensors: &[Tensor], views: &mut Vec<View>, body: &mut Body<'_>) -> Result<()> {
     match tensors.split_first() {
         None => body(views),
         Some((first, rest)) => first.inplace_op1(&Borrow {
