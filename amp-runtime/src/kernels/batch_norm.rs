@@ -60,7 +60,7 @@ pub(crate) struct Normalisation {
     pub affine: bool,
 }
 
-/// `(n, c, h * w)` of a contiguous 4-d layout, and the slice of `data` it addresses.
+/// `(n, c, h * w)` of a 4-d layout.
 #[derive(Clone, Copy, Debug)]
 struct Geometry {
     n: usize,
@@ -190,12 +190,13 @@ impl CustomOp3 for Normalisation {
                 g.c
             )
         }
-        // y = x * scale + shift, scale = invstd * w, shift = b - mean * scale.
+        // y = (x - mean) * scale + b, scale = invstd * w. Centering first keeps the accuracy
+        // of inputs whose mean is large against their spread.
         let scale: Vec<f32> = self.invstd.iter().zip(w).map(|(s, w)| s * w).collect();
-        let shift: Vec<f32> = (0..g.c).map(|c| b[c] - self.mean[c] * scale[c]).collect();
         let affine = Affine {
+            center: &self.mean,
             scale: &scale,
-            shift: &shift,
+            shift: b,
         };
         let y = with_floats!(x, lx, |xs| affine.apply(xs, None, g).into_storage());
         Ok((y, lx.shape().clone()))
@@ -217,20 +218,20 @@ impl CustomOp3 for Normalisation {
         let (sum_dy, sum_dy_xhat) = (&sums[0], &sums[1]);
         let w = weight.to_vec1::<f32>()?;
         let m = x.elem_count() as f64 / w.len() as f64;
-        // dx = k * dy + p * x + q per channel, with k = w * invstd and, when the statistics
-        // are the batch's: p = -k * invstd * sum(dy * xhat) / m,
-        //                  q = -k * sum(dy) / m - mean * p.
+        // dx = k * dy + p * (x - mean) + q per channel, with k = w * invstd and, when the
+        // statistics are the batch's: p = -k * invstd * sum(dy * xhat) / m, q = -k * sum(dy) / m
+        // (the textbook k * (dy - mean(dy) - xhat * mean(dy * xhat)), expanded).
         let mut grad = InputGrad {
+            mean: self.mean.clone(),
             k: Vec::with_capacity(w.len()),
             p: Vec::with_capacity(w.len()),
             q: Vec::with_capacity(w.len()),
         };
         for c in 0..w.len() {
-            let (invstd, mean) = (f64::from(self.invstd[c]), f64::from(self.mean[c]));
+            let invstd = f64::from(self.invstd[c]);
             let k = f64::from(w[c]) * invstd;
             let (p, q) = if self.train {
-                let p = -k * invstd * sum_dy_xhat[c] / m;
-                (p, -k * sum_dy[c] / m - mean * p)
+                (-k * invstd * sum_dy_xhat[c] / m, -k * sum_dy[c] / m)
             } else {
                 (0.0, 0.0)
             };
@@ -254,9 +255,10 @@ impl CustomOp3 for Normalisation {
     }
 }
 
-/// Per-channel `x * scale + shift`: the elementwise pass shared by the forward and the input
-/// gradient, row by row.
+/// Per-channel `(x - center) * scale + shift`: the elementwise pass shared by the forward and
+/// the input gradient, row by row.
 struct Affine<'a> {
+    center: &'a [f32],
     scale: &'a [f32],
     shift: &'a [f32],
 }
@@ -269,18 +271,18 @@ impl Affine<'_> {
             .enumerate()
             .for_each(|(row, out)| {
                 let c = row % g.c;
-                let (scale, shift) = (self.scale[c], self.shift[c]);
+                let (center, scale, shift) = (self.center[c], self.scale[c], self.shift[c]);
                 let xs = &xs[row * g.hw..][..g.hw];
                 match extra {
                     None => {
                         for (o, x) in out.iter_mut().zip(xs) {
-                            *o = T::put(x.get() * scale + shift);
+                            *o = T::put((x.get() - center) * scale + shift);
                         }
                     }
                     Some((dys, k)) => {
                         let (dys, k) = (&dys[row * g.hw..][..g.hw], k[c]);
                         for ((o, x), dy) in out.iter_mut().zip(xs).zip(dys) {
-                            *o = T::put(k * dy.get() + x.get() * scale + shift);
+                            *o = T::put(k * dy.get() + (x.get() - center) * scale + shift);
                         }
                     }
                 }
@@ -360,8 +362,9 @@ fn grad_sums<T: Real>(xs: &[T], dys: &[T], n: &Normalisation, g: Geometry) -> (V
         .unzip()
 }
 
-/// The input gradient `dx = k * dy + p * x + q` per channel, in `x`'s dtype.
+/// The input gradient `dx = k * dy + p * (x - mean) + q` per channel, in `x`'s dtype.
 struct InputGrad {
+    mean: Vec<f32>,
     k: Vec<f32>,
     p: Vec<f32>,
     q: Vec<f32>,
@@ -381,6 +384,7 @@ impl CustomOp2 for InputGrad {
     ) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::of(lx)?;
         let affine = Affine {
+            center: &self.mean,
             scale: &self.p,
             shift: &self.q,
         };

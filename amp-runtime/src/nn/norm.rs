@@ -222,6 +222,7 @@ impl BatchNorm2d {
 
     /// The CPU kernel: the graph keeps `x` and per-channel statistics, nothing else.
     fn forward_fused(&self, x: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
+        let x = &x.contiguous()?; // once, for the statistics and the op
         let c = self.running_mean.dim(0)?;
         let (mean, var) = if train {
             let (mean, var) = kernels::batch_norm::channel_stats(x)?;
