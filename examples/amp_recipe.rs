@@ -157,35 +157,19 @@ fn main() -> Result<()> {
     )?;
     let init = common::snapshot(&init_map)?;
 
-    // One untimed, unmeasured step of each mode first: the first use of the thread pool and of
-    // gemm's per-thread packing buffers allocates memory that stays for the process, which would
-    // otherwise count in the first mode's peak only.
-    run_mode(None, false, &args, &init, &data, 1)?;
-    run_mode(None, args.enabled, &args, &init, &data, 1)?;
-
     let steps = args.epochs * data.len();
-    let f32 = run_mode(Some("f32"), false, &args, &init, &data, steps)?;
-    let amp = run_mode(Some("amp"), args.enabled, &args, &init, &data, steps)?;
-
-    if args.json {
-        println!("{}", common::json(&f32, &amp));
-    } else {
-        let title = format!(
-            "amp_recipe: MLP 3x Linear({w}, {w}) + ReLU, batch {b}, {n} batches x {e} epochs, MSE, \
-             SGD lr 1e-3, {dev:?}\namp = fp16 autocast + GradScaler{off}; ms per step excludes \
-             each mode's first step",
-            w = args.width,
-            b = args.batch,
-            n = args.batches,
-            e = args.epochs,
-            dev = args.device,
-            off = if args.enabled {
-                ""
-            } else {
-                ": DISABLED by --enabled false, both rows run the f32 program"
-            },
-        );
-        print!("{}", common::table(&title, &f32, &amp));
-    }
+    let (f32, amp) = common::f32_then_amp(args.enabled, steps, |label, amp, steps| {
+        run_mode(label, amp, &args, &init, &data, steps)
+    })?;
+    let title = format!(
+        "amp_recipe: MLP 3x Linear({w}, {w}) + ReLU, batch {b}, {n} batches x {e} epochs, MSE, \
+         SGD lr 1e-3, {dev:?}",
+        w = args.width,
+        b = args.batch,
+        n = args.batches,
+        e = args.epochs,
+        dev = args.device,
+    );
+    common::report(args.json, args.enabled, &title, &f32, &amp);
     Ok(())
 }

@@ -203,8 +203,8 @@ fn main() -> Result<()> {
         println!("{}", common::json(&f32_run.result, &amp_run.result));
     } else {
         let title = format!(
-            "quantized_sine: {0}x{0} grid, hidden {1}, {2} steps, Adam 1e-3 (CPU)",
-            args.size, args.hidden, args.epochs
+            "quantized_sine: {0}x{0} grid, hidden {1}, {2} steps, Adam 1e-3, {3:?}",
+            args.size, args.hidden, args.epochs, dev
         );
         print!(
             "{}",

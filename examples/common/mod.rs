@@ -90,6 +90,43 @@ pub fn json(f32: &ModeResult, amp: &ModeResult) -> String {
     serde_json::json!({ "f32": f32, "amp": amp }).to_string()
 }
 
+/// The seed examples' two measured runs: one untimed, unmeasured step of each mode first (the
+/// first use of the thread pool and of gemm's per-thread packing buffers allocates memory that
+/// stays for the process, which would otherwise count in the first mode's peak only), then
+/// `steps` steps in f32 and in AMP. `run(label, amp, steps)` runs one mode; `amp_enabled` false
+/// (`--enabled false`) makes the AMP row run the f32 program.
+pub fn f32_then_amp(
+    amp_enabled: bool,
+    steps: usize,
+    mut run: impl FnMut(Option<&str>, bool, usize) -> Result<ModeResult>,
+) -> Result<(ModeResult, ModeResult)> {
+    run(None, false, 1)?;
+    run(None, amp_enabled, 1)?;
+    Ok((
+        run(Some("f32"), false, steps)?,
+        run(Some("amp"), amp_enabled, steps)?,
+    ))
+}
+
+/// Prints the `--json` object, or the table under `title` and a line saying what the AMP row
+/// ran.
+pub fn report(json: bool, amp_enabled: bool, title: &str, f32: &ModeResult, amp: &ModeResult) {
+    if json {
+        println!("{}", self::json(f32, amp));
+    } else {
+        let off = if amp_enabled {
+            ""
+        } else {
+            ": DISABLED by --enabled false, both rows run the f32 program"
+        };
+        let title = format!(
+            "{title}\namp = fp16 autocast + GradScaler{off}; ms per step excludes each mode's \
+             first step"
+        );
+        print!("{}", table(&title, f32, amp));
+    }
+}
+
 /// The comparison table: one row per mode, then AMP's speedup and memory saving in %.
 pub fn table(title: &str, f32: &ModeResult, amp: &ModeResult) -> String {
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);

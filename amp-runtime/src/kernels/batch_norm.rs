@@ -12,9 +12,8 @@
 //! candle ops in `nn::BatchNorm2d` until they get a kernel.
 
 use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor,
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
 };
-use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::Real;
@@ -198,7 +197,9 @@ impl CustomOp3 for Normalisation {
             scale: &scale,
             shift: b,
         };
-        let y = with_floats!(x, lx, |xs| affine.apply(xs, None, g).into_storage());
+        let y = with_floats!(x, lx, |xs| WithDType::to_cpu_storage_owned(
+            affine.apply(xs, None, g)
+        ));
         Ok((y, lx.shape().clone()))
     }
 
@@ -291,29 +292,6 @@ impl Affine<'_> {
     }
 }
 
-/// A computed `Vec` back into a storage of its dtype.
-trait IntoStorage {
-    fn into_storage(self) -> CpuStorage;
-}
-
-impl IntoStorage for Vec<f32> {
-    fn into_storage(self) -> CpuStorage {
-        CpuStorage::F32(self)
-    }
-}
-
-impl IntoStorage for Vec<f16> {
-    fn into_storage(self) -> CpuStorage {
-        CpuStorage::F16(self)
-    }
-}
-
-impl IntoStorage for Vec<bf16> {
-    fn into_storage(self) -> CpuStorage {
-        CpuStorage::BF16(self)
-    }
-}
-
 /// Per channel, from `x` and `dy`: `sum(dy)` and `sum(dy * xhat)` (f64, shape `(2, channels)`).
 struct GradSums(Normalisation);
 
@@ -388,9 +366,9 @@ impl CustomOp2 for InputGrad {
             scale: &self.p,
             shift: &self.q,
         };
-        let dx = with_floats!(x, lx, dy, ldy, |xs, dys| affine
-            .apply(xs, Some((dys, &self.k)), g)
-            .into_storage());
+        let dx = with_floats!(x, lx, dy, ldy, |xs, dys| WithDType::to_cpu_storage_owned(
+            affine.apply(xs, Some((dys, &self.k)), g)
+        ));
         Ok((dx, lx.shape().clone()))
     }
 }

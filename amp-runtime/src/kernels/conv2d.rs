@@ -78,13 +78,9 @@ impl CustomOp2 for CpuHalfConv2d {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let Conv2dParams {
-            padding,
-            stride,
-            dilation,
-            groups,
-        } = self.0;
-        let y = widen(s1, l1)?.conv2d(&widen(s2, l2)?, padding, stride, dilation, groups)?;
+        let p = self.0;
+        let y =
+            widen(s1, l1)?.conv2d(&widen(s2, l2)?, p.padding, p.stride, p.dilation, p.groups)?;
         let shape = y.shape().clone();
         let y: Vec<f32> = y.flatten_all()?.to_vec1()?;
         Ok((narrow_to(&y, s1), shape))

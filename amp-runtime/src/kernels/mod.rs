@@ -22,7 +22,7 @@ use candle_core::Layout;
 use half::{bf16, f16};
 
 /// A kernel element type whose arithmetic is done in f32: read widens, write rounds.
-pub(crate) trait Real: Copy + Send + Sync {
+pub(crate) trait Real: candle_core::WithDType {
     fn get(self) -> f32;
     fn put(v: f32) -> Self;
 }
