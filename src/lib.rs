@@ -33,13 +33,7 @@ pub mod prelude {
 
 /// Paths used by code the macros generate. Not a public API.
 #[doc(hidden)]
-pub mod __private {
-    pub use amp_runtime::autocast;
-    pub use amp_runtime::op;
-    pub use amp_runtime::{Precision, Tensor};
-    pub use amp_runtime::{BF16, F16, F32};
-    pub use candle_core;
-}
+pub use amp_runtime::__private;
 
 // The README's examples compile and run as doctests.
 #[doc = include_str!("../README.md")]

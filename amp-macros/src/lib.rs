@@ -8,6 +8,8 @@ mod args;
 mod custom;
 mod expand;
 mod ops;
+#[allow(dead_code)] // TEMPORARY: the rewrite moves to this table in the next commit
+mod optable;
 mod policy;
 mod rewrite;
 #[cfg(test)]
@@ -71,4 +73,14 @@ pub fn custom_fwd(args: TokenStream, item: TokenStream) -> TokenStream {
 #[proc_macro_attribute]
 pub fn custom_bwd(args: TokenStream, item: TokenStream) -> TokenStream {
     custom::custom_bwd(args.into(), item.into()).into()
+}
+
+/// The op table for the runtime crate (`__op_table!(markers => callback)`, `methods`, `free`):
+/// calls the runtime's `callback!` with the rows of that view. Not a public API.
+#[doc(hidden)]
+#[proc_macro]
+pub fn __op_table(input: TokenStream) -> TokenStream {
+    optable::expand(input.into())
+        .unwrap_or_else(syn::Error::into_compile_error)
+        .into()
 }

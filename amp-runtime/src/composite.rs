@@ -4,7 +4,7 @@
 
 use candle_core::{Result, Tensor, D};
 
-use crate::autocast::convert;
+use crate::cast::convert;
 
 /// `(x - mean) / sqrt(var + eps) * alpha + beta` over the last dimension (biased variance).
 pub(crate) fn layer_norm(

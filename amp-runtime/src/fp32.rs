@@ -19,13 +19,15 @@
 use candle_core::shape::{Dim, Dims};
 use candle_core::{DType, Result};
 
+use crate::cast::convert;
 use crate::composite;
+use crate::op::{self, Fp32Input};
 use crate::precision::{Precision, F32};
 use crate::tensor::Tensor;
 
 /// The input as an f32 candle tensor: a handle clone when it already is one.
 fn up<P: Precision>(x: &Tensor<P>) -> Result<candle_core::Tensor> {
-    crate::autocast::convert(x.as_candle(), DType::F32)
+    convert(x.as_candle(), DType::F32)
 }
 
 fn out(t: candle_core::Tensor) -> Tensor<F32> {
@@ -165,4 +167,51 @@ pub fn binary_cross_entropy_with_logits<P: Precision, Q: Precision>(
     target: &Tensor<Q>,
 ) -> Result<Tensor<F32>> {
     composite::binary_cross_entropy_with_logits(&up(inp)?, target.as_candle()).map(out)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same ops as methods of `Tensor<P>`: `Tensor<F32>` only outside autocast (the bound names
+// the op in the error). They live here, not in `tensor`, so that the typed tensor does not
+// depend on the ops built on it.
+macro_rules! fp32_methods {
+    ($($(#[$doc:meta])* $name:ident $(<$g:ident: $bound:path>)? ($($arg:ident: $ty:ty),*);)*) => {$(
+        $(#[$doc])*
+        pub fn $name$(<$g: $bound>)?(&self, $($arg: $ty),*) -> Result<Tensor<F32>>
+        where
+            P: Fp32Input<op::$name>,
+        {
+            $name(self, $($arg),*)
+        }
+    )*};
+}
+
+impl<P: Precision> Tensor<P> {
+    fp32_methods! {
+        /// Sum over `dims`, kept as size-1 dimensions.
+        sum_keepdim<D: candle_core::shape::Dims>(dims: D);
+        /// Sum over `dims`.
+        sum<D: candle_core::shape::Dims>(dims: D);
+        /// Sum of all elements (rank 0).
+        sum_all();
+        /// Mean over `dims`, kept as size-1 dimensions.
+        mean_keepdim<D: candle_core::shape::Dims>(dims: D);
+        /// Mean over `dims`.
+        mean<D: candle_core::shape::Dims>(dims: D);
+        /// Mean of all elements (rank 0).
+        mean_all();
+        /// `exp(x)`.
+        exp();
+        /// Natural logarithm.
+        log();
+        /// `x ^ e` for a scalar exponent.
+        powf(e: f64);
+        /// `x ^ rhs` elementwise.
+        pow(rhs: &Tensor<F32>);
+        /// `1 / x`.
+        recip();
+        /// `log(sum(exp(x)))` over `dims`, computed stably.
+        log_sum_exp<D: candle_core::shape::Dims>(dims: D);
+        /// Cumulative sum along `dim`.
+        cumsum<D: candle_core::shape::Dim>(dim: D);
+    }
 }

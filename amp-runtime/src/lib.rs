@@ -1,24 +1,32 @@
 //! The runtime of candle-amp: typed tensors, op classes, AMP-aware layers and kernels.
 //!
 //! Users normally depend on the `candle-amp` facade, which re-exports this crate next to the
-//! macros. See the workspace README for the tour.
+//! macros. See the workspace README for the tour, and ARCHITECTURE.md for the layer order of
+//! the modules below (each one uses only modules listed before it; a test checks it).
 
-pub mod autocast;
+mod cast;
 mod composite;
 pub mod fp32;
 pub mod kernels;
+pub mod loss;
 pub mod nn;
 pub mod op;
 pub mod ops;
 mod precision;
+pub mod region;
 pub mod scaler;
 mod tensor;
 
-pub use autocast::{cast_count, AmpTensor, Bf16Policy, Fp16Policy, Fp32Policy, Policy};
 pub use op::{Fp32Input, Op, OpClass, SamePrecision};
 pub use precision::{Half, Precision, Promote, BF16, F16, F32};
+pub use region::{
+    cast_count, AmpTensor, AsAmp, Bf16Policy, Fp16Policy, Fp32Policy, Policy, RegionCall,
+};
 pub use scaler::{
     GradScaler, GradScalerBuilder, ScaledGrads, ScaledLoss, ScalerError, ScalerState, StepOutcome,
     UnscaledGrads,
 };
 pub use tensor::Tensor;
+
+#[doc(hidden)]
+pub use region::__private;

@@ -3,7 +3,7 @@
 //! Every op the typed API offers has a zero-sized marker type here, named exactly like the
 //! method or function (`op::sum_keepdim`, `op::softmax`), so that compile errors can name the op
 //! and an autocast policy can route it by its [`OpClass`]. The classes mirror PyTorch's CUDA
-//! autocast lists (DESIGN section 8):
+//! autocast lists:
 //!
 //! | class | under autocast | examples |
 //! |---|---|---|
@@ -39,7 +39,7 @@ pub trait Op: Copy + Default + std::fmt::Debug + 'static {
 }
 
 macro_rules! op_markers {
-    ($($class:ident: [$($name:ident),* $(,)?];)*) => {$($(
+    ($($name:ident $class:ident;)*) => {$(
         #[doc = concat!("Marker of the `", stringify!($name), "` op (class `", stringify!($class), "`).")]
         #[allow(non_camel_case_types)]
         #[derive(Clone, Copy, Debug, Default)]
@@ -48,30 +48,12 @@ macro_rules! op_markers {
             const NAME: &'static str = stringify!($name);
             const CLASS: OpClass = OpClass::$class;
         }
-    )*)*};
+    )*};
 }
 
-op_markers! {
-    LowerPrecision: [
-        matmul, broadcast_matmul, conv1d, conv2d, conv_transpose1d, conv_transpose2d, linear,
-    ];
-    Fp32: [
-        sum, sum_keepdim, sum_all, mean, mean_keepdim, mean_all, exp, log, powf, pow, recip,
-        log_sum_exp, cumsum, softmax, log_softmax, layer_norm, rms_norm,
-        mse, cross_entropy, nll, binary_cross_entropy_with_logits, l1, smooth_l1,
-    ];
-    Promote: [
-        add, sub, mul, div, broadcast_add, broadcast_sub, broadcast_mul, broadcast_div,
-        maximum, minimum, cat, stack,
-    ];
-    Preserve: [
-        relu, gelu, gelu_erf, silu, tanh, sigmoid, neg, sqr, sqrt, abs, affine,
-        reshape, transpose, t, narrow, flatten, squeeze, unsqueeze, contiguous, permute,
-        max, max_keepdim, min, min_keepdim, max_pool2d, avg_pool2d, batch_norm, embedding,
-        flatten_all, flatten_from, flatten_to, chunk, broadcast_as, broadcast_left,
-        pad_with_zeros, index_select, max_all, min_all,
-    ];
-}
+// One marker per op of the op table (`amp-macros/src/optable.rs`), which is the one place an
+// op's name and class are written.
+amp_macros::__op_table!(markers => op_markers);
 
 /// Outside autocast, an fp32-class op `O` accepts only `Tensor<F32>`.
 ///

@@ -54,5 +54,5 @@ pub fn sigmoid<P: Precision>(xs: &Tensor<P>) -> Result<Tensor<P>> {
 /// `ops::__region::softmax::<Policy>(..)` so that the user's own imports stay in use.
 #[doc(hidden)]
 pub mod __region {
-    pub use crate::autocast::region::{layer_norm, log_softmax, rms_norm, sigmoid, softmax};
+    pub use crate::region::free::{layer_norm, log_softmax, rms_norm, sigmoid, softmax};
 }

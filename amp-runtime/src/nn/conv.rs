@@ -1,7 +1,7 @@
 use candle_core::{Result, Var};
 use candle_nn::{Conv1dConfig, Conv2dConfig, VarBuilder};
 
-use super::{master_weight_and_bias, weight_as, AmpLayer};
+use super::{master_weight_and_bias, region_forward, weight_as, AmpLayer};
 use crate::op;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
@@ -93,6 +93,7 @@ macro_rules! conv_layer {
         impl AmpLayer for $name {
             type Op = op::$op;
         }
+        region_forward!($name);
     };
 }
 

@@ -4,6 +4,7 @@ use candle_nn::VarBuilder;
 use super::{expect_dims, master, weight_as, AmpLayer};
 use crate::op;
 use crate::precision::F32;
+use crate::region::{calls, AmpTensor, AsAmp, Policy, RegionCall};
 use crate::tensor::Tensor;
 
 /// A lookup table of f32 vectors; on no autocast list, so it returns the table's precision.
@@ -37,6 +38,13 @@ impl Embedding {
 
 impl AmpLayer for Embedding {
     type Op = op::embedding;
+}
+
+/// Ids are integers, not region values: the lookup returns the f32 table's rows.
+impl<Pol: Policy> RegionCall<Pol, calls::forward, (&candle_core::Tensor,)> for Embedding {
+    fn region_call(&self, (ids,): (&candle_core::Tensor,)) -> Result<AmpTensor> {
+        Ok(self.forward(ids)?.to_amp())
+    }
 }
 
 /// An embedding with a standard-normal table, as candle-nn's `embedding`.

@@ -1,7 +1,7 @@
 use candle_core::{Result, Var};
 use candle_nn::VarBuilder;
 
-use super::{master_weight_and_bias, weight_as, AmpLayer};
+use super::{master_weight_and_bias, region_forward, weight_as, AmpLayer};
 use crate::op;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
@@ -50,6 +50,7 @@ impl Linear {
 impl AmpLayer for Linear {
     type Op = op::linear;
 }
+region_forward!(Linear);
 
 /// A linear layer with bias, initialised as candle-nn's `linear` (and PyTorch's `nn.Linear`).
 pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {

@@ -33,9 +33,10 @@
 mod conv;
 mod embedding;
 mod linear;
-pub mod loss;
 mod norm;
 mod pool;
+
+pub use crate::loss;
 
 pub use candle_nn::{BatchNormConfig, Conv1dConfig, Conv2dConfig};
 pub use conv::{conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, Conv1d, Conv2d};
@@ -49,6 +50,28 @@ use candle_core::{Result, Var};
 use crate::op::Op;
 use crate::precision::{Precision, F32};
 use crate::tensor::{dtype_error, Tensor};
+
+/// `RegionCall` for a layer with a typed `forward::<P>`: routed by the layer's op class like any
+/// op, then the typed forward runs in the precision the input was cast to.
+macro_rules! region_forward {
+    ($($layer:ty),*) => {$(
+        impl<Pol: $crate::region::Policy, A: $crate::region::AsAmp>
+            $crate::region::RegionCall<Pol, $crate::region::calls::forward, (A,)> for $layer
+        {
+            fn region_call(&self, (x,): (A,)) -> Result<$crate::region::AmpTensor> {
+                $crate::region::unary::<Pol, <$layer as $crate::nn::AmpLayer>::Op>(
+                    &x.to_amp(),
+                    |x| {
+                        $crate::region::with_precision!(x.dtype(), P => self
+                            .forward(&Tensor::<P>::wrap(x.clone()))
+                            .map(Tensor::into_candle))
+                    },
+                )
+            }
+        }
+    )*};
+}
+use region_forward;
 
 /// A layer's op class, for the autocast macros: `Linear` is `op::linear` (lower precision),
 /// `LayerNorm` is `op::layer_norm` (fp32), and so on.

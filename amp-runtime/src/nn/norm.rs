@@ -4,8 +4,9 @@ use candle_nn::{BatchNormConfig, VarBuilder};
 use super::{expect_dims, master, weight_as, AmpLayer};
 use crate::op::{self, Fp32Input};
 use crate::precision::{Precision, F32};
+use crate::region::{calls, unary, with_precision, AmpTensor, AsAmp, Policy, RegionCall};
 use crate::tensor::Tensor;
-use crate::{fp32, kernels};
+use crate::{composite, fp32, kernels};
 
 /// Layer norm over the last dimension; an fp32-class op (f32 output, as PyTorch's autocast).
 #[derive(Clone, Debug)]
@@ -49,6 +50,15 @@ impl LayerNorm {
 
 impl AmpLayer for LayerNorm {
     type Op = op::layer_norm;
+}
+
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for LayerNorm {
+    fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
+        let bias = self.bias().map(Var::as_tensor);
+        unary::<Pol, op::layer_norm>(&x.to_amp(), |x| {
+            composite::layer_norm(x, self.weight(), bias, self.eps())
+        })
+    }
 }
 
 /// A layer norm with scale (ones) and shift (zeros), as candle-nn's `layer_norm`.
@@ -95,6 +105,14 @@ impl RmsNorm {
 
 impl AmpLayer for RmsNorm {
     type Op = op::rms_norm;
+}
+
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for RmsNorm {
+    fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
+        unary::<Pol, op::rms_norm>(&x.to_amp(), |x| {
+            composite::rms_norm(x, self.weight(), self.eps())
+        })
+    }
 }
 
 /// An RMS norm with scale initialised to ones.
@@ -307,6 +325,22 @@ impl BatchNorm2d {
 
 impl AmpLayer for BatchNorm2d {
     type Op = op::batch_norm;
+}
+
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_t, (A, bool)> for BatchNorm2d {
+    fn region_call(&self, (x, train): (A, bool)) -> Result<AmpTensor> {
+        unary::<Pol, op::batch_norm>(&x.to_amp(), |x| {
+            with_precision!(x.dtype(), P => self
+                .forward_t(&Tensor::<P>::wrap(x.clone()), train)
+                .map(Tensor::into_candle))
+        })
+    }
+}
+
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_train, (A,)> for BatchNorm2d {
+    fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
+        RegionCall::<Pol, calls::forward_t, (A, bool)>::region_call(self, (x, true))
+    }
 }
 
 /// A `BatchNorm2d` as candle-nn's `batch_norm`: running mean 0, running var 1, and when

@@ -1,6 +1,6 @@
 use candle_core::Result;
 
-use super::AmpLayer;
+use super::{region_forward, AmpLayer};
 use crate::op;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
@@ -40,6 +40,7 @@ macro_rules! pool_layer {
         impl AmpLayer for $name {
             type Op = op::$op;
         }
+        region_forward!($name);
     };
 }
 

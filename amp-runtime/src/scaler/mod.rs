@@ -102,7 +102,7 @@ pub trait Loss {
     fn loss_tensor(&self) -> &Tensor;
 }
 
-impl<P: Precision> Loss for crate::Tensor<P> {
+impl<P: Precision> Loss for crate::tensor::Tensor<P> {
     fn loss_tensor(&self) -> &Tensor {
         self.as_candle()
     }

@@ -68,7 +68,7 @@ pub fn binary_cross_entropy_with_logit<P: Fp32Input<op::binary_cross_entropy_wit
 /// The same losses routed through an autocast policy (see `ops::__region`).
 #[doc(hidden)]
 pub mod __region {
-    pub use crate::autocast::region::{
+    pub use crate::region::free::{
         binary_cross_entropy_with_logit, binary_cross_entropy_with_logits, cross_entropy, l1, mse,
         nll, smooth_l1,
     };

@@ -1,0 +1,332 @@
+//! The op table: every op of the typed API, written once, with its class and how it is called.
+//!
+//! Everything else that lists ops is generated from this table or checked against it:
+//! - the rewrite routes a method call when its name and argument count match a `method` row,
+//!   and a free call `path::name(..)` when `name` is a `free` row;
+//! - the runtime generates its op markers (`candle_amp::op::*`), and the routed methods of the
+//!   common shapes, through the hidden `__op_table!` macro;
+//! - a runtime test checks its hand-written routed methods and free ops against the rows.
+//!
+//! A method call is routed only when both its name and its argument count match, so that
+//! `iter.max()`, `iter.sum()` or `a.max(b)` on numbers keep their own meaning (and a routed
+//! receiver that is not a tensor falls back to its own method anyway).
+
+use proc_macro2::TokenStream;
+use quote::{format_ident, quote};
+
+/// PyTorch's autocast classes (the runtime's `OpClass`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Class {
+    LowerPrecision,
+    Fp32,
+    Promote,
+    Preserve,
+}
+
+/// How an op is called as a method of a tensor, and so how its routed method is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Method {
+    /// `x.op()`.
+    Unary,
+    /// `x.op(dim)`.
+    Dim,
+    /// `x.op(dims)`.
+    Dims,
+    /// `x.op(&rhs)`, a tensor operand.
+    Binary,
+    /// Any other signature, with its argument count: the routed method is written by hand.
+    Custom(usize),
+}
+
+impl Method {
+    fn arity(self) -> usize {
+        match self {
+            Self::Unary => 0,
+            Self::Dim | Self::Dims | Self::Binary => 1,
+            Self::Custom(n) => n,
+        }
+    }
+
+    fn shape(self) -> &'static str {
+        match self {
+            Self::Unary => "unary",
+            Self::Dim => "dim",
+            Self::Dims => "dims",
+            Self::Binary => "binary",
+            Self::Custom(_) => "custom",
+        }
+    }
+}
+
+/// Where an op is called as a free function: `ops::softmax`, `loss::mse`, `Tensor::cat`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Free {
+    Ops,
+    Loss,
+    Tensor,
+}
+
+impl Free {
+    fn module(self) -> &'static str {
+        match self {
+            Self::Ops => "ops",
+            Self::Loss => "loss",
+            Self::Tensor => "Tensor",
+        }
+    }
+}
+
+/// One op.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Row {
+    pub(crate) name: &'static str,
+    /// The marker the op is routed by: its own name, or the op it spells differently
+    /// (candle-nn's `binary_cross_entropy_with_logit`).
+    pub(crate) marker: &'static str,
+    pub(crate) class: Class,
+    pub(crate) method: Option<Method>,
+    pub(crate) free: Option<Free>,
+}
+
+macro_rules! rows {
+    ($($name:ident $(= $marker:ident)?: $class:ident $(, method $shape:ident $(($n:literal))?)? $(, free $free:ident)?;)*) => {
+        &[$(Row {
+            name: stringify!($name),
+            marker: rows!(@marker $name $($marker)?),
+            class: Class::$class,
+            method: rows!(@method $($shape $(($n))?)?),
+            free: rows!(@free $($free)?),
+        }),*]
+    };
+    (@marker $name:ident) => { stringify!($name) };
+    (@marker $name:ident $marker:ident) => { stringify!($marker) };
+    (@method) => { None };
+    (@method Custom($n:literal)) => { Some(Method::Custom($n)) };
+    (@method $shape:ident) => { Some(Method::$shape) };
+    (@free) => { None };
+    (@free $free:ident) => { Some(Free::$free) };
+}
+
+/// The ops, by class. A row without a method or free form is reached through a layer
+/// (`Linear` is `linear`, `BatchNorm2d` is `batch_norm`, `Embedding` is `embedding`).
+pub(crate) const OPS: &[Row] = rows! {
+    // Lower precision: PyTorch's `lower_precision_fp` list.
+    matmul: LowerPrecision, method Binary;
+    broadcast_matmul: LowerPrecision, method Binary;
+    conv1d: LowerPrecision, method Custom(5);
+    conv2d: LowerPrecision, method Custom(5);
+    conv_transpose1d: LowerPrecision, method Custom(6);
+    conv_transpose2d: LowerPrecision, method Custom(5);
+    linear: LowerPrecision;
+
+    // fp32: reductions, exp/log/pow, softmax, norms, every loss.
+    sum: Fp32, method Dims;
+    sum_keepdim: Fp32, method Dims;
+    sum_all: Fp32, method Unary;
+    mean: Fp32, method Dims;
+    mean_keepdim: Fp32, method Dims;
+    mean_all: Fp32, method Unary;
+    exp: Fp32, method Unary;
+    log: Fp32, method Unary;
+    powf: Fp32, method Custom(1);
+    pow: Fp32, method Binary;
+    recip: Fp32, method Unary;
+    log_sum_exp: Fp32, method Dims;
+    cumsum: Fp32, method Dim;
+    softmax: Fp32, free Ops;
+    log_softmax: Fp32, free Ops;
+    layer_norm: Fp32, free Ops;
+    rms_norm: Fp32, free Ops;
+    mse: Fp32, free Loss;
+    l1: Fp32, free Loss;
+    smooth_l1: Fp32, free Loss;
+    nll: Fp32, free Loss;
+    cross_entropy: Fp32, free Loss;
+    binary_cross_entropy_with_logits: Fp32, free Loss;
+    binary_cross_entropy_with_logit = binary_cross_entropy_with_logits: Fp32, free Loss;
+
+    // Promote: the widest input wins.
+    add: Promote, method Binary;
+    sub: Promote, method Binary;
+    mul: Promote, method Binary;
+    div: Promote, method Binary;
+    broadcast_add: Promote, method Binary;
+    broadcast_sub: Promote, method Binary;
+    broadcast_mul: Promote, method Binary;
+    broadcast_div: Promote, method Binary;
+    maximum: Promote, method Binary;
+    minimum: Promote, method Binary;
+    cat: Promote, free Tensor;
+    stack: Promote, free Tensor;
+
+    // Preserve: exact or safe in any precision.
+    relu: Preserve, method Unary;
+    gelu: Preserve, method Unary;
+    gelu_erf: Preserve, method Unary;
+    silu: Preserve, method Unary;
+    tanh: Preserve, method Unary;
+    sigmoid: Preserve, method Custom(0), free Ops;
+    neg: Preserve, method Unary;
+    sqr: Preserve, method Unary;
+    sqrt: Preserve, method Unary;
+    abs: Preserve, method Unary;
+    affine: Preserve, method Custom(2);
+    reshape: Preserve, method Custom(1);
+    transpose: Preserve, method Custom(2);
+    t: Preserve, method Unary;
+    narrow: Preserve, method Custom(3);
+    flatten: Preserve, method Custom(2);
+    flatten_all: Preserve, method Unary;
+    flatten_from: Preserve, method Dim;
+    flatten_to: Preserve, method Dim;
+    squeeze: Preserve, method Dim;
+    unsqueeze: Preserve, method Dim;
+    contiguous: Preserve, method Unary;
+    permute: Preserve, method Dims;
+    chunk: Preserve, method Custom(2);
+    broadcast_as: Preserve, method Custom(1);
+    broadcast_left: Preserve, method Custom(1);
+    pad_with_zeros: Preserve, method Custom(3);
+    index_select: Preserve, method Custom(2);
+    max: Preserve, method Dim;
+    max_keepdim: Preserve, method Dim;
+    min: Preserve, method Dim;
+    min_keepdim: Preserve, method Dim;
+    max_all: Preserve, method Unary;
+    min_all: Preserve, method Unary;
+    argmax: Preserve, method Custom(1);
+    max_pool2d: Preserve, method Custom(1);
+    avg_pool2d: Preserve, method Custom(1);
+    batch_norm: Preserve;
+    embedding: Preserve;
+};
+
+/// Module calls that pass the region's policy on.
+pub(crate) const MODULE_CALLS: &[&str] = &["forward", "forward_t", "forward_train"];
+
+pub(crate) fn is_routed_method(name: &str, args: usize) -> bool {
+    OPS.iter()
+        .any(|r| r.name == name && r.method.is_some_and(|m| m.arity() == args))
+}
+
+/// Whether `name` is a free op of the typed API called through `module` (`ops`, `loss`, or
+/// `Tensor` for `Tensor::cat`).
+pub(crate) fn is_free_op(module: &str, name: &str) -> bool {
+    OPS.iter()
+        .any(|r| r.name == name && r.free.is_some_and(|f| f.module() == module))
+}
+
+/// `__op_table!(view => callback)`: the table for the runtime, as a call of the runtime's own
+/// `macro_rules!` callback.
+///
+/// Input:  `markers => op_markers`
+/// Output: `op_markers! { matmul LowerPrecision; ...; relu Preserve; }` (aliases left out)
+/// Input:  `methods => routed`
+/// Output: `routed! { binary 1 matmul; ...; custom 5 conv2d; }`
+/// Input:  `free => f`
+/// Output: `f! { Ops softmax; ...; Tensor cat; }`
+pub(crate) fn expand(input: TokenStream) -> syn::Result<TokenStream> {
+    let parser = |input: syn::parse::ParseStream| {
+        let view: syn::Ident = input.parse()?;
+        input.parse::<syn::Token![=>]>()?;
+        let callback: syn::Path = input.parse()?;
+        Ok((view, callback))
+    };
+    let (view, callback) = syn::parse::Parser::parse2(parser, input)?;
+    let rows: Vec<TokenStream> = match view.to_string().as_str() {
+        "markers" => OPS
+            .iter()
+            .filter(|r| r.marker == r.name)
+            .map(|r| {
+                let (name, class) = (
+                    format_ident!("{}", r.name),
+                    format_ident!("{}", format!("{:?}", r.class)),
+                );
+                quote!(#name #class;)
+            })
+            .collect(),
+        "methods" => OPS
+            .iter()
+            .filter_map(|r| {
+                let m = r.method?;
+                let shape = format_ident!("{}", m.shape());
+                let arity = proc_macro2::Literal::usize_unsuffixed(m.arity());
+                let name = format_ident!("{}", r.name);
+                Some(quote!(#shape #arity #name;))
+            })
+            .collect(),
+        "free" => OPS
+            .iter()
+            .filter_map(|r| {
+                let free = format_ident!("{}", format!("{:?}", r.free?));
+                let name = format_ident!("{}", r.name);
+                Some(quote!(#free #name;))
+            })
+            .collect(),
+        _ => {
+            return Err(syn::Error::new(
+                view.span(),
+                "views: `markers`, `methods`, `free`",
+            ))
+        }
+    };
+    Ok(quote!(#callback! { #(#rows)* }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_aliases_name_a_row_of_their_class() {
+        for (i, r) in OPS.iter().enumerate() {
+            assert!(
+                OPS[i + 1..].iter().all(|o| o.name != r.name),
+                "`{}` is in the table twice",
+                r.name
+            );
+            let target = OPS.iter().find(|o| o.name == r.marker);
+            assert!(
+                target.is_some_and(|t| t.marker == t.name && t.class == r.class),
+                "`{}` is routed as `{}`, which is not an op of its class",
+                r.name,
+                r.marker
+            );
+        }
+    }
+
+    #[test]
+    fn routing_matches_name_and_arity() {
+        assert!(is_routed_method("matmul", 1));
+        assert!(!is_routed_method("matmul", 0));
+        assert!(is_routed_method("max", 1));
+        assert!(
+            !is_routed_method("max", 0),
+            "Iterator::max keeps its meaning"
+        );
+        assert!(is_routed_method("conv_transpose1d", 6));
+        assert!(is_free_op("ops", "softmax"));
+        assert!(is_free_op("Tensor", "cat"));
+        assert!(!is_free_op("ops", "mse"));
+        assert!(!MODULE_CALLS
+            .iter()
+            .any(|m| OPS.iter().any(|r| r.name == *m)));
+    }
+
+    #[test]
+    fn views_generate_callback_calls() {
+        let out = expand(quote!(markers => op_markers)).unwrap().to_string();
+        assert!(out.starts_with("op_markers ! {"), "{out}");
+        assert!(out.contains("softmax Fp32 ;"), "{out}");
+        assert!(
+            !out.contains("binary_cross_entropy_with_logit Fp32"),
+            "aliases have no marker"
+        );
+        let out = expand(quote!(methods => routed)).unwrap().to_string();
+        assert!(
+            out.contains("custom 5 conv2d ;") && out.contains("unary 0 relu ;"),
+            "{out}"
+        );
+        assert!(expand(quote!(colours => f)).is_err());
+    }
+}

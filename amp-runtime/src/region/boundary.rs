@@ -1,0 +1,105 @@
+//! Region boundaries, called by generated code: parameters entering a region, results leaving
+//! it, and the dtype plumbing of `#[custom_fwd]`/`#[custom_bwd]`.
+
+use candle_core::{DType, Result};
+
+use super::value::{AmpTensor, AsAmp};
+use crate::cast::convert;
+use crate::precision::Precision;
+use crate::tensor::Tensor;
+
+/// A parameter entering a region.
+pub fn enter<A: AsAmp>(a: &A) -> AmpTensor {
+    a.to_amp()
+}
+
+/// A parameter entering a `#[keep_fp32]` part: upcast to f32 at the boundary.
+pub fn enter_fp32<A: AsAmp>(a: &A) -> Result<AmpTensor> {
+    AmpTensor::new(convert(a.to_amp().as_candle(), DType::F32)?)
+}
+
+/// An input of a `#[custom_fwd(cast_inputs = ..)]` op: any tensor, typed or a region value,
+/// cast to the op's declared precision `Q`.
+pub fn enter_cast<Q: Precision, A: AsAmp>(a: &A) -> Result<Tensor<Q>> {
+    a.to_amp().cast::<Q>()
+}
+
+/// `#[custom_bwd]`: the incoming gradient in the dtype the forward produced.
+pub fn grad_like(
+    grad: &candle_core::Tensor,
+    res: &candle_core::Tensor,
+) -> Result<candle_core::Tensor> {
+    convert(grad, res.dtype())
+}
+
+/// `#[custom_bwd]`: each returned gradient in the dtype of the input it belongs to (candle
+/// accumulates gradients with `add`, which fails on mixed dtypes).
+pub trait GradsLike<Inputs> {
+    /// Casts each present gradient to its input's dtype.
+    fn like(self, inputs: Inputs) -> Result<Self>
+    where
+        Self: Sized;
+}
+
+fn grad_as(
+    g: Option<candle_core::Tensor>,
+    input: &candle_core::Tensor,
+) -> Result<Option<candle_core::Tensor>> {
+    g.map(|g| convert(&g, input.dtype())).transpose()
+}
+
+impl GradsLike<(&candle_core::Tensor,)> for Option<candle_core::Tensor> {
+    fn like(self, (a,): (&candle_core::Tensor,)) -> Result<Self> {
+        grad_as(self, a)
+    }
+}
+
+impl GradsLike<(&candle_core::Tensor, &candle_core::Tensor)>
+    for (Option<candle_core::Tensor>, Option<candle_core::Tensor>)
+{
+    fn like(self, (a, b): (&candle_core::Tensor, &candle_core::Tensor)) -> Result<Self> {
+        Ok((grad_as(self.0, a)?, grad_as(self.1, b)?))
+    }
+}
+
+impl
+    GradsLike<(
+        &candle_core::Tensor,
+        &candle_core::Tensor,
+        &candle_core::Tensor,
+    )>
+    for (
+        Option<candle_core::Tensor>,
+        Option<candle_core::Tensor>,
+        Option<candle_core::Tensor>,
+    )
+{
+    fn like(
+        self,
+        (a, b, c): (
+            &candle_core::Tensor,
+            &candle_core::Tensor,
+            &candle_core::Tensor,
+        ),
+    ) -> Result<Self> {
+        Ok((
+            grad_as(self.0, a)?,
+            grad_as(self.1, b)?,
+            grad_as(self.2, c)?,
+        ))
+    }
+}
+
+/// A region's result leaving as the typed tensor the signature declares.
+pub fn exit<Q: Precision, A: AsAmp, E: From<candle_core::Error>>(
+    r: std::result::Result<A, E>,
+) -> std::result::Result<Tensor<Q>, E> {
+    r.and_then(|a| a.to_amp().cast::<Q>().map_err(E::from))
+}
+
+/// A region's result returned to a calling region (a module call), still a region value.
+pub fn exit_to_region<A: AsAmp, E>(
+    r: std::result::Result<A, E>,
+) -> std::result::Result<AmpTensor, E> {
+    r.map(|a| a.to_amp())
+}

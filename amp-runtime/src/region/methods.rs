@@ -1,0 +1,202 @@
+//! The op methods of a routed tensor receiver, each routed by its class under the policy.
+//!
+//! `x.matmul(&w)` in a region becomes `Routed::<Pol, _>::new(&x).matmul(&w)`; the receiver may
+//! be a region value or a typed tensor, by reference or not (any [`AsAmp`]). For any other
+//! receiver these methods do not apply (their `T: AsAmp` bound fails) and `Routed` derefs to the
+//! receiver's own method.
+
+use candle_core::Result;
+
+use super::policy::Policy;
+use super::route::{at, binary, target, unary, Routed};
+use super::value::{AmpTensor, AsAmp};
+use crate::op;
+
+/// The routed method of each `method` row of the op table: generated for the common shapes
+/// (no argument, one dim, dims, one tensor operand); `custom` rows are written below by hand.
+macro_rules! routed {
+    ($($shape:ident $arity:literal $name:ident;)*) => {$(
+        routed!(@$shape $name);
+    )*};
+    (@custom $name:ident) => {};
+    (@unary $name:ident) => {
+        #[doc = concat!("Routed `", stringify!($name), "`.")]
+        pub fn $name(&self) -> Result<AmpTensor> {
+            unary::<Pol, op::$name>(&self.amp(), candle_core::Tensor::$name)
+        }
+    };
+    (@dim $name:ident) => {
+        #[doc = concat!("Routed `", stringify!($name), "`.")]
+        pub fn $name<D: candle_core::shape::Dim>(&self, dim: D) -> Result<AmpTensor> {
+            unary::<Pol, op::$name>(&self.amp(), |x| x.$name(dim))
+        }
+    };
+    (@dims $name:ident) => {
+        #[doc = concat!("Routed `", stringify!($name), "`.")]
+        pub fn $name<D: candle_core::shape::Dims>(&self, dims: D) -> Result<AmpTensor> {
+            unary::<Pol, op::$name>(&self.amp(), |x| x.$name(dims))
+        }
+    };
+    (@binary $name:ident) => {
+        #[doc = concat!("Routed `", stringify!($name), "`.")]
+        pub fn $name(&self, rhs: impl AsAmp) -> Result<AmpTensor> {
+            binary::<Pol, op::$name>(&self.amp(), &rhs.to_amp(), |a, b| a.$name(b))
+        }
+    };
+}
+
+impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
+    amp_macros::__op_table!(methods => routed);
+
+    /// Routed `sigmoid`.
+    pub fn sigmoid(&self) -> Result<AmpTensor> {
+        unary::<Pol, op::sigmoid>(&self.amp(), candle_nn::ops::sigmoid)
+    }
+    /// Routed `affine`.
+    pub fn affine(&self, mul: f64, add: f64) -> Result<AmpTensor> {
+        unary::<Pol, op::affine>(&self.amp(), |x| x.affine(mul, add))
+    }
+    /// Routed `powf`.
+    pub fn powf(&self, e: f64) -> Result<AmpTensor> {
+        unary::<Pol, op::powf>(&self.amp(), |x| x.powf(e))
+    }
+    /// Routed `reshape`.
+    pub fn reshape<S: candle_core::shape::ShapeWithOneHole>(&self, s: S) -> Result<AmpTensor> {
+        unary::<Pol, op::reshape>(&self.amp(), |x| x.reshape(s))
+    }
+    /// Routed `transpose`.
+    pub fn transpose<D1: candle_core::shape::Dim, D2: candle_core::shape::Dim>(
+        &self,
+        a: D1,
+        b: D2,
+    ) -> Result<AmpTensor> {
+        unary::<Pol, op::transpose>(&self.amp(), |x| x.transpose(a, b))
+    }
+    /// Routed `narrow`.
+    pub fn narrow<D: candle_core::shape::Dim>(
+        &self,
+        dim: D,
+        start: usize,
+        len: usize,
+    ) -> Result<AmpTensor> {
+        unary::<Pol, op::narrow>(&self.amp(), |x| x.narrow(dim, start, len))
+    }
+    /// Routed `flatten`.
+    pub fn flatten<D1: candle_core::shape::Dim, D2: candle_core::shape::Dim>(
+        &self,
+        a: D1,
+        b: D2,
+    ) -> Result<AmpTensor> {
+        unary::<Pol, op::flatten>(&self.amp(), |x| x.flatten(a, b))
+    }
+    /// Routed `broadcast_as`.
+    pub fn broadcast_as<S: Into<candle_core::Shape>>(&self, s: S) -> Result<AmpTensor> {
+        unary::<Pol, op::broadcast_as>(&self.amp(), |x| x.broadcast_as(s))
+    }
+    /// Routed `broadcast_left`.
+    pub fn broadcast_left<S: Into<candle_core::Shape>>(&self, s: S) -> Result<AmpTensor> {
+        unary::<Pol, op::broadcast_left>(&self.amp(), |x| x.broadcast_left(s))
+    }
+    /// Routed `pad_with_zeros`.
+    pub fn pad_with_zeros<D: candle_core::shape::Dim>(
+        &self,
+        dim: D,
+        left: usize,
+        right: usize,
+    ) -> Result<AmpTensor> {
+        unary::<Pol, op::pad_with_zeros>(&self.amp(), |x| x.pad_with_zeros(dim, left, right))
+    }
+    /// Routed `index_select`.
+    pub fn index_select<D: candle_core::shape::Dim>(
+        &self,
+        ids: &candle_core::Tensor,
+        dim: D,
+    ) -> Result<AmpTensor> {
+        unary::<Pol, op::index_select>(&self.amp(), |x| x.index_select(ids, dim))
+    }
+    /// Routed `max_pool2d`.
+    pub fn max_pool2d<K: candle_core::ToUsize2>(&self, k: K) -> Result<AmpTensor> {
+        unary::<Pol, op::max_pool2d>(&self.amp(), |x| x.max_pool2d(k))
+    }
+    /// Routed `avg_pool2d`.
+    pub fn avg_pool2d<K: candle_core::ToUsize2>(&self, k: K) -> Result<AmpTensor> {
+        unary::<Pol, op::avg_pool2d>(&self.amp(), |x| x.avg_pool2d(k))
+    }
+    /// Routed `chunk`.
+    pub fn chunk<D: candle_core::shape::Dim>(
+        &self,
+        chunks: usize,
+        dim: D,
+    ) -> Result<Vec<AmpTensor>> {
+        let x = self.amp();
+        let t = target::<Pol, op::chunk>(&[x.dtype()])?;
+        at(&x, t)?
+            .chunk(chunks, dim)?
+            .into_iter()
+            .map(AmpTensor::new)
+            .collect()
+    }
+    /// Routed `argmax`: integer ids, a plain candle tensor.
+    pub fn argmax<D: candle_core::shape::Dim>(&self, dim: D) -> Result<candle_core::Tensor> {
+        self.amp().as_candle().argmax(dim)
+    }
+    /// Routed `conv1d`.
+    pub fn conv1d(
+        &self,
+        kernel: impl AsAmp,
+        padding: usize,
+        stride: usize,
+        dilation: usize,
+        groups: usize,
+    ) -> Result<AmpTensor> {
+        binary::<Pol, op::conv1d>(&self.amp(), &kernel.to_amp(), |x, k| {
+            x.conv1d(k, padding, stride, dilation, groups)
+        })
+    }
+    /// Routed `conv2d` (bf16 on CPU through candle-amp's kernel).
+    pub fn conv2d(
+        &self,
+        kernel: impl AsAmp,
+        padding: usize,
+        stride: usize,
+        dilation: usize,
+        groups: usize,
+    ) -> Result<AmpTensor> {
+        let params = crate::kernels::Conv2dParams {
+            padding,
+            stride,
+            dilation,
+            groups,
+        };
+        binary::<Pol, op::conv2d>(&self.amp(), &kernel.to_amp(), |x, k| {
+            crate::kernels::conv2d(x, k, params)
+        })
+    }
+    /// Routed `conv_transpose1d`.
+    pub fn conv_transpose1d(
+        &self,
+        kernel: impl AsAmp,
+        padding: usize,
+        output_padding: usize,
+        stride: usize,
+        dilation: usize,
+        groups: usize,
+    ) -> Result<AmpTensor> {
+        binary::<Pol, op::conv_transpose1d>(&self.amp(), &kernel.to_amp(), |x, k| {
+            x.conv_transpose1d(k, padding, output_padding, stride, dilation, groups)
+        })
+    }
+    /// Routed `conv_transpose2d`.
+    pub fn conv_transpose2d(
+        &self,
+        kernel: impl AsAmp,
+        padding: usize,
+        output_padding: usize,
+        stride: usize,
+        dilation: usize,
+    ) -> Result<AmpTensor> {
+        binary::<Pol, op::conv_transpose2d>(&self.amp(), &kernel.to_amp(), |x, k| {
+            x.conv_transpose2d(k, padding, output_padding, stride, dilation)
+        })
+    }
+}

@@ -1,0 +1,238 @@
+//! Routing: an op's class under the policy fixes its target dtype; inputs are cast to it (no
+//! cast when already there), the op runs, the result is a region value.
+//!
+//! Method calls in a region are rewritten to `Routed::<Pol, _>::new(&x).op(args)`, and module
+//! calls to `Routed::<Pol, _>::new(&m).__call::<calls::forward, _>((args,))`.
+
+use std::marker::PhantomData;
+
+use candle_core::{DType, Result};
+
+use super::policy::Policy;
+use super::value::{AmpTensor, AsAmp};
+use crate::cast::convert;
+use crate::op::{Op, OpClass};
+use crate::precision::Precision;
+
+/// The dtype op `O` runs in under `Pol`, given its inputs' dtypes (`None`: no cast).
+pub(crate) fn target<Pol: Policy, O: Op>(inputs: &[DType]) -> Result<Option<DType>> {
+    Ok(match Pol::class::<O>() {
+        OpClass::LowerPrecision => Some(<Pol::Lower as Precision>::DTYPE),
+        OpClass::Fp32 => Some(DType::F32),
+        OpClass::Preserve => None,
+        OpClass::Promote => {
+            if inputs.contains(&DType::F32) {
+                Some(DType::F32)
+            } else if inputs.contains(&DType::F16) && inputs.contains(&DType::BF16) {
+                candle_core::bail!(
+                    "`{}` mixes f16 and bf16 in an autocast region: F16 and BF16 never mix \
+                     implicitly; cast one operand first",
+                    O::NAME
+                )
+            } else {
+                inputs.first().copied()
+            }
+        }
+    })
+}
+
+/// `x` at the dtype `target` chose.
+pub(crate) fn at(x: &AmpTensor, dtype: Option<DType>) -> Result<candle_core::Tensor> {
+    match dtype {
+        Some(d) => convert(x.as_candle(), d),
+        None => Ok(x.as_candle().clone()),
+    }
+}
+
+/// Routes a one-input op: its input cast to the op's target, the op run, the result wrapped.
+pub(crate) fn unary<Pol: Policy, O: Op>(
+    x: &AmpTensor,
+    f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
+) -> Result<AmpTensor> {
+    let t = target::<Pol, O>(&[x.dtype()])?;
+    AmpTensor::new(f(&at(x, t)?)?)
+}
+
+/// Routes a two-input op.
+pub(crate) fn binary<Pol: Policy, O: Op>(
+    a: &AmpTensor,
+    b: &AmpTensor,
+    f: impl FnOnce(&candle_core::Tensor, &candle_core::Tensor) -> Result<candle_core::Tensor>,
+) -> Result<AmpTensor> {
+    let t = target::<Pol, O>(&[a.dtype(), b.dtype()])?;
+    AmpTensor::new(f(&at(a, t)?, &at(b, t)?)?)
+}
+
+/// Runs `body` with `$P` bound to the precision marker of `dtype`: how a region value, whose
+/// dtype is a run-time value, reaches a typed forward (`Linear::forward::<P>`).
+macro_rules! with_precision {
+    ($dtype:expr, $P:ident => $body:expr) => {
+        match $dtype {
+            candle_core::DType::F32 => {
+                type $P = $crate::precision::F32;
+                $body
+            }
+            candle_core::DType::F16 => {
+                type $P = $crate::precision::F16;
+                $body
+            }
+            candle_core::DType::BF16 => {
+                type $P = $crate::precision::BF16;
+                $body
+            }
+            other => candle_core::bail!("not a floating precision of a region: {other:?}"),
+        }
+    };
+}
+pub(crate) use with_precision;
+
+/// A method receiver inside a region, carrying the policy. For tensor receivers it offers every
+/// op of the typed API, routed through the policy (`region/methods.rs`); for any other receiver
+/// it derefs to the receiver, so `f64::sqrt`, `Iterator::max` and the like resolve to their own
+/// methods.
+#[derive(Debug)]
+pub struct Routed<'a, Pol, T: ?Sized> {
+    receiver: &'a T,
+    policy: PhantomData<Pol>,
+}
+
+impl<'a, Pol: Policy, T: ?Sized> Routed<'a, Pol, T> {
+    /// Wraps a receiver.
+    pub fn new(receiver: &'a T) -> Self {
+        Self {
+            receiver,
+            policy: PhantomData,
+        }
+    }
+}
+
+impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
+    /// The tensor receiver as a region value.
+    pub(crate) fn amp(&self) -> AmpTensor {
+        self.receiver.to_amp()
+    }
+}
+
+impl<Pol, T: ?Sized> std::ops::Deref for Routed<'_, Pol, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.receiver
+    }
+}
+
+/// Method names of module calls, the `Method` parameter of [`RegionCall`].
+#[allow(non_camel_case_types)]
+pub mod calls {
+    /// `module.forward(...)`.
+    #[derive(Debug)]
+    pub struct forward;
+    /// `module.forward_t(..., train)`.
+    #[derive(Debug)]
+    pub struct forward_t;
+    /// `module.forward_train(...)`.
+    #[derive(Debug)]
+    pub struct forward_train;
+}
+
+/// A module callable from an autocast region: the built-in layers, and user modules whose impl
+/// has `#[autocast]` (which inherit the caller's policy `Pol`) or their own policy.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is called inside an autocast region, but it is not autocast-aware",
+    label = "this call passes region tensors to a plain module",
+    note = "add `#[autocast]` to the module's impl so it inherits the caller's policy \
+            (or `#[autocast(fp16)]`/`#[keep_fp32]` for its own), or call it with explicit \
+            typed tensors: `x.cast::<F32>()?`"
+)]
+pub trait RegionCall<Pol: Policy, Method, Args> {
+    /// Runs the call on region values.
+    fn region_call(&self, args: Args) -> Result<AmpTensor>;
+}
+
+impl<Pol: Policy, M, Args, T: RegionCall<Pol, M, Args> + ?Sized> RegionCall<Pol, M, Args> for &T {
+    fn region_call(&self, args: Args) -> Result<AmpTensor> {
+        (**self).region_call(args)
+    }
+}
+
+impl<Pol: Policy, T: ?Sized> Routed<'_, Pol, T> {
+    /// A module call (`forward`, `forward_t`, `forward_train`), with the policy passed on.
+    pub fn __call<M, Args>(&self, args: Args) -> Result<AmpTensor>
+    where
+        T: RegionCall<Pol, M, Args>,
+    {
+        self.receiver.region_call(args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op;
+    use crate::region::policy::{Bf16Policy, Fp16Policy, Fp32Policy};
+    use DType::{BF16, F16, F32};
+
+    /// Targets of one op per class under one policy, for the given input dtypes.
+    fn classes<Pol: Policy>(inputs: &[DType]) -> [Option<DType>; 4] {
+        [
+            target::<Pol, op::matmul>(inputs).unwrap(),
+            target::<Pol, op::softmax>(inputs).unwrap(),
+            target::<Pol, op::add>(inputs).unwrap(),
+            target::<Pol, op::relu>(inputs).unwrap(),
+        ]
+    }
+
+    #[test]
+    fn each_class_targets_what_pytorch_autocast_runs() {
+        // [lower precision, fp32, promote, preserve]
+        assert_eq!(
+            classes::<Fp16Policy>(&[F32, F32]),
+            [Some(F16), Some(F32), Some(F32), None]
+        );
+        assert_eq!(
+            classes::<Fp16Policy>(&[F16, F16]),
+            [Some(F16), Some(F32), Some(F16), None]
+        );
+        assert_eq!(
+            classes::<Bf16Policy>(&[BF16, BF16]),
+            [Some(BF16), Some(F32), Some(BF16), None]
+        );
+        assert_eq!(
+            classes::<Bf16Policy>(&[F32, F16]),
+            [Some(BF16), Some(F32), Some(F32), None]
+        );
+        // Promotion: the widest input wins, whichever side it is on.
+        assert_eq!(
+            target::<Fp16Policy, op::mul>(&[F16, F32]).unwrap(),
+            Some(F32)
+        );
+        assert_eq!(
+            target::<Fp16Policy, op::cat>(&[F16, F16, F32]).unwrap(),
+            Some(F32)
+        );
+    }
+
+    #[test]
+    fn the_fp32_policy_upcasts_every_class() {
+        assert_eq!(classes::<Fp32Policy>(&[F16, F16]), [Some(F32); 4]);
+        assert_eq!(classes::<Fp32Policy>(&[BF16]), [Some(F32); 4]);
+    }
+
+    #[test]
+    fn f16_with_bf16_is_an_error_naming_the_op() {
+        let err = target::<Bf16Policy, op::broadcast_add>(&[F16, BF16]).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("`broadcast_add`") && msg.contains("f16 and bf16"),
+            "{msg}"
+        );
+        // Not for ops that cast every input anyway.
+        assert_eq!(
+            target::<Bf16Policy, op::matmul>(&[F16, BF16]).unwrap(),
+            Some(BF16)
+        );
+        assert_eq!(
+            target::<Fp16Policy, op::mse>(&[F16, BF16]).unwrap(),
+            Some(F32)
+        );
+    }
+}

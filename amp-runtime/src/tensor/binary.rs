@@ -1,0 +1,176 @@
+//! Ops of two tensors of `Tensor<P>`: elementwise binary ops and matmul (operands of one
+//! precision outside autocast), convolutions, and the operators `+ - * /`.
+
+use candle_core::Result;
+
+use super::Tensor;
+use crate::op::{self, SamePrecision};
+use crate::precision::Precision;
+
+macro_rules! binary {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {$(
+        $(#[$doc])*
+        pub fn $name<Q>(&self, rhs: &Tensor<Q>) -> Result<Self>
+        where
+            Q: SamePrecision<P, op::$name>,
+        {
+            Ok(Self::wrap(self.inner.$name(&rhs.inner)?))
+        }
+    )*};
+}
+
+impl<P: Precision> Tensor<P> {
+    binary!(
+        /// Elementwise sum (same shapes).
+        add,
+        /// Elementwise difference (same shapes).
+        sub,
+        /// Elementwise product (same shapes).
+        mul,
+        /// Elementwise quotient (same shapes).
+        div,
+        /// Sum with broadcasting.
+        broadcast_add,
+        /// Difference with broadcasting.
+        broadcast_sub,
+        /// Product with broadcasting.
+        broadcast_mul,
+        /// Quotient with broadcasting.
+        broadcast_div,
+        /// Elementwise maximum.
+        maximum,
+        /// Elementwise minimum.
+        minimum,
+        /// Matrix product over the last two dimensions (a lower-precision op under autocast).
+        matmul,
+        /// Matrix product with broadcasting of the batch dimensions.
+        broadcast_matmul,
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Convolutions: lower-precision ops. Half-precision conv2d on CPU (bf16, which candle lacks,
+// and f16) goes through `crate::kernels`.
+impl<P: Precision> Tensor<P> {
+    /// 1-D convolution; `self` is `(batch, c_in, length)`, `kernel` `(c_out, c_in / groups, k)`.
+    pub fn conv1d<Q>(
+        &self,
+        kernel: &Tensor<Q>,
+        padding: usize,
+        stride: usize,
+        dilation: usize,
+        groups: usize,
+    ) -> Result<Self>
+    where
+        Q: SamePrecision<P, op::conv1d>,
+    {
+        Ok(Self::wrap(self.inner.conv1d(
+            &kernel.inner,
+            padding,
+            stride,
+            dilation,
+            groups,
+        )?))
+    }
+
+    /// 2-D convolution; `self` is `(batch, c_in, h, w)`, `kernel` `(c_out, c_in / groups, kh, kw)`.
+    pub fn conv2d<Q>(
+        &self,
+        kernel: &Tensor<Q>,
+        padding: usize,
+        stride: usize,
+        dilation: usize,
+        groups: usize,
+    ) -> Result<Self>
+    where
+        Q: SamePrecision<P, op::conv2d>,
+    {
+        let params = crate::kernels::Conv2dParams {
+            padding,
+            stride,
+            dilation,
+            groups,
+        };
+        crate::kernels::conv2d(&self.inner, &kernel.inner, params).map(Self::wrap)
+    }
+
+    /// 1-D transposed convolution; `kernel` is `(c_in, c_out / groups, k)`.
+    pub fn conv_transpose1d<Q>(
+        &self,
+        kernel: &Tensor<Q>,
+        padding: usize,
+        output_padding: usize,
+        stride: usize,
+        dilation: usize,
+        groups: usize,
+    ) -> Result<Self>
+    where
+        Q: SamePrecision<P, op::conv_transpose1d>,
+    {
+        Ok(Self::wrap(self.inner.conv_transpose1d(
+            &kernel.inner,
+            padding,
+            output_padding,
+            stride,
+            dilation,
+            groups,
+        )?))
+    }
+
+    /// 2-D transposed convolution; `kernel` is `(c_in, c_out, kh, kw)`.
+    pub fn conv_transpose2d<Q>(
+        &self,
+        kernel: &Tensor<Q>,
+        padding: usize,
+        output_padding: usize,
+        stride: usize,
+        dilation: usize,
+    ) -> Result<Self>
+    where
+        Q: SamePrecision<P, op::conv_transpose2d>,
+    {
+        Ok(Self::wrap(self.inner.conv_transpose2d(
+            &kernel.inner,
+            padding,
+            output_padding,
+            stride,
+            dilation,
+        )?))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Operators on references: `&a + &b` (one precision) and `&a * 2.0` (or `a * 2.0`), returning
+// `Result` as candle's operators do.
+macro_rules! operator {
+    ($trait:ident, $fn:ident, $op:ident, $mul:expr, $add:expr) => {
+        impl<'a, P: Precision, Q> std::ops::$trait<&'a Tensor<Q>> for &'a Tensor<P>
+        where
+            Q: SamePrecision<P, op::$op>,
+        {
+            type Output = Result<Tensor<P>>;
+            fn $fn(self, rhs: &'a Tensor<Q>) -> Result<Tensor<P>> {
+                self.$op(rhs)
+            }
+        }
+
+        impl<P: Precision> std::ops::$trait<f64> for &Tensor<P> {
+            type Output = Result<Tensor<P>>;
+            fn $fn(self, rhs: f64) -> Result<Tensor<P>> {
+                let (mul, add): (fn(f64) -> f64, fn(f64) -> f64) = ($mul, $add);
+                self.affine(mul(rhs), add(rhs))
+            }
+        }
+
+        impl<P: Precision> std::ops::$trait<f64> for Tensor<P> {
+            type Output = Result<Tensor<P>>;
+            fn $fn(self, rhs: f64) -> Result<Tensor<P>> {
+                std::ops::$trait::$fn(&self, rhs)
+            }
+        }
+    };
+}
+operator!(Add, add, add, |_| 1.0, |s| s);
+operator!(Sub, sub, sub, |_| 1.0, |s| -s);
+operator!(Mul, mul, mul, |s| s, |_| 0.0);
+operator!(Div, div, div, |s| 1.0 / s, |_| 0.0);

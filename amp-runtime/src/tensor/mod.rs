@@ -1,0 +1,337 @@
+//! `Tensor<P>`: a candle tensor whose precision is part of its type.
+//!
+//! Method names and argument order follow `candle_core::Tensor`. What changes is what compiles:
+//! - binary ops take operands of one precision ([`SamePrecision`](crate::op::SamePrecision));
+//! - fp32-class ops (`sum`, `exp`, `log`, ...) exist on `Tensor<F32>` only
+//!   ([`Fp32Input`](crate::op::Fp32Input)), and return `Tensor<F32>`; under an autocast region
+//!   the policy upcasts for you (they are defined in [`crate::fp32`], next to their
+//!   any-precision forms);
+//! - lower-precision ops (`matmul`, `conv2d`) and precision-preserving ops run in `P`.
+//!
+//! `binary.rs` has the two-tensor ops, convolutions and operators; `preserve.rs` the
+//! precision-preserving ones.
+//!
+//! ```
+//! use amp_runtime::{Tensor, F16, F32};
+//! use candle_core::Device;
+//! # fn main() -> candle_core::Result<()> {
+//! let dev = Device::Cpu;
+//! let x = Tensor::<F32>::new(&[[1f32, 2.], [3., 4.]], &dev)?;
+//! let h: Tensor<F16> = x.cast::<F16>()?.matmul(&x.cast::<F16>()?)?.relu()?;
+//! let total: Tensor<F32> = h.cast::<F32>()?.sum_all()?;
+//! assert_eq!(total.to_scalar::<f32>()?, 54.0);
+//! # Ok(()) }
+//! ```
+
+use std::marker::PhantomData;
+
+use candle_core::{DType, Device, Shape, WithDType};
+use candle_core::{Error, Result};
+
+use crate::cast::convert;
+use crate::precision::{same, Precision, Promote, F32};
+
+/// A tensor of precision `P` (`F32` by default): a zero-cost newtype over `candle_core::Tensor`.
+///
+/// The device stays a runtime value, as in candle; only the dtype is in the type.
+#[repr(transparent)]
+pub struct Tensor<P: Precision = F32> {
+    inner: candle_core::Tensor,
+    precision: PhantomData<P>,
+}
+
+impl<P: Precision> Clone for Tensor<P> {
+    fn clone(&self) -> Self {
+        Self::wrap(self.inner.clone())
+    }
+}
+
+impl<P: Precision> std::fmt::Debug for Tensor<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor<{}>{:?}", P::NAME, self.inner)
+    }
+}
+
+impl<P: Precision> std::fmt::Display for Tensor<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.inner, f)
+    }
+}
+
+impl<P: Precision> AsRef<candle_core::Tensor> for Tensor<P> {
+    fn as_ref(&self) -> &candle_core::Tensor {
+        &self.inner
+    }
+}
+
+impl<P: Precision> AsRef<Tensor<P>> for Tensor<P> {
+    fn as_ref(&self) -> &Tensor<P> {
+        self
+    }
+}
+
+impl<P: Precision> TryFrom<candle_core::Tensor> for Tensor<P> {
+    type Error = Error;
+    fn try_from(t: candle_core::Tensor) -> Result<Self> {
+        Self::from_candle(t)
+    }
+}
+
+impl<P: Precision> From<Tensor<P>> for candle_core::Tensor {
+    fn from(t: Tensor<P>) -> Self {
+        t.inner
+    }
+}
+
+/// The error `from_candle` returns for a tensor of the wrong dtype.
+pub(crate) fn dtype_error<P: Precision>(what: &str, got: DType) -> Error {
+    Error::Msg(format!(
+        "{what}: expected a {:?} tensor for `Tensor<{}>`, got {got:?}; convert it first with \
+         `.to_dtype(DType::{:?})` or use `Tensor<{}>`",
+        P::DTYPE,
+        P::NAME,
+        P::DTYPE,
+        match got {
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            DType::F32 => "F32",
+            _ => "a float type: F32, F16 or BF16",
+        }
+    ))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Boundary with candle, casts, constructors, accessors.
+impl<P: Precision> Tensor<P> {
+    /// Wraps a candle tensor whose dtype the caller guarantees to be `P::DTYPE`.
+    pub(crate) fn wrap(inner: candle_core::Tensor) -> Self {
+        debug_assert_eq!(inner.dtype(), P::DTYPE, "typed-tensor invariant broken");
+        Self {
+            inner,
+            precision: PhantomData,
+        }
+    }
+
+    /// Wraps a candle tensor, checking once that its dtype is `P::DTYPE`.
+    ///
+    /// A tensor of another dtype is an `Err` naming both dtypes; nothing is converted silently.
+    pub fn from_candle(t: candle_core::Tensor) -> Result<Self> {
+        if t.dtype() == P::DTYPE {
+            Ok(Self::wrap(t))
+        } else {
+            Err(dtype_error::<P>("Tensor::from_candle", t.dtype()))
+        }
+    }
+
+    /// The underlying candle tensor.
+    pub fn as_candle(&self) -> &candle_core::Tensor {
+        &self.inner
+    }
+
+    /// Unwraps into the underlying candle tensor.
+    pub fn into_candle(self) -> candle_core::Tensor {
+        self.inner
+    }
+
+    /// Casts to precision `Q`. When `Q` is `P` this is resolved at compile time to a handle
+    /// clone: no kernel, no graph node, no copy.
+    pub fn cast<Q: Precision>(&self) -> Result<Tensor<Q>> {
+        if const { same::<P, Q>() } {
+            Ok(Tensor::wrap(self.inner.clone()))
+        } else {
+            Ok(Tensor::wrap(convert(&self.inner, Q::DTYPE)?))
+        }
+    }
+
+    /// Casts both operands to their promoted precision (the widest of the two), as PyTorch's
+    /// promote-class ops do under autocast. `F16` with `BF16` does not compile.
+    #[allow(clippy::type_complexity)]
+    pub fn promote_with<Q: Precision>(
+        &self,
+        rhs: &Tensor<Q>,
+    ) -> Result<(Tensor<P::Output>, Tensor<P::Output>)>
+    where
+        P: Promote<Q>,
+    {
+        Ok((self.cast()?, rhs.cast()?))
+    }
+
+    /// A tensor of zeros.
+    pub fn zeros<S: Into<Shape>>(shape: S, device: &Device) -> Result<Self> {
+        Ok(Self::wrap(candle_core::Tensor::zeros(
+            shape,
+            P::DTYPE,
+            device,
+        )?))
+    }
+
+    /// A tensor of ones.
+    pub fn ones<S: Into<Shape>>(shape: S, device: &Device) -> Result<Self> {
+        Ok(Self::wrap(candle_core::Tensor::ones(
+            shape,
+            P::DTYPE,
+            device,
+        )?))
+    }
+
+    /// A tensor filled with `value` (rounded to `P`).
+    pub fn full<S: Into<Shape>>(value: f64, shape: S, device: &Device) -> Result<Self> {
+        Self::ones(shape, device)?.affine(0.0, value)
+    }
+
+    /// Zeros of the same shape and device.
+    pub fn zeros_like(&self) -> Result<Self> {
+        Ok(Self::wrap(self.inner.zeros_like()?))
+    }
+
+    /// Ones of the same shape and device.
+    pub fn ones_like(&self) -> Result<Self> {
+        Ok(Self::wrap(self.inner.ones_like()?))
+    }
+
+    /// Normal samples with the given mean and standard deviation, drawn in f32 then rounded to `P`.
+    pub fn randn<S: Into<Shape>>(mean: f64, std: f64, shape: S, device: &Device) -> Result<Self> {
+        let t = candle_core::Tensor::randn(mean as f32, std as f32, shape, device)?;
+        Ok(Self::wrap(t.to_dtype(P::DTYPE)?))
+    }
+
+    /// Uniform samples in `[lo, up)`, drawn in f32 then rounded to `P`.
+    pub fn rand<S: Into<Shape>>(lo: f64, up: f64, shape: S, device: &Device) -> Result<Self> {
+        let t = candle_core::Tensor::rand(lo as f32, up as f32, shape, device)?;
+        Ok(Self::wrap(t.to_dtype(P::DTYPE)?))
+    }
+
+    /// A tensor from a (nested) array; the values are converted to `P`.
+    pub fn new<A: candle_core::NdArray>(array: A, device: &Device) -> Result<Self> {
+        let t = candle_core::Tensor::new(array, device)?;
+        Ok(Self::wrap(t.to_dtype(P::DTYPE)?))
+    }
+
+    /// A tensor of the given shape from a slice; the values are converted to `P`.
+    pub fn from_slice<D: WithDType, S: candle_core::shape::ShapeWithOneHole>(
+        data: &[D],
+        shape: S,
+        device: &Device,
+    ) -> Result<Self> {
+        let t = candle_core::Tensor::from_slice(data, shape, device)?;
+        Ok(Self::wrap(t.to_dtype(P::DTYPE)?))
+    }
+
+    /// A tensor of the given shape from a vector; the values are converted to `P`.
+    pub fn from_vec<D: WithDType, S: candle_core::shape::ShapeWithOneHole>(
+        data: Vec<D>,
+        shape: S,
+        device: &Device,
+    ) -> Result<Self> {
+        let t = candle_core::Tensor::from_vec(data, shape, device)?;
+        Ok(Self::wrap(t.to_dtype(P::DTYPE)?))
+    }
+
+    /// The candle tensor converted to element type `S` (a no-op when `S` is `P`'s element type).
+    fn as_elements<S: WithDType>(&self) -> Result<candle_core::Tensor> {
+        self.inner.to_dtype(S::DTYPE)
+    }
+
+    /// The single value of a rank-0 tensor, converted to `S`.
+    pub fn to_scalar<S: WithDType>(&self) -> Result<S> {
+        self.as_elements::<S>()?.to_scalar()
+    }
+
+    /// Same as [`Tensor::to_scalar`], named like candle's.
+    pub fn to_vec0<S: WithDType>(&self) -> Result<S> {
+        self.to_scalar()
+    }
+
+    /// The values of a rank-1 tensor, converted to `S` (`to_vec1::<f32>()` works on any `P`).
+    pub fn to_vec1<S: WithDType>(&self) -> Result<Vec<S>> {
+        self.as_elements::<S>()?.to_vec1()
+    }
+
+    /// The values of a rank-2 tensor, converted to `S`.
+    pub fn to_vec2<S: WithDType>(&self) -> Result<Vec<Vec<S>>> {
+        self.as_elements::<S>()?.to_vec2()
+    }
+
+    /// The values of a rank-3 tensor, converted to `S`.
+    pub fn to_vec3<S: WithDType>(&self) -> Result<Vec<Vec<Vec<S>>>> {
+        self.as_elements::<S>()?.to_vec3()
+    }
+
+    /// All values in row-major order, converted to `S`, whatever the rank.
+    pub fn to_flat_vec<S: WithDType>(&self) -> Result<Vec<S>> {
+        self.as_elements::<S>()?.flatten_all()?.to_vec1()
+    }
+
+    /// The candle dtype, always `P::DTYPE`.
+    pub fn dtype(&self) -> DType {
+        P::DTYPE
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        self.inner.shape()
+    }
+
+    /// The dimensions.
+    pub fn dims(&self) -> &[usize] {
+        self.inner.dims()
+    }
+
+    /// The size of one dimension.
+    pub fn dim<D: candle_core::shape::Dim>(&self, dim: D) -> Result<usize> {
+        self.inner.dim(dim)
+    }
+
+    /// The number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    /// The number of elements.
+    pub fn elem_count(&self) -> usize {
+        self.inner.elem_count()
+    }
+
+    /// The device the data lives on.
+    pub fn device(&self) -> &Device {
+        self.inner.device()
+    }
+
+    /// A copy on another device.
+    pub fn to_device(&self, device: &Device) -> Result<Self> {
+        Ok(Self::wrap(self.inner.to_device(device)?))
+    }
+
+    /// The same values, cut from the autograd graph.
+    pub fn detach(&self) -> Self {
+        Self::wrap(self.inner.detach())
+    }
+}
+
+mod binary;
+mod preserve;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::precision::{BF16, F16};
+
+    #[test]
+    fn from_candle_rejects_the_wrong_dtype_with_both_names() {
+        let t = candle_core::Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap();
+        let err = Tensor::<F16>::from_candle(t).unwrap_err().to_string();
+        assert!(err.contains("F16") && err.contains("F32"), "{err}");
+        let t = candle_core::Tensor::zeros(3, DType::U32, &Device::Cpu).unwrap();
+        assert!(Tensor::<BF16>::from_candle(t).is_err());
+    }
+
+    #[test]
+    fn cast_to_same_precision_shares_storage() -> Result<()> {
+        let x = Tensor::<F16>::ones(4, &Device::Cpu)?;
+        let y = x.cast::<F16>()?;
+        assert_eq!(x.as_candle().id(), y.as_candle().id());
+        let z = x.cast::<F32>()?;
+        assert_ne!(x.as_candle().id(), z.as_candle().id());
+        Ok(())
+    }
+}
