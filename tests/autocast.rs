@@ -516,3 +516,40 @@ fn a_declared_policy_moves_ops_between_classes() -> Result<()> {
     assert_eq!(<AttentionPolicy as Policy>::NAME, "AttentionPolicy");
     Ok(())
 }
+
+// ---- Free ops are routed by what their path resolves to, not by how it is spelt. ----
+
+mod reexported {
+    pub use candle_amp::ops as amp_ops;
+}
+
+/// candle-amp's `ops` through three spellings is routed (softmax is fp32-class); candle-nn's
+/// `ops`, imported under the same name, is another crate's: its softmax is called as written,
+/// in the value's own dtype. `Tensor::cat` is candle-amp's (promote: f16 with f32 gives f32);
+/// `candle_core::Tensor::cat` joins candle tensors as candle does.
+#[autocast(fp16)]
+fn spellings(x: &Tensor<F32>, w: &Tensor<F32>) -> Result<Vec<DType>> {
+    let h = x.matmul(&w)?;
+    let parts = vec![h.as_candle().clone(), h.as_candle().clone()];
+    Ok(vec![
+        h.dtype(),
+        ops::softmax(&h, 1)?.dtype(),
+        candle_amp::ops::softmax(&h, 1)?.dtype(),
+        reexported::amp_ops::softmax(&h, 1)?.dtype(),
+        {
+            use candle_nn::ops;
+            ops::softmax(h.as_candle(), 1)?.dtype()
+        },
+        Tensor::cat(&[&h, &x], 0)?.dtype(),
+        candle_core::Tensor::cat(&parts, 0)?.dtype(),
+    ])
+}
+
+#[test]
+fn free_ops_follow_what_their_path_names() -> Result<()> {
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 4), &dev())?;
+    let w = Tensor::<F32>::randn(0.0, 1.0, (4, 4), &dev())?;
+    let (f16, f32) = (DType::F16, DType::F32);
+    assert_eq!(spellings(&x, &w)?, [f16, f32, f32, f32, f16, f32, f16]);
+    Ok(())
+}

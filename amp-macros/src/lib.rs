@@ -7,8 +7,6 @@
 mod args;
 mod custom;
 mod expand;
-mod ops;
-#[allow(dead_code)] // TEMPORARY: the rewrite moves to this table in the next commit
 mod optable;
 mod policy;
 mod rewrite;

@@ -66,16 +66,6 @@ pub(crate) enum Free {
     Tensor,
 }
 
-impl Free {
-    fn module(self) -> &'static str {
-        match self {
-            Self::Ops => "ops",
-            Self::Loss => "loss",
-            Self::Tensor => "Tensor",
-        }
-    }
-}
-
 /// One op.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Row {
@@ -209,11 +199,9 @@ pub(crate) fn is_routed_method(name: &str, args: usize) -> bool {
         .any(|r| r.name == name && r.method.is_some_and(|m| m.arity() == args))
 }
 
-/// Whether `name` is a free op of the typed API called through `module` (`ops`, `loss`, or
-/// `Tensor` for `Tensor::cat`).
-pub(crate) fn is_free_op(module: &str, name: &str) -> bool {
-    OPS.iter()
-        .any(|r| r.name == name && r.free.is_some_and(|f| f.module() == module))
+/// The module or type a free op is reached through (`ops`, `loss`, `Tensor`), if `name` is one.
+pub(crate) fn free_module(name: &str) -> Option<Free> {
+    OPS.iter().find(|r| r.name == name).and_then(|r| r.free)
 }
 
 /// `__op_table!(view => callback)`: the table for the runtime, as a call of the runtime's own
@@ -305,9 +293,9 @@ mod tests {
             "Iterator::max keeps its meaning"
         );
         assert!(is_routed_method("conv_transpose1d", 6));
-        assert!(is_free_op("ops", "softmax"));
-        assert!(is_free_op("Tensor", "cat"));
-        assert!(!is_free_op("ops", "mse"));
+        assert_eq!(free_module("softmax"), Some(Free::Ops));
+        assert_eq!(free_module("cat"), Some(Free::Tensor));
+        assert_eq!(free_module("relu"), None);
         assert!(!MODULE_CALLS
             .iter()
             .any(|m| OPS.iter().any(|r| r.name == *m)));

@@ -19,7 +19,7 @@ use syn::visit_mut::{self, VisitMut};
 use syn::{Attribute, Expr, ExprMacro, Item, Macro, Stmt, Token};
 
 use crate::args::fp32_policy;
-use crate::ops;
+use crate::optable;
 
 /// Macros whose arguments are comma-separated expressions.
 const EXPR_MACROS: &[&str] = &[
@@ -199,13 +199,13 @@ impl Rewriter {
             ));
             return None;
         }
-        if ops::MODULE_CALLS.contains(&name.as_str()) {
+        if optable::MODULE_CALLS.contains(&name.as_str()) {
             let args = args.iter();
             return Some(quote_spanned!(span=>
                 #routed.__call::<::candle_amp::__private::autocast::calls::#method, _>((#(#args,)*))
             ));
         }
-        if ops::is_routed_method(&name, args.len()) {
+        if optable::is_routed_method(&name, args.len()) {
             let turbofish = &call.turbofish;
             return Some(quote_spanned!(span=> #routed.#method #turbofish (#args)));
         }
@@ -213,36 +213,84 @@ impl Rewriter {
     }
 }
 
-/// `ops::softmax(..)`, `loss::mse(..)`, `Tensor::cat(..)` become the routed region versions.
+/// A call of a free op, routed by what its path resolves to, not by how it is spelt: the
+/// macro sees `ops::softmax`, not which `ops` that is.
+///
+/// Module paths (the segment before the name is lowercase), any spelling of candle-amp's
+/// `ops`/`loss` included:
+/// Input:  `ops::softmax(&h, 1)`
+/// Output: `match (&h, 1,) { (a0, a1,) => {
+///              use ops as __amp_routed;
+///              { use ops::*; use ::candle_amp::__private::Unrouted as _;
+///                __amp_routed::softmax(a0, a1).__amp_policy::<Pol>() } } }`
+/// candle-amp's `ops` carries a hidden `__amp_routed` module, which the inner glob brings in and
+/// which shadows the outer alias: the routed op runs, deferred until `__amp_policy` applies the
+/// region's policy. Any other `ops` (candle-nn's, the user's) has none: `__amp_routed` is that
+/// module itself, its function is called as written, and `__amp_policy` is the identity. The
+/// arguments are evaluated outside the glob's block, so the glob never shadows a name in them,
+/// and are passed to the real function, so coercions (`&vec` to a slice) still apply.
+///
+/// `Tensor::cat`/`stack` (a type path, which cannot be glob-imported): candle-amp's `Tensor` has
+/// the inherent `__amp_routed_cat`, which takes precedence over the trait `ForeignJoin` that
+/// gives `candle_core::Tensor` the same name for its own `cat`.
 fn free_op_call(call: &syn::ExprCall, policy: &TokenStream) -> Option<TokenStream> {
     let Expr::Path(path) = &*call.func else {
         return None;
     };
-    let segments: Vec<_> = path.path.segments.iter().collect();
-    let [.., module, name] = segments.as_slice() else {
-        return None;
-    };
-    let first = segments[0].ident.to_string();
-    if first == "candle_nn" || first == "candle_core" {
+    if path.qself.is_some() {
         return None;
     }
-    if !ops::is_free_op(&module.ident.to_string(), &name.ident.to_string()) {
-        return None;
-    }
-    // Keep the user's path up to the module, so that their imports stay used:
-    // `ops::softmax(..)` -> `ops::__region::softmax::<Pol>(..)`,
-    // `Tensor::cat(..)` -> `Tensor::__region_cat::<Pol, _>(..)`.
-    let (ident, args) = (&name.ident, &call.args);
     let mut prefix = path.path.clone();
-    prefix.segments.pop();
-    let prefix = prefix.segments.iter();
-    let leading = path.path.leading_colon;
-    Some(if module.ident == "Tensor" {
-        let routed = quote::format_ident!("__region_{}", ident, span = ident.span());
-        quote_spanned!(ident.span()=> #leading #(#prefix)::* :: #routed::<#policy, _>(#args))
+    let name = prefix.segments.pop()?.into_value();
+    let owner = prefix.segments.last()?;
+    let module = optable::free_module(&name.ident.to_string())?;
+    let rt = quote!(::candle_amp::__private);
+    let args: Vec<_> = call.args.iter().collect();
+    let binds: Vec<_> = (0..args.len())
+        .map(|i| quote::format_ident!("__amp_a{}", i, span = proc_macro2::Span::mixed_site()))
+        .collect();
+    let span = name.ident.span();
+    let ident = &name.ident;
+    let prefix = {
+        // `a::b::` without the trailing separator.
+        let mut p = prefix.clone();
+        if let Some(last) = p.segments.pop() {
+            p.segments.push_value(last.into_value());
+        }
+        p
+    };
+    let routed = if module == optable::Free::Tensor {
+        if owner.ident != "Tensor" {
+            return None;
+        }
+        let joined = quote::format_ident!("__amp_routed_{}", ident, span = span);
+        quote_spanned!(span=> {
+            #[allow(unused_imports)]
+            use #rt::{ForeignJoin as _, Unrouted as _};
+            #prefix::#joined(#(#binds),*).__amp_policy::<#policy>()
+        })
     } else {
-        quote_spanned!(ident.span()=> #leading #(#prefix)::* :: __region::#ident::<#policy>(#args))
-    })
+        // A module: lowercase, not a path keyword (`self::f` is the user's own function).
+        let owner_name = owner.ident.to_string();
+        let module_like = owner_name.starts_with(|c: char| c.is_lowercase())
+            && !["self", "super", "crate"].contains(&owner_name.as_str());
+        if !module_like || !owner.arguments.is_none() {
+            return None;
+        }
+        let alias = syn::Ident::new("__amp_routed", span);
+        quote_spanned!(span=> {
+            #[allow(unused_imports)]
+            use #prefix as #alias;
+            {
+                #[allow(unused_imports, clippy::wildcard_imports)]
+                use #prefix::*;
+                #[allow(unused_imports)]
+                use #rt::Unrouted as _;
+                #alias::#ident(#(#binds),*).__amp_policy::<#policy>()
+            }
+        })
+    };
+    Some(quote_spanned!(span=> match (#(#args,)*) { (#(#binds,)*) => #routed }))
 }
 
 /// The attributes of expression kinds that can carry `#[keep_fp32]` as a statement.

@@ -65,9 +65,9 @@ pub fn binary_cross_entropy_with_logit<P: Fp32Input<op::binary_cross_entropy_wit
     binary_cross_entropy_with_logits(inp, target)
 }
 
-/// The same losses routed through an autocast policy (see `ops::__region`).
+/// The same losses routed through an autocast policy (see `ops::__amp_routed`).
 #[doc(hidden)]
-pub mod __region {
+pub mod __amp_routed {
     pub use crate::region::free::{
         binary_cross_entropy_with_logit, binary_cross_entropy_with_logits, cross_entropy, l1, mse,
         nll, smooth_l1,

@@ -50,9 +50,10 @@ pub fn sigmoid<P: Precision>(xs: &Tensor<P>) -> Result<Tensor<P>> {
     xs.sigmoid()
 }
 
-/// The same ops routed through an autocast policy; `#[autocast]` rewrites `ops::softmax(..)` to
-/// `ops::__region::softmax::<Policy>(..)` so that the user's own imports stay in use.
+/// The same ops routed through an autocast policy. In a region, `#[autocast]` calls
+/// `__amp_routed::softmax(..)` where this module is glob-imported, so the routed form is found
+/// exactly when the user's `ops` is this module (see `region/free.rs`).
 #[doc(hidden)]
-pub mod __region {
+pub mod __amp_routed {
     pub use crate::region::free::{layer_norm, log_softmax, rms_norm, sigmoid, softmax};
 }

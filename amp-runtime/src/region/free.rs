@@ -1,145 +1,225 @@
 //! The free-function ops of `candle_amp::ops`, `candle_amp::loss` and `Tensor::cat`/`stack`,
-//! routed through a policy: what `#[autocast]` calls for `ops::softmax(..)`, `loss::mse(..)`,
-//! `Tensor::cat(..)` in a region.
+//! routed: what `#[autocast]` calls for `ops::softmax(..)`, `loss::mse(..)`, `Tensor::cat(..)`
+//! in a region.
+//!
+//! The macro cannot see what a path like `ops::softmax` names, so the routed form is picked by
+//! name resolution: `ops` (candle-amp's) and `loss` carry a hidden `__amp_routed` module with
+//! these functions, and `candle_amp::Tensor` the hidden `__amp_routed_cat`/`__amp_routed_stack`;
+//! another crate's `ops` has neither, and its function is called as written. The generated call
+//! passes its arguments exactly as the user wrote them (coercions included), so a routed op
+//! cannot take the policy as an argument: it returns a [`Deferred`] call, and the region applies
+//! its policy with `.__amp_policy::<Pol>()`, which on any other value is the identity
+//! ([`Unrouted`]).
+
+use std::marker::PhantomData;
 
 use candle_core::shape::Dim;
-use candle_core::Result;
+use candle_core::{Result, Tensor as Candle};
 
 use super::policy::Policy;
-use super::route::{at, binary, target, unary};
+use super::route::{at, target};
 use super::value::{AmpTensor, AsAmp};
 use crate::composite;
-use crate::op;
+use crate::op::{self, Op};
 use crate::precision::F32;
 use crate::tensor::Tensor;
 
+/// A routed free op's call, its inputs taken as region values, waiting for the policy of the
+/// region that runs it.
+#[derive(Debug)]
+#[must_use = "a routed op runs when the region's policy is applied with `.__amp_policy::<Pol>()`"]
+pub struct Deferred<O, F> {
+    /// The inputs the op's class casts (others, like class ids or a norm's scale, live in `run`).
+    inputs: Vec<AmpTensor>,
+    run: F,
+    op: PhantomData<O>,
+}
+
+impl<O: Op, F: FnOnce(&[Candle]) -> Result<Candle>> Deferred<O, F> {
+    /// Runs the op under `Pol`: its inputs cast to the op's target, as every routed op.
+    #[doc(hidden)]
+    pub fn __amp_policy<Pol: Policy>(self) -> Result<AmpTensor> {
+        let dtypes: Vec<_> = self.inputs.iter().map(AmpTensor::dtype).collect();
+        let t = target::<Pol, O>(&dtypes)?;
+        let cast = self
+            .inputs
+            .iter()
+            .map(|v| at(v, t))
+            .collect::<Result<Vec<_>>>()?;
+        AmpTensor::new((self.run)(&cast)?)
+    }
+}
+
+/// The identity `.__amp_policy::<Pol>()` of every value that is not a [`Deferred`] call: the
+/// result of another crate's function, called as written.
+pub trait Unrouted: Sized {
+    /// Returns `self`.
+    #[doc(hidden)]
+    fn __amp_policy<Pol>(self) -> Self {
+        self
+    }
+}
+impl<T> Unrouted for T {}
+
+/// `candle_core::Tensor::cat`/`stack` in a region: called as written (the inherent
+/// `candle_amp::Tensor::__amp_routed_*` take precedence for candle-amp's `Tensor`).
+pub trait ForeignJoin {
+    /// `candle_core::Tensor::cat`.
+    #[doc(hidden)]
+    fn __amp_routed_cat<A: AsRef<Candle>, D: Dim>(tensors: &[A], dim: D) -> Result<Candle>;
+    /// `candle_core::Tensor::stack`.
+    #[doc(hidden)]
+    fn __amp_routed_stack<A: AsRef<Candle>, D: Dim>(tensors: &[A], dim: D) -> Result<Candle>;
+}
+
+impl ForeignJoin for Candle {
+    fn __amp_routed_cat<A: AsRef<Candle>, D: Dim>(tensors: &[A], dim: D) -> Result<Candle> {
+        Candle::cat(tensors, dim)
+    }
+    fn __amp_routed_stack<A: AsRef<Candle>, D: Dim>(tensors: &[A], dim: D) -> Result<Candle> {
+        Candle::stack(tensors, dim)
+    }
+}
+
+/// The type of a routed call of op `O`.
+type Call<O> = Deferred<O, Box<dyn FnOnce(&[Candle]) -> Result<Candle>>>;
+
+/// A call of `O` on `inputs`, running `run` on them once cast.
+fn call<O: Op>(
+    inputs: Vec<AmpTensor>,
+    run: impl FnOnce(&[Candle]) -> Result<Candle> + 'static,
+) -> Call<O> {
+    Deferred {
+        inputs,
+        run: Box::new(run),
+        op: PhantomData,
+    }
+}
+
 /// Routed `ops::softmax`.
-pub fn softmax<Pol: Policy>(xs: impl AsAmp, dim: impl Dim) -> Result<AmpTensor> {
-    unary::<Pol, op::softmax>(&xs.to_amp(), |x| candle_nn::ops::softmax(x, dim))
+pub fn softmax<D: Dim + 'static>(xs: impl AsAmp, dim: D) -> Call<op::softmax> {
+    call(vec![xs.to_amp()], move |x| {
+        candle_nn::ops::softmax(&x[0], dim)
+    })
 }
 
 /// Routed `ops::log_softmax`.
-pub fn log_softmax<Pol: Policy>(xs: impl AsAmp, d: impl Dim) -> Result<AmpTensor> {
-    unary::<Pol, op::log_softmax>(&xs.to_amp(), |x| candle_nn::ops::log_softmax(x, d))
+pub fn log_softmax<D: Dim + 'static>(xs: impl AsAmp, d: D) -> Call<op::log_softmax> {
+    call(vec![xs.to_amp()], move |x| {
+        candle_nn::ops::log_softmax(&x[0], d)
+    })
 }
 
 /// Routed `ops::sigmoid`.
-pub fn sigmoid<Pol: Policy>(xs: impl AsAmp) -> Result<AmpTensor> {
-    unary::<Pol, op::sigmoid>(&xs.to_amp(), candle_nn::ops::sigmoid)
+pub fn sigmoid(xs: impl AsAmp) -> Call<op::sigmoid> {
+    call(vec![xs.to_amp()], |x| candle_nn::ops::sigmoid(&x[0]))
 }
 
-/// Routed `ops::layer_norm`.
-pub fn layer_norm<Pol: Policy>(
+/// Routed `ops::layer_norm`: the input is cast by the op's class, the scale and shift follow it.
+pub fn layer_norm(
     xs: impl AsAmp,
     alpha: impl AsAmp,
     beta: impl AsAmp,
     eps: f32,
-) -> Result<AmpTensor> {
+) -> Call<op::layer_norm> {
     let (alpha, beta) = (alpha.to_amp(), beta.to_amp());
-    unary::<Pol, op::layer_norm>(&xs.to_amp(), |x| {
-        composite::layer_norm(x, alpha.as_candle(), Some(beta.as_candle()), f64::from(eps))
+    call(vec![xs.to_amp()], move |x| {
+        composite::layer_norm(
+            &x[0],
+            alpha.as_candle(),
+            Some(beta.as_candle()),
+            f64::from(eps),
+        )
     })
 }
 
 /// Routed `ops::rms_norm`.
-pub fn rms_norm<Pol: Policy>(xs: impl AsAmp, alpha: impl AsAmp, eps: f32) -> Result<AmpTensor> {
+pub fn rms_norm(xs: impl AsAmp, alpha: impl AsAmp, eps: f32) -> Call<op::rms_norm> {
     let alpha = alpha.to_amp();
-    unary::<Pol, op::rms_norm>(&xs.to_amp(), |x| {
-        composite::rms_norm(x, alpha.as_candle(), f64::from(eps))
+    call(vec![xs.to_amp()], move |x| {
+        composite::rms_norm(&x[0], alpha.as_candle(), f64::from(eps))
     })
 }
 
 /// Routed `loss::mse`.
-pub fn mse<Pol: Policy>(inp: impl AsAmp, target: impl AsAmp) -> Result<AmpTensor> {
-    binary::<Pol, op::mse>(&inp.to_amp(), &target.to_amp(), composite::mse)
+pub fn mse(inp: impl AsAmp, target: impl AsAmp) -> Call<op::mse> {
+    call(vec![inp.to_amp(), target.to_amp()], |x| {
+        composite::mse(&x[0], &x[1])
+    })
 }
 
 /// Routed `loss::l1`.
-pub fn l1<Pol: Policy>(inp: impl AsAmp, target: impl AsAmp) -> Result<AmpTensor> {
-    binary::<Pol, op::l1>(&inp.to_amp(), &target.to_amp(), composite::l1)
+pub fn l1(inp: impl AsAmp, target: impl AsAmp) -> Call<op::l1> {
+    call(vec![inp.to_amp(), target.to_amp()], |x| {
+        composite::l1(&x[0], &x[1])
+    })
 }
 
 /// Routed `loss::binary_cross_entropy_with_logits`.
-pub fn binary_cross_entropy_with_logits<Pol: Policy>(
+pub fn binary_cross_entropy_with_logits(
     inp: impl AsAmp,
     target: impl AsAmp,
-) -> Result<AmpTensor> {
-    binary::<Pol, op::binary_cross_entropy_with_logits>(
-        &inp.to_amp(),
-        &target.to_amp(),
-        composite::binary_cross_entropy_with_logits,
-    )
+) -> Call<op::binary_cross_entropy_with_logits> {
+    call(vec![inp.to_amp(), target.to_amp()], |x| {
+        composite::binary_cross_entropy_with_logits(&x[0], &x[1])
+    })
 }
 
 /// candle-nn's spelling of [`binary_cross_entropy_with_logits`].
-pub fn binary_cross_entropy_with_logit<Pol: Policy>(
+pub fn binary_cross_entropy_with_logit(
     inp: impl AsAmp,
     target: impl AsAmp,
-) -> Result<AmpTensor> {
-    binary_cross_entropy_with_logits::<Pol>(inp, target)
+) -> Call<op::binary_cross_entropy_with_logits> {
+    binary_cross_entropy_with_logits(inp, target)
 }
 
 /// Routed `loss::smooth_l1`.
-pub fn smooth_l1<Pol: Policy>(inp: impl AsAmp, target: impl AsAmp, beta: f64) -> Result<AmpTensor> {
-    binary::<Pol, op::smooth_l1>(&inp.to_amp(), &target.to_amp(), |a, b| {
-        composite::smooth_l1(a, b, beta)
+pub fn smooth_l1(inp: impl AsAmp, target: impl AsAmp, beta: f64) -> Call<op::smooth_l1> {
+    call(vec![inp.to_amp(), target.to_amp()], move |x| {
+        composite::smooth_l1(&x[0], &x[1], beta)
     })
 }
 
 /// Routed `loss::nll` (class ids are a plain candle tensor).
-pub fn nll<Pol: Policy>(inp: impl AsAmp, target: &candle_core::Tensor) -> Result<AmpTensor> {
-    unary::<Pol, op::nll>(&inp.to_amp(), |x| candle_nn::loss::nll(x, target))
+pub fn nll(inp: impl AsAmp, target: &Candle) -> Call<op::nll> {
+    let target = target.clone();
+    call(vec![inp.to_amp()], move |x| {
+        candle_nn::loss::nll(&x[0], &target)
+    })
 }
 
 /// Routed `loss::cross_entropy` (class ids are a plain candle tensor).
-pub fn cross_entropy<Pol: Policy>(
-    inp: impl AsAmp,
-    target: &candle_core::Tensor,
-) -> Result<AmpTensor> {
-    unary::<Pol, op::cross_entropy>(&inp.to_amp(), |x| candle_nn::loss::cross_entropy(x, target))
-}
-
-fn joined<Pol: Policy, O: op::Op, A: AsAmp, D: Dim>(
-    tensors: &[A],
-    dim: D,
-    join: fn(&[candle_core::Tensor], D) -> Result<candle_core::Tensor>,
-) -> Result<AmpTensor> {
-    let values: Vec<AmpTensor> = tensors.iter().map(AsAmp::to_amp).collect();
-    let dtypes: Vec<_> = values.iter().map(AmpTensor::dtype).collect();
-    let t = target::<Pol, O>(&dtypes)?;
-    let cast = values
-        .iter()
-        .map(|v| at(v, t))
-        .collect::<Result<Vec<_>>>()?;
-    AmpTensor::new(join(&cast, dim)?)
+pub fn cross_entropy(inp: impl AsAmp, target: &Candle) -> Call<op::cross_entropy> {
+    let target = target.clone();
+    call(vec![inp.to_amp()], move |x| {
+        candle_nn::loss::cross_entropy(&x[0], &target)
+    })
 }
 
 /// Routed `Tensor::cat`: promote-class, the widest input wins.
-pub fn cat<Pol: Policy, A: AsAmp>(tensors: &[A], dim: impl Dim) -> Result<AmpTensor> {
-    joined::<Pol, op::cat, A, _>(tensors, dim, candle_core::Tensor::cat)
+pub fn cat<A: AsAmp, D: Dim + 'static>(tensors: &[A], dim: D) -> Call<op::cat> {
+    let inputs = tensors.iter().map(AsAmp::to_amp).collect();
+    call(inputs, move |x| Candle::cat(x, dim))
 }
 
 /// Routed `Tensor::stack`: promote-class, the widest input wins.
-pub fn stack<Pol: Policy, A: AsAmp>(tensors: &[A], dim: impl Dim) -> Result<AmpTensor> {
-    joined::<Pol, op::stack, A, _>(tensors, dim, candle_core::Tensor::stack)
+pub fn stack<A: AsAmp, D: Dim + 'static>(tensors: &[A], dim: D) -> Call<op::stack> {
+    let inputs = tensors.iter().map(AsAmp::to_amp).collect();
+    call(inputs, move |x| Candle::stack(x, dim))
 }
 
-/// `Tensor::cat`/`Tensor::stack` in a region: `#[autocast]` rewrites them to these, through the
-/// user's own `Tensor` path.
+/// `Tensor::cat`/`Tensor::stack` in a region, reached through the user's own `Tensor` path.
 impl Tensor<F32> {
     #[doc(hidden)]
-    pub fn __region_cat<Pol: Policy, A: AsAmp>(
-        tensors: &[A],
-        dim: impl candle_core::shape::Dim,
-    ) -> Result<AmpTensor> {
-        cat::<Pol, A>(tensors, dim)
+    pub fn __amp_routed_cat<A: AsAmp, D: Dim + 'static>(tensors: &[A], dim: D) -> Call<op::cat> {
+        cat(tensors, dim)
     }
 
     #[doc(hidden)]
-    pub fn __region_stack<Pol: Policy, A: AsAmp>(
+    pub fn __amp_routed_stack<A: AsAmp, D: Dim + 'static>(
         tensors: &[A],
-        dim: impl candle_core::shape::Dim,
-    ) -> Result<AmpTensor> {
-        stack::<Pol, A>(tensors, dim)
+        dim: D,
+    ) -> Call<op::stack> {
+        stack(tensors, dim)
     }
 }

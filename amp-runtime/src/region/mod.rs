@@ -35,6 +35,7 @@ pub mod __private {
     pub use super::boundary::{
         enter, enter_cast, enter_fp32, exit, exit_to_region, grad_like, GradsLike,
     };
+    pub use super::free::{ForeignJoin, Unrouted};
     pub use super::policy::{Bf16Policy, Fp16Policy, Fp32Policy, Policy};
     pub use super::route::{calls, RegionCall, Routed};
     pub use super::value::{AmpTensor, AsAmp};
