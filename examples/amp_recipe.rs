@@ -1,4 +1,5 @@
-//! PyTorch's "Automatic Mixed Precision" recipe (DESIGN seed experiment `amp_recipe`), f32 and
+//! PyTorch's "Automatic Mixed Precision" recipe (the `torch.autocast` + `GradScaler` tutorial in
+//! PyTorch's recipes, <https://pytorch.org/tutorials/recipes/recipes/amp_recipe.html>), f32 and
 //! AMP side by side in one process.
 //!
 //! The model is the recipe's MLP: Linear(w, w) + ReLU, Linear(w, w) + ReLU, Linear(w, w), trained

@@ -1,6 +1,7 @@
-//! The main job: the ROCm blog's AMP experiment, a 2-D quantized sine learnt by a 1x1-conv
-//! network (DESIGN section 7), trained in f32 and then with AMP (`#[autocast(fp16)]` +
-//! `GradScaler`) in one process, then run for inference.
+//! The main job: the AMP experiment of AMD's ROCm blog, a 2-D quantized sine learnt by a 1x1-conv
+//! network (on a GPU the blog reports AMP 46% faster with 50% less memory, final loss 0.0083
+//! against f32's 0.01), trained in f32 and then with AMP (`#[autocast(fp16)]` + `GradScaler`) in
+//! one process, then run for inference.
 //!
 //! Data: the (2, H, W) grid of coordinates in [0, 1]; target cos(2 pi 4x) + cos(2 pi 2y)
 //! digitised into 4 levels and standardised to [0, 1]. Model: Conv(2, h) + BatchNorm + ReLU,

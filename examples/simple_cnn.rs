@@ -1,10 +1,12 @@
-//! The seed CNN (DESIGN seed experiment `simple_cnn`): a small image classifier trained in f32
-//! and with AMP side by side in one process.
+//! The seed CNN (one of the AMP experiments this project reproduces, with the ROCm blog's
+//! quantized sine and PyTorch's AMP recipe): a small image classifier trained in f32 and with AMP
+//! side by side in one process.
 //!
 //! Model: Conv(3, 32, 3, padding 1) + ReLU + MaxPool(2), Conv(32, 64, 3, padding 1) + ReLU +
-//! MaxPool(2), Linear(64 * 8 * 8, 10). DESIGN writes the head as Linear(64 * 16 * 16, 10), which
-//! is what one 2x2 pool (or 64x64 inputs) would give; with the two pools above, 32x32 inputs
-//! leave 8x8 feature maps, so the head here is Linear(4096, 10), the shape the layers produce.
+//! MaxPool(2), Linear(64 * 8 * 8, 10). The seed experiment writes the head as
+//! Linear(64 * 16 * 16, 10), which is what one 2x2 pool (or 64x64 inputs) would give; with the two
+//! pools above, 32x32 inputs leave 8x8 feature maps, so the head here is Linear(4096, 10), the
+//! shape the layers produce.
 //! Training: cross-entropy against 10 random class labels, Adam (AdamW with weight decay 0) lr
 //! 1e-3, on random 3x32x32 images from N(0, 1) made once up front. Both modes see the same
 //! batches and start from the same weights. The "amp" mode runs the forward under

@@ -1,6 +1,10 @@
 //! `#[autocast]` regions: each op class runs where PyTorch's autocast runs it, nested modules
 //! inherit or keep their policy, master-weight casts happen once per region, `enabled = false`
-//! is the plain f32 program, and the hard cases of DESIGN section 4 compile and run.
+//! is the plain f32 program, and the cases that are hard for a macro that sees syntax, not types,
+//! compile and run: a loop over layers reassigning one binding that starts as f32, a residual add
+//! of an f32 and a half branch, a module generic over the caller's policy, a weight used twice
+//! (cast once), an iterator chain with a closure, early returns, `if`/`match` arms of different
+//! precisions, and macro calls in the body.
 
 use std::cell::RefCell;
 

@@ -1,6 +1,7 @@
-//! `GradScaler` against PyTorch's grad-scaling tests (DESIGN section 8), each scenario checked
-//! against an independent expectation: the numbers PyTorch's tests assert, a hand computation,
-//! or the same training run without a scaler.
+//! `GradScaler` against PyTorch's grad-scaling tests (its `test_grad_scaling_*` cases: unscale,
+//! update_scale, will_not_overflow, state_dict, autocast, clipping, accumulation, multiple), each
+//! scenario checked against an independent expectation: the numbers PyTorch's tests assert, a
+//! hand computation, or the same training run without a scaler.
 #![allow(clippy::float_cmp)]
 
 use std::cell::RefCell;

@@ -1,4 +1,6 @@
-//! Compile-fail and compile-pass cases pinning the precision rules (STYLE.md items 8-10).
+//! Compile-fail and compile-pass cases pinning the precision rules. `fail/`: one misuse a user
+//! would make per file, named for the misuse, each a whole program whose blessed `.stderr` shows
+//! the error landing under the offending token; `pass/`: programs that must compile.
 //!
 //! Bless with `TRYBUILD=overwrite cargo test --test ui`, then read the `git diff`.
 

@@ -1,0 +1,47 @@
+# Source this file (do not execute it) from bash to build the `cuda` feature on a machine without
+# a GPU or a CUDA toolkit. From the repository root:
+#   source scripts/cuda-env.sh   then   cargo build --release --features cuda
+# Needs python3 (with venv and pip, and PyPI reachable on first use) and a C compiler (`cc`).
+#
+# What it does, once (cached under $CUDA_ENV_DIR, default ~/.cache/candle-amp-cuda):
+#  - installs pinned CUDA 13.0 compiler, headers and libraries from PyPI into a virtualenv
+#    (13.0 on purpose: PTX from a newer nvcc fails on a CUDA 13.0 driver such as 580);
+#  - makes a link folder: lib*.so names for cuBLAS/cuBLASLt/cuRAND/NVRTC/cudart, and a link-time
+#    stub of the driver library (libcuda.so, soname libcuda.so.1) built from libcuda-symbols.txt,
+#    the list of driver symbols kept next to this script (scripts/libcuda-symbols.txt);
+#  - exports PATH (nvcc), CUDA_ROOT/CUDA_PATH, CUDA_COMPUTE_CAP (default 90: H100/H200; set it
+#    before sourcing for another GPU), LIBRARY_PATH.
+#
+# Running the result needs a GPU machine with a CUDA 13 driver and the CUDA 13 runtime libraries
+# (cuBLAS, cuRAND, cudart, NVRTC) on LD_LIBRARY_PATH. If that machine's Python has torch for
+# CUDA 13 (its pip wheels carry those libraries), copy the built binary there, then:
+#   export LD_LIBRARY_PATH=$(python3 -c "import nvidia,os;print(':'.join(os.path.join(p,'cu13','lib') for p in nvidia.__path__))"):$LD_LIBRARY_PATH
+# The real libcuda.so.1 comes with that machine's driver; the stub is never used at run time.
+# If linking reports a missing cu* symbol (after a cudarc upgrade), add its name to
+# scripts/libcuda-symbols.txt (one name a line); the stub is rebuilt on the next `source`.
+
+CUDA_ENV_DIR=${CUDA_ENV_DIR:-$HOME/.cache/candle-amp-cuda}
+_cuda_env_here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+if [ ! -x "$CUDA_ENV_DIR/venv/bin/python" ]; then
+  python3 -m venv "$CUDA_ENV_DIR/venv" || return 1
+fi
+_cuda_nv=$("$CUDA_ENV_DIR/venv/bin/python" -c "import nvidia,os;print(os.path.join(nvidia.__path__[0],'cu13'))" 2>/dev/null)
+if [ -z "$_cuda_nv" ] || [ ! -x "$_cuda_nv/bin/nvcc" ]; then
+  "$CUDA_ENV_DIR/venv/bin/pip" install -q \
+    nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 \
+    nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 nvidia-cuda-nvrtc==13.0.88 \
+    nvidia-cublas==13.0.2.14 nvidia-curand==10.4.5.25 || return 1
+  _cuda_nv=$("$CUDA_ENV_DIR/venv/bin/python" -c "import nvidia,os;print(os.path.join(nvidia.__path__[0],'cu13'))")
+fi
+mkdir -p "$CUDA_ENV_DIR/link"
+for _l in cublas cublasLt curand nvrtc cudart; do
+  _f=$(ls "$_cuda_nv"/lib/lib$_l.so.* 2>/dev/null | head -n 1)
+  [ -n "$_f" ] && ln -sf "$_f" "$CUDA_ENV_DIR/link/lib$_l.so"
+done
+if [ ! -f "$CUDA_ENV_DIR/link/libcuda.so" ] || [ "$_cuda_env_here/libcuda-symbols.txt" -nt "$CUDA_ENV_DIR/link/libcuda.so" ]; then
+  awk '{print "void " $1 "(void){}"}' "$_cuda_env_here/libcuda-symbols.txt" > "$CUDA_ENV_DIR/link/cudastub.c"
+  cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$CUDA_ENV_DIR/link/libcuda.so" "$CUDA_ENV_DIR/link/cudastub.c" || return 1
+fi
+export PATH="$_cuda_nv/bin:$PATH" CUDA_ROOT="$_cuda_nv" CUDA_PATH="$_cuda_nv" CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
+export LIBRARY_PATH="$CUDA_ENV_DIR/link${LIBRARY_PATH:+:$LIBRARY_PATH}"
+unset _cuda_nv _l _f _cuda_env_here
