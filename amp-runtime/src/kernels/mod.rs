@@ -3,7 +3,7 @@
 //! - `batch_norm`: batch norm as one op with its own backward on CPU, keeping only its input and
 //!   per-channel statistics for the backward pass (a composition of candle ops keeps six f32
 //!   intermediates per layer).
-//! - [`conv2d`]: half-precision `conv2d` on CPU computed in f32 (candle fails on bf16 with
+//! - `conv2d`: half-precision `conv2d` on CPU computed in f32 (candle fails on bf16 with
 //!   "unsupported dtype BF16 for op matmul", and its f16 backward is slow).
 //! - `cuda` (feature `cuda`): the CUDA backend of the unscale pass, compiled at run time by
 //!   NVRTC.

@@ -1,3 +1,47 @@
+//! Convolutions, PyTorch's `nn.Conv1d` and `nn.Conv2d`, configured with candle-nn's
+//! `Conv1dConfig`/`Conv2dConfig` (padding, stride, dilation, groups).
+//!
+//! Both are in autocast's lower-precision class (`op::conv1d`/`op::conv2d`, like PyTorch's
+//! `conv1d`/`conv2d` on the fp16/bf16 list): they run in their input's precision, with the f32
+//! master weight and bias cast to it per call. Outside a region an f32 input stays f32 and a
+//! half input runs in half; inside an `#[autocast(bf16)]` region an f32 input is cast and the
+//! convolution runs in bf16 (on CPU too).
+//!
+//! ```
+//! # extern crate amp_runtime as candle_amp;
+//! # use amp_macros::autocast;
+//! use candle_amp::nn::{self, Conv1dConfig, Conv2d, Conv2dConfig};
+//! use candle_amp::{Tensor, F16, F32};
+//! use candle_core::{DType, Device};
+//! use candle_nn::{VarBuilder, VarMap};
+//! # fn main() -> candle_core::Result<()> {
+//! let dev = Device::Cpu;
+//! let vars = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
+//! let cfg = Conv2dConfig { padding: 1, ..Default::default() };
+//! let conv = nn::conv2d(3, 8, 3, cfg, vb.pp("conv"))?; // f32 weight (8, 3, 3, 3)
+//!
+//! let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 16, 16), &dev)?;
+//! assert_eq!(conv.forward(&x)?.dims(), &[2, 8, 16, 16]); // no region: f32
+//! let c1 = nn::conv1d(3, 4, 3, Conv1dConfig::default(), vb.pp("c1"))?;
+//! let s = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 10), &dev)?.cast::<F16>()?;
+//! let h: Tensor<F16> = c1.forward(&s)?; // an f16 input runs in f16
+//! assert_eq!(h.dims(), &[2, 4, 8]);
+//!
+//! struct Stem { conv: Conv2d }
+//! #[autocast(bf16)]
+//! impl Stem {
+//!     fn forward(&self, x: &Tensor<F32>) -> candle_core::Result<Tensor<F32>> {
+//!         let h = self.conv.forward(&x)?;
+//!         assert_eq!(h.dtype(), DType::BF16); // lower-precision op: runs in bf16
+//!         Ok(h.relu()?)
+//!     }
+//! }
+//! let y = Stem { conv }.forward(&x)?; // f32 at the region's exit
+//! assert_eq!((y.dtype(), y.dims()), (DType::F32, &[2, 8, 16, 16][..]));
+//! # Ok(()) }
+//! ```
+
 use candle_core::{Result, Var};
 use candle_nn::{Conv1dConfig, Conv2dConfig, VarBuilder};
 

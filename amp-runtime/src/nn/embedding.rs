@@ -1,3 +1,46 @@
+//! The lookup table, PyTorch's `nn.Embedding`: integer ids index the rows of an f32 table
+//! `(vocab, hidden)`.
+//!
+//! `Embedding` (`op::embedding`) is on none of autocast's lists (PyTorch's CUDA autocast leaves
+//! `embedding` alone too): it returns the table's precision, f32, inside a region as outside.
+//! The ids are a plain `candle_core::Tensor` of integers (`u32`, say), not a typed tensor; the
+//! layers after the lookup pick their own precision (a `Linear` in a bf16 region runs in bf16).
+//!
+//! ```
+//! # extern crate amp_runtime as candle_amp;
+//! # use amp_macros::autocast;
+//! use candle_amp::nn::{self, Embedding, Linear};
+//! use candle_amp::{Tensor, F32};
+//! use candle_core::{DType, Device};
+//! use candle_nn::{VarBuilder, VarMap};
+//! // Ids are a plain candle tensor. `#[autocast]` takes any parameter whose type is named
+//! // `Tensor` for a typed input, so the region below names the ids' type `Ids` (taken by value).
+//! use candle_core::Tensor as Ids;
+//! # fn main() -> candle_core::Result<()> {
+//! let dev = Device::Cpu;
+//! let vars = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
+//! let emb = nn::embedding(10, 6, vb.pp("emb"))?; // f32 table (10, 6)
+//! let ids = Ids::new(&[[1u32, 4, 4], [9, 0, 2]], &dev)?;
+//! let e: Tensor<F32> = emb.forward(&ids)?; // no region: f32 rows
+//! assert_eq!(e.dims(), &[2, 3, 6]);
+//!
+//! struct Encoder { emb: Embedding, fc: Linear }
+//! #[autocast(bf16)]
+//! impl Encoder {
+//!     fn forward(&self, ids: Ids) -> candle_core::Result<Tensor<F32>> {
+//!         let e = self.emb.forward(&ids)?;
+//!         assert_eq!(e.dtype(), DType::F32); // on no list: the table's precision
+//!         let h = self.fc.forward(&e)?;
+//!         assert_eq!(h.dtype(), DType::BF16); // the next linear runs in bf16
+//!         Ok(h)
+//!     }
+//! }
+//! let enc = Encoder { emb, fc: nn::linear(6, 4, vb.pp("fc"))? };
+//! assert_eq!(enc.forward(ids)?.dims(), &[2, 3, 4]);
+//! # Ok(()) }
+//! ```
+
 use candle_core::{Result, Var};
 use candle_nn::VarBuilder;
 

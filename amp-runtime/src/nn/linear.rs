@@ -1,3 +1,43 @@
+//! The fully connected layer, PyTorch's `nn.Linear`: `y = x W^T + b` over the last dimension.
+//!
+//! `Linear` is in autocast's lower-precision class (`op::linear`, like PyTorch's `linear` on
+//! the fp16/bf16 list): it runs in its input's precision, with the f32 master weight and bias
+//! cast to it per call. Outside a region that is the typed input's precision (f32 stays f32);
+//! inside an `#[autocast(bf16)]` region an f32 input is cast and the layer runs in bf16.
+//! Gradients reach the f32 masters either way.
+//!
+//! ```
+//! # extern crate amp_runtime as candle_amp;
+//! # use amp_macros::autocast;
+//! use candle_amp::nn::{self, Linear};
+//! use candle_amp::{Tensor, BF16, F32};
+//! use candle_core::{DType, Device};
+//! use candle_nn::{VarBuilder, VarMap};
+//! # fn main() -> candle_core::Result<()> {
+//! let dev = Device::Cpu;
+//! let vars = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
+//! let fc = nn::linear(4, 3, vb.pp("fc"))?; // f32 master weight (3, 4) and bias (3)
+//!
+//! let x = Tensor::<F32>::randn(0.0, 1.0, (2, 4), &dev)?;
+//! assert_eq!(fc.forward(&x)?.dims(), &[2, 3]); // no region: f32 in, f32 out
+//! let h: Tensor<BF16> = fc.forward(&x.cast::<BF16>()?)?; // a bf16 input runs in bf16
+//! assert_eq!(h.dtype(), DType::BF16);
+//!
+//! struct Model { fc: Linear }
+//! #[autocast(bf16)]
+//! impl Model {
+//!     fn forward(&self, x: &Tensor<F32>) -> candle_core::Result<Tensor<F32>> {
+//!         let h = self.fc.forward(&x)?;
+//!         assert_eq!(h.dtype(), DType::BF16); // lower-precision op: runs in bf16
+//!         Ok(h)
+//!     }
+//! }
+//! let y = Model { fc }.forward(&x)?; // f32 at the region's exit
+//! assert_eq!(y.dims(), &[2, 3]);
+//! # Ok(()) }
+//! ```
+
 use candle_core::{Result, Var};
 use candle_nn::VarBuilder;
 

@@ -30,11 +30,11 @@
 //! # Ok(()) }
 //! ```
 
-mod conv;
-mod embedding;
-mod linear;
-mod norm;
-mod pool;
+pub mod conv;
+pub mod embedding;
+pub mod linear;
+pub mod norm;
+pub mod pool;
 
 pub use crate::loss;
 

@@ -1,3 +1,50 @@
+//! Normalisation layers: `LayerNorm` and `RmsNorm` (PyTorch's `nn.LayerNorm`, `nn.RMSNorm`)
+//! over the last dimension, and `BatchNorm2d` over `(batch, channels, h, w)`.
+//!
+//! `LayerNorm` and `RmsNorm` are in autocast's fp32 class (`op::layer_norm`/`op::rms_norm`, as
+//! `layer_norm` on PyTorch's fp32 list): they compute in f32 and return f32, also from a bf16 or
+//! f16 value inside a region. Outside a region they take `Tensor<F32>` (a half input is a
+//! compile error; [`crate::fp32::layer_norm`] is the explicit path).
+//! `BatchNorm2d` (`op::batch_norm`) is on no list: it returns its input's precision, with f32
+//! parameters, running statistics and arithmetic inside (cuDNN's behaviour). In a region, call
+//! it as `bn.forward_t(&x, train)`.
+//!
+//! ```
+//! # extern crate amp_runtime as candle_amp;
+//! # use amp_macros::autocast;
+//! use candle_amp::nn::{self, BatchNorm2d, Conv2d, Conv2dConfig, LayerNorm};
+//! use candle_amp::{Tensor, F16, F32};
+//! use candle_core::{DType, Device};
+//! use candle_nn::{VarBuilder, VarMap};
+//! # fn main() -> candle_core::Result<()> {
+//! let dev = Device::Cpu;
+//! let vars = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
+//! let ln = nn::layer_norm(4, 1e-5, vb.pp("ln"))?;
+//! let rms = nn::rms_norm(4, 1e-6, vb.pp("rms"))?;
+//! let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 4, 4), &dev)?;
+//! assert_eq!(rms.forward(&ln.forward(&x)?)?.dims(), &[2, 3, 4, 4]); // no region: f32
+//! let bn = nn::batch_norm2d(8, 1e-5, vb.pp("bn"))?;
+//! let x16 = Tensor::<F32>::randn(0.0, 1.0, (2, 8, 4, 4), &dev)?.cast::<F16>()?;
+//! let h: Tensor<F16> = bn.forward_train(&x16)?; // f16 in, f16 out (f32 statistics inside)
+//!
+//! struct Block { conv: Conv2d, bn: BatchNorm2d, ln: LayerNorm }
+//! #[autocast(bf16)]
+//! impl Block {
+//!     fn forward(&self, x: &Tensor<F32>, train: bool) -> candle_core::Result<Tensor<F32>> {
+//!         let h = self.bn.forward_t(&self.conv.forward(&x)?, train)?;
+//!         assert_eq!(h.dtype(), DType::BF16); // batch norm: the conv's bf16 in, bf16 out
+//!         let y = self.ln.forward(&h.relu()?)?;
+//!         assert_eq!(y.dtype(), DType::F32); // fp32 class: f32 out
+//!         Ok(y)
+//!     }
+//! }
+//! let conv = nn::conv2d(3, 8, 1, Conv2dConfig::default(), vb.pp("conv"))?;
+//! let block = Block { conv, bn, ln };
+//! assert_eq!(block.forward(&x, true)?.dims(), &[2, 8, 4, 4]);
+//! # Ok(()) }
+//! ```
+
 use candle_core::{DType, Result, Var};
 use candle_nn::{BatchNormConfig, VarBuilder};
 

@@ -1,3 +1,43 @@
+//! 2-D pooling, PyTorch's `nn.MaxPool2d` and `nn.AvgPool2d`: square windows over the last two
+//! dimensions of `(batch, channels, h, w)`, stride = kernel unless given.
+//!
+//! Pooling has no weights and is on no autocast list (`op::max_pool2d`/`op::avg_pool2d`): it
+//! preserves its input's precision, outside a region as inside. Behind a convolution in a bf16
+//! region it pools the bf16 activations; on an f32 value it stays in f32.
+//!
+//! ```
+//! # extern crate amp_runtime as candle_amp;
+//! # use amp_macros::autocast;
+//! use candle_amp::nn::{self, AvgPool2d, Conv2d, Conv2dConfig, MaxPool2d};
+//! use candle_amp::{Tensor, F16, F32};
+//! use candle_core::{DType, Device};
+//! use candle_nn::{VarBuilder, VarMap};
+//! # fn main() -> candle_core::Result<()> {
+//! let dev = Device::Cpu;
+//! let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 8, 8), &dev)?;
+//! let pool = MaxPool2d::new(2);
+//! assert_eq!(pool.forward(&x)?.dims(), &[2, 3, 4, 4]); // no region: f32
+//! let h: Tensor<F16> = AvgPool2d::with_stride(2, 2).forward(&x.cast::<F16>()?)?; // f16 stays
+//! assert_eq!(h.dims(), &[2, 3, 4, 4]);
+//!
+//! struct Stem { conv: Conv2d, pool: MaxPool2d }
+//! #[autocast(bf16)]
+//! impl Stem {
+//!     fn forward(&self, x: &Tensor<F32>) -> candle_core::Result<Tensor<F32>> {
+//!         let f = self.pool.forward(&x)?;
+//!         assert_eq!(f.dtype(), DType::F32); // an f32 value pools in f32
+//!         let h = self.pool.forward(&self.conv.forward(&x)?)?;
+//!         assert_eq!(h.dtype(), DType::BF16); // the conv's bf16 output pools in bf16
+//!         Ok(h)
+//!     }
+//! }
+//! let vars = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
+//! let conv = nn::conv2d(3, 4, 3, Conv2dConfig::default(), vb.pp("conv"))?; // 8x8 -> 6x6
+//! assert_eq!(Stem { conv, pool }.forward(&x)?.dims(), &[2, 4, 3, 3]);
+//! # Ok(()) }
+//! ```
+
 use candle_core::Result;
 
 use super::{region_forward, AmpLayer};

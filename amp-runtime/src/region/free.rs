@@ -7,7 +7,7 @@
 //! these functions, and `candle_amp::Tensor` the hidden `__amp_routed_cat`/`__amp_routed_stack`;
 //! another crate's `ops` has neither, and its function is called as written. The generated call
 //! passes its arguments exactly as the user wrote them (coercions included), so a routed op
-//! cannot take the policy as an argument: it returns a [`Deferred`] call, and the region applies
+//! cannot take the policy as an argument: it returns a `Deferred` call, and the region applies
 //! its policy with `.__amp_policy::<Pol>()`, which on any other value is the identity
 //! ([`Unrouted`]).
 
@@ -50,7 +50,7 @@ impl<O: Op, F: FnOnce(&[Candle]) -> Result<Candle>> Deferred<O, F> {
     }
 }
 
-/// The identity `.__amp_policy::<Pol>()` of every value that is not a [`Deferred`] call: the
+/// The identity `.__amp_policy::<Pol>()` of every value that is not a `Deferred` call: the
 /// result of another crate's function, called as written.
 pub trait Unrouted: Sized {
     /// Returns `self`.
