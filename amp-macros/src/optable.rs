@@ -208,11 +208,11 @@ pub(crate) fn free_module(name: &str) -> Option<Free> {
 /// `macro_rules!` callback.
 ///
 /// Input:  `markers => op_markers`
-/// Output: `op_markers! { matmul LowerPrecision; ...; relu Preserve; }` (aliases left out)
+/// Output: `op_markers! { LowerPrecision matmul; ...; Preserve relu; }` (aliases left out)
 /// Input:  `methods => routed`
 /// Output: `routed! { binary 1 matmul; ...; custom 5 conv2d; }`
 /// Input:  `free => f`
-/// Output: `f! { Ops softmax; ...; Tensor cat; }`
+/// Output: `f! { Ops softmax; ...; Tensor cat; }` (the module or type it is called through)
 pub(crate) fn expand(input: TokenStream) -> syn::Result<TokenStream> {
     let parser = |input: syn::parse::ParseStream| {
         let view: syn::Ident = input.parse()?;
@@ -221,36 +221,22 @@ pub(crate) fn expand(input: TokenStream) -> syn::Result<TokenStream> {
         Ok((view, callback))
     };
     let (view, callback) = syn::parse::Parser::parse2(parser, input)?;
-    let rows: Vec<TokenStream> = match view.to_string().as_str() {
-        "markers" => OPS
-            .iter()
-            .filter(|r| r.marker == r.name)
-            .map(|r| {
-                let (name, class) = (
-                    format_ident!("{}", r.name),
-                    format_ident!("{}", format!("{:?}", r.class)),
-                );
-                quote!(#name #class;)
-            })
-            .collect(),
-        "methods" => OPS
-            .iter()
-            .filter_map(|r| {
-                let m = r.method?;
-                let shape = format_ident!("{}", m.shape());
-                let arity = proc_macro2::Literal::usize_unsuffixed(m.arity());
-                let name = format_ident!("{}", r.name);
-                Some(quote!(#shape #arity #name;))
-            })
-            .collect(),
-        "free" => OPS
-            .iter()
-            .filter_map(|r| {
-                let free = format_ident!("{}", format!("{:?}", r.free?));
-                let name = format_ident!("{}", r.name);
-                Some(quote!(#free #name;))
-            })
-            .collect(),
+    let view_name = view.to_string();
+    let row: fn(&Row) -> Option<TokenStream> = match view_name.as_str() {
+        "markers" => |r| {
+            let class = format_ident!("{}", format!("{:?}", r.class));
+            (r.marker == r.name).then(|| quote!(#class))
+        },
+        "methods" => |r| {
+            let m = r.method?;
+            let (shape, arity) = (format_ident!("{}", m.shape()), m.arity());
+            let arity = proc_macro2::Literal::usize_unsuffixed(arity);
+            Some(quote!(#shape #arity))
+        },
+        "free" => |r| {
+            let free = format_ident!("{}", format!("{:?}", r.free?));
+            Some(quote!(#free))
+        },
         _ => {
             return Err(syn::Error::new(
                 view.span(),
@@ -258,6 +244,12 @@ pub(crate) fn expand(input: TokenStream) -> syn::Result<TokenStream> {
             ))
         }
     };
+    // Each row: the view's columns, then the op's name (`Fp32 softmax;`, `custom 5 conv2d;`).
+    let rows = OPS.iter().filter_map(|r| {
+        let columns = row(r)?;
+        let name = format_ident!("{}", r.name);
+        Some(quote!(#columns #name;))
+    });
     Ok(quote!(#callback! { #(#rows)* }))
 }
 
@@ -305,7 +297,7 @@ mod tests {
     fn views_generate_callback_calls() {
         let out = expand(quote!(markers => op_markers)).unwrap().to_string();
         assert!(out.starts_with("op_markers ! {"), "{out}");
-        assert!(out.contains("softmax Fp32 ;"), "{out}");
+        assert!(out.contains("Fp32 softmax ;"), "{out}");
         assert!(
             !out.contains("binary_cross_entropy_with_logit Fp32"),
             "aliases have no marker"

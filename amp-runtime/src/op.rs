@@ -39,7 +39,7 @@ pub trait Op: Copy + Default + std::fmt::Debug + 'static {
 }
 
 macro_rules! op_markers {
-    ($($name:ident $class:ident;)*) => {$(
+    ($($class:ident $name:ident;)*) => {$(
         #[doc = concat!("Marker of the `", stringify!($name), "` op (class `", stringify!($class), "`).")]
         #[allow(non_camel_case_types)]
         #[derive(Clone, Copy, Debug, Default)]

@@ -141,18 +141,23 @@ pub fn rms_norm(xs: impl AsAmp, alpha: impl AsAmp, eps: f32) -> Call<op::rms_nor
     })
 }
 
+/// A loss of a prediction and a target, both cast by the loss's class.
+fn pair<O: Op>(
+    inp: impl AsAmp,
+    target: impl AsAmp,
+    run: impl FnOnce(&Candle, &Candle) -> Result<Candle> + 'static,
+) -> Call<O> {
+    call(vec![inp.to_amp(), target.to_amp()], |x| run(&x[0], &x[1]))
+}
+
 /// Routed `loss::mse`.
 pub fn mse(inp: impl AsAmp, target: impl AsAmp) -> Call<op::mse> {
-    call(vec![inp.to_amp(), target.to_amp()], |x| {
-        composite::mse(&x[0], &x[1])
-    })
+    pair(inp, target, composite::mse)
 }
 
 /// Routed `loss::l1`.
 pub fn l1(inp: impl AsAmp, target: impl AsAmp) -> Call<op::l1> {
-    call(vec![inp.to_amp(), target.to_amp()], |x| {
-        composite::l1(&x[0], &x[1])
-    })
+    pair(inp, target, composite::l1)
 }
 
 /// Routed `loss::binary_cross_entropy_with_logits`.
@@ -160,9 +165,7 @@ pub fn binary_cross_entropy_with_logits(
     inp: impl AsAmp,
     target: impl AsAmp,
 ) -> Call<op::binary_cross_entropy_with_logits> {
-    call(vec![inp.to_amp(), target.to_amp()], |x| {
-        composite::binary_cross_entropy_with_logits(&x[0], &x[1])
-    })
+    pair(inp, target, composite::binary_cross_entropy_with_logits)
 }
 
 /// candle-nn's spelling of [`binary_cross_entropy_with_logits`].
@@ -175,9 +178,7 @@ pub fn binary_cross_entropy_with_logit(
 
 /// Routed `loss::smooth_l1`.
 pub fn smooth_l1(inp: impl AsAmp, target: impl AsAmp, beta: f64) -> Call<op::smooth_l1> {
-    call(vec![inp.to_amp(), target.to_amp()], move |x| {
-        composite::smooth_l1(&x[0], &x[1], beta)
-    })
+    pair(inp, target, move |a, b| composite::smooth_l1(a, b, beta))
 }
 
 /// Routed `loss::nll` (class ids are a plain candle tensor).
