@@ -6,7 +6,7 @@ use syn::spanned::Spanned;
 use syn::{Block, FnArg, GenericParam, ImplItem, Item, ItemFn, ItemImpl, Pat, ReturnType, Type};
 
 use crate::args::{fp32_policy, AutocastArgs, PolicyArg};
-use crate::ops::MODULE_CALLS;
+use crate::optable::MODULE_CALLS;
 use crate::rewrite::{take_marker, Rewriter};
 
 /// On error: `compile_error!` plus the original item untouched, so that the user sees one

@@ -7,7 +7,7 @@
 mod args;
 mod custom;
 mod expand;
-mod ops;
+mod optable;
 mod policy;
 mod rewrite;
 #[cfg(test)]

@@ -19,7 +19,7 @@ use syn::visit_mut::{self, VisitMut};
 use syn::{Attribute, Expr, ExprMacro, Item, Macro, Stmt, Token};
 
 use crate::args::fp32_policy;
-use crate::ops;
+use crate::optable;
 
 /// Macros whose arguments are comma-separated expressions.
 const EXPR_MACROS: &[&str] = &[
@@ -199,13 +199,13 @@ impl Rewriter {
             ));
             return None;
         }
-        if ops::MODULE_CALLS.contains(&name.as_str()) {
+        if optable::MODULE_CALLS.contains(&name.as_str()) {
             let args = args.iter();
             return Some(quote_spanned!(span=>
                 #routed.__call::<::candle_amp::__private::autocast::calls::#method, _>((#(#args,)*))
             ));
         }
-        if ops::is_routed_method(&name, args.len()) {
+        if optable::is_routed_method(&name, args.len()) {
             let turbofish = &call.turbofish;
             return Some(quote_spanned!(span=> #routed.#method #turbofish (#args)));
         }
@@ -226,7 +226,7 @@ fn free_op_call(call: &syn::ExprCall, policy: &TokenStream) -> Option<TokenStrea
     if first == "candle_nn" || first == "candle_core" {
         return None;
     }
-    if !ops::is_free_op(&module.ident.to_string(), &name.ident.to_string()) {
+    if !optable::is_free_op(&module.ident.to_string(), &name.ident.to_string()) {
         return None;
     }
     // Keep the user's path up to the module, so that their imports stay used:

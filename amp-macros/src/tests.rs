@@ -1,6 +1,7 @@
-//! Expansion snapshots (STYLE.md item 7): the macros' output, formatted with prettyplease and
-//! pinned with insta. Review changes with `INSTA_UPDATE=always cargo test -p amp-macros` and
-//! `git diff`.
+//! Expansion snapshots: each macro's output for a representative input, formatted with
+//! prettyplease and pinned with insta, so that any change to the generated code shows up as a
+//! reviewable diff instead of passing unnoticed. Regenerate with
+//! `INSTA_UPDATE=always cargo test -p amp-macros` and read the `git diff` before committing.
 
 use proc_macro2::TokenStream;
 use quote::quote;
