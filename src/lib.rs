@@ -32,11 +32,16 @@ pub mod prelude {
 }
 
 /// Paths used by code the macros generate. Not a public API.
+///
+/// Generated code names `::candle_amp::__private::NAME` with `NAME` exactly one of these, flat
+/// (amp-macros' `runtime.rs` lists them). Temporary shim onto the current runtime layout.
 #[doc(hidden)]
 pub mod __private {
-    pub use amp_runtime::autocast;
+    pub use amp_runtime::autocast::{
+        calls, enter, enter_cast, enter_fp32, exit, exit_to_region, grad_like, AmpTensor, AsAmp,
+        Bf16Policy, Fp16Policy, Fp32Policy, GradsLike, Policy, RegionCall, RegionGuard, Routed,
+    };
     pub use amp_runtime::op;
-    pub use amp_runtime::{Precision, Tensor};
     pub use amp_runtime::{BF16, F16, F32};
     pub use candle_core;
 }

@@ -4,9 +4,11 @@
 //! `enabled = <bool expr>`; or no arguments at all (inherit the caller's policy).
 
 use proc_macro2::{Span, TokenStream};
-use quote::{quote, quote_spanned};
+use quote::{quote, ToTokens};
 use syn::parse::{Parse, ParseStream};
 use syn::{Expr, Token};
+
+use crate::runtime::Rt;
 
 mod kw {
     syn::custom_keyword!(fp16);
@@ -41,7 +43,7 @@ impl PolicyArg {
 }
 
 pub(crate) fn fp32_policy() -> TokenStream {
-    quote!(::candle_amp::__private::autocast::Fp32Policy)
+    Rt::Fp32Policy.into_token_stream()
 }
 
 pub(crate) struct AutocastArgs {
@@ -81,11 +83,11 @@ impl Parse for AutocastArgs {
             let lookahead = input.lookahead1();
             if lookahead.peek(kw::fp16) {
                 let k: kw::fp16 = input.parse()?;
-                let path = quote_spanned!(k.span=> ::candle_amp::__private::autocast::Fp16Policy);
+                let path = Rt::Fp16Policy.at(k.span).into_token_stream();
                 set(&mut policy, path, k.span, "policy")?;
             } else if lookahead.peek(kw::bf16) {
                 let k: kw::bf16 = input.parse()?;
-                let path = quote_spanned!(k.span=> ::candle_amp::__private::autocast::Bf16Policy);
+                let path = Rt::Bf16Policy.at(k.span).into_token_stream();
                 set(&mut policy, path, k.span, "policy")?;
             } else if lookahead.peek(kw::policy) {
                 let k: kw::policy = input.parse()?;

@@ -8,6 +8,7 @@ use syn::{FnArg, Ident, Item, ItemFn, Pat, Token, Type};
 
 use crate::args::{AutocastArgs, PolicyArg};
 use crate::expand::{expand_impl, fallback, is_tensor_type, named_precision, Mode};
+use crate::runtime::Rt;
 
 mod kw {
     syn::custom_keyword!(cast_inputs);
@@ -81,7 +82,6 @@ pub(crate) fn custom_fwd(args: TokenStream, item: TokenStream) -> TokenStream {
 /// Output: `fn op(x: impl AsAmp, k: f64) -> R { let __x = enter_cast::<F32, _>(&x)?;
 ///          let x = &__x; body }`: any tensor in, the body plain typed code.
 pub(crate) fn cast_inputs_fn(mut f: ItemFn, precision: &Ident) -> syn::Result<ItemFn> {
-    let rt = quote!(::candle_amp::__private::autocast);
     let mut prologue = Vec::new();
     for input in &mut f.sig.inputs {
         let FnArg::Typed(typed) = input else { continue };
@@ -102,17 +102,19 @@ pub(crate) fn cast_inputs_fn(mut f: ItemFn, precision: &Ident) -> syn::Result<It
             }
         }
         let name = &pat.ident;
+        let (enter_cast, marker) = (Rt::EnterCast, precision_marker(precision));
         let owned = format_ident!("__amp_{}", name, span = name.span());
         let is_ref = matches!(&*typed.ty, Type::Reference(_));
         prologue.push(quote_spanned!(name.span()=>
-            let #owned = #rt::enter_cast::<::candle_amp::__private::#precision, _>(&#name)?;
+            let #owned = #enter_cast::<#marker, _>(&#name)?;
         ));
         prologue.push(if is_ref {
             quote!(let #name = &#owned;)
         } else {
             quote!(let #name = #owned;)
         });
-        *typed.ty = syn::parse_quote_spanned!(typed.ty.span()=> impl #rt::AsAmp);
+        let as_amp = Rt::AsAmp;
+        *typed.ty = syn::parse_quote_spanned!(typed.ty.span()=> impl #as_amp);
     }
     let body = &f.block;
     *f.block = syn::parse2(quote!({ #(#prologue)* #body }))?;
@@ -135,7 +137,7 @@ pub(crate) fn custom_bwd(args: TokenStream, item: TokenStream) -> TokenStream {
 /// Output: the same fn whose `grad_res` is first cast to `res`'s dtype (the dtype the forward
 ///         produced) and whose returned gradients are cast to their inputs' dtypes.
 fn custom_bwd_fn(mut f: ItemFn) -> syn::Result<TokenStream> {
-    let rt = quote!(::candle_amp::__private::autocast);
+    let (grad_like, grads_like) = (Rt::GradLike, Rt::GradsLike);
     let names: Vec<Ident> = f
         .sig
         .inputs
@@ -175,11 +177,20 @@ fn custom_bwd_fn(mut f: ItemFn) -> syn::Result<TokenStream> {
     // The user's parameters may be `_res`-style names; the generated uses are ours.
     *f.block = syn::parse2(quote!({
         #[allow(clippy::used_underscore_binding)]
-        let #grad = &#rt::grad_like(#grad, #res)?;
+        let #grad = &#grad_like(#grad, #res)?;
         let #grads: #ret = (|| -> #ret #body)();
         #[allow(clippy::needless_question_mark)]
-        let #grads = Ok(#rt::GradsLike::like(#grads?, (#(#inputs,)*))?);
+        let #grads = Ok(#grads_like::like(#grads?, (#(#inputs,)*))?);
         #grads
     }))?;
     Ok(quote!(#f))
+}
+
+/// The runtime marker of a validated `cast_inputs` precision (`F32`, `F16`, `BF16`).
+pub(crate) fn precision_marker(marker: &Ident) -> Rt {
+    match marker.to_string().as_str() {
+        "F16" => Rt::F16,
+        "BF16" => Rt::BF16,
+        _ => Rt::F32,
+    }
 }

@@ -8,6 +8,7 @@ use syn::{Block, FnArg, GenericParam, ImplItem, Item, ItemFn, ItemImpl, Pat, Ret
 use crate::args::{fp32_policy, AutocastArgs, PolicyArg};
 use crate::optable::MODULE_CALLS;
 use crate::rewrite::{take_marker, Rewriter};
+use crate::runtime::Rt;
 
 /// On error: `compile_error!` plus the original item untouched, so that the user sees one
 /// error and not a cascade from a half-rewritten body.
@@ -130,13 +131,13 @@ fn region_body(
     upcast: bool,
     exit: Option<TokenStream>,
 ) -> syn::Result<TokenStream> {
-    let rt = quote!(::candle_amp::__private::autocast);
     let guard = syn::Ident::new("__amp_region", Span::mixed_site());
+    let (enter, enter_fp32) = (Rt::Enter, Rt::EnterFp32);
     let enter = params.iter().map(|p| {
         if upcast {
-            quote_spanned!(p.span()=> let #p = #rt::enter_fp32(&#p)?;)
+            quote_spanned!(p.span()=> let #p = #enter_fp32(&#p)?;)
         } else {
-            quote_spanned!(p.span()=> let #p = #rt::enter(&#p);)
+            quote_spanned!(p.span()=> let #p = #enter(&#p);)
         }
     });
     let rewrite = |policy: &TokenStream| -> syn::Result<TokenStream> {
@@ -158,8 +159,9 @@ fn region_body(
             quote_spanned!(cond.span()=> if #cond { #on } else { #off })
         }
     };
+    let region_guard = Rt::RegionGuard;
     Ok(quote!({
-        let #guard = #rt::RegionGuard::enter();
+        let #guard = #region_guard::enter();
         #(#enter)*
         #run
     }))
@@ -229,8 +231,7 @@ fn expand_fn(args: &AutocastArgs, mode: Mode, mut f: ItemFn) -> syn::Result<Item
         .filter_map(tensor_param)
         .cloned()
         .collect();
-    let exit = returns_tensor_result(&f.sig.output)
-        .then(|| quote!(::candle_amp::__private::autocast::exit));
+    let exit = returns_tensor_result(&f.sig.output).then(|| Rt::Exit.into_token_stream());
     let policy = match mode {
         Mode::Autocast => args.policy.own(),
         Mode::KeepFp32 | Mode::CastInputs(_) => fp32_policy(),
@@ -347,7 +348,10 @@ fn region_call_impl(
     mode: Mode,
     method: &ItemFn,
 ) -> syn::Result<Option<TokenStream>> {
-    let rt = quote!(::candle_amp::__private::autocast);
+    let (policy_trait, as_amp, enter_cast, exit_to_region) =
+        (Rt::Policy, Rt::AsAmp, Rt::EnterCast, Rt::ExitToRegion);
+    let (region_call, calls, amp_tensor, candle_core) =
+        (Rt::RegionCall, Rt::Calls, Rt::AmpTensor, Rt::CandleCore);
     let mut inputs = method.sig.inputs.iter();
     match inputs.next() {
         Some(FnArg::Receiver(r)) if r.reference.is_some() && r.mutability.is_none() => {}
@@ -356,7 +360,7 @@ fn region_call_impl(
     }
     let pol = syn::Ident::new("__AmpPol", Span::mixed_site());
     let mut generics = impl_generics.clone();
-    generics.params.push(syn::parse_quote!(#pol: #rt::Policy));
+    generics.params.push(syn::parse_quote!(#pol: #policy_trait));
     let (mut pats, mut types, mut params) = (Vec::new(), Vec::new(), Vec::new());
     for (i, input) in inputs.enumerate() {
         let FnArg::Typed(typed) = input else { continue };
@@ -365,7 +369,7 @@ fn region_call_impl(
             let a = format_ident!("__AmpA{}", i, span = Span::mixed_site());
             generics
                 .params
-                .push(GenericParam::Type(syn::parse_quote!(#a: #rt::AsAmp)));
+                .push(GenericParam::Type(syn::parse_quote!(#a: #as_amp)));
             types.push(quote!(#a));
             params.push(ident.clone());
         } else {
@@ -400,12 +404,13 @@ fn region_call_impl(
             FnArg::Receiver(_) => quote!(self),
         });
         let name = &method.sig.ident;
+        let marker = crate::custom::precision_marker(precision);
         quote!({
-            #(let #params = #rt::enter_cast::<::candle_amp::__private::#precision, _>(&#params)?;)*
-            #rt::exit_to_region(Self::#name(self, #(#call_args),*))
+            #(let #params = #enter_cast::<#marker, _>(&#params)?;)*
+            #exit_to_region(Self::#name(self, #(#call_args),*))
         })
     } else {
-        let exit = Some(quote!(#rt::exit_to_region));
+        let exit = Some(exit_to_region.into_token_stream());
         let upcast = mode == Mode::KeepFp32;
         region_body(
             &method.block,
@@ -419,13 +424,13 @@ fn region_call_impl(
     let name = &method.sig.ident;
     let (impl_generics, _, where_clause) = generics.split_for_impl();
     Ok(Some(quote! {
-        impl #impl_generics #rt::RegionCall<#pol, #rt::calls::#name, (#(#types,)*)>
+        impl #impl_generics #region_call<#pol, #calls::#name, (#(#types,)*)>
             for #self_ty #where_clause
         {
             fn region_call(
                 &self,
                 (#(#pats,)*): (#(#types,)*),
-            ) -> ::candle_amp::__private::candle_core::Result<#rt::AmpTensor> #body
+            ) -> #candle_core::Result<#amp_tensor> #body
         }
     }))
 }

@@ -10,6 +10,7 @@ mod expand;
 mod optable;
 mod policy;
 mod rewrite;
+mod runtime;
 #[cfg(test)]
 mod tests;
 

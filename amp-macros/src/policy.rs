@@ -15,6 +15,7 @@
 //! declared class for every other op. Op names resolve as `::candle_amp::__private::op::NAME`,
 //! so a misspelt op is a "cannot find type" error on the user's token.
 
+use crate::runtime::Rt;
 use proc_macro2::TokenStream;
 use quote::quote;
 use syn::parse::{Parse, ParseStream};
@@ -100,22 +101,18 @@ fn generate(def: &PolicyDef) -> TokenStream {
         lower,
         moves,
     } = def;
-    let rt = quote!(::candle_amp::__private);
-    let lower_ty = if lower == "fp16" {
-        quote!(#rt::F16)
-    } else {
-        quote!(#rt::BF16)
-    };
-    let arms = moves.iter().map(|(op, class)| {
+    let (policy, op) = (Rt::Policy, Rt::Op);
+    let lower_ty = if lower == "fp16" { Rt::F16 } else { Rt::BF16 };
+    let arms = moves.iter().map(|(op_name, class)| {
         let variant = CLASSES
             .iter()
             .find(|(c, _)| class == c)
             .map(|(_, v)| Ident::new(v, class.span()))
             .expect("validated while parsing");
-        let marker = quote::quote_spanned!(op.span()=> #rt::op::#op);
+        let marker = quote::quote_spanned!(op_name.span()=> #op::#op_name);
         quote! {
             if ::core::any::TypeId::of::<O>() == ::core::any::TypeId::of::<#marker>() {
-                return #rt::op::OpClass::#variant;
+                return #op::OpClass::#variant;
             }
         }
     });
@@ -125,12 +122,12 @@ fn generate(def: &PolicyDef) -> TokenStream {
         #[derive(Clone, Copy, Debug, Default)]
         #vis struct #name;
 
-        impl #rt::autocast::Policy for #name {
+        impl #policy for #name {
             type Lower = #lower_ty;
             const NAME: &'static str = #label;
-            fn class<O: #rt::op::Op>() -> #rt::op::OpClass {
+            fn class<O: #op::Op>() -> #op::OpClass {
                 #(#arms)*
-                <O as #rt::op::Op>::CLASS
+                <O as #op::Op>::CLASS
             }
         }
     }

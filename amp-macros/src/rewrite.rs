@@ -4,7 +4,7 @@
 //! Output: `let h = Routed::<Pol, _>::new(&(Routed::<Pol, _>::new(&(self.fc))
 //!              .__call::<calls::forward, _>((&x,))?)).relu()?;
 //!          Ok(region::softmax::<Pol>(&h, 1)?)`
-//! (paths abbreviated; every inserted path is `::candle_amp::__private::autocast::...`).
+//! (paths abbreviated; every inserted path is `::candle_amp::__private::NAME`, see `runtime.rs`).
 //!
 //! Nested items are left alone. Closures are rewritten (they run in the region), but a `return`
 //! inside one returns from the closure and is not treated as the region's exit. Inside macro
@@ -20,6 +20,7 @@ use syn::{Attribute, Expr, ExprMacro, Item, Macro, Stmt, Token};
 
 use crate::args::fp32_policy;
 use crate::optable;
+use crate::runtime::Rt;
 
 /// Macros whose arguments are comma-separated expressions.
 const EXPR_MACROS: &[&str] = &[
@@ -187,9 +188,8 @@ impl Rewriter {
         let name = call.method.to_string();
         let (receiver, method, args) = (&call.receiver, &call.method, &call.args);
         let span = method.span();
-        let routed = quote_spanned!(span=>
-            ::candle_amp::__private::autocast::Routed::<#policy, _>::new(&(#receiver))
-        );
+        let routed_ty = Rt::Routed.at(span);
+        let routed = quote_spanned!(span=> #routed_ty::<#policy, _>::new(&(#receiver)));
         if name == "backward" && args.is_empty() {
             self.errors.push(syn::Error::new(
                 span,
@@ -201,8 +201,9 @@ impl Rewriter {
         }
         if optable::MODULE_CALLS.contains(&name.as_str()) {
             let args = args.iter();
+            let calls = Rt::Calls.at(span);
             return Some(quote_spanned!(span=>
-                #routed.__call::<::candle_amp::__private::autocast::calls::#method, _>((#(#args,)*))
+                #routed.__call::<#calls::#method, _>((#(#args,)*))
             ));
         }
         if optable::is_routed_method(&name, args.len()) {

@@ -142,3 +142,40 @@ fn custom_fwd_forms() {
     );
     insta::assert_snapshot!(pretty(quote!(#on_impl #on_fn #bwd)));
 }
+
+/// The names generated code may use under `::candle_amp::__private`: the contract with the
+/// facade, which provides exactly these.
+#[test]
+fn runtime_paths_are_the_contract() {
+    let names: Vec<_> = crate::runtime::Rt::ALL.iter().map(|rt| rt.name()).collect();
+    assert_eq!(
+        names,
+        [
+            "Fp16Policy",
+            "Bf16Policy",
+            "Fp32Policy",
+            "Policy",
+            "Routed",
+            "calls",
+            "RegionCall",
+            "RegionGuard",
+            "AsAmp",
+            "AmpTensor",
+            "enter",
+            "enter_fp32",
+            "enter_cast",
+            "exit",
+            "exit_to_region",
+            "grad_like",
+            "GradsLike",
+            "F32",
+            "F16",
+            "BF16",
+            "op",
+            "candle_core",
+        ]
+    );
+    let routed = crate::runtime::Rt::Routed;
+    let path = quote!(#routed).to_string();
+    assert_eq!(path.replace(' ', ""), "::candle_amp::__private::Routed");
+}
