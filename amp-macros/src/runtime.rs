@@ -92,6 +92,16 @@ impl Rt {
         }
     }
 
+    /// The precision marker of a user-written precision (`f32`, `f16`, `bf16`), if it is one.
+    pub(crate) fn precision(written: &str) -> Option<Self> {
+        match written {
+            "f32" => Some(Self::F32),
+            "f16" => Some(Self::F16),
+            "bf16" => Some(Self::BF16),
+            _ => None,
+        }
+    }
+
     /// The path with every token at `span`: used where the generated code stands for a user's
     /// token (`fp16` in `#[autocast(fp16)]`, a routed method call), so that rustc's errors about
     /// that code point at what the user wrote.
