@@ -1,4 +1,4 @@
-//! Compile-fail and compile-pass cases pinning the precision rules (STYLE.md items 8-10).
+//! Compile-fail and compile-pass cases pinning the precision rules and the macros' diagnostics.
 //!
 //! Bless with `TRYBUILD=overwrite cargo test --test ui`, then read the `git diff`.
 
