@@ -20,7 +20,7 @@
 //!
 //! See the README for the tour, and [`nn`] for the AMP-aware layers.
 
-pub use amp_macros::*;
+pub use amp_macros::{autocast, custom_bwd, custom_fwd, keep_fp32, policy};
 pub use amp_runtime::*;
 
 /// The names most programs use: typed tensors, precision markers, layers, ops and losses.

@@ -1,87 +1,29 @@
-//! `#[custom_fwd]` and `#[custom_bwd]` for user ops (PyTorch's `torch.amp.custom_fwd/bwd`).
+//! User ops (PyTorch's `torch.amp.custom_fwd/custom_bwd`).
+//!
+//! `#[custom_fwd]` goes through the region phases (`model.rs`, `validate.rs`, `expand.rs`); what
+//! is specific to it is the code for a fn with `cast_inputs`, below. `#[custom_bwd]` has its own
+//! small model, validation and code generation here, in the same phases.
 
-use proc_macro2::TokenStream;
-use quote::{format_ident, quote, quote_spanned};
-use syn::parse::{Parse, ParseStream};
+use proc_macro2::{Span, TokenStream};
+use quote::{format_ident, quote, quote_spanned, ToTokens};
 use syn::spanned::Spanned;
-use syn::{FnArg, Ident, Item, ItemFn, Pat, Token, Type};
+use syn::{FnArg, Ident, ItemFn, Pat, Type};
 
-use crate::args::{AutocastArgs, PolicyArg};
-use crate::expand::{expand_impl, fallback, is_tensor_type, named_precision, Mode};
+use crate::expand::verbatim_block;
+use crate::model::is_tensor_type;
+use crate::runtime::Rt;
+use crate::validate::Errors;
 
-mod kw {
-    syn::custom_keyword!(cast_inputs);
-}
-
-/// `cast_inputs = f32|f16|bf16`, as the precision marker's name (`F32`).
-struct CustomFwdArgs {
-    cast_inputs: Option<Ident>,
-}
-
-impl Parse for CustomFwdArgs {
-    fn parse(input: ParseStream) -> syn::Result<Self> {
-        if input.is_empty() {
-            return Ok(Self { cast_inputs: None });
-        }
-        input.parse::<kw::cast_inputs>().map_err(|e| {
-            syn::Error::new(e.span(), "accepted forms: `#[custom_fwd]`, `#[custom_fwd(cast_inputs = f32)]` (or f16, bf16)")
-        })?;
-        input.parse::<Token![=]>()?;
-        let p: Ident = input.parse()?;
-        let marker = match p.to_string().as_str() {
-            "f32" => "F32",
-            "f16" => "F16",
-            "bf16" => "BF16",
-            _ => {
-                return Err(syn::Error::new(
-                    p.span(),
-                    "cast_inputs is `f32`, `f16` or `bf16`",
-                ))
-            }
-        };
-        if !input.is_empty() {
-            return Err(syn::Error::new(
-                input.span(),
-                "unexpected argument after cast_inputs",
-            ));
-        }
-        Ok(Self {
-            cast_inputs: Some(Ident::new(marker, p.span())),
-        })
-    }
-}
-
-pub(crate) fn custom_fwd(args: TokenStream, item: TokenStream) -> TokenStream {
-    let result = syn::parse2::<CustomFwdArgs>(args).and_then(|args| {
-        let inherit = AutocastArgs {
-            policy: PolicyArg::Inherit,
-            enabled: None,
-            output: None,
-        };
-        match (syn::parse2::<Item>(item.clone())?, args.cast_inputs) {
-            (Item::Impl(imp), None) => expand_impl(&inherit, Mode::Autocast, imp),
-            (Item::Impl(imp), Some(p)) => expand_impl(&inherit, Mode::CastInputs(p), imp),
-            (Item::Fn(f), Some(p)) => cast_inputs_fn(f, &p).map(|f| quote!(#f)),
-            (Item::Fn(f), None) => Err(syn::Error::new(
-                f.sig.ident.span(),
-                "#[custom_fwd] without cast_inputs runs under the caller's policy, which reaches \
-                 ops called as modules: put it on the op's impl (`impl MyOp { fn forward(..) }`, \
-                 called as `my_op.forward(&x)`), or give this fn `cast_inputs = f32`",
-            )),
-            (other, _) => Err(syn::Error::new(
-                other.span(),
-                "#[custom_fwd] applies to a user op's impl block or fn",
-            )),
-        }
-    });
-    result.unwrap_or_else(|e| fallback(vec![e], item))
-}
-
+/// `#[custom_fwd(cast_inputs = ..)]` on a fn:
 /// Input:  `fn op(x: &Tensor<F32>, k: f64) -> R { body }` with `cast_inputs = f32`
-/// Output: `fn op(x: impl AsAmp, k: f64) -> R { let __x = enter_cast::<F32, _>(&x)?;
-///          let x = &__x; body }`: any tensor in, the body plain typed code.
-pub(crate) fn cast_inputs_fn(mut f: ItemFn, precision: &Ident) -> syn::Result<ItemFn> {
-    let rt = quote!(::candle_amp::__private::autocast);
+/// Output: `fn op(x: impl AsAmp, k: f64) -> R { let __amp_x = enter_cast::<F32, _>(&x)?;
+///          let x = &__amp_x; { body } }`: any tensor in, the body plain typed code.
+pub(crate) fn cast_inputs_fn(item: &ItemFn, precision: &Ident) -> ItemFn {
+    // Invariant established by validation, which rejects any other precision.
+    let marker =
+        Rt::precision(&precision.to_string()).expect("validated: cast_inputs is f32, f16 or bf16");
+    let (enter_cast, as_amp) = (Rt::EnterCast, Rt::AsAmp);
+    let mut f = item.clone();
     let mut prologue = Vec::new();
     for input in &mut f.sig.inputs {
         let FnArg::Typed(typed) = input else { continue };
@@ -91,95 +33,111 @@ pub(crate) fn cast_inputs_fn(mut f: ItemFn, precision: &Ident) -> syn::Result<It
         if !is_tensor_type(&typed.ty) {
             continue;
         }
-        if let Some(declared) = named_precision(&typed.ty) {
-            if declared != *precision
-                && ["F32", "F16", "BF16"].contains(&declared.to_string().as_str())
-            {
-                return Err(syn::Error::new(
-                    declared.span(),
-                    format!("cast_inputs casts to {precision}, but this parameter is declared {declared}"),
-                ));
-            }
-        }
         let name = &pat.ident;
         let owned = format_ident!("__amp_{}", name, span = name.span());
-        let is_ref = matches!(&*typed.ty, Type::Reference(_));
         prologue.push(quote_spanned!(name.span()=>
-            let #owned = #rt::enter_cast::<::candle_amp::__private::#precision, _>(&#name)?;
+            let #owned = #enter_cast::<#marker, _>(&#name)?;
         ));
-        prologue.push(if is_ref {
+        prologue.push(if matches!(&*typed.ty, Type::Reference(_)) {
             quote!(let #name = &#owned;)
         } else {
             quote!(let #name = #owned;)
         });
-        *typed.ty = syn::parse_quote_spanned!(typed.ty.span()=> impl #rt::AsAmp);
+        *typed.ty = Type::Verbatim(quote_spanned!(typed.ty.span()=> impl #as_amp));
     }
-    let body = &f.block;
-    *f.block = syn::parse2(quote!({ #(#prologue)* #body }))?;
-    Ok(f)
+    let body = &item.block;
+    *f.block = verbatim_block(quote!(#(#prologue)* #body));
+    f
 }
 
-pub(crate) fn custom_bwd(args: TokenStream, item: TokenStream) -> TokenStream {
-    let result = if args.is_empty() {
-        syn::parse2::<ItemFn>(item.clone()).and_then(custom_bwd_fn)
-    } else {
-        Err(syn::Error::new(
-            args.span(),
-            "#[custom_bwd] takes no arguments",
-        ))
-    };
-    result.unwrap_or_else(|e| fallback(vec![e], item))
+/// `#[custom_bwd]` on a backward: `fn bwd(&self, arg.., res, grad_res) -> Result<..>`, as
+/// candle's `CustomOp1/2/3::bwd`.
+pub(crate) struct Backward<'a> {
+    item: &'a ItemFn,
+    /// Arguments it was given (it takes none).
+    stray: Option<TokenStream>,
+    /// The typed parameters: their names, or the pattern where one is not a plain name.
+    params: Vec<Result<&'a Ident, &'a Pat>>,
+    /// The backward's `Result` type.
+    ret: Option<&'a Type>,
 }
 
-/// Input:  `fn bwd(&self, arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> R { body }`
-/// Output: the same fn whose `grad_res` is first cast to `res`'s dtype (the dtype the forward
-///         produced) and whose returned gradients are cast to their inputs' dtypes.
-fn custom_bwd_fn(mut f: ItemFn) -> syn::Result<TokenStream> {
-    let rt = quote!(::candle_amp::__private::autocast);
-    let names: Vec<Ident> = f
-        .sig
-        .inputs
-        .iter()
-        .filter_map(|a| match a {
-            FnArg::Typed(t) => match &*t.pat {
-                Pat::Ident(p) => Some(Ok(p.ident.clone())),
-                other => Some(Err(syn::Error::new(
-                    other.span(),
-                    "#[custom_bwd] needs named parameters",
-                ))),
-            },
-            FnArg::Receiver(_) => None,
-        })
-        .collect::<syn::Result<_>>()?;
-    let [inputs @ .., res, grad] = names.as_slice() else {
-        return Err(syn::Error::new(
-            f.sig.ident.span(),
-            "#[custom_bwd] applies to a backward taking the op's inputs, its result and the \
-             result's gradient, as candle's `CustomOp1/2/3::bwd`",
-        ));
-    };
-    if inputs.is_empty() || inputs.len() > 3 {
-        return Err(syn::Error::new(
-            f.sig.ident.span(),
-            "#[custom_bwd] supports ops of 1 to 3 inputs",
-        ));
+impl<'a> Backward<'a> {
+    pub(crate) fn from_syn(args: TokenStream, item: &'a ItemFn) -> Self {
+        let params = item
+            .sig
+            .inputs
+            .iter()
+            .filter_map(|input| match input {
+                FnArg::Typed(t) => Some(match &*t.pat {
+                    Pat::Ident(p) => Ok(&p.ident),
+                    other => Err(other),
+                }),
+                FnArg::Receiver(_) => None,
+            })
+            .collect();
+        let ret = match &item.sig.output {
+            syn::ReturnType::Type(_, ret) => Some(&**ret),
+            syn::ReturnType::Default => None,
+        };
+        Self {
+            item,
+            stray: (!args.is_empty()).then_some(args),
+            params,
+            ret,
+        }
     }
-    let syn::ReturnType::Type(_, ret) = &f.sig.output else {
-        return Err(syn::Error::new(
-            f.sig.ident.span(),
-            "#[custom_bwd] needs the backward's Result return type",
-        ));
-    };
-    let body = &f.block;
-    let grads = syn::Ident::new("__amp_grads", proc_macro2::Span::mixed_site());
-    // The user's parameters may be `_res`-style names; the generated uses are ours.
-    *f.block = syn::parse2(quote!({
-        #[allow(clippy::used_underscore_binding)]
-        let #grad = &#rt::grad_like(#grad, #res)?;
-        let #grads: #ret = (|| -> #ret #body)();
-        #[allow(clippy::needless_question_mark)]
-        let #grads = Ok(#rt::GradsLike::like(#grads?, (#(#inputs,)*))?);
-        #grads
-    }))?;
-    Ok(quote!(#f))
+
+    pub(crate) fn validate(&self) -> syn::Result<()> {
+        let mut errors = Errors::default();
+        let at_name = self.item.sig.ident.span();
+        if let Some(args) = &self.stray {
+            errors.spanned(args, "#[custom_bwd] takes no arguments");
+        }
+        for pat in self.params.iter().filter_map(|p| p.err()) {
+            errors.at(pat.span(), "#[custom_bwd] needs named parameters");
+        }
+        match self.params.len() {
+            0 | 1 => errors.at(
+                at_name,
+                "#[custom_bwd] applies to a backward taking the op's inputs, its result and the \
+                 result's gradient, as candle's `CustomOp1/2/3::bwd`",
+            ),
+            // The inputs, then the result and its gradient.
+            2 | 6.. => errors.at(at_name, "#[custom_bwd] supports ops of 1 to 3 inputs"),
+            _ => {}
+        }
+        if self.ret.is_none() {
+            errors.at(
+                at_name,
+                "#[custom_bwd] needs the backward's Result return type",
+            );
+        }
+        errors.finish()
+    }
+
+    /// Input:  `fn bwd(&self, arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> R { body }`
+    /// Output: the same fn whose `grad_res` is first cast to `res`'s dtype (the dtype the
+    ///         forward produced) and whose returned gradients are cast to their inputs' dtypes.
+    pub(crate) fn expand(&self) -> TokenStream {
+        let names: Vec<&Ident> = self.params.iter().filter_map(|p| p.ok()).collect();
+        let ([inputs @ .., res, grad], Some(ret)) = (names.as_slice(), self.ret) else {
+            // Validation requires both; unreachable on a validated model.
+            return self.item.to_token_stream();
+        };
+        let (grad_like, grads_like) = (Rt::GradLike, Rt::GradsLike);
+        let mut f = self.item.clone();
+        let body = &self.item.block;
+        let grads = Ident::new("__amp_grads", Span::mixed_site());
+        // The user's parameters may be `_res`-style names; the generated uses are ours.
+        *f.block = verbatim_block(quote! {
+            #[allow(clippy::used_underscore_binding)]
+            let #grad = &#grad_like(#grad, #res)?;
+            let #grads: #ret = (|| -> #ret #body)();
+            #[allow(clippy::needless_question_mark)]
+            let #grads = Ok(#grads_like::like(#grads?, (#(#inputs,)*))?);
+            #grads
+        });
+        f.into_token_stream()
+    }
 }

@@ -1,394 +1,249 @@
-//! Code generation for `#[autocast]` and `#[keep_fp32]` on fns, methods and impl blocks.
+//! Code generation for `#[autocast]`, `#[keep_fp32]` and `#[custom_fwd]` on fns, methods and
+//! impl blocks.
+//!
+//! It runs on a model that passed validation and cannot fail: every check lives in
+//! `validate.rs`, and generated code is assembled as tokens, never parsed back.
 
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned, ToTokens};
+use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
-use syn::{Block, FnArg, GenericParam, ImplItem, Item, ItemFn, ItemImpl, Pat, ReturnType, Type};
+use syn::{
+    Block, Expr, FnArg, GenericParam, ImplItem, ItemFn, ItemImpl, Stmt, Type, TypeParam,
+    TypeParamBound,
+};
 
-use crate::args::{fp32_policy, AutocastArgs, PolicyArg};
-use crate::optable::MODULE_CALLS;
-use crate::rewrite::{take_marker, Rewriter};
+use crate::args::{AutocastArgs, PolicyArg};
+use crate::custom;
+use crate::model::{is_marker, Impl, Mode, Part, Region, RegionCallSig, Target};
+use crate::rewrite;
+use crate::runtime::Rt;
 
-/// On error: `compile_error!` plus the original item untouched, so that the user sees one
-/// error and not a cascade from a half-rewritten body.
-pub(crate) fn fallback(errors: Vec<syn::Error>, original: TokenStream) -> TokenStream {
-    let errors = errors.into_iter().map(syn::Error::into_compile_error);
-    quote!(#(#errors)* #original)
-}
-
-pub(crate) fn autocast(args: TokenStream, item: TokenStream) -> TokenStream {
-    let result = syn::parse2::<AutocastArgs>(args).and_then(|args| {
-        match syn::parse2::<Item>(item.clone())? {
-            Item::Fn(f) => expand_fn(&args, Mode::Autocast, f).map(ToTokens::into_token_stream),
-            Item::Impl(imp) => expand_impl(&args, Mode::Autocast, imp),
-            other => Err(syn::Error::new(
-                item_span(&other),
-                "#[autocast] applies to a fn, a method or an impl block",
-            )),
-        }
-    });
-    result.unwrap_or_else(|errors| fallback(errors.into_iter().collect(), item))
-}
-
-pub(crate) fn keep_fp32(args: TokenStream, item: TokenStream) -> TokenStream {
-    if !args.is_empty() {
-        let e = syn::Error::new(args.span(), "#[keep_fp32] takes no arguments");
-        return fallback(vec![e], item);
-    }
-    let result = match syn::parse2::<Item>(item.clone()) {
-        // On a module's impl: the module always runs in f32, also when called from a region.
-        Ok(Item::Impl(imp)) => {
-            let args = AutocastArgs {
-                policy: PolicyArg::Named(fp32_policy()),
-                enabled: None,
-                output: None,
-            };
-            expand_impl(&args, Mode::KeepFp32, imp)
-        }
-        Ok(other) => Err(syn::Error::new(
-            item_span(&other),
-            "#[keep_fp32] only has meaning inside an #[autocast] region: put it on a statement, \
-             a block or a method there, or on a module's impl block to keep that module in f32",
-        )),
-        Err(e) => Err(e),
-    };
-    result.unwrap_or_else(|errors| fallback(errors.into_iter().collect(), item))
-}
-
-/// All errors as one, reported together (pyo3's `combine_errors`).
-fn combine(errors: impl IntoIterator<Item = syn::Error>) -> Option<syn::Error> {
-    errors.into_iter().reduce(|mut all, e| {
-        all.combine(e);
-        all
-    })
-}
-
-fn item_span(item: &Item) -> Span {
-    item.to_token_stream()
-        .into_iter()
-        .next()
-        .map_or_else(Span::call_site, |t| t.span())
-}
-
-/// How a part runs: under the region's policy, kept in f32 (inputs upcast on entry), or as a
-/// `#[custom_fwd(cast_inputs = ..)]` op (inputs cast to the named precision, body left as
-/// written, autocast off).
-#[derive(Clone, PartialEq, Eq)]
-pub(crate) enum Mode {
-    Autocast,
-    KeepFp32,
-    CastInputs(syn::Ident),
-}
-
-/// A parameter that enters the region as a tensor: `x: Tensor<P>` or `x: &Tensor<P>`.
-fn tensor_param(arg: &FnArg) -> Option<&syn::Ident> {
-    let FnArg::Typed(typed) = arg else {
-        return None;
-    };
-    let Pat::Ident(pat) = &*typed.pat else {
-        return None;
-    };
-    is_tensor_type(&typed.ty).then_some(&pat.ident)
-}
-
-pub(crate) fn is_tensor_type(ty: &Type) -> bool {
-    match ty {
-        Type::Reference(r) => is_tensor_type(&r.elem),
-        Type::Path(p) => p.path.segments.last().is_some_and(|s| s.ident == "Tensor"),
-        Type::Paren(p) => is_tensor_type(&p.elem),
-        _ => false,
+pub(crate) fn region(region: &Region) -> TokenStream {
+    match &region.target {
+        Target::Fn { item, part } => match &part.mode {
+            Mode::CastInputs(precision) => {
+                custom::cast_inputs_fn(item, precision).into_token_stream()
+            }
+            Mode::Autocast | Mode::KeepFp32 => {
+                region_fn(item, part, &region.args).into_token_stream()
+            }
+        },
+        Target::Impl(imp) => region_impl(imp, &region.args),
+        // Rejected by validation, so never reached; emitted as written.
+        Target::Other(item) => item.to_token_stream(),
     }
 }
 
-/// Whether the signature returns `Result<Tensor<..>, ..>`: then the region's value leaves as
-/// that typed tensor, cast to its precision.
-fn returns_tensor_result(output: &ReturnType) -> bool {
-    let ReturnType::Type(_, ty) = output else {
-        return false;
-    };
-    let Type::Path(p) = &**ty else { return false };
-    let Some(last) = p.path.segments.last() else {
-        return false;
-    };
-    if last.ident != "Result" {
-        return false;
+/// A block holding generated statements as tokens, which are emitted between the braces as
+/// they are: built, not parsed back. The braces are the call site's, as a quoted block's are.
+pub(crate) fn verbatim_block(stmts: TokenStream) -> Block {
+    Block {
+        brace_token: syn::token::Brace::default(),
+        stmts: vec![Stmt::Expr(Expr::Verbatim(stmts), None)],
     }
-    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
-        return false;
-    };
-    matches!(args.args.first(), Some(syn::GenericArgument::Type(t)) if is_tensor_type(t))
 }
 
-/// The rewritten body of one region part:
+/// Input:  `fn f(x: &Tensor<F32>) -> Result<Tensor<F32>> { body }`
+/// Output: the same fn with `body` run as a region (see `region_body`)
+fn region_fn(item: &ItemFn, part: &Part, region_args: &AutocastArgs) -> ItemFn {
+    let mut f = item.clone();
+    *f.block = region_block(part, region_args);
+    f
+}
+
+/// A part's body as a region, for the fn or method itself (called with typed tensors).
+fn region_block(part: &Part, region_args: &AutocastArgs) -> Block {
+    let args = part.args(region_args);
+    // Outside any calling region, a module that inherits its policy runs in f32.
+    let policy = policy(args, &part.mode, Rt::Fp32Policy);
+    let exit = part.returns_tensor.then_some(Rt::Exit);
+    verbatim_block(region_body(part, &policy, args.enabled(), exit))
+}
+
+/// The policy a part runs under; `inherited` where it takes its caller's.
+fn policy(args: &AutocastArgs, mode: &Mode, inherited: impl ToTokens) -> TokenStream {
+    match (mode, args.policy()) {
+        (Mode::KeepFp32 | Mode::CastInputs(_), _) => Rt::Fp32Policy.into_token_stream(),
+        (Mode::Autocast, PolicyArg::Inherit) => inherited.into_token_stream(),
+        (Mode::Autocast, PolicyArg::Fp16(span)) => Rt::Fp16Policy.at(span).into_token_stream(),
+        (Mode::Autocast, PolicyArg::Bf16(span)) => Rt::Bf16Policy.at(span).into_token_stream(),
+        (Mode::Autocast, PolicyArg::Named(path)) => path.to_token_stream(),
+    }
+}
+
+/// The statements of one region part:
 /// Input:  `{ stmts; tail }` with tensor params `x`
-/// Output: `{ let _g = RegionGuard::enter(); let x = enter(&x); exit({ stmts'; tail' }) }`
+/// Output: `let _g = RegionGuard::enter(); let x = enter(&x); exit({ stmts'; tail' })`, and with
+///         `enabled = cond`: `... if cond { exit({ ..under the policy.. }) } else { exit({ ..under
+///         f32.. }) }`
 fn region_body(
-    block: &Block,
-    params: &[syn::Ident],
+    part: &Part,
     policy: &TokenStream,
-    enabled: Option<&syn::Expr>,
-    upcast: bool,
-    exit: Option<TokenStream>,
-) -> syn::Result<TokenStream> {
-    let rt = quote!(::candle_amp::__private::autocast);
+    enabled: Option<&Expr>,
+    exit: Option<Rt>,
+) -> TokenStream {
+    // Mixed-site: the guard must not shadow or be reachable from the user's names.
     let guard = syn::Ident::new("__amp_region", Span::mixed_site());
-    let enter = params.iter().map(|p| {
+    let (region_guard, enter, enter_fp32) = (Rt::RegionGuard, Rt::Enter, Rt::EnterFp32);
+    let upcast = part.mode == Mode::KeepFp32;
+    let enter = part.tensor_params.iter().map(|p| {
         if upcast {
-            quote_spanned!(p.span()=> let #p = #rt::enter_fp32(&#p)?;)
+            quote_spanned!(p.span()=> let #p = #enter_fp32(&#p)?;)
         } else {
-            quote_spanned!(p.span()=> let #p = #rt::enter(&#p);)
+            quote_spanned!(p.span()=> let #p = #enter(&#p);)
         }
     });
-    let rewrite = |policy: &TokenStream| -> syn::Result<TokenStream> {
-        let mut body = block.clone();
-        let mut rewriter = Rewriter::new(policy.clone(), exit.clone());
-        syn::visit_mut::VisitMut::visit_block_mut(&mut rewriter, &mut body);
-        if let Some(error) = combine(rewriter.errors) {
-            return Err(error);
-        }
-        Ok(match &exit {
+    let rewrite = |policy: TokenStream| -> TokenStream {
+        let body = rewrite::body(part.block, policy, exit);
+        match exit {
             Some(exit) => quote!(#exit(#body)),
             None => body.into_token_stream(),
-        })
+        }
     };
     let run = match enabled {
-        None => rewrite(policy)?,
+        None => rewrite(policy.clone()),
         Some(cond) => {
-            let (on, off) = (rewrite(policy)?, rewrite(&fp32_policy())?);
+            let on = rewrite(policy.clone());
+            let off = rewrite(Rt::Fp32Policy.into_token_stream());
             quote_spanned!(cond.span()=> if #cond { #on } else { #off })
         }
     };
-    Ok(quote!({
-        let #guard = #rt::RegionGuard::enter();
+    quote! {
+        let #guard = #region_guard::enter();
         #(#enter)*
         #run
-    }))
-}
-
-/// The precision marker a `Tensor<X>`, `&Tensor<X>` or `Result<Tensor<X>, ..>` type names, if
-/// any (a bare `Tensor` is `Tensor<F32>`), with its span.
-pub(crate) fn named_precision(ty: &Type) -> Option<syn::Ident> {
-    let ty = match ty {
-        Type::Reference(r) => &*r.elem,
-        other => other,
-    };
-    let Type::Path(p) = ty else { return None };
-    let last = p.path.segments.last()?;
-    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
-        return (last.ident == "Tensor").then(|| syn::Ident::new("F32", last.ident.span()));
-    };
-    match args.args.first()? {
-        syn::GenericArgument::Type(inner) if last.ident == "Result" => named_precision(inner),
-        syn::GenericArgument::Type(Type::Path(p)) => p.path.get_ident().cloned(),
-        _ => None,
     }
-}
-
-/// `output = ..` asserts what the signature already decides: the precision of the returned
-/// `Tensor<X>` (`input`: the first tensor parameter's). A contradiction is a compile error on
-/// the argument, so the signature stays the one source of truth.
-fn check_output(args: &AutocastArgs, f: &ItemFn) -> syn::Result<()> {
-    let Some(output) = &args.output else {
-        return Ok(());
-    };
-    let returned = match &f.sig.output {
-        ReturnType::Type(_, ret) => named_precision(ret).map(|p| p.to_string()),
-        ReturnType::Default => None,
-    };
-    let wanted = match output.to_string().as_str() {
-        "input" => f.sig.inputs.iter().find_map(|a| match a {
-            FnArg::Typed(t) if is_tensor_type(&t.ty) => {
-                named_precision(&t.ty).map(|p| p.to_string())
-            }
-            _ => None,
-        }),
-        other => Some(other.to_uppercase()),
-    };
-    if returned.is_some() && returned == wanted {
-        return Ok(());
-    }
-    let returns = returned.map_or_else(
-        || "no `Result<Tensor<F32|F16|BF16>>`".to_string(),
-        |p| format!("`Tensor<{p}>`"),
-    );
-    Err(syn::Error::new(
-        output.span(),
-        format!(
-            "output = {output} contradicts the signature, which returns {returns}: a region's \
-             result leaves in the precision its signature declares"
-        ),
-    ))
-}
-
-fn expand_fn(args: &AutocastArgs, mode: Mode, mut f: ItemFn) -> syn::Result<ItemFn> {
-    check_output(args, &f)?;
-    let params: Vec<_> = f
-        .sig
-        .inputs
-        .iter()
-        .filter_map(tensor_param)
-        .cloned()
-        .collect();
-    let exit = returns_tensor_result(&f.sig.output)
-        .then(|| quote!(::candle_amp::__private::autocast::exit));
-    let policy = match mode {
-        Mode::Autocast => args.policy.own(),
-        Mode::KeepFp32 | Mode::CastInputs(_) => fp32_policy(),
-    };
-    let body = region_body(
-        &f.block,
-        &params,
-        &policy,
-        args.enabled.as_ref(),
-        mode == Mode::KeepFp32,
-        exit,
-    )?;
-    *f.block = syn::parse2(body)?;
-    Ok(f)
-}
-
-/// A method's own markers inside an annotated impl: `#[keep_fp32]` or its own `#[autocast(..)]`.
-fn method_markers(attrs: &mut Vec<syn::Attribute>) -> syn::Result<(bool, Option<AutocastArgs>)> {
-    let keep = take_marker(attrs, "keep_fp32");
-    let mut own = None;
-    let mut rest = Vec::with_capacity(attrs.len());
-    for attr in attrs.drain(..) {
-        if attr.path().is_ident("autocast") {
-            let parsed = match &attr.meta {
-                syn::Meta::Path(_) => AutocastArgs {
-                    policy: PolicyArg::Inherit,
-                    enabled: None,
-                    output: None,
-                },
-                _ => attr.parse_args::<AutocastArgs>()?,
-            };
-            if own.replace(parsed).is_some() {
-                return Err(syn::Error::new(
-                    attr.span(),
-                    "duplicate #[autocast] on this method",
-                ));
-            }
-        } else {
-            rest.push(attr);
-        }
-    }
-    *attrs = rest;
-    if keep && own.is_some() {
-        return Err(syn::Error::new(
-            Span::call_site(),
-            "a method is either #[keep_fp32] or #[autocast(..)], not both",
-        ));
-    }
-    Ok((keep, own))
 }
 
 /// Every method of the impl becomes a region; `forward`, `forward_t` and `forward_train` also
 /// get a `RegionCall` impl, so that a calling region passes its policy on (or the module keeps
 /// its own when it names one).
-pub(crate) fn expand_impl(
-    args: &AutocastArgs,
-    mode: Mode,
-    mut imp: ItemImpl,
-) -> syn::Result<TokenStream> {
+fn region_impl(imp: &Impl, region_args: &AutocastArgs) -> TokenStream {
+    let mut item = imp.item.clone();
+    let fns = item.items.iter_mut().filter_map(|item| match item {
+        ImplItem::Fn(f) => Some(f),
+        _ => None,
+    });
     let mut region_calls = Vec::new();
-    let mut errors: Vec<syn::Error> = Vec::new();
-    let (generics, self_ty) = (imp.generics.clone(), imp.self_ty.clone());
-    for item in &mut imp.items {
-        let ImplItem::Fn(method) = item else { continue };
-        let (keep, own) = match method_markers(&mut method.attrs) {
-            Ok(m) => m,
-            Err(e) => {
-                errors.push(e);
-                continue;
-            }
-        };
-        let method_mode = if keep { Mode::KeepFp32 } else { mode.clone() };
-        let method_args = own.as_ref().unwrap_or(args);
-        let as_fn = ItemFn {
-            attrs: Vec::new(),
-            vis: syn::Visibility::Inherited,
-            sig: method.sig.clone(),
-            block: Box::new(method.block.clone()),
-        };
-        if MODULE_CALLS.contains(&method.sig.ident.to_string().as_str()) {
-            match region_call_impl(
-                &generics,
-                &self_ty,
-                method_args,
-                method_mode.clone(),
-                &as_fn,
-            ) {
-                Ok(Some(tokens)) => region_calls.push(tokens),
-                Ok(None) => {}
-                Err(e) => errors.push(e),
-            }
+    // The model has one method per `fn` item, in order.
+    for (f, method) in fns.zip(&imp.methods) {
+        f.attrs.retain(|attr| !is_marker(attr));
+        if let Some(sig) = &method.region_call {
+            region_calls.push(region_call_impl(imp.item, &method.part, sig, region_args));
         }
-        if let Mode::CastInputs(_) = method_mode {
-            // Called with typed tensors outside a region, the op runs exactly as written.
-            continue;
-        }
-        match expand_fn(method_args, method_mode, as_fn) {
-            Ok(f) => method.block = *f.block,
-            Err(e) => errors.push(e),
+        // A cast_inputs op called with typed tensors outside a region runs exactly as written.
+        if method.part.is_rewritten() {
+            f.block = region_block(&method.part, region_args);
         }
     }
-    if let Some(error) = combine(errors) {
-        return Err(error);
-    }
-    Ok(quote!(#imp #(#region_calls)*))
+    quote!(#item #(#region_calls)*)
 }
 
-/// `impl<Pol, A0: AsAmp> RegionCall<Pol, calls::forward, (A0, bool)> for Module { .. }` for a
-/// `fn forward(&self, x: &Tensor<F32>, train: bool) -> Result<Tensor<F32>>`.
-fn region_call_impl(
-    impl_generics: &syn::Generics,
-    self_ty: &Type,
-    args: &AutocastArgs,
-    mode: Mode,
-    method: &ItemFn,
-) -> syn::Result<Option<TokenStream>> {
-    let rt = quote!(::candle_amp::__private::autocast);
-    let mut inputs = method.sig.inputs.iter();
-    match inputs.next() {
-        Some(FnArg::Receiver(r)) if r.reference.is_some() && r.mutability.is_none() => {}
-        // Only `&self` modules can be called from a region; others get the trait's error there.
-        _ => return Ok(None),
-    }
-    let pol = syn::Ident::new("__AmpPol", Span::mixed_site());
-    let mut generics = impl_generics.clone();
-    generics.params.push(syn::parse_quote!(#pol: #rt::Policy));
-    let (mut pats, mut types, mut params) = (Vec::new(), Vec::new(), Vec::new());
-    for (i, input) in inputs.enumerate() {
-        let FnArg::Typed(typed) = input else { continue };
-        let pat = &typed.pat;
-        if let Some(ident) = tensor_param(input) {
-            let a = format_ident!("__AmpA{}", i, span = Span::mixed_site());
-            generics
-                .params
-                .push(GenericParam::Type(syn::parse_quote!(#a: #rt::AsAmp)));
-            types.push(quote!(#a));
-            params.push(ident.clone());
-        } else {
-            if contains_reference(&typed.ty) {
-                return Err(syn::Error::new(
-                    typed.ty.span(),
-                    "a module called from an autocast region takes tensors and owned values; \
-                     a reference parameter other than a tensor is not supported yet",
-                ));
+/// The header of a module method's `RegionCall` impl: generic over the caller's policy and over
+/// each tensor argument's type, with the other parameters' types as written.
+pub(crate) struct RegionCallHeader {
+    pub(crate) generics: syn::Generics,
+    pub(crate) self_ty: Type,
+    /// The caller's policy parameter.
+    pol: syn::Ident,
+    /// `forward`, `forward_t` or `forward_train`.
+    name: syn::Ident,
+    /// The argument tuple's element types.
+    pub(crate) types: Vec<Type>,
+    /// The parameters' patterns, which bind the tuple's elements.
+    pats: Vec<syn::Pat>,
+}
+
+impl RegionCallHeader {
+    pub(crate) fn new(imp: &ItemImpl, sig: &RegionCallSig) -> Self {
+        let pol = syn::Ident::new("__AmpPol", Span::mixed_site());
+        let mut generics = imp.generics.clone();
+        generics.params.push(bounded(&pol, Rt::Policy));
+        let (mut types, mut pats) = (Vec::new(), Vec::new());
+        for input in &sig.inputs {
+            if input.tensor.is_some() {
+                let a = format_ident!("__AmpA{}", input.index, span = Span::mixed_site());
+                generics.params.push(bounded(&a, Rt::AsAmp));
+                types.push(Type::Verbatim(a.into_token_stream()));
+            } else {
+                types.push(input.ty.clone());
             }
-            types.push(typed.ty.to_token_stream());
+            pats.push(input.pat.clone());
         }
-        pats.push(pat.to_token_stream());
+        Self {
+            generics,
+            self_ty: (*imp.self_ty).clone(),
+            pol,
+            name: sig.name.clone(),
+            types,
+            pats,
+        }
     }
-    let policy = match (&args.policy, &mode) {
-        (_, Mode::KeepFp32 | Mode::CastInputs(_)) => fp32_policy(),
-        (PolicyArg::Inherit, Mode::Autocast) => quote!(#pol),
-        (PolicyArg::Named(path), Mode::Autocast) => path.clone(),
-    };
-    let body = if let Mode::CastInputs(precision) = &mode {
+
+    /// The impl, with `body` as `region_call`'s body; `bind`: whether the parameters' patterns
+    /// bind the arguments (a stub's body ignores them).
+    pub(crate) fn to_impl(&self, bind: bool, body: &TokenStream) -> TokenStream {
+        let Self {
+            generics,
+            self_ty,
+            pol,
+            name,
+            types,
+            pats,
+        } = self;
+        let (region_call, calls, amp_tensor, candle_core) =
+            (Rt::RegionCall, Rt::Calls, Rt::AmpTensor, Rt::CandleCore);
+        let (impl_generics, _, where_clause) = generics.split_for_impl();
+        let params = if bind {
+            quote!((#(#pats,)*))
+        } else {
+            quote!(_)
+        };
+        quote! {
+            impl #impl_generics #region_call<#pol, #calls::#name, (#(#types,)*)>
+                for #self_ty #where_clause
+            {
+                fn region_call(
+                    &self,
+                    #params: (#(#types,)*),
+                ) -> #candle_core::Result<#amp_tensor> #body
+            }
+        }
+    }
+}
+
+/// `name: bound`, as a generic parameter.
+fn bounded(name: &syn::Ident, bound: Rt) -> GenericParam {
+    let mut param = TypeParam::from(name.clone());
+    param.colon_token = Some(syn::token::Colon::default());
+    param.bounds = Punctuated::from_iter([TypeParamBound::Verbatim(bound.into_token_stream())]);
+    GenericParam::Type(param)
+}
+
+/// Input:  `fn forward(&self, x: &Tensor<F32>, train: bool) -> Result<Tensor<F32>> { body }`
+/// Output: `impl<Pol: Policy, A0: AsAmp> RegionCall<Pol, calls::forward, (A0, bool)> for
+///         Module { fn region_call(&self, (x, train): (A0, bool)) -> Result<AmpTensor> { .. } }`
+///         whose body runs `body` as a region under the caller's policy (or the module's own),
+///         or, for a cast_inputs op, casts the tensors and calls the method itself
+fn region_call_impl(
+    imp: &ItemImpl,
+    part: &Part,
+    sig: &RegionCallSig,
+    region_args: &AutocastArgs,
+) -> TokenStream {
+    let header = RegionCallHeader::new(imp, sig);
+    let args = part.args(region_args);
+    let exit_to_region = Rt::ExitToRegion;
+    let body = if let Mode::CastInputs(precision) = &part.mode {
         // Autocast is off inside: cast the tensor inputs and call the op's own method.
-        let call_args = method.sig.inputs.iter().skip(1).map(|input| match input {
-            FnArg::Typed(t) if tensor_param(input).is_some() => {
+        // Invariant established by validation, which rejects any other precision.
+        let marker = Rt::precision(&precision.to_string())
+            .expect("validated: cast_inputs is f32, f16 or bf16");
+        let enter_cast = Rt::EnterCast;
+        let params = &part.tensor_params;
+        let call_args = part.sig.inputs.iter().skip(1).map(|input| match input {
+            FnArg::Typed(t) if crate::model::tensor_param(input).is_some() => {
                 let pat = &t.pat;
                 if matches!(&*t.ty, Type::Reference(_)) {
                     quote!(&#pat)
@@ -399,39 +254,15 @@ fn region_call_impl(
             FnArg::Typed(t) => t.pat.to_token_stream(),
             FnArg::Receiver(_) => quote!(self),
         });
-        let name = &method.sig.ident;
+        let name = sig.name;
         quote!({
-            #(let #params = #rt::enter_cast::<::candle_amp::__private::#precision, _>(&#params)?;)*
-            #rt::exit_to_region(Self::#name(self, #(#call_args),*))
+            #(let #params = #enter_cast::<#marker, _>(&#params)?;)*
+            #exit_to_region(Self::#name(self, #(#call_args),*))
         })
     } else {
-        let exit = Some(quote!(#rt::exit_to_region));
-        let upcast = mode == Mode::KeepFp32;
-        region_body(
-            &method.block,
-            &params,
-            &policy,
-            args.enabled.as_ref(),
-            upcast,
-            exit,
-        )?
+        let policy = policy(args, &part.mode, &header.pol);
+        let stmts = region_body(part, &policy, args.enabled(), Some(exit_to_region));
+        quote!({ #stmts })
     };
-    let name = &method.sig.ident;
-    let (impl_generics, _, where_clause) = generics.split_for_impl();
-    Ok(Some(quote! {
-        impl #impl_generics #rt::RegionCall<#pol, #rt::calls::#name, (#(#types,)*)>
-            for #self_ty #where_clause
-        {
-            fn region_call(
-                &self,
-                (#(#pats,)*): (#(#types,)*),
-            ) -> ::candle_amp::__private::candle_core::Result<#rt::AmpTensor> #body
-        }
-    }))
-}
-
-fn contains_reference(ty: &Type) -> bool {
-    ty.to_token_stream()
-        .into_iter()
-        .any(|t| matches!(t, proc_macro2::TokenTree::Punct(p) if p.as_char() == '&'))
+    header.to_impl(true, &body)
 }

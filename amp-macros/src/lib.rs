@@ -2,18 +2,33 @@
 //! `#[custom_bwd]` and `policy!`.
 //!
 //! Users depend on the `candle-amp` facade, which re-exports these; the generated code names
-//! only `::candle_amp::__private::...` paths. See ARCHITECTURE.md for the design.
+//! only `::candle_amp::__private::NAME` paths (`runtime.rs`). See ARCHITECTURE.md for the design.
+//!
+//! Every macro runs in phases: syn input -> an intermediate form keeping the syn nodes
+//! (`model.rs`; `args.rs` for attribute arguments) -> validation collecting every error
+//! (`validate.rs`) -> code generation that cannot fail (`expand.rs`, with `rewrite.rs` for region
+//! bodies). On any error the output is the errors plus the item and stand-ins for what other
+//! code expects of it (`fallback.rs`), so that one mistake is reported once. `custom.rs` and
+//! `policy.rs` hold what is specific to `#[custom_fwd]`/`#[custom_bwd]` and `policy!`, in the
+//! same phases.
 
 mod args;
 mod custom;
 mod expand;
+mod fallback;
+mod model;
 mod optable;
 mod policy;
 mod rewrite;
+mod runtime;
 #[cfg(test)]
 mod tests;
+mod validate;
 
 use proc_macro::TokenStream;
+use proc_macro2::TokenStream as TokenStream2;
+
+use crate::model::{AttrKind, Region};
 
 /// Runs a fn, a method or every method of an impl block under an autocast policy.
 ///
@@ -24,7 +39,7 @@ use proc_macro::TokenStream;
 /// `Result<Tensor<P>>` result leaves cast to `P`. See the crate README for the tour.
 #[proc_macro_attribute]
 pub fn autocast(args: TokenStream, item: TokenStream) -> TokenStream {
-    expand::autocast(args.into(), item.into()).into()
+    region_attr(AttrKind::Autocast, args.into(), item.into()).into()
 }
 
 /// Keeps a part of an autocast region in f32 (inputs upcast at the boundary): on a statement, a
@@ -32,7 +47,7 @@ pub fn autocast(args: TokenStream, item: TokenStream) -> TokenStream {
 /// compile error that says so.
 #[proc_macro_attribute]
 pub fn keep_fp32(args: TokenStream, item: TokenStream) -> TokenStream {
-    expand::keep_fp32(args.into(), item.into()).into()
+    region_attr(AttrKind::KeepFp32, args.into(), item.into()).into()
 }
 
 /// Declares an autocast policy at compile time: a lower dtype and moves of ops between classes.
@@ -62,7 +77,7 @@ pub fn policy(input: TokenStream) -> TokenStream {
 ///   with autocast off.
 #[proc_macro_attribute]
 pub fn custom_fwd(args: TokenStream, item: TokenStream) -> TokenStream {
-    custom::custom_fwd(args.into(), item.into()).into()
+    region_attr(AttrKind::CustomFwd, args.into(), item.into()).into()
 }
 
 /// Makes a custom op's backward (candle's `CustomOp1/2/3::bwd`) run in the dtypes its forward
@@ -70,7 +85,30 @@ pub fn custom_fwd(args: TokenStream, item: TokenStream) -> TokenStream {
 /// gradient to its input's dtype.
 #[proc_macro_attribute]
 pub fn custom_bwd(args: TokenStream, item: TokenStream) -> TokenStream {
-    custom::custom_bwd(args.into(), item.into()).into()
+    custom_bwd_attr(args.into(), item.into()).into()
+}
+
+/// `#[autocast]`, `#[keep_fp32]`, `#[custom_fwd]`: the item's model, validated, then expanded;
+/// on any error the fallback.
+fn region_attr(kind: AttrKind, args: TokenStream2, item: TokenStream2) -> TokenStream2 {
+    let parsed = syn::parse2::<syn::Item>(item.clone());
+    let expanded = parsed.as_ref().map_err(Clone::clone).and_then(|ast| {
+        let region = Region::from_syn(kind, args, ast)?;
+        validate::region(&region)?;
+        Ok(expand::region(&region))
+    });
+    expanded.unwrap_or_else(|errors| fallback::region(&errors, item, parsed.as_ref().ok()))
+}
+
+/// `#[custom_bwd]`: the backward's model, validated, then expanded; on any error the errors and
+/// the fn as written.
+fn custom_bwd_attr(args: TokenStream2, item: TokenStream2) -> TokenStream2 {
+    let expanded = syn::parse2::<syn::ItemFn>(item.clone()).and_then(|ast| {
+        let backward = custom::Backward::from_syn(args, &ast);
+        backward.validate()?;
+        Ok(backward.expand())
+    });
+    expanded.unwrap_or_else(|errors| fallback::item(&errors, item))
 }
 
 /// The op table for the runtime crate (`__op_table!(markers => callback)`, `methods`, `free`):

@@ -14,18 +14,48 @@
 //! returns the moved class for those ops (compared by `TypeId`, folded at compile time) and the
 //! declared class for every other op. Op names resolve as `::candle_amp::__private::op::NAME`,
 //! so a misspelt op is a "cannot find type" error on the user's token.
+//!
+//! The same phases as the attribute macros: parsing (syntax only, keeping the tokens), then
+//! validation collecting every error, then code generation that cannot fail. On an error, once
+//! the struct's name is known, the struct and a default `impl Policy` are still emitted (see
+//! `fallback.rs`), so that `#[autocast(policy = AttentionPolicy)]` elsewhere does not add errors
+//! of its own.
+
+use std::collections::BTreeMap;
 
 use proc_macro2::TokenStream;
-use quote::quote;
-use syn::parse::{Parse, ParseStream};
+use quote::{quote, quote_spanned};
+use syn::parse::{ParseStream, Parser};
 use syn::{braced, Attribute, Ident, Token, Visibility};
 
-pub(crate) struct PolicyDef {
-    attrs: Vec<Attribute>,
-    vis: Visibility,
-    name: Ident,
-    lower: Ident,
-    moves: Vec<(Ident, Ident)>,
+use crate::fallback;
+use crate::runtime::Rt;
+use crate::validate::{once, Errors};
+
+/// What precedes the moves: enough for the fallback to declare the policy.
+pub(crate) struct Header {
+    pub(crate) attrs: Vec<Attribute>,
+    pub(crate) vis: Visibility,
+    pub(crate) name: Ident,
+    /// The lower dtype as written, once parsed.
+    pub(crate) lower: Option<Ident>,
+}
+
+impl Header {
+    /// The lower precision, if the declared one is valid.
+    pub(crate) fn lower_precision(&self) -> Option<Rt> {
+        match self.lower.as_ref()?.to_string().as_str() {
+            "fp16" => Some(Rt::F16),
+            "bf16" => Some(Rt::BF16),
+            _ => None,
+        }
+    }
+}
+
+/// `op: class`, as written.
+struct Move {
+    op: Ident,
+    class: Ident,
 }
 
 const CLASSES: &[(&str, &str)] = &[
@@ -38,84 +68,107 @@ const CLASSES: &[(&str, &str)] = &[
 const FORM: &str = "expected `policy! { pub struct Name: fp16 { op: class, ... } }` with a \
      lower dtype `fp16` or `bf16` and classes `lower_precision`, `fp32`, `promote`, `preserve`";
 
-impl Parse for PolicyDef {
-    fn parse(input: ParseStream) -> syn::Result<Self> {
-        let attrs = input.call(Attribute::parse_outer)?;
-        let vis: Visibility = input.parse()?;
-        input
-            .parse::<Token![struct]>()
-            .map_err(|e| syn::Error::new(e.span(), FORM))?;
-        let name: Ident = input.parse()?;
-        input.parse::<Token![:]>()?;
-        let lower: Ident = input.parse()?;
-        if lower != "fp16" && lower != "bf16" {
-            return Err(syn::Error::new(
-                lower.span(),
-                "the lower dtype of a policy is `fp16` or `bf16`",
-            ));
-        }
-        let body;
-        braced!(body in input);
-        let mut moves: Vec<(Ident, Ident)> = Vec::new();
-        while !body.is_empty() {
-            let op: Ident = body.parse()?;
-            body.parse::<Token![:]>()?;
-            let class: Ident = body.parse()?;
-            if !CLASSES.iter().any(|(c, _)| class == c) {
-                return Err(syn::Error::new(
-                    class.span(),
-                    "unknown op class: use `lower_precision`, `fp32`, `promote` or `preserve`",
-                ));
-            }
-            if moves.iter().any(|(seen, _)| *seen == op) {
-                return Err(syn::Error::new(op.span(), format!("`{op}` is moved twice")));
-            }
-            moves.push((op, class));
-            if !body.is_empty() {
-                body.parse::<Token![,]>()?;
-            }
-        }
-        Ok(Self {
-            attrs,
-            vis,
-            name,
-            lower,
-            moves,
-        })
-    }
-}
-
-pub(crate) fn expand(input: TokenStream) -> TokenStream {
-    match syn::parse2::<PolicyDef>(input) {
-        Ok(def) => generate(&def),
-        Err(e) => e.into_compile_error(),
-    }
-}
-
-fn generate(def: &PolicyDef) -> TokenStream {
-    let PolicyDef {
+/// Parses the declaration into its moves; `header` receives what precedes them as soon as the
+/// struct's name is read, so that it is there for the fallback after a later syntax error.
+fn parse(input: ParseStream, header: &mut Option<Header>) -> syn::Result<Vec<Move>> {
+    let attrs = input.call(Attribute::parse_outer)?;
+    let vis: Visibility = input.parse()?;
+    input
+        .parse::<Token![struct]>()
+        .map_err(|e| syn::Error::new(e.span(), FORM))?;
+    let name: Ident = input.parse()?;
+    let header = header.insert(Header {
         attrs,
         vis,
         name,
-        lower,
-        moves,
-    } = def;
-    let rt = quote!(::candle_amp::__private);
-    let lower_ty = if lower == "fp16" {
-        quote!(#rt::F16)
-    } else {
-        quote!(#rt::BF16)
+        lower: None,
+    });
+    input.parse::<Token![:]>()?;
+    header.lower = Some(input.parse()?);
+    let body;
+    braced!(body in input);
+    let mut moves = Vec::new();
+    while !body.is_empty() {
+        let op: Ident = body.parse()?;
+        body.parse::<Token![:]>()?;
+        let class: Ident = body.parse()?;
+        moves.push(Move { op, class });
+        if !body.is_empty() {
+            body.parse::<Token![,]>()?;
+        }
+    }
+    Ok(moves)
+}
+
+fn validate(header: &Header, moves: &[Move]) -> syn::Result<()> {
+    let mut errors = Errors::default();
+    if let Some(lower) = &header.lower {
+        if header.lower_precision().is_none() {
+            errors.at(
+                lower.span(),
+                "the lower dtype of a policy is `fp16` or `bf16`",
+            );
+        }
+    }
+    let mut moved = BTreeMap::new();
+    for Move { op, class } in moves {
+        if !CLASSES.iter().any(|(c, _)| class == c) {
+            errors.at(
+                class.span(),
+                "unknown op class: use `lower_precision`, `fp32`, `promote` or `preserve`",
+            );
+        }
+        let first = moved.entry(op.to_string()).or_insert(None);
+        once(first, (), op, &mut errors, |(), ()| {
+            format!("`{op}` is moved twice")
+        });
+    }
+    errors.finish()
+}
+
+pub(crate) fn expand(input: TokenStream) -> TokenStream {
+    let mut header = None;
+    let moves = (|input: ParseStream| parse(input, &mut header)).parse2(input);
+    let Some(header) = header else {
+        // A syntax error before the struct's name: nothing to declare, the error alone.
+        return match moves {
+            Err(errors) => errors.into_compile_error(),
+            Ok(_) => TokenStream::new(),
+        };
     };
-    let arms = moves.iter().map(|(op, class)| {
+    match moves.and_then(|moves| validate(&header, &moves).map(|()| moves)) {
+        Ok(moves) => {
+            // Invariant established by validation: the lower dtype is `fp16` or `bf16`.
+            let lower = header
+                .lower_precision()
+                .expect("validated: the lower dtype is fp16 or bf16");
+            generate(&header, lower, &moves)
+        }
+        Err(errors) => fallback::policy(&errors, &header),
+    }
+}
+
+/// The struct and its `impl Policy`, with `moves` (none: every op in its declared class).
+pub(crate) fn generate_default(header: &Header, lower: Rt) -> TokenStream {
+    generate(header, lower, &[])
+}
+
+fn generate(header: &Header, lower: Rt, moves: &[Move]) -> TokenStream {
+    let Header {
+        attrs, vis, name, ..
+    } = header;
+    let (policy, op) = (Rt::Policy, Rt::Op);
+    let arms = moves.iter().map(|Move { op: op_name, class }| {
+        // Invariant established by validation: every class is one of `CLASSES`.
         let variant = CLASSES
             .iter()
             .find(|(c, _)| class == c)
             .map(|(_, v)| Ident::new(v, class.span()))
-            .expect("validated while parsing");
-        let marker = quote::quote_spanned!(op.span()=> #rt::op::#op);
+            .expect("validated: a known op class");
+        let marker = quote_spanned!(op_name.span()=> #op::#op_name);
         quote! {
             if ::core::any::TypeId::of::<O>() == ::core::any::TypeId::of::<#marker>() {
-                return #rt::op::OpClass::#variant;
+                return #op::OpClass::#variant;
             }
         }
     });
@@ -125,12 +178,12 @@ fn generate(def: &PolicyDef) -> TokenStream {
         #[derive(Clone, Copy, Debug, Default)]
         #vis struct #name;
 
-        impl #rt::autocast::Policy for #name {
-            type Lower = #lower_ty;
+        impl #policy for #name {
+            type Lower = #lower;
             const NAME: &'static str = #label;
-            fn class<O: #rt::op::Op>() -> #rt::op::OpClass {
+            fn class<O: #op::Op>() -> #op::OpClass {
                 #(#arms)*
-                <O as #rt::op::Op>::CLASS
+                <O as #op::Op>::CLASS
             }
         }
     }

@@ -3,23 +3,29 @@
 //! Input:  `let h = self.fc.forward(&x)?.relu()?; Ok(ops::softmax(&h, 1)?)`
 //! Output: `let h = Routed::<Pol, _>::new(&(Routed::<Pol, _>::new(&(self.fc))
 //!              .__call::<calls::forward, _>((&x,))?)).relu()?;
-//!          Ok(region::softmax::<Pol>(&h, 1)?)`
-//! (paths abbreviated; every inserted path is `::candle_amp::__private::autocast::...`).
+//!          Ok(match (&h, 1) { .. __amp_routed::softmax(..).__amp_policy::<Pol>() }?)`
+//! (paths abbreviated; every inserted path is `::candle_amp::__private::NAME`, see `runtime.rs`).
 //!
 //! Nested items are left alone. Closures are rewritten (they run in the region), but a `return`
 //! inside one returns from the closure and is not treated as the region's exit. Inside macro
 //! calls whose arguments are plain expressions (`vec!`, `println!`, `format!`, `assert*!`,
 //! `write*!`, `dbg!`) the arguments are rewritten too; other macros are left as written.
+//!
+//! The rewrite cannot fail: what could make a body unfit for it (`.backward()` in a region) is
+//! rejected by validation first, and rewritten expressions are spliced in as tokens
+//! (`Expr::Verbatim`) instead of being parsed back. Every rewritten expression is a method call
+//! or a call, a postfix expression, or (a free op) a `match` in an invisible group, so splicing
+//! it where the original stood keeps precedence.
 
 use proc_macro2::TokenStream;
-use quote::{quote, quote_spanned};
+use quote::{quote, quote_spanned, ToTokens};
 use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
 use syn::visit_mut::{self, VisitMut};
-use syn::{Attribute, Expr, ExprMacro, Item, Macro, Stmt, Token};
+use syn::{Attribute, Block, Expr, ExprMacro, Item, Macro, Stmt, Token};
 
-use crate::args::fp32_policy;
 use crate::optable;
+use crate::runtime::Rt;
 
 /// Macros whose arguments are comma-separated expressions.
 const EXPR_MACROS: &[&str] = &[
@@ -41,57 +47,94 @@ const EXPR_MACROS: &[&str] = &[
     "panic",
 ];
 
-pub(crate) struct Rewriter {
-    /// The policy of the innermost region part being rewritten (`#[keep_fp32]` pushes f32).
-    policy: Vec<TokenStream>,
+/// The arguments of an expression macro (`vec![..]`, `println!(..)`, ...), if `mac` is one and
+/// its arguments parse as expressions; the rewrite and validation visit the same ones.
+pub(crate) fn expr_macro_args(mac: &Macro) -> Option<Punctuated<Expr, Token![,]>> {
+    let name = mac.path.segments.last()?.ident.to_string();
+    if !EXPR_MACROS.contains(&name.as_str()) {
+        return None;
+    }
+    let parser = Punctuated::<Expr, Token![,]>::parse_terminated;
+    syn::parse::Parser::parse2(parser, mac.tokens.clone()).ok()
+}
+
+/// Input:  a region body `{ stmts; tail }`, the policy it runs under, how a returned value leaves
+/// Output: the body with its op calls, module calls, free ops and `return`s routed
+pub(crate) fn body(block: &Block, policy: TokenStream, exit: Option<Rt>) -> Block {
+    let mut body = block.clone();
+    Rewriter {
+        policy,
+        kept_fp32: 0,
+        exit,
+        closures: 0,
+    }
+    .visit_block_mut(&mut body);
+    body
+}
+
+struct Rewriter {
+    /// The policy of the region part being rewritten.
+    policy: TokenStream,
+    /// How many `#[keep_fp32]` statements or blocks enclose the current expression: inside
+    /// one, ops run under the f32 policy.
+    kept_fp32: usize,
     /// The function wrapping a returned value (`exit` or `exit_to_region`).
-    exit: Option<TokenStream>,
+    exit: Option<Rt>,
     closures: usize,
-    pub(crate) errors: Vec<syn::Error>,
 }
 
 impl Rewriter {
-    pub(crate) fn new(policy: TokenStream, exit: Option<TokenStream>) -> Self {
-        Self {
-            policy: vec![policy],
-            exit,
-            closures: 0,
-            errors: Vec::new(),
+    fn policy(&self) -> TokenStream {
+        if self.kept_fp32 > 0 {
+            Rt::Fp32Policy.into_token_stream()
+        } else {
+            self.policy.clone()
         }
-    }
-
-    fn policy(&self) -> &TokenStream {
-        self.policy
-            .last()
-            .expect("the region's own policy is never popped")
     }
 
     /// Visits `f` under f32 when `attrs` holds `#[keep_fp32]` (which is removed).
     fn with_keep_fp32(&mut self, attrs: &mut Vec<Attribute>, f: impl FnOnce(&mut Self)) {
         let keep = take_marker(attrs, "keep_fp32");
-        if keep {
-            self.policy.push(fp32_policy());
-        }
+        self.kept_fp32 += usize::from(keep);
         f(self);
-        if keep {
-            self.policy.pop();
-        }
+        self.kept_fp32 -= usize::from(keep);
     }
 
+    /// Input:  `vec![x.relu()?, y]`
+    /// Output: `vec![Routed::<Pol, _>::new(&(x)).relu()?, y]`
     fn rewrite_macro(&mut self, mac: &mut Macro) {
-        let Some(name) = mac.path.segments.last().map(|s| s.ident.to_string()) else {
-            return;
-        };
-        if !EXPR_MACROS.contains(&name.as_str()) {
-            return;
-        }
-        let parser = Punctuated::<Expr, Token![,]>::parse_terminated;
-        if let Ok(mut exprs) = syn::parse::Parser::parse2(parser, mac.tokens.clone()) {
+        if let Some(mut exprs) = expr_macro_args(mac) {
             for e in &mut exprs {
                 self.visit_expr_mut(e);
             }
             mac.tokens = quote!(#exprs);
         }
+    }
+
+    /// Input:  `x.matmul(&w)`, `m.forward(&x, train)`
+    /// Output: `Routed::<Pol, _>::new(&(x)).matmul(&w)`,
+    ///         `Routed::<Pol, _>::new(&(m)).__call::<calls::forward, _>((&x, train,))`;
+    ///         `None` for a method that is neither an op nor a module call
+    fn method_call(call: &syn::ExprMethodCall, policy: &TokenStream) -> Option<TokenStream> {
+        let name = call.method.to_string();
+        let (receiver, method, args) = (&call.receiver, &call.method, &call.args);
+        // The inserted tokens carry the method's span, so that rustc's errors about the routed
+        // call point at the method the user wrote.
+        let span = method.span();
+        let routed = Rt::Routed.at(span);
+        let routed = quote_spanned!(span=> #routed::<#policy, _>::new(&(#receiver)));
+        if optable::MODULE_CALLS.contains(&name.as_str()) {
+            let calls = Rt::Calls.at(span);
+            let args = args.iter();
+            return Some(quote_spanned!(span=>
+                #routed.__call::<#calls::#method, _>((#(#args,)*))
+            ));
+        }
+        if optable::is_routed_method(&name, args.len()) {
+            let turbofish = &call.turbofish;
+            return Some(quote_spanned!(span=> #routed.#method #turbofish (#args)));
+        }
+        None
     }
 }
 
@@ -117,6 +160,8 @@ impl VisitMut for Rewriter {
             },
             Stmt::Item(_) => return,
         };
+        // Taken out while visiting, so that `#[keep_fp32]` scopes the whole statement; the
+        // other attributes go back afterwards.
         let mut taken = std::mem::take(attrs);
         self.with_keep_fp32(&mut taken, |this| {
             visit_mut::visit_stmt_mut(this, stmt);
@@ -127,11 +172,7 @@ impl VisitMut for Rewriter {
         match stmt {
             Stmt::Local(local) => local.attrs = taken,
             Stmt::Macro(m) => m.attrs = taken,
-            Stmt::Expr(e, _) => {
-                if let Some(attrs) = expr_attrs(e) {
-                    *attrs = taken;
-                }
-            }
+            Stmt::Expr(e, _) => restore_attrs(e, taken),
             Stmt::Item(_) => {}
         }
     }
@@ -151,18 +192,21 @@ impl VisitMut for Rewriter {
             block.attrs = attrs;
             return;
         }
+        // Innermost first: a routed call's receiver and arguments are already rewritten.
         visit_mut::visit_expr_mut(self, expr);
-        let policy = self.policy().clone();
+        let policy = self.policy();
         let rewritten = match expr {
-            Expr::MethodCall(call) => self.method_call(call, &policy),
+            Expr::MethodCall(call) => Self::method_call(call, &policy),
             Expr::Call(call) => free_op_call(call, &policy),
-            Expr::Return(ret) if self.closures == 0 => match (&self.exit, &ret.expr) {
-                (Some(exit), Some(value)) => {
+            Expr::Return(ret) if self.closures == 0 => {
+                if let (Some(exit), Some(value)) = (self.exit, &mut ret.expr) {
+                    // Input: `return v`  Output: `return exit(v)`, the `return` kept as written.
                     let span = value.span();
-                    Some(quote_spanned!(span=> return #exit(#value)))
+                    let wrapped = quote_spanned!(span=> #exit(#value));
+                    **value = Expr::Verbatim(wrapped);
                 }
-                _ => None,
-            },
+                None
+            }
             Expr::Macro(ExprMacro { mac, .. }) => {
                 self.rewrite_macro(mac);
                 None
@@ -170,46 +214,8 @@ impl VisitMut for Rewriter {
             _ => None,
         };
         if let Some(tokens) = rewritten {
-            match syn::parse2(tokens) {
-                Ok(new) => *expr = new,
-                Err(e) => self.errors.push(e),
-            }
+            *expr = Expr::Verbatim(tokens);
         }
-    }
-}
-
-impl Rewriter {
-    fn method_call(
-        &mut self,
-        call: &syn::ExprMethodCall,
-        policy: &TokenStream,
-    ) -> Option<TokenStream> {
-        let name = call.method.to_string();
-        let (receiver, method, args) = (&call.receiver, &call.method, &call.args);
-        let span = method.span();
-        let routed = quote_spanned!(span=>
-            ::candle_amp::__private::autocast::Routed::<#policy, _>::new(&(#receiver))
-        );
-        if name == "backward" && args.is_empty() {
-            self.errors.push(syn::Error::new(
-                span,
-                "`.backward()` inside an #[autocast] region: return the loss from the region \
-                 and call `.backward()` outside it (PyTorch recommends the same; here it is \
-                 enforced)",
-            ));
-            return None;
-        }
-        if optable::MODULE_CALLS.contains(&name.as_str()) {
-            let args = args.iter();
-            return Some(quote_spanned!(span=>
-                #routed.__call::<::candle_amp::__private::autocast::calls::#method, _>((#(#args,)*))
-            ));
-        }
-        if optable::is_routed_method(&name, args.len()) {
-            let turbofish = &call.turbofish;
-            return Some(quote_spanned!(span=> #routed.#method #turbofish (#args)));
-        }
-        None
     }
 }
 
@@ -244,7 +250,6 @@ fn free_op_call(call: &syn::ExprCall, policy: &TokenStream) -> Option<TokenStrea
     let name = prefix.segments.pop()?.into_value();
     let owner = prefix.segments.last()?;
     let module = optable::free_module(&name.ident.to_string())?;
-    let rt = quote!(::candle_amp::__private);
     let args: Vec<_> = call.args.iter().collect();
     let binds: Vec<_> = (0..args.len())
         .map(|i| quote::format_ident!("__amp_a{}", i, span = proc_macro2::Span::mixed_site()))
@@ -259,6 +264,7 @@ fn free_op_call(call: &syn::ExprCall, policy: &TokenStream) -> Option<TokenStrea
         }
         p
     };
+    let (unrouted, foreign) = (Rt::Unrouted.at(span), Rt::ForeignJoin.at(span));
     let routed = if module == optable::Free::Tensor {
         if owner.ident != "Tensor" {
             return None;
@@ -266,7 +272,9 @@ fn free_op_call(call: &syn::ExprCall, policy: &TokenStream) -> Option<TokenStrea
         let joined = quote::format_ident!("__amp_routed_{}", ident, span = span);
         quote_spanned!(span=> {
             #[allow(unused_imports)]
-            use #rt::{ForeignJoin as _, Unrouted as _};
+            use #foreign as _;
+            #[allow(unused_imports)]
+            use #unrouted as _;
             #prefix::#joined(#(#binds),*).__amp_policy::<#policy>()
         })
     } else {
@@ -285,16 +293,20 @@ fn free_op_call(call: &syn::ExprCall, policy: &TokenStream) -> Option<TokenStrea
                 #[allow(unused_imports, clippy::wildcard_imports)]
                 use #prefix::*;
                 #[allow(unused_imports)]
-                use #rt::Unrouted as _;
+                use #unrouted as _;
                 #alias::#ident(#(#binds),*).__amp_policy::<#policy>()
             }
         })
     };
-    Some(quote_spanned!(span=> match (#(#args,)*) { (#(#binds,)*) => #routed }))
+    // A `match` is not a postfix expression: an invisible group keeps `ops::softmax(..)?` a
+    // valid `?` operand wherever it stood, a statement's start included.
+    let call = quote_spanned!(span=> match (#(#args,)*) { (#(#binds,)*) => #routed });
+    let group = proc_macro2::Group::new(proc_macro2::Delimiter::None, call);
+    Some(group.into_token_stream())
 }
 
 /// The attributes of expression kinds that can carry `#[keep_fp32]` as a statement.
-fn expr_attrs(e: &mut Expr) -> Option<&mut Vec<Attribute>> {
+pub(crate) fn expr_attrs(e: &mut Expr) -> Option<&mut Vec<Attribute>> {
     match e {
         Expr::Block(b) => Some(&mut b.attrs),
         Expr::Assign(a) => Some(&mut a.attrs),
@@ -304,5 +316,18 @@ fn expr_attrs(e: &mut Expr) -> Option<&mut Vec<Attribute>> {
         Expr::MethodCall(m) => Some(&mut m.attrs),
         Expr::Try(t) => Some(&mut t.attrs),
         _ => None,
+    }
+}
+
+/// Puts a statement's remaining attributes back on its expression. A statement rewritten into
+/// tokens has no attribute slot any more, so they go in front of the tokens, which is where
+/// they stood in the source.
+fn restore_attrs(e: &mut Expr, attrs: Vec<Attribute>) {
+    if let Some(slot) = expr_attrs(e) {
+        *slot = attrs;
+    } else if let Expr::Verbatim(tokens) = e {
+        if !attrs.is_empty() {
+            *tokens = quote!(#(#attrs)* #tokens);
+        }
     }
 }

@@ -43,9 +43,4 @@ pub mod __private {
     pub use crate::op;
     pub use crate::precision::{BF16, F16, F32};
     pub use candle_core;
-
-    // TEMPORARY: the old spelling, until the macro crate names the flat paths.
-    pub mod autocast {
-        pub use super::*;
-    }
 }

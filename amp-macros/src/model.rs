@@ -1,0 +1,364 @@
+//! The intermediate form of an item under `#[autocast]`, `#[keep_fp32]` or `#[custom_fwd]`.
+//!
+//! Built once from syn, it records what the later phases ask about: which parts become regions,
+//! how each runs (its mode, its arguments), which parameters enter as tensors, what leaves, and
+//! which methods get a `RegionCall` impl. It borrows the original syn nodes instead of copying
+//! what it needs out of them, so that validation can point at the user's tokens and code
+//! generation can emit them unchanged.
+//!
+//! Building it fails only on syntax (arguments that do not parse); every other rule is checked
+//! by `validate.rs`.
+
+use proc_macro2::TokenStream;
+use syn::{
+    Attribute, Block, FnArg, ImplItem, Item, ItemFn, ItemImpl, Pat, ReturnType, Signature, Type,
+};
+
+use crate::args::{AutocastArgs, CustomFwdArgs};
+use crate::optable::MODULE_CALLS;
+use crate::validate::Errors;
+
+/// Which of the region attributes was invoked.
+#[derive(Clone, Copy)]
+pub(crate) enum AttrKind {
+    Autocast,
+    KeepFp32,
+    CustomFwd,
+}
+
+/// Which attribute macro the item is under, with the arguments specific to it.
+pub(crate) enum Attr {
+    Autocast,
+    /// `#[keep_fp32]`, with any arguments it was given (it takes none: a validation error).
+    KeepFp32 {
+        stray: Option<TokenStream>,
+    },
+    /// `#[custom_fwd]`, optionally `cast_inputs = <precision as written>`.
+    CustomFwd {
+        cast_inputs: Option<syn::Ident>,
+    },
+}
+
+impl Attr {
+    /// How the parts of the item run, unless a method's marker says otherwise.
+    fn mode(&self) -> Mode {
+        match self {
+            Self::Autocast | Self::CustomFwd { cast_inputs: None } => Mode::Autocast,
+            Self::KeepFp32 { .. } => Mode::KeepFp32,
+            Self::CustomFwd {
+                cast_inputs: Some(precision),
+            } => Mode::CastInputs(precision.clone()),
+        }
+    }
+}
+
+/// How a part runs: under the region's policy, kept in f32 (inputs upcast on entry), or as a
+/// `#[custom_fwd(cast_inputs = ..)]` op (inputs cast to the named precision, body left as
+/// written, autocast off).
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Autocast,
+    KeepFp32,
+    /// The precision as the user wrote it (`f32`, `f16`, `bf16`).
+    CastInputs(syn::Ident),
+}
+
+/// An item under one of the region attributes.
+pub(crate) struct Region<'a> {
+    pub(crate) attr: Attr,
+    /// `#[autocast(..)]`'s arguments; none for the other attributes.
+    pub(crate) args: AutocastArgs,
+    pub(crate) target: Target<'a>,
+}
+
+/// What the attribute was put on.
+pub(crate) enum Target<'a> {
+    Fn {
+        item: &'a ItemFn,
+        part: Part<'a>,
+    },
+    Impl(Impl<'a>),
+    /// Anything else, which none of the attributes applies to (a validation error).
+    Other(&'a Item),
+}
+
+/// An impl block: every method is a part.
+pub(crate) struct Impl<'a> {
+    pub(crate) item: &'a ItemImpl,
+    /// One per `fn` item of the impl, in order.
+    pub(crate) methods: Vec<Method<'a>>,
+}
+
+pub(crate) struct Method<'a> {
+    /// The method's own `#[keep_fp32]`/`#[autocast(..)]` attributes, in order.
+    pub(crate) markers: Vec<Marker<'a>>,
+    pub(crate) part: Part<'a>,
+    /// Set for the module calls a region routes (`forward`, `forward_t`, `forward_train` on
+    /// `&self`): the method gets a `RegionCall` impl.
+    pub(crate) region_call: Option<RegionCallSig<'a>>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MarkerKind {
+    KeepFp32,
+    Autocast,
+}
+
+/// A method-level attribute the impl's macro consumes.
+pub(crate) struct Marker<'a> {
+    pub(crate) attr: &'a Attribute,
+    pub(crate) kind: MarkerKind,
+}
+
+/// One fn that becomes a region (or, in `CastInputs` mode, an op whose inputs are cast).
+pub(crate) struct Part<'a> {
+    pub(crate) sig: &'a Signature,
+    pub(crate) block: &'a Block,
+    pub(crate) mode: Mode,
+    /// The arguments of a method's own `#[autocast(..)]`, which replace the impl's.
+    pub(crate) own_args: Option<AutocastArgs>,
+    /// Parameters typed `Tensor<P>`/`&Tensor<P>`, which enter the region.
+    pub(crate) tensor_params: Vec<&'a syn::Ident>,
+    /// Whether the signature returns `Result<Tensor<..>, ..>`: then the region's value leaves
+    /// as that typed tensor, cast to its precision.
+    pub(crate) returns_tensor: bool,
+}
+
+impl Part<'_> {
+    /// The arguments this part runs with: its own, else those of the item's attribute.
+    pub(crate) fn args<'s>(&'s self, region: &'s AutocastArgs) -> &'s AutocastArgs {
+        self.own_args.as_ref().unwrap_or(region)
+    }
+
+    /// Whether the body is rewritten (in `CastInputs` mode it runs as written).
+    pub(crate) fn is_rewritten(&self) -> bool {
+        !matches!(self.mode, Mode::CastInputs(_))
+    }
+}
+
+/// The signature of a module method as its `RegionCall` impl sees it.
+pub(crate) struct RegionCallSig<'a> {
+    /// `forward`, `forward_t` or `forward_train`: the `calls::NAME` marker.
+    pub(crate) name: &'a syn::Ident,
+    /// The parameters after `&self`.
+    pub(crate) inputs: Vec<Input<'a>>,
+}
+
+pub(crate) struct Input<'a> {
+    /// Position among the parameters after `&self` (names the generic `__AmpA{index}`).
+    pub(crate) index: usize,
+    pub(crate) pat: &'a Pat,
+    pub(crate) ty: &'a Type,
+    /// The parameter's name when it is a tensor (it enters the region).
+    pub(crate) tensor: Option<&'a syn::Ident>,
+}
+
+impl<'a> Region<'a> {
+    /// Reads `item` under the attribute `kind` given `args`; fails only when attribute arguments
+    /// do not parse, with all such errors together.
+    pub(crate) fn from_syn(kind: AttrKind, args: TokenStream, item: &'a Item) -> syn::Result<Self> {
+        let mut errors = Errors::default();
+        let mut autocast_args = AutocastArgs::default();
+        let attr = match kind {
+            AttrKind::Autocast => {
+                match syn::parse2(args) {
+                    Ok(parsed) => autocast_args = parsed,
+                    Err(e) => errors.push(e),
+                }
+                Attr::Autocast
+            }
+            AttrKind::KeepFp32 => Attr::KeepFp32 {
+                stray: (!args.is_empty()).then_some(args),
+            },
+            AttrKind::CustomFwd => {
+                let parsed = syn::parse2::<CustomFwdArgs>(args).unwrap_or_else(|e| {
+                    errors.push(e);
+                    CustomFwdArgs::default()
+                });
+                Attr::CustomFwd {
+                    cast_inputs: parsed.cast_inputs,
+                }
+            }
+        };
+        let mode = attr.mode();
+        let target = match item {
+            Item::Fn(f) => Target::Fn {
+                item: f,
+                part: Part::new(&f.sig, &f.block, mode, None),
+            },
+            Item::Impl(imp) => Target::Impl(Impl::from_syn(imp, &mode, &mut errors)),
+            other => Target::Other(other),
+        };
+        errors.finish()?;
+        Ok(Self {
+            attr,
+            args: autocast_args,
+            target,
+        })
+    }
+}
+
+impl<'a> Impl<'a> {
+    fn from_syn(item: &'a ItemImpl, mode: &Mode, errors: &mut Errors) -> Self {
+        let methods = item
+            .items
+            .iter()
+            .filter_map(|item| match item {
+                ImplItem::Fn(method) => Some(method),
+                _ => None,
+            })
+            .map(|method| {
+                let markers = markers(&method.attrs);
+                // The first `#[autocast(..)]` is the one used; a second is a validation error.
+                let own_args = markers
+                    .iter()
+                    .find(|m| m.kind == MarkerKind::Autocast)
+                    .map(|m| match &m.attr.meta {
+                        syn::Meta::Path(_) => AutocastArgs::default(),
+                        _ => m.attr.parse_args().unwrap_or_else(|e| {
+                            errors.push(e);
+                            AutocastArgs::default()
+                        }),
+                    });
+                let mode = if markers.iter().any(|m| m.kind == MarkerKind::KeepFp32) {
+                    Mode::KeepFp32
+                } else {
+                    mode.clone()
+                };
+                Method {
+                    markers,
+                    part: Part::new(&method.sig, &method.block, mode, own_args),
+                    region_call: region_call_sig(&method.sig),
+                }
+            })
+            .collect();
+        Self { item, methods }
+    }
+}
+
+/// A method's `#[keep_fp32]` and `#[autocast(..)]` attributes.
+fn markers(attrs: &[Attribute]) -> Vec<Marker<'_>> {
+    attrs
+        .iter()
+        .filter_map(|attr| {
+            let kind = if attr.path().is_ident("keep_fp32") {
+                MarkerKind::KeepFp32
+            } else if attr.path().is_ident("autocast") {
+                MarkerKind::Autocast
+            } else {
+                return None;
+            };
+            Some(Marker { attr, kind })
+        })
+        .collect()
+}
+
+/// Whether an attribute is one of the markers the region macros consume.
+pub(crate) fn is_marker(attr: &Attribute) -> bool {
+    attr.path().is_ident("keep_fp32") || attr.path().is_ident("autocast")
+}
+
+impl<'a> Part<'a> {
+    fn new(
+        sig: &'a Signature,
+        block: &'a Block,
+        mode: Mode,
+        own_args: Option<AutocastArgs>,
+    ) -> Self {
+        Self {
+            sig,
+            block,
+            mode,
+            own_args,
+            tensor_params: sig.inputs.iter().filter_map(tensor_param).collect(),
+            returns_tensor: returns_tensor_result(&sig.output),
+        }
+    }
+}
+
+/// The `RegionCall` shape of a module method: `forward`, `forward_t` or `forward_train` taking
+/// `&self`. Other methods get no `RegionCall` impl (a `&mut self` module called from a region
+/// gets the trait's own "not autocast-aware" error there).
+pub(crate) fn region_call_sig(sig: &Signature) -> Option<RegionCallSig<'_>> {
+    if !MODULE_CALLS.contains(&sig.ident.to_string().as_str()) {
+        return None;
+    }
+    let mut inputs = sig.inputs.iter();
+    match inputs.next() {
+        Some(FnArg::Receiver(r)) if r.reference.is_some() && r.mutability.is_none() => {}
+        _ => return None,
+    }
+    let inputs = inputs
+        .enumerate()
+        .filter_map(|(index, input)| match input {
+            FnArg::Typed(typed) => Some(Input {
+                index,
+                pat: &typed.pat,
+                ty: &typed.ty,
+                tensor: tensor_param(input),
+            }),
+            FnArg::Receiver(_) => None,
+        })
+        .collect();
+    Some(RegionCallSig {
+        name: &sig.ident,
+        inputs,
+    })
+}
+
+/// A parameter that enters the region as a tensor: `x: Tensor<P>` or `x: &Tensor<P>`.
+pub(crate) fn tensor_param(arg: &FnArg) -> Option<&syn::Ident> {
+    let FnArg::Typed(typed) = arg else {
+        return None;
+    };
+    let Pat::Ident(pat) = &*typed.pat else {
+        return None;
+    };
+    is_tensor_type(&typed.ty).then_some(&pat.ident)
+}
+
+pub(crate) fn is_tensor_type(ty: &Type) -> bool {
+    match ty {
+        Type::Reference(r) => is_tensor_type(&r.elem),
+        Type::Path(p) => p.path.segments.last().is_some_and(|s| s.ident == "Tensor"),
+        Type::Paren(p) => is_tensor_type(&p.elem),
+        _ => false,
+    }
+}
+
+/// Whether the signature returns `Result<Tensor<..>, ..>`.
+fn returns_tensor_result(output: &ReturnType) -> bool {
+    let ReturnType::Type(_, ty) = output else {
+        return false;
+    };
+    let Type::Path(p) = &**ty else { return false };
+    let Some(last) = p.path.segments.last() else {
+        return false;
+    };
+    if last.ident != "Result" {
+        return false;
+    }
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return false;
+    };
+    matches!(args.args.first(), Some(syn::GenericArgument::Type(t)) if is_tensor_type(t))
+}
+
+/// The precision marker a `Tensor<X>`, `&Tensor<X>` or `Result<Tensor<X>, ..>` type names, if
+/// any (a bare `Tensor` is `Tensor<F32>`), with its span.
+pub(crate) fn named_precision(ty: &Type) -> Option<syn::Ident> {
+    let ty = match ty {
+        Type::Reference(r) => &*r.elem,
+        other => other,
+    };
+    let Type::Path(p) = ty else { return None };
+    let last = p.path.segments.last()?;
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return (last.ident == "Tensor").then(|| syn::Ident::new("F32", last.ident.span()));
+    };
+    match args.args.first()? {
+        syn::GenericArgument::Type(inner) if last.ident == "Result" => named_precision(inner),
+        syn::GenericArgument::Type(Type::Path(p)) => p.path.get_ident().cloned(),
+        _ => None,
+    }
+}

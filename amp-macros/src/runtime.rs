@@ -1,0 +1,140 @@
+//! The one spelling of the runtime paths generated code names.
+//!
+//! Every path the macros emit into user code is `::candle_amp::__private::NAME`, with `NAME` one
+//! of the variants of [`Rt`]. The facade's `__private` module provides exactly these names, flat,
+//! so that the runtime can move its items around without touching the macros, and the macros
+//! cannot drift into a dozen hand-written spellings of the same path.
+
+use proc_macro2::{Ident, Span, TokenStream};
+use quote::{quote_spanned, ToTokens};
+
+/// A name in the facade's `__private` module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Rt {
+    Fp16Policy,
+    Bf16Policy,
+    Fp32Policy,
+    Policy,
+    Routed,
+    /// The module of method markers: `calls::forward`, `calls::forward_t`, ...
+    Calls,
+    RegionCall,
+    RegionGuard,
+    AsAmp,
+    AmpTensor,
+    Enter,
+    EnterFp32,
+    EnterCast,
+    Exit,
+    ExitToRegion,
+    GradLike,
+    GradsLike,
+    F32,
+    F16,
+    BF16,
+    /// The op-marker module: `op::softmax`, `op::Op`, `op::OpClass`.
+    Op,
+    CandleCore,
+    /// The identity `.__amp_policy::<Pol>()` of values other than routed free-op calls.
+    Unrouted,
+    /// `candle_core::Tensor::cat`/`stack` under the names of candle-amp's routed ones.
+    ForeignJoin,
+}
+
+impl Rt {
+    /// Every name, for the test that pins the contract with the facade.
+    #[cfg(test)]
+    pub(crate) const ALL: [Self; 24] = [
+        Self::Fp16Policy,
+        Self::Bf16Policy,
+        Self::Fp32Policy,
+        Self::Policy,
+        Self::Routed,
+        Self::Calls,
+        Self::RegionCall,
+        Self::RegionGuard,
+        Self::AsAmp,
+        Self::AmpTensor,
+        Self::Enter,
+        Self::EnterFp32,
+        Self::EnterCast,
+        Self::Exit,
+        Self::ExitToRegion,
+        Self::GradLike,
+        Self::GradsLike,
+        Self::F32,
+        Self::F16,
+        Self::BF16,
+        Self::Op,
+        Self::CandleCore,
+        Self::Unrouted,
+        Self::ForeignJoin,
+    ];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Fp16Policy => "Fp16Policy",
+            Self::Bf16Policy => "Bf16Policy",
+            Self::Fp32Policy => "Fp32Policy",
+            Self::Policy => "Policy",
+            Self::Routed => "Routed",
+            Self::Calls => "calls",
+            Self::RegionCall => "RegionCall",
+            Self::RegionGuard => "RegionGuard",
+            Self::AsAmp => "AsAmp",
+            Self::AmpTensor => "AmpTensor",
+            Self::Enter => "enter",
+            Self::EnterFp32 => "enter_fp32",
+            Self::EnterCast => "enter_cast",
+            Self::Exit => "exit",
+            Self::ExitToRegion => "exit_to_region",
+            Self::GradLike => "grad_like",
+            Self::GradsLike => "GradsLike",
+            Self::F32 => "F32",
+            Self::F16 => "F16",
+            Self::BF16 => "BF16",
+            Self::Op => "op",
+            Self::CandleCore => "candle_core",
+            Self::Unrouted => "Unrouted",
+            Self::ForeignJoin => "ForeignJoin",
+        }
+    }
+
+    /// The precision marker of a user-written precision (`f32`, `f16`, `bf16`), if it is one.
+    pub(crate) fn precision(written: &str) -> Option<Self> {
+        match written {
+            "f32" => Some(Self::F32),
+            "f16" => Some(Self::F16),
+            "bf16" => Some(Self::BF16),
+            _ => None,
+        }
+    }
+
+    /// The path with every token at `span`: used where the generated code stands for a user's
+    /// token (`fp16` in `#[autocast(fp16)]`, a routed method call), so that rustc's errors about
+    /// that code point at what the user wrote.
+    pub(crate) fn at(self, span: Span) -> RtPath {
+        RtPath { name: self, span }
+    }
+}
+
+/// The path at the macro's call site.
+impl ToTokens for Rt {
+    fn to_tokens(&self, tokens: &mut TokenStream) {
+        self.at(Span::call_site()).to_tokens(tokens);
+    }
+}
+
+/// A runtime path with the span its tokens carry.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RtPath {
+    name: Rt,
+    span: Span,
+}
+
+impl ToTokens for RtPath {
+    fn to_tokens(&self, tokens: &mut TokenStream) {
+        let name = Ident::new(self.name.name(), self.span);
+        tokens.extend(quote_spanned!(self.span=> ::candle_amp::__private::#name));
+    }
+}

@@ -1,0 +1,331 @@
+//! Validation: every rule the model must satisfy before code is generated.
+//!
+//! Each check reports on the offending tokens and carries on, and the errors are combined
+//! (`syn::Error::combine`), so that one compile shows every mistake in the item. Code generation
+//! runs only on a model that passed, which is what lets it be infallible.
+
+use std::fmt::Display;
+
+use proc_macro2::Span;
+use quote::ToTokens;
+use syn::spanned::Spanned;
+use syn::visit::{self, Visit};
+use syn::{Item, ItemFn, ReturnType};
+
+use crate::args::{AutocastArg, AutocastArgs};
+use crate::model::{
+    is_tensor_type, named_precision, Attr, MarkerKind, Method, Part, Region, RegionCallSig, Target,
+};
+use crate::rewrite::expr_macro_args;
+use crate::runtime::Rt;
+
+/// Errors collected across a whole item.
+#[derive(Default)]
+pub(crate) struct Errors(Option<syn::Error>);
+
+impl Errors {
+    pub(crate) fn push(&mut self, error: syn::Error) {
+        match &mut self.0 {
+            Some(all) => all.combine(error),
+            None => self.0 = Some(error),
+        }
+    }
+
+    pub(crate) fn at(&mut self, span: Span, message: impl Display) {
+        self.push(syn::Error::new(span, message));
+    }
+
+    /// An error over all of `tokens` (rustc underlines from their first to their last token).
+    pub(crate) fn spanned(&mut self, tokens: impl ToTokens, message: impl Display) {
+        self.push(syn::Error::new_spanned(tokens, message));
+    }
+
+    pub(crate) fn finish(self) -> syn::Result<()> {
+        self.0.map_or(Ok(()), Err)
+    }
+}
+
+/// The one rule for anything that may be given once (an attribute argument, a method's marker,
+/// a policy's move of an op): the first occurrence is the one used, and each later one is an
+/// error on its own tokens, so a repeat is reported once, where the user added it.
+pub(crate) fn once<K: Copy>(
+    first: &mut Option<K>,
+    this: K,
+    at: impl ToTokens,
+    errors: &mut Errors,
+    message: impl FnOnce(K, K) -> String,
+) {
+    match *first {
+        Some(first) => errors.spanned(at, message(first, this)),
+        None => *first = Some(this),
+    }
+}
+
+pub(crate) fn region(region: &Region) -> syn::Result<()> {
+    let mut errors = Errors::default();
+    autocast_args(&region.args, &mut errors);
+    match &region.attr {
+        Attr::KeepFp32 { stray: Some(args) } => {
+            errors.spanned(args, "#[keep_fp32] takes no arguments");
+        }
+        Attr::CustomFwd {
+            cast_inputs: Some(precision),
+        } if Rt::precision(&precision.to_string()).is_none() => {
+            errors.at(precision.span(), "cast_inputs is `f32`, `f16` or `bf16`");
+        }
+        _ => {}
+    }
+    match &region.target {
+        Target::Fn { item, part } => region_fn(region, item, part, &mut errors),
+        Target::Impl(imp) => {
+            for method in &imp.methods {
+                self::method(region, method, &mut errors);
+            }
+        }
+        Target::Other(item) => not_applicable(&region.attr, item, &mut errors),
+    }
+    errors.finish()
+}
+
+/// `#[autocast(..)]` arguments: each kind once, and a known `output`.
+fn autocast_args(args: &AutocastArgs, errors: &mut Errors) {
+    let (mut policy, mut enabled, mut output) = (None, None, None);
+    for arg in &args.list {
+        let (slot, what) = match arg {
+            AutocastArg::Fp16(_) | AutocastArg::Bf16(_) | AutocastArg::Policy { .. } => {
+                (&mut policy, "policy")
+            }
+            AutocastArg::Enabled { .. } => (&mut enabled, "`enabled`"),
+            AutocastArg::Output { value, .. } => {
+                if output_precision(value).is_none() {
+                    errors.at(value.span(), "output is `f32`, `f16`, `bf16` or `input`");
+                }
+                (&mut output, "`output`")
+            }
+        };
+        once(slot, (), arg.keyword(), errors, |(), ()| {
+            format!("duplicate {what} argument")
+        });
+    }
+}
+
+/// `output = ..`'s value, if it is one of the accepted ones.
+fn output_precision(value: &syn::Ident) -> Option<&'static str> {
+    ["f32", "f16", "bf16", "input"]
+        .into_iter()
+        .find(|accepted| value == accepted)
+}
+
+fn item_span(item: &impl ToTokens) -> Span {
+    item.to_token_stream()
+        .into_iter()
+        .next()
+        .map_or_else(Span::call_site, |t| t.span())
+}
+
+fn not_applicable(attr: &Attr, item: &Item, errors: &mut Errors) {
+    match attr {
+        Attr::Autocast => errors.at(
+            item_span(item),
+            "#[autocast] applies to a fn, a method or an impl block",
+        ),
+        Attr::KeepFp32 { .. } => keep_fp32_outside_autocast(item_span(item), errors),
+        Attr::CustomFwd { .. } => errors.at(
+            item.span(),
+            "#[custom_fwd] applies to a user op's impl block or fn",
+        ),
+    }
+}
+
+fn keep_fp32_outside_autocast(span: Span, errors: &mut Errors) {
+    errors.at(
+        span,
+        "#[keep_fp32] only has meaning inside an #[autocast] region: put it on a statement, \
+         a block or a method there, or on a module's impl block to keep that module in f32",
+    );
+}
+
+fn region_fn(region: &Region, item: &ItemFn, part: &Part, errors: &mut Errors) {
+    match &region.attr {
+        Attr::Autocast => region_part(part, &region.args, errors),
+        Attr::KeepFp32 { .. } => keep_fp32_outside_autocast(item_span(item), errors),
+        Attr::CustomFwd { cast_inputs: None } => errors.at(
+            item.sig.ident.span(),
+            "#[custom_fwd] without cast_inputs runs under the caller's policy, which reaches \
+             ops called as modules: put it on the op's impl (`impl MyOp { fn forward(..) }`, \
+             called as `my_op.forward(&x)`), or give this fn `cast_inputs = f32`",
+        ),
+        Attr::CustomFwd {
+            cast_inputs: Some(precision),
+        } => cast_inputs_params(item, precision, errors),
+    }
+}
+
+/// `#[custom_fwd(cast_inputs = P)]` on a fn: a tensor parameter declared in another precision
+/// contradicts the cast (the body would see a `Tensor<P>` typed as something else).
+fn cast_inputs_params(item: &ItemFn, precision: &syn::Ident, errors: &mut Errors) {
+    // An unknown precision is reported on its own; there is nothing to compare with.
+    let Some(marker) = Rt::precision(&precision.to_string()).map(Rt::name) else {
+        return;
+    };
+    for input in &item.sig.inputs {
+        let syn::FnArg::Typed(typed) = input else {
+            continue;
+        };
+        if !matches!(&*typed.pat, syn::Pat::Ident(_)) || !is_tensor_type(&typed.ty) {
+            continue;
+        }
+        let Some(declared) = named_precision(&typed.ty) else {
+            continue;
+        };
+        if declared != marker && ["F32", "F16", "BF16"].iter().any(|p| declared == p) {
+            errors.at(
+                declared.span(),
+                format!("cast_inputs casts to {marker}, but this parameter is declared {declared}"),
+            );
+        }
+    }
+}
+
+fn method(region: &Region, method: &Method, errors: &mut Errors) {
+    markers(method, errors);
+    if let Some(own) = &method.part.own_args {
+        autocast_args(own, errors);
+    }
+    region_part(&method.part, &region.args, errors);
+    if let Some(sig) = &method.region_call {
+        region_call(sig, errors);
+    }
+}
+
+/// A method is `#[keep_fp32]` or has its own `#[autocast(..)]`, once.
+fn markers(method: &Method, errors: &mut Errors) {
+    let mut first = None;
+    for marker in &method.markers {
+        // A repeated `#[keep_fp32]` says the same thing twice and has always been accepted.
+        if marker.kind == MarkerKind::KeepFp32 && first == Some(MarkerKind::KeepFp32) {
+            continue;
+        }
+        once(
+            &mut first,
+            marker.kind,
+            marker.attr,
+            errors,
+            |first, this| {
+                if first == this {
+                    "duplicate #[autocast] on this method".to_string()
+                } else {
+                    "a method is either #[keep_fp32] or #[autocast(..)], not both".to_string()
+                }
+            },
+        );
+    }
+}
+
+/// A part whose body is rewritten: its `output` assertion holds, and it calls no `.backward()`.
+fn region_part(part: &Part, region_args: &AutocastArgs, errors: &mut Errors) {
+    if !part.is_rewritten() {
+        return;
+    }
+    check_output(part.args(region_args), part, errors);
+    BackwardCalls { errors }.visit_block(part.block);
+}
+
+/// `output = ..` asserts what the signature already decides: the precision of the returned
+/// `Tensor<X>` (`input`: the first tensor parameter's). A contradiction is a compile error on
+/// the argument, so the signature stays the one source of truth.
+fn check_output(args: &AutocastArgs, part: &Part, errors: &mut Errors) {
+    let Some(output) = args.output() else {
+        return;
+    };
+    let Some(wanted) = output_precision(output) else {
+        return; // reported by `autocast_args`
+    };
+    let returned = match &part.sig.output {
+        ReturnType::Type(_, ret) => named_precision(ret).map(|p| p.to_string()),
+        ReturnType::Default => None,
+    };
+    let wanted = match wanted {
+        "input" => part.sig.inputs.iter().find_map(|a| match a {
+            syn::FnArg::Typed(t) if is_tensor_type(&t.ty) => {
+                named_precision(&t.ty).map(|p| p.to_string())
+            }
+            _ => None,
+        }),
+        other => Some(other.to_uppercase()),
+    };
+    if returned.is_some() && returned == wanted {
+        return;
+    }
+    let returns = returned.map_or_else(
+        || "no `Result<Tensor<F32|F16|BF16>>`".to_string(),
+        |p| format!("`Tensor<{p}>`"),
+    );
+    errors.at(
+        output.span(),
+        format!(
+            "output = {output} contradicts the signature, which returns {returns}: a region's \
+             result leaves in the precision its signature declares"
+        ),
+    );
+}
+
+/// A module called from a region takes its non-tensor arguments by value: the `RegionCall`
+/// impl names their types in its header, where a reference would need a lifetime.
+fn region_call(sig: &RegionCallSig, errors: &mut Errors) {
+    for input in sig.inputs.iter().filter(|input| input.tensor.is_none()) {
+        if contains_reference(input.ty) {
+            errors.spanned(
+                input.ty,
+                "a module called from an autocast region takes tensors and owned values; \
+                 a reference parameter other than a tensor is not supported yet",
+            );
+        }
+    }
+}
+
+fn contains_reference(ty: &syn::Type) -> bool {
+    ty.to_token_stream()
+        .into_iter()
+        .any(|t| matches!(t, proc_macro2::TokenTree::Punct(p) if p.as_char() == '&'))
+}
+
+/// Finds `.backward()` calls in a region body, over exactly the code the rewrite visits: not
+/// nested items, but closures and the arguments of expression macros (`vec!`, `println!`, ...).
+struct BackwardCalls<'e> {
+    errors: &'e mut Errors,
+}
+
+impl BackwardCalls<'_> {
+    fn macro_args(&mut self, mac: &syn::Macro) {
+        for arg in expr_macro_args(mac).iter().flatten() {
+            self.visit_expr(arg);
+        }
+    }
+}
+
+impl<'ast> Visit<'ast> for BackwardCalls<'_> {
+    fn visit_item(&mut self, _: &'ast Item) {
+        // Nested items are not part of the region.
+    }
+
+    fn visit_expr_method_call(&mut self, call: &'ast syn::ExprMethodCall) {
+        if call.method == "backward" && call.args.is_empty() {
+            self.errors.at(
+                call.method.span(),
+                "`.backward()` inside an #[autocast] region: return the loss from the region \
+                 and call `.backward()` outside it (PyTorch recommends the same; here it is \
+                 enforced)",
+            );
+        }
+        visit::visit_expr_method_call(self, call);
+    }
+
+    fn visit_expr_macro(&mut self, mac: &'ast syn::ExprMacro) {
+        self.macro_args(&mac.mac);
+    }
+
+    fn visit_stmt_macro(&mut self, mac: &'ast syn::StmtMacro) {
+        self.macro_args(&mac.mac);
+    }
+}
