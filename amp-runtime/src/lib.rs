@@ -2,7 +2,7 @@
 //!
 //! Users normally depend on the `candle-amp` facade, which re-exports this crate next to the
 //! macros. See the workspace README for the tour, and ARCHITECTURE.md for the layer order of
-//! the modules below (each one uses only modules listed before it; a test checks it).
+//! the modules below: each uses only modules of lower layers (`tests/layering.rs` checks it).
 
 mod cast;
 mod composite;
@@ -28,5 +28,8 @@ pub use scaler::{
 };
 pub use tensor::Tensor;
 
+/// What generated code names, re-exported by the facade as `candle_amp::__private`. At this
+/// crate's root too, so that its own doctests can use the macros as
+/// `extern crate amp_runtime as candle_amp`.
 #[doc(hidden)]
 pub use region::__private;
