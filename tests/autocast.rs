@@ -10,8 +10,8 @@ use std::cell::RefCell;
 
 use candle_amp::nn::{self, loss};
 use candle_amp::{
-    autocast, cast_count, keep_fp32, ops, Bf16Policy, Fp16Policy, Policy, Precision, Tensor, BF16,
-    F16, F32,
+    autocast, cast_count, keep_fp32, ops, AmpTensor, Bf16Policy, Fp16Policy, Policy, Precision,
+    Tensor, BF16, F16, F32,
 };
 use candle_core::{DType, Device, Result};
 use candle_nn::{VarBuilder, VarMap};
@@ -557,5 +557,93 @@ fn free_ops_follow_what_their_path_names() -> Result<()> {
     let w = Tensor::<F32>::randn(0.0, 1.0, (4, 4), &dev())?;
     let (f16, f32) = (DType::F16, DType::F32);
     assert_eq!(spellings(&x, &w)?, [f16, f32, f32, f32, f16, f32, f16]);
+    Ok(())
+}
+
+// ---- Helpers take their caller's policy: never a silent f32. ----
+
+/// Attention split into helpers, as candle-transformers writes it: a helper method and a free
+/// helper take and return region values, and run under whatever region calls them.
+struct Attention;
+
+#[autocast]
+impl Attention {
+    fn scores(&self, q: &AmpTensor) -> Result<AmpTensor> {
+        q.matmul(&q.t()?)
+    }
+
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let s = self.scores(&x)?;
+        assert_eq!(s.dtype(), lower_of_this_test());
+        Ok(s)
+    }
+}
+
+#[autocast]
+fn free_scores(q: &AmpTensor) -> Result<AmpTensor> {
+    q.matmul(&q.t()?)
+}
+
+thread_local! {
+    static EXPECTED_LOWER: std::cell::Cell<DType> = const { std::cell::Cell::new(DType::F32) };
+}
+
+fn lower_of_this_test() -> DType {
+    EXPECTED_LOWER.with(std::cell::Cell::get)
+}
+
+/// `[helper method, free helper, helper in a closure, helper through a module call]`.
+macro_rules! helper_probe {
+    ($name:ident, $($policy:tt)*) => {
+        #[autocast($($policy)*)]
+        fn $name(m: &Attention, x: &Tensor<F32>) -> Result<Vec<DType>> {
+            let via_closure = |q: &AmpTensor| m.scores(q);
+            m.forward(&x)?;
+            Ok(vec![
+                m.scores(&x)?.dtype(),
+                free_scores(&x)?.dtype(),
+                via_closure(&x)?.dtype(),
+            ])
+        }
+    };
+}
+helper_probe!(helpers_fp16, fp16);
+helper_probe!(helpers_bf16, bf16);
+helper_probe!(helpers_disabled, fp16, enabled = false);
+
+#[autocast(fp16)]
+fn helpers_kept(m: &Attention, x: &Tensor<F32>) -> Result<Vec<DType>> {
+    #[keep_fp32]
+    let method = m.scores(&x)?.dtype();
+    let free;
+    #[keep_fp32]
+    {
+        free = free_scores(&x)?.dtype();
+    }
+    let after = m.scores(&x)?.dtype();
+    Ok(vec![method, free, after])
+}
+
+#[test]
+fn helpers_run_under_the_policy_of_the_region_calling_them() -> Result<()> {
+    let x = Tensor::<F32>::randn(0.0, 1.0, (3, 4), &dev())?;
+    let m = Attention;
+    let (f16, bf16, f32) = (DType::F16, DType::BF16, DType::F32);
+    for (probe, lower) in [
+        (
+            helpers_fp16 as fn(&Attention, &Tensor<F32>) -> Result<Vec<DType>>,
+            f16,
+        ),
+        (helpers_bf16, bf16),
+        (helpers_disabled, f32),
+    ] {
+        EXPECTED_LOWER.with(|e| e.set(lower));
+        assert_eq!(probe(&m, &x)?, [lower; 3]);
+    }
+    assert_eq!(helpers_kept(&m, &x)?, [f32, f32, f16]);
+    // Outside any region the helpers' region runs in f32, as a plain f32 program.
+    EXPECTED_LOWER.with(|e| e.set(f32));
+    assert_eq!(m.forward(&x)?.dtype(), f32);
+    assert_eq!(candle_amp::current_policy(), "fp32");
     Ok(())
 }

@@ -45,8 +45,15 @@ pub(crate) fn cast_inputs_fn(item: &ItemFn, precision: &Ident) -> ItemFn {
         });
         *typed.ty = Type::Verbatim(quote_spanned!(typed.ty.span()=> impl #as_amp));
     }
+    // Autocast is off inside, also for the helpers the body calls.
+    let scope = Ident::new("__amp_policy", Span::mixed_site());
+    let (policy_scope, fp32) = (Rt::PolicyScope, Rt::Fp32Policy);
     let body = &item.block;
-    *f.block = verbatim_block(quote!(#(#prologue)* #body));
+    *f.block = verbatim_block(quote!(
+        #(#prologue)*
+        let #scope = #policy_scope::enter::<#fp32>();
+        #body
+    ));
     f
 }
 

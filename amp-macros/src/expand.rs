@@ -55,8 +55,9 @@ fn region_fn(item: &ItemFn, part: &Part, region_args: &AutocastArgs) -> ItemFn {
 /// A part's body as a region, for the fn or method itself (called with typed tensors).
 fn region_block(part: &Part, region_args: &AutocastArgs) -> Block {
     let args = part.args(region_args);
-    // Outside any calling region, a module that inherits its policy runs in f32.
-    let policy = policy(args, &part.mode, Rt::Fp32Policy);
+    // Called as a plain fn or method, a part that inherits its policy runs under the innermost
+    // region running on this thread (f32 outside any): a helper method keeps its caller's.
+    let policy = policy(args, &part.mode, Rt::CallerPolicy);
     let exit = part.returns_tensor.then_some(Rt::Exit);
     verbatim_block(region_body(part, &policy, args.enabled(), exit))
 }
@@ -74,9 +75,9 @@ fn policy(args: &AutocastArgs, mode: &Mode, inherited: impl ToTokens) -> TokenSt
 
 /// The statements of one region part:
 /// Input:  `{ stmts; tail }` with tensor params `x`
-/// Output: `let _g = RegionGuard::enter(); let x = enter(&x); exit({ stmts'; tail' })`, and with
-///         `enabled = cond`: `... if cond { exit({ ..under the policy.. }) } else { exit({ ..under
-///         f32.. }) }`
+/// Output: `let _g = RegionGuard::enter(); let x = enter(&x);
+///          { let _p = PolicyScope::enter::<Pol>(); exit({ stmts'; tail' }) }`, and with
+///         `enabled = cond`: `... if cond { ..under the policy.. } else { ..under f32.. }`
 fn region_body(
     part: &Part,
     policy: &TokenStream,
@@ -94,12 +95,19 @@ fn region_body(
             quote_spanned!(p.span()=> let #p = #enter(&#p);)
         }
     });
+    // Each branch runs its body with its policy pushed for the code it calls (`CallerPolicy`).
+    let scope = syn::Ident::new("__amp_policy", Span::mixed_site());
+    let policy_scope = Rt::PolicyScope;
     let rewrite = |policy: TokenStream| -> TokenStream {
-        let body = rewrite::body(part.block, policy, exit);
-        match exit {
+        let body = rewrite::body(part.block, policy.clone(), exit);
+        let run = match exit {
             Some(exit) => quote!(#exit(#body)),
             None => body.into_token_stream(),
-        }
+        };
+        quote!({
+            let #scope = #policy_scope::enter::<#policy>();
+            #run
+        })
     };
     let run = match enabled {
         None => rewrite(policy.clone()),
@@ -255,8 +263,10 @@ fn region_call_impl(
             FnArg::Receiver(_) => quote!(self),
         });
         let name = sig.name;
+        let (policy_scope, fp32) = (Rt::PolicyScope, Rt::Fp32Policy);
         quote!({
             #(let #params = #enter_cast::<#marker, _>(&#params)?;)*
+            let __amp_policy = #policy_scope::enter::<#fp32>();
             #exit_to_region(Self::#name(self, #(#call_args),*))
         })
     } else {

@@ -167,7 +167,7 @@ fn generate(header: &Header, lower: Rt, moves: &[Move]) -> TokenStream {
             .expect("validated: a known op class");
         let marker = quote_spanned!(op_name.span()=> #op::#op_name);
         quote! {
-            if ::core::any::TypeId::of::<O>() == ::core::any::TypeId::of::<#marker>() {
+            if op == ::core::any::TypeId::of::<#marker>() {
                 return #op::OpClass::#variant;
             }
         }
@@ -181,9 +181,12 @@ fn generate(header: &Header, lower: Rt, moves: &[Move]) -> TokenStream {
         impl #policy for #name {
             type Lower = #lower;
             const NAME: &'static str = #label;
-            fn class<O: #op::Op>() -> #op::OpClass {
+            fn class_of(
+                op: ::core::any::TypeId,
+                declared: #op::OpClass,
+            ) -> #op::OpClass {
                 #(#arms)*
-                <O as #op::Op>::CLASS
+                declared
             }
         }
     }

@@ -92,12 +92,13 @@ impl Rewriter {
         }
     }
 
-    /// Visits `f` under f32 when `attrs` holds `#[keep_fp32]` (which is removed).
-    fn with_keep_fp32(&mut self, attrs: &mut Vec<Attribute>, f: impl FnOnce(&mut Self)) {
+    /// Visits `f` under f32 when `attrs` holds `#[keep_fp32]` (which is removed); whether it did.
+    fn with_keep_fp32(&mut self, attrs: &mut Vec<Attribute>, f: impl FnOnce(&mut Self)) -> bool {
         let keep = take_marker(attrs, "keep_fp32");
         self.kept_fp32 += usize::from(keep);
         f(self);
         self.kept_fp32 -= usize::from(keep);
+        keep
     }
 
     /// Input:  `vec![x.relu()?, y]`
@@ -138,6 +139,36 @@ impl Rewriter {
     }
 }
 
+/// `let _p = PolicyScope::enter::<Fp32Policy>();`: while it lives, code called from here (helpers
+/// that take their caller's policy) runs in f32 too.
+fn fp32_scope() -> TokenStream {
+    let scope = syn::Ident::new("__amp_kept", proc_macro2::Span::mixed_site());
+    let (policy_scope, fp32) = (Rt::PolicyScope, Rt::Fp32Policy);
+    quote!(let #scope = #policy_scope::enter::<#fp32>();)
+}
+
+/// A `#[keep_fp32]` statement's ops are routed under f32 already; this also pushes f32 for the
+/// functions it calls, for the statement's extent.
+/// Input:  `let s = h.sum(1)?;`, `h = f(&h)?;`
+/// Output: `let s = { let _p = ..; h.sum(1)? };`, `{ let _p = ..; h = f(&h)? };`
+/// (a macro statement is left as it is: its own ops are routed under f32, its callees are not
+/// reached).
+fn keep_fp32_for_callees(stmt: &mut Stmt) {
+    let scope = fp32_scope();
+    match stmt {
+        Stmt::Local(local) => {
+            if let Some(init) = &mut local.init {
+                if init.diverge.is_none() {
+                    let expr = &init.expr;
+                    *init.expr = Expr::Verbatim(quote!({ #scope #expr }));
+                }
+            }
+        }
+        Stmt::Expr(e, _) => *e = Expr::Verbatim(quote!({ #scope #e })),
+        Stmt::Macro(_) | Stmt::Item(_) => {}
+    }
+}
+
 /// Removes a marker attribute (`#[keep_fp32]`) by name; whether it was there.
 pub(crate) fn take_marker(attrs: &mut Vec<Attribute>, name: &str) -> bool {
     let before = attrs.len();
@@ -163,12 +194,15 @@ impl VisitMut for Rewriter {
         // Taken out while visiting, so that `#[keep_fp32]` scopes the whole statement; the
         // other attributes go back afterwards.
         let mut taken = std::mem::take(attrs);
-        self.with_keep_fp32(&mut taken, |this| {
+        let kept = self.with_keep_fp32(&mut taken, |this| {
             visit_mut::visit_stmt_mut(this, stmt);
             if let Stmt::Macro(m) = stmt {
                 this.rewrite_macro(&mut m.mac);
             }
         });
+        if kept {
+            keep_fp32_for_callees(stmt);
+        }
         match stmt {
             Stmt::Local(local) => local.attrs = taken,
             Stmt::Macro(m) => m.attrs = taken,
@@ -186,9 +220,15 @@ impl VisitMut for Rewriter {
     fn visit_expr_mut(&mut self, expr: &mut Expr) {
         if let Expr::Block(block) = expr {
             let mut attrs = std::mem::take(&mut block.attrs);
-            self.with_keep_fp32(&mut attrs, |this| {
+            let kept = self.with_keep_fp32(&mut attrs, |this| {
                 visit_mut::visit_expr_block_mut(this, block);
             });
+            if kept {
+                block
+                    .block
+                    .stmts
+                    .insert(0, Stmt::Expr(Expr::Verbatim(fp32_scope()), None));
+            }
             block.attrs = attrs;
             return;
         }

@@ -14,7 +14,11 @@ pub(crate) enum Rt {
     Fp16Policy,
     Bf16Policy,
     Fp32Policy,
+    /// The policy of the innermost region running on this thread.
+    CallerPolicy,
     Policy,
+    /// A region part's extent, for `CallerPolicy`.
+    PolicyScope,
     Routed,
     /// The module of method markers: `calls::forward`, `calls::forward_t`, ...
     Calls,
@@ -44,11 +48,13 @@ pub(crate) enum Rt {
 impl Rt {
     /// Every name, for the test that pins the contract with the facade.
     #[cfg(test)]
-    pub(crate) const ALL: [Self; 24] = [
+    pub(crate) const ALL: [Self; 26] = [
         Self::Fp16Policy,
         Self::Bf16Policy,
         Self::Fp32Policy,
+        Self::CallerPolicy,
         Self::Policy,
+        Self::PolicyScope,
         Self::Routed,
         Self::Calls,
         Self::RegionCall,
@@ -76,6 +82,8 @@ impl Rt {
             Self::Fp16Policy => "Fp16Policy",
             Self::Bf16Policy => "Bf16Policy",
             Self::Fp32Policy => "Fp32Policy",
+            Self::CallerPolicy => "CallerPolicy",
+            Self::PolicyScope => "PolicyScope",
             Self::Policy => "Policy",
             Self::Routed => "Routed",
             Self::Calls => "calls",

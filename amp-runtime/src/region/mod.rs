@@ -22,7 +22,7 @@ mod route;
 mod value;
 
 pub use crate::cast::cast_count;
-pub use policy::{Bf16Policy, Fp16Policy, Fp32Policy, Policy};
+pub use policy::{current_policy, Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy};
 pub use route::{calls, RegionCall};
 pub use value::{AmpTensor, AsAmp};
 
@@ -36,7 +36,9 @@ pub mod __private {
         enter, enter_cast, enter_fp32, exit, exit_to_region, grad_like, GradsLike,
     };
     pub use super::free::{ForeignJoin, Unrouted};
-    pub use super::policy::{Bf16Policy, Fp16Policy, Fp32Policy, Policy};
+    pub use super::policy::{
+        Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy, PolicyScope,
+    };
     pub use super::route::{calls, RegionCall, Routed};
     pub use super::value::{AmpTensor, AsAmp};
     pub use crate::cast::RegionGuard;

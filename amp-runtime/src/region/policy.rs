@@ -1,5 +1,11 @@
 //! Policies: which precision each op class runs in. A policy is a type parameter of the routed
-//! calls, so an op's target precision is a compile-time constant.
+//! calls, so an op's target precision is a compile-time constant; [`CallerPolicy`] is the one
+//! exception, read from the innermost active region on this thread.
+
+use std::any::TypeId;
+use std::cell::RefCell;
+
+use candle_core::DType;
 
 use crate::op::{Op, OpClass};
 use crate::precision::{Precision, BF16, F16, F32};
@@ -13,10 +19,32 @@ pub trait Policy: Copy + Default + std::fmt::Debug + Send + Sync + 'static {
     type Lower: Precision;
     /// The policy's name, for messages.
     const NAME: &'static str;
-    /// The class op `O` runs in under this policy. Custom policies move ops between classes by
-    /// overriding this.
+
+    /// The class the op whose marker has type id `op` runs in, given the class it declares.
+    /// Custom policies move ops between classes by overriding this (`policy!` does).
+    fn class_of(op: TypeId, declared: OpClass) -> OpClass {
+        let _ = op;
+        declared
+    }
+
+    /// The class op `O` runs in under this policy.
     fn class<O: Op>() -> OpClass {
-        O::CLASS
+        Self::class_of(TypeId::of::<O>(), O::CLASS)
+    }
+
+    /// The dtype lower-precision ops run in.
+    fn lower() -> DType {
+        <Self::Lower as Precision>::DTYPE
+    }
+
+    /// This policy as a run-time value, for the regions it calls into.
+    #[doc(hidden)]
+    fn frame() -> Frame {
+        Frame {
+            name: Self::NAME,
+            lower: Self::lower(),
+            class_of: Self::class_of,
+        }
     }
 }
 
@@ -44,7 +72,111 @@ pub struct Fp32Policy;
 impl Policy for Fp32Policy {
     type Lower = F32;
     const NAME: &'static str = "fp32";
-    fn class<O: Op>() -> OpClass {
+    fn class_of(_: TypeId, _: OpClass) -> OpClass {
         OpClass::Fp32
+    }
+}
+
+/// The policy of whatever region is running: the one an `#[autocast]` fn, method or impl
+/// without a policy of its own runs under when it is called as a plain fn or method (a helper
+/// `self.scores(&q)`, a closure's call, a free `#[autocast]` fn). Outside any region it is
+/// [`Fp32Policy`].
+///
+/// This is PyTorch's dynamic autocast state, per thread: every region entered pushes its policy
+/// (a `#[keep_fp32]` part and `enabled = false` push [`Fp32Policy`]), and code it calls reads the
+/// innermost one. Module calls from a region (`m.forward(&x)`) pass the policy statically
+/// instead; both agree.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CallerPolicy;
+impl Policy for CallerPolicy {
+    /// Not used for routing: [`CallerPolicy::lower`] reads the calling region's.
+    type Lower = F32;
+    const NAME: &'static str = "caller";
+    fn class_of(op: TypeId, declared: OpClass) -> OpClass {
+        (current().class_of)(op, declared)
+    }
+    fn lower() -> DType {
+        current().lower
+    }
+    fn frame() -> Frame {
+        current()
+    }
+}
+
+/// A policy as a run-time value: what a region pushes for the code it calls.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub struct Frame {
+    name: &'static str,
+    lower: DType,
+    class_of: fn(TypeId, OpClass) -> OpClass,
+}
+
+thread_local! {
+    static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The innermost region's policy on this thread, or f32 outside any region.
+fn current() -> Frame {
+    FRAMES
+        .with(|f| f.borrow().last().copied())
+        .unwrap_or_else(Fp32Policy::frame)
+}
+
+/// The name of the policy code called from here runs under ([`CallerPolicy`]'s): the innermost
+/// region's on this thread, `"fp32"` outside any region.
+pub fn current_policy() -> &'static str {
+    current().name
+}
+
+/// Marks a region part's extent on this thread: while alive, [`CallerPolicy`] is `Pol`.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct PolicyScope {
+    // Regions are per thread.
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl PolicyScope {
+    /// Enters a region part running under `Pol` (for [`CallerPolicy`]: the caller's, unchanged).
+    pub fn enter<Pol: Policy>() -> Self {
+        let frame = Pol::frame();
+        FRAMES.with(|f| f.borrow_mut().push(frame));
+        Self {
+            _not_send: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for PolicyScope {
+    fn drop(&mut self) {
+        FRAMES.with(|f| f.borrow_mut().pop());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op;
+
+    #[test]
+    fn the_caller_policy_is_the_innermost_region_and_f32_outside() {
+        assert_eq!(CallerPolicy::lower(), DType::F32);
+        assert_eq!(CallerPolicy::class::<op::matmul>(), OpClass::Fp32);
+        {
+            let _fp16 = PolicyScope::enter::<Fp16Policy>();
+            assert_eq!(CallerPolicy::lower(), DType::F16);
+            assert_eq!(CallerPolicy::class::<op::matmul>(), OpClass::LowerPrecision);
+            assert_eq!(current_policy(), "fp16");
+            {
+                let _kept = PolicyScope::enter::<Fp32Policy>();
+                assert_eq!(CallerPolicy::class::<op::matmul>(), OpClass::Fp32);
+                // A part that inherits keeps what it found.
+                let _inherit = PolicyScope::enter::<CallerPolicy>();
+                assert_eq!(current_policy(), "fp32");
+            }
+            assert_eq!(CallerPolicy::class::<op::add>(), OpClass::Promote);
+        }
+        assert_eq!(current_policy(), "fp32");
     }
 }

@@ -12,12 +12,11 @@ use super::policy::Policy;
 use super::value::{AmpTensor, AsAmp};
 use crate::cast::convert;
 use crate::op::{Op, OpClass};
-use crate::precision::Precision;
 
 /// The dtype op `O` runs in under `Pol`, given its inputs' dtypes (`None`: no cast).
 pub(crate) fn target<Pol: Policy, O: Op>(inputs: &[DType]) -> Result<Option<DType>> {
     Ok(match Pol::class::<O>() {
-        OpClass::LowerPrecision => Some(<Pol::Lower as Precision>::DTYPE),
+        OpClass::LowerPrecision => Some(Pol::lower()),
         OpClass::Fp32 => Some(DType::F32),
         OpClass::Preserve => None,
         OpClass::Promote => {
