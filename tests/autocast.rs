@@ -13,7 +13,7 @@ use candle_amp::{
     autocast, cast_count, keep_fp32, ops, AmpTensor, Bf16Policy, Fp16Policy, Policy, Precision,
     Tensor, BF16, F16, F32,
 };
-use candle_core::{DType, Device, Result};
+use candle_core::{DType, Device, IndexOp, Result};
 use candle_nn::{VarBuilder, VarMap};
 
 fn dev() -> Device {
@@ -645,5 +645,66 @@ fn helpers_run_under_the_policy_of_the_region_calling_them() -> Result<()> {
     EXPECTED_LOWER.with(|e| e.set(f32));
     assert_eq!(m.forward(&x)?.dtype(), f32);
     assert_eq!(candle_amp::current_policy(), "fp32");
+    Ok(())
+}
+
+// ---- A region value behaves like a candle Tensor: shapes, indexing, scalars, masks. ----
+
+/// Causal attention scores written as candle-transformers writes them, with a u8 mask.
+struct Causal {
+    mask: candle_core::Tensor,
+}
+
+#[autocast]
+impl Causal {
+    fn scores(&self, q: &AmpTensor, k: &AmpTensor, dtypes: &mut Vec<DType>) -> Result<AmpTensor> {
+        let (_b, _h, t, d) = q.dims4()?;
+        assert_eq!((t, q.dim(candle_core::D::Minus1)?), (3, d));
+        let att = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
+        dtypes.push(att.dtype());
+        let hidden = (att.zeros_like()? - 1e4)?;
+        let mask = self.mask.broadcast_as(att.shape())?;
+        let att = mask.where_cond(&att, &hidden)?;
+        dtypes.push(att.dtype());
+        let att = ops::softmax(&att, candle_core::D::Minus1)?;
+        dtypes.push(att.dtype());
+        let shifted = ((1.0 - &att)? / 8.0)?;
+        dtypes.push(shifted.i((.., .., 0))?.dtype());
+        Ok(att)
+    }
+}
+
+macro_rules! causal_probe {
+    ($name:ident, $($policy:tt)*) => {
+        #[autocast($($policy)*)]
+        fn $name(c: &Causal, x: &Tensor<F32>) -> Result<(Vec<DType>, Tensor<F32>)> {
+            let mut dtypes = Vec::new();
+            let att = c.scores(&x, &x, &mut dtypes)?;
+            Ok((dtypes, att.cast::<F32>()?))
+        }
+    };
+}
+causal_probe!(causal_fp16, fp16);
+causal_probe!(causal_f32, fp16, enabled = false);
+
+#[test]
+fn candle_style_attention_runs_in_each_ops_class() -> Result<()> {
+    let mask = candle_core::Tensor::new(&[[1u8, 0, 0], [1, 1, 0], [1, 1, 1]], &dev())?;
+    let c = Causal { mask };
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 2, 3, 4), &dev())?;
+    let (f16, f32) = (DType::F16, DType::F32);
+    let (half, amp) = causal_fp16(&c, &x)?;
+    let (full, reference) = causal_f32(&c, &x)?;
+    assert_eq!(half, [f16, f16, f32, f32]);
+    assert_eq!(full, [f32; 4]);
+    // The first query attends to itself only; fp16 scores track the f32 ones.
+    let diff = (amp.as_candle() - reference.as_candle())?
+        .abs()?
+        .max_all()?;
+    assert!(diff.to_scalar::<f32>()? < 2e-3, "{diff}");
+    assert_eq!(
+        amp.as_candle().i((0, 0, 0))?.to_vec1::<f32>()?,
+        [1.0, 0.0, 0.0]
+    );
     Ok(())
 }

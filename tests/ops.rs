@@ -479,3 +479,25 @@ fn fp32_class_methods_on_f32() -> Result<()> {
     );
     Ok(())
 }
+
+/// candle's shape and index methods, `clamp`, and scalars on the left, on typed tensors.
+#[test]
+fn scalars_on_the_left_shapes_and_indexing_as_candle() -> Result<()> {
+    let x = Tensor::<F16>::new(&[[1f32, 2.], [4., 8.]], &Device::Cpu)?;
+    assert_eq!((1.0 - &x)?.to_vec2::<f32>()?, [[0., -1.], [-3., -7.]]);
+    assert_eq!(
+        (0.5 + x.clone())?.to_vec2::<f32>()?,
+        [[1.5, 2.5], [4.5, 8.5]]
+    );
+    let twice: Tensor<F16> = (2.0 * &x)?;
+    assert_eq!(twice.to_vec2::<f32>()?, [[2., 4.], [8., 16.]]);
+    // `s / x` is fp32-class (PyTorch's rdiv): on `Tensor<F32>`.
+    let r: Tensor<F32> = (8.0 / &x.cast::<F32>()?)?;
+    assert_eq!(r.to_vec2::<f32>()?, [[8., 4.], [2., 1.]]);
+    assert_eq!(x.dims2()?, (2, 2));
+    assert!(x.dims3().is_err());
+    assert_eq!(x.i((1, 0))?.to_scalar::<f32>()?, 4.0);
+    assert_eq!(x.i((.., 1))?.to_vec1::<f32>()?, [2., 8.]);
+    assert_eq!(x.clamp(1.5, 5.0)?.to_vec2::<f32>()?, [[1.5, 2.], [4., 5.]]);
+    Ok(())
+}

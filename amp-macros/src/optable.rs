@@ -148,6 +148,7 @@ pub(crate) const OPS: &[Row] = rows! {
     minimum: Promote, method Binary;
     cat: Promote, free Tensor;
     stack: Promote, free Tensor;
+    where_cond: Promote, method Custom(2);
 
     // Preserve: exact or safe in any precision.
     relu: Preserve, method Unary;
@@ -185,6 +186,7 @@ pub(crate) const OPS: &[Row] = rows! {
     max_all: Preserve, method Unary;
     min_all: Preserve, method Unary;
     argmax: Preserve, method Custom(1);
+    clamp: Preserve, method Custom(2);
     max_pool2d: Preserve, method Custom(1);
     avg_pool2d: Preserve, method Custom(1);
     batch_norm: Preserve;

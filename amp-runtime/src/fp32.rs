@@ -215,3 +215,12 @@ impl<P: Precision> Tensor<P> {
         cumsum<D: candle_core::shape::Dim>(dim: D);
     }
 }
+
+/// `s / x`, PyTorch's fp32-class `rdiv`: on `Tensor<F32>` (outside a region a half tensor is cast
+/// first, as every fp32-class op's input).
+impl std::ops::Div<&Tensor<F32>> for f64 {
+    type Output = Result<Tensor<F32>>;
+    fn div(self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        x.recip()?.affine(self, 0.0)
+    }
+}

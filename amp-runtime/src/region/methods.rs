@@ -5,6 +5,8 @@
 //! receiver these methods do not apply (their `T: AsAmp` bound fails) and `Routed` derefs to the
 //! receiver's own method.
 
+use std::borrow::Borrow;
+
 use candle_core::Result;
 
 use super::policy::Policy;
@@ -197,6 +199,22 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     ) -> Result<AmpTensor> {
         binary::<Pol, op::conv_transpose2d>(&self.amp(), &kernel.to_amp(), |x, k| {
             x.conv_transpose2d(k, padding, output_padding, stride, dilation)
+        })
+    }
+    /// Routed `clamp`, to `[min, max]`, in the receiver's dtype.
+    pub fn clamp(&self, min: f64, max: f64) -> Result<AmpTensor> {
+        unary::<Pol, op::clamp>(&self.amp(), |x| x.clamp(min, max))
+    }
+}
+
+/// `mask.where_cond(&on_true, &on_false)` with a candle mask (integer, never cast; owned or by
+/// reference) and region values or typed tensors: promote-class over the two branches.
+impl<Pol: Policy, M: Borrow<candle_core::Tensor>> Routed<'_, Pol, M> {
+    /// Routed `where_cond`: `on_true` where the mask is non-zero, else `on_false`.
+    pub fn where_cond(&self, on_true: impl AsAmp, on_false: impl AsAmp) -> Result<AmpTensor> {
+        let mask: &candle_core::Tensor = (**self).borrow();
+        binary::<Pol, op::where_cond>(&on_true.to_amp(), &on_false.to_amp(), |a, b| {
+            mask.where_cond(a, b)
         })
     }
 }

@@ -6,6 +6,7 @@ use candle_core::Result;
 use super::policy::Policy;
 use super::route::binary;
 use super::value::{AmpTensor, AsAmp};
+use crate::cast::convert;
 use crate::op;
 use crate::precision::{Precision, F16};
 use crate::tensor::Tensor;
@@ -45,16 +46,84 @@ region_operator!(Sub, sub, sub);
 region_operator!(Mul, mul, mul);
 region_operator!(Div, div, div);
 
-impl std::ops::Mul<f64> for &AmpTensor {
-    type Output = Result<AmpTensor>;
-    fn mul(self, rhs: f64) -> Result<AmpTensor> {
-        AmpTensor::new(self.as_candle().affine(rhs, 0.0)?)
-    }
+/// `x op s` and `s op x` with an `f64` scalar: affine maps in `x`'s dtype (PyTorch runs a
+/// tensor-scalar op in the tensor's dtype), except `s / x`, which is PyTorch's fp32-class
+/// `rdiv`: computed in f32.
+macro_rules! scalar_operator {
+    ($trait:ident, $fn:ident, |$x:ident, $s:ident| $rhs_scalar:expr, |$y:ident, $t:ident| $lhs_scalar:expr) => {
+        impl std::ops::$trait<f64> for &AmpTensor {
+            type Output = Result<AmpTensor>;
+            fn $fn(self, $s: f64) -> Result<AmpTensor> {
+                let $x = self.as_candle();
+                AmpTensor::new($rhs_scalar?)
+            }
+        }
+        impl std::ops::$trait<f64> for AmpTensor {
+            type Output = Result<AmpTensor>;
+            fn $fn(self, s: f64) -> Result<AmpTensor> {
+                std::ops::$trait::$fn(&self, s)
+            }
+        }
+        impl std::ops::$trait<&AmpTensor> for f64 {
+            type Output = Result<AmpTensor>;
+            fn $fn(self, x: &AmpTensor) -> Result<AmpTensor> {
+                let ($y, $t) = (x.as_candle(), self);
+                AmpTensor::new($lhs_scalar?)
+            }
+        }
+        impl std::ops::$trait<AmpTensor> for f64 {
+            type Output = Result<AmpTensor>;
+            fn $fn(self, x: AmpTensor) -> Result<AmpTensor> {
+                std::ops::$trait::$fn(self, &x)
+            }
+        }
+    };
 }
+scalar_operator!(Add, add, |x, s| x.affine(1.0, s), |x, s| x.affine(1.0, s));
+scalar_operator!(Sub, sub, |x, s| x.affine(1.0, -s), |x, s| x.affine(-1.0, s));
+scalar_operator!(Mul, mul, |x, s| x.affine(s, 0.0), |x, s| x.affine(s, 0.0));
+scalar_operator!(Div, div, |x, s| x.affine(1.0 / s, 0.0), |x, s| convert(
+    x,
+    candle_core::DType::F32
+)?
+.recip()?
+.affine(s, 0.0));
 
-impl std::ops::Add<f64> for &AmpTensor {
-    type Output = Result<AmpTensor>;
-    fn add(self, rhs: f64) -> Result<AmpTensor> {
-        AmpTensor::new(self.as_candle().affine(1.0, rhs)?)
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn value(dtype: DType) -> AmpTensor {
+        let t = candle_core::Tensor::new(&[1f32, 2., 4.], &Device::Cpu).unwrap();
+        AmpTensor::new(t.to_dtype(dtype).unwrap()).unwrap()
+    }
+
+    fn values(r: Result<AmpTensor>) -> (DType, Vec<f32>) {
+        let r = r.unwrap();
+        let v = r
+            .as_candle()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        (r.dtype(), v)
+    }
+
+    #[test]
+    fn scalars_on_either_side_match_a_hand_computation() {
+        let x = value(DType::F16);
+        assert_eq!(values(&x + 1.0), (DType::F16, vec![2., 3., 5.]));
+        assert_eq!(values(&x - 1.0), (DType::F16, vec![0., 1., 3.]));
+        assert_eq!(values(x.clone() * 3.0), (DType::F16, vec![3., 6., 12.]));
+        assert_eq!(
+            values(x.clone() / 8.0),
+            (DType::F16, vec![0.125, 0.25, 0.5])
+        );
+        assert_eq!(values(1.0 - &x), (DType::F16, vec![0., -1., -3.]));
+        assert_eq!(values(2.0 * x.clone()), (DType::F16, vec![2., 4., 8.]));
+        assert_eq!(values(0.5 + &x), (DType::F16, vec![1.5, 2.5, 4.5]));
+        // `s / x` is fp32-class (PyTorch's rdiv): an f32 result.
+        assert_eq!(values(4.0 / &x), (DType::F32, vec![4., 2., 1.]));
     }
 }

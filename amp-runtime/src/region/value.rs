@@ -1,10 +1,10 @@
 //! Region values: the tensors a region body computes with.
 
-use candle_core::{DType, Result};
+use candle_core::{shape, DType, Device, Result, Shape};
 
 use crate::cast::convert;
 use crate::precision::Precision;
-use crate::tensor::Tensor;
+use crate::tensor::{dims_n, Tensor};
 
 /// A tensor inside an autocast region: f32, f16 or bf16, decided by the ops that made it.
 ///
@@ -15,6 +15,11 @@ pub struct AmpTensor {
 }
 
 impl AmpTensor {
+    /// An indexed view keeps the dtype.
+    fn wrap_indexed(inner: candle_core::Tensor) -> Result<Self> {
+        Self::new(inner)
+    }
+
     /// Wraps the result of a routed op; region values are floating tensors only.
     pub(crate) fn new(inner: candle_core::Tensor) -> Result<Self> {
         match inner.dtype() {
@@ -38,6 +43,61 @@ impl AmpTensor {
     /// The underlying candle tensor.
     pub fn as_candle(&self) -> &candle_core::Tensor {
         &self.inner
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        self.inner.shape()
+    }
+
+    /// The number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    /// The number of elements.
+    pub fn elem_count(&self) -> usize {
+        self.inner.elem_count()
+    }
+
+    /// The device the data lives on.
+    pub fn device(&self) -> &Device {
+        self.inner.device()
+    }
+
+    /// Whether the data is laid out contiguously.
+    pub fn is_contiguous(&self) -> bool {
+        self.inner.is_contiguous()
+    }
+
+    /// The size of one dimension (`D::Minus1` for the last, as in candle).
+    pub fn dim<D: shape::Dim>(&self, dim: D) -> Result<usize> {
+        self.inner.dim(dim)
+    }
+
+    dims_n!();
+
+    /// An explicit cast to `dtype` (f32, f16 or bf16), like PyTorch's `.float()`/`.half()` in an
+    /// autocast region: the ops that follow still route by their class.
+    pub fn to_dtype(&self, dtype: DType) -> Result<AmpTensor> {
+        Self::new(convert(&self.inner, dtype)?)
+    }
+
+    /// Zeros of the same shape, dtype and device.
+    pub fn zeros_like(&self) -> Result<AmpTensor> {
+        Self::new(self.inner.zeros_like()?)
+    }
+
+    /// Ones of the same shape, dtype and device.
+    pub fn ones_like(&self) -> Result<AmpTensor> {
+        Self::new(self.inner.ones_like()?)
+    }
+
+    /// The same values, cut from the autograd graph.
+    pub fn detach(&self) -> AmpTensor {
+        Self {
+            inner: self.inner.detach(),
+        }
     }
 
     /// A typed tensor of precision `Q` (a cast when the dtype differs).

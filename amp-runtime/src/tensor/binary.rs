@@ -170,6 +170,29 @@ macro_rules! operator {
         }
     };
 }
+/// `s op x` with an `f64` on the left: `s + x`, `s - x`, `s * x` in `P`; `s / x` is PyTorch's
+/// fp32-class `rdiv`, defined next to `recip` in `crate::fp32` for `Tensor<F32>` only.
+macro_rules! scalar_lhs {
+    ($trait:ident, $fn:ident, |$x:ident, $s:ident| $body:expr) => {
+        impl<P: Precision> std::ops::$trait<&Tensor<P>> for f64 {
+            type Output = Result<Tensor<P>>;
+            fn $fn(self, $x: &Tensor<P>) -> Result<Tensor<P>> {
+                let $s = self;
+                $body
+            }
+        }
+        impl<P: Precision> std::ops::$trait<Tensor<P>> for f64 {
+            type Output = Result<Tensor<P>>;
+            fn $fn(self, x: Tensor<P>) -> Result<Tensor<P>> {
+                std::ops::$trait::$fn(self, &x)
+            }
+        }
+    };
+}
+scalar_lhs!(Add, add, |x, s| x.affine(1.0, s));
+scalar_lhs!(Sub, sub, |x, s| x.affine(-1.0, s));
+scalar_lhs!(Mul, mul, |x, s| x.affine(s, 0.0));
+
 operator!(Add, add, add, |_| 1.0, |s| s);
 operator!(Sub, sub, sub, |_| 1.0, |s| -s);
 operator!(Mul, mul, mul, |s| s, |_| 0.0);

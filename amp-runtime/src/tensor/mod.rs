@@ -100,6 +100,31 @@ pub(crate) fn dtype_error<P: Precision>(what: &str, got: DType) -> Error {
     ))
 }
 
+/// `dims1()` .. `dims5()` (the dimensions of a tensor of that rank, as candle's) and candle's
+/// indexing `i(..)`, for the typed tensor and the region value alike (both wrap `inner`).
+macro_rules! dims_n {
+    () => {
+        dims_n!(@ dims1 -> usize, dims2 -> (usize, usize), dims3 -> (usize, usize, usize),
+            dims4 -> (usize, usize, usize, usize),
+            dims5 -> (usize, usize, usize, usize, usize));
+
+        /// Indexing as candle's `IndexOp::i`: `x.i((.., 0))`, `x.i(1..3)`; the same precision.
+        pub fn i<I>(&self, index: I) -> candle_core::Result<Self>
+        where
+            candle_core::Tensor: candle_core::IndexOp<I>,
+        {
+            Self::wrap_indexed(candle_core::IndexOp::i(&self.inner, index)?)
+        }
+    };
+    (@ $($name:ident -> $out:ty),*) => {$(
+        #[doc = concat!("The dimensions, as candle's `", stringify!($name), "` (an error for another rank).")]
+        pub fn $name(&self) -> candle_core::Result<$out> {
+            self.inner.$name()
+        }
+    )*};
+}
+pub(crate) use dims_n;
+
 // ---------------------------------------------------------------------------------------------
 // Boundary with candle, casts, constructors, accessors.
 impl<P: Precision> Tensor<P> {
@@ -280,6 +305,14 @@ impl<P: Precision> Tensor<P> {
     /// The size of one dimension.
     pub fn dim<D: candle_core::shape::Dim>(&self, dim: D) -> Result<usize> {
         self.inner.dim(dim)
+    }
+
+    dims_n!();
+
+    /// An indexed view keeps the precision.
+    #[allow(clippy::unnecessary_wraps)] // the region value's check can fail
+    fn wrap_indexed(t: candle_core::Tensor) -> Result<Self> {
+        Ok(Self::wrap(t))
     }
 
     /// The number of dimensions.

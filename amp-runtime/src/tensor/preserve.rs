@@ -159,6 +159,11 @@ impl<P: Precision> Tensor<P> {
         min,
     );
 
+    /// Clamps to `[min, max]`.
+    pub fn clamp(&self, min: f64, max: f64) -> Result<Self> {
+        Ok(Self::wrap(self.inner.clamp(min, max)?))
+    }
+
     /// Maximum of all elements (rank 0).
     pub fn max_all(&self) -> Result<Self> {
         Ok(Self::wrap(self.inner.max_all()?))
