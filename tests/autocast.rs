@@ -40,16 +40,16 @@ fn classes<Pol: Policy, P: Precision>(
 ) -> Result<Vec<DType>> {
     let ones = Tensor::<F32>::ones(4, &dev())?;
     Ok(vec![
-        x.matmul(&w)?.dtype(),
-        x.broadcast_matmul(&w)?.dtype(),
+        x.matmul(w)?.dtype(),
+        x.broadcast_matmul(w)?.dtype(),
         x.sum_keepdim(1)?.dtype(),
         x.exp()?.dtype(),
         ops::softmax(&x, 1)?.dtype(),
         ops::log_softmax(&x, 1)?.dtype(),
         ops::layer_norm(&x, &ones, &ones, 1e-5)?.dtype(),
         loss::mse(&x, &y)?.dtype(),
-        x.add(&x)?.dtype(),
-        x.add(&y)?.dtype(),
+        x.add(x)?.dtype(),
+        x.add(y)?.dtype(),
         Tensor::cat(&[&x, &x], 0)?.dtype(),
         x.relu()?.dtype(),
         x.reshape((2, 8))?.dtype(),
@@ -371,7 +371,7 @@ impl Block {
     fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
         let h = self.fc2.forward(&self.fc1.forward(&x)?.gelu()?)?;
         // Residual in the widest precision, then an fp32-class norm.
-        Ok(self.norm.forward(&(&x + &h)?)?)
+        Ok(self.norm.forward(&(x + &h)?)?)
     }
 }
 
@@ -425,7 +425,7 @@ fn a_policy_generic_block_follows_its_caller() -> Result<()> {
 
 #[autocast(fp16)]
 fn branchy(x: &Tensor<F32>, w: &Tensor<F32>, mode: u8) -> Result<Tensor<F32>> {
-    let h = x.matmul(&w)?; // f16
+    let h = x.matmul(w)?; // f16
     if mode == 0 {
         return Ok(h); // early return: leaves through the same exit cast
     }
@@ -533,7 +533,7 @@ mod reexported {
 /// `candle_core::Tensor::cat` joins candle tensors as candle does.
 #[autocast(fp16)]
 fn spellings(x: &Tensor<F32>, w: &Tensor<F32>) -> Result<Vec<DType>> {
-    let h = x.matmul(&w)?;
+    let h = x.matmul(w)?;
     let parts = vec![h.as_candle().clone(), h.as_candle().clone()];
     // A routed free op at a statement's start, followed by `?` and a method: still one operand.
     ops::softmax(&h, 1)?.dims();
@@ -546,7 +546,7 @@ fn spellings(x: &Tensor<F32>, w: &Tensor<F32>) -> Result<Vec<DType>> {
             use candle_nn::ops;
             ops::softmax(h.as_candle(), 1)?.dtype()
         },
-        Tensor::cat(&[&h, &x], 0)?.dtype(),
+        Tensor::cat(&[&h, x], 0)?.dtype(),
         candle_core::Tensor::cat(&parts, 0)?.dtype(),
     ])
 }
@@ -573,7 +573,7 @@ impl Attention {
     }
 
     fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
-        let s = self.scores(&x)?;
+        let s = self.scores(x)?;
         assert_eq!(s.dtype(), lower_of_this_test());
         Ok(s)
     }
@@ -614,13 +614,13 @@ helper_probe!(helpers_disabled, fp16, enabled = false);
 #[autocast(fp16)]
 fn helpers_kept(m: &Attention, x: &Tensor<F32>) -> Result<Vec<DType>> {
     #[keep_fp32]
-    let method = m.scores(&x)?.dtype();
+    let method = m.scores(x)?.dtype();
     let free;
     #[keep_fp32]
     {
-        free = free_scores(&x)?.dtype();
+        free = free_scores(x)?.dtype();
     }
-    let after = m.scores(&x)?.dtype();
+    let after = m.scores(x)?.dtype();
     Ok(vec![method, free, after])
 }
 
@@ -706,5 +706,57 @@ fn candle_style_attention_runs_in_each_ops_class() -> Result<()> {
         amp.as_candle().i((0, 0, 0))?.to_vec1::<f32>()?,
         [1.0, 0.0, 0.0]
     );
+    Ok(())
+}
+
+// ---- Boundaries as candle code writes them: candle tensors passed through, references kept. ----
+
+struct Lookup {
+    emb: nn::Embedding,
+    fc: nn::Linear,
+}
+
+#[autocast]
+impl Lookup {
+    /// Token ids arrive as a plain candle tensor (never cast); `x` is used twice, as the
+    /// reference it is declared as.
+    fn forward(&self, ids: &candle_core::Tensor, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        assert_eq!(ids.dtype(), DType::U32);
+        let e = self.emb.forward(ids)?;
+        let h = self.fc.forward(x)?;
+        assert_eq!(
+            (e.dtype(), h.dtype(), x.dtype()),
+            (DType::F32, lower_of_this_test(), DType::F32)
+        );
+        let twice = self.fc.forward(x)?;
+        Ok(((&e + &h)? + &twice)?)
+    }
+}
+
+#[autocast(bf16)]
+fn lookup_bf16(l: &Lookup, ids: &candle_core::Tensor, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    let y = l.forward(ids, x)?;
+    assert_eq!(y.dtype(), DType::F32);
+    Ok(y)
+}
+
+#[test]
+fn candle_tensors_pass_through_and_reference_parameters_stay_references() -> Result<()> {
+    let (_map, vb) = vars();
+    let l = Lookup {
+        emb: nn::embedding(5, 4, vb.pp("emb"))?,
+        fc: nn::linear(4, 4, vb.pp("fc"))?,
+    };
+    let ids = candle_core::Tensor::new(&[0u32, 3, 4], &dev())?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (3, 4), &dev())?;
+    EXPECTED_LOWER.with(|e| e.set(DType::BF16));
+    let mixed = lookup_bf16(&l, &ids, &x)?;
+    EXPECTED_LOWER.with(|e| e.set(DType::F32));
+    let full = l.forward(&ids, &x)?;
+    let diff = (mixed.as_candle() - full.as_candle())?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+    assert!(diff < 0.1, "bf16 against f32: {diff}");
     Ok(())
 }

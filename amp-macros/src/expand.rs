@@ -88,11 +88,20 @@ fn region_body(
     let guard = syn::Ident::new("__amp_region", Span::mixed_site());
     let (region_guard, enter, enter_fp32) = (Rt::RegionGuard, Rt::Enter, Rt::EnterFp32);
     let upcast = part.mode == Mode::KeepFp32;
+    // Input:  `x: &Tensor<F32>`, `ids: &candle_core::Tensor`, `y: Tensor<F16>`
+    // Output: `let x = &enter::<Tensor<F32>, _>(&x);` (a region value), `let ids = &enter::<
+    //         candle_core::Tensor, _>(&ids);` (passed through), `let y = enter::<..>(&y);`
     let enter = part.tensor_params.iter().map(|p| {
-        if upcast {
-            quote_spanned!(p.span()=> let #p = #enter_fp32(&#p)?;)
+        let (name, declared) = (p.name, p.declared);
+        let value = if upcast {
+            quote_spanned!(name.span()=> #enter_fp32::<#declared, _>(&#name)?)
         } else {
-            quote_spanned!(p.span()=> let #p = #enter(&#p);)
+            quote_spanned!(name.span()=> #enter::<#declared, _>(&#name))
+        };
+        if p.by_ref {
+            quote_spanned!(name.span()=> let #name = &#value;)
+        } else {
+            quote_spanned!(name.span()=> let #name = #value;)
         }
     });
     // Each branch runs its body with its policy pushed for the code it calls (`CallerPolicy`).
@@ -170,9 +179,12 @@ impl RegionCallHeader {
         generics.params.push(bounded(&pol, Rt::Policy));
         let (mut types, mut pats) = (Vec::new(), Vec::new());
         for input in &sig.inputs {
-            if input.tensor.is_some() {
+            if let Some(param) = &input.tensor {
                 let a = format_ident!("__AmpA{}", input.index, span = Span::mixed_site());
-                generics.params.push(bounded(&a, Rt::AsAmp));
+                let (enter_as, declared) = (Rt::EnterAs, param.declared);
+                generics
+                    .params
+                    .push(bounded(&a, quote!(#enter_as<#declared>)));
                 types.push(Type::Verbatim(a.into_token_stream()));
             } else {
                 types.push(input.ty.clone());
@@ -222,7 +234,7 @@ impl RegionCallHeader {
 }
 
 /// `name: bound`, as a generic parameter.
-fn bounded(name: &syn::Ident, bound: Rt) -> GenericParam {
+fn bounded(name: &syn::Ident, bound: impl ToTokens) -> GenericParam {
     let mut param = TypeParam::from(name.clone());
     param.colon_token = Some(syn::token::Colon::default());
     param.bounds = Punctuated::from_iter([TypeParamBound::Verbatim(bound.into_token_stream())]);
@@ -230,7 +242,7 @@ fn bounded(name: &syn::Ident, bound: Rt) -> GenericParam {
 }
 
 /// Input:  `fn forward(&self, x: &Tensor<F32>, train: bool) -> Result<Tensor<F32>> { body }`
-/// Output: `impl<Pol: Policy, A0: AsAmp> RegionCall<Pol, calls::forward, (A0, bool)> for
+/// Output: `impl<Pol: Policy, A0: EnterAs<Tensor<F32>>> RegionCall<Pol, calls::forward, (A0, bool)> for
 ///         Module { fn region_call(&self, (x, train): (A0, bool)) -> Result<AmpTensor> { .. } }`
 ///         whose body runs `body` as a region under the caller's policy (or the module's own),
 ///         or, for a cast_inputs op, casts the tensors and calls the method itself
@@ -249,7 +261,7 @@ fn region_call_impl(
         let marker = Rt::precision(&precision.to_string())
             .expect("validated: cast_inputs is f32, f16 or bf16");
         let enter_cast = Rt::EnterCast;
-        let params = &part.tensor_params;
+        let params: Vec<_> = part.tensor_params.iter().map(|p| p.name).collect();
         let call_args = part.sig.inputs.iter().skip(1).map(|input| match input {
             FnArg::Typed(t) if crate::model::tensor_param(input).is_some() => {
                 let pat = &t.pat;

@@ -117,8 +117,8 @@ pub(crate) struct Part<'a> {
     pub(crate) mode: Mode,
     /// The arguments of a method's own `#[autocast(..)]`, which replace the impl's.
     pub(crate) own_args: Option<AutocastArgs>,
-    /// Parameters typed `Tensor<P>`/`&Tensor<P>`, which enter the region.
-    pub(crate) tensor_params: Vec<&'a syn::Ident>,
+    /// Parameters typed `Tensor<P>`/`&Tensor<P>` (or a candle `Tensor`), which enter the region.
+    pub(crate) tensor_params: Vec<TensorParam<'a>>,
     /// Whether the signature returns `Result<Tensor<..>, ..>`: then the region's value leaves
     /// as that typed tensor, cast to its precision.
     pub(crate) returns_tensor: bool,
@@ -150,7 +150,7 @@ pub(crate) struct Input<'a> {
     pub(crate) pat: &'a Pat,
     pub(crate) ty: &'a Type,
     /// The parameter's name when it is a tensor (it enters the region).
-    pub(crate) tensor: Option<&'a syn::Ident>,
+    pub(crate) tensor: Option<TensorParam<'a>>,
 }
 
 impl<'a> Region<'a> {
@@ -270,7 +270,7 @@ impl<'a> Part<'a> {
             block,
             mode,
             own_args,
-            tensor_params: sig.inputs.iter().filter_map(tensor_param).collect(),
+            tensor_params: sig.inputs.iter().filter_map(TensorParam::new).collect(),
             returns_tensor: returns_tensor_result(&sig.output),
         }
     }
@@ -295,7 +295,7 @@ pub(crate) fn region_call_sig(sig: &Signature) -> Option<RegionCallSig<'_>> {
                 index,
                 pat: &typed.pat,
                 ty: &typed.ty,
-                tensor: tensor_param(input),
+                tensor: TensorParam::new(input),
             }),
             FnArg::Receiver(_) => None,
         })
@@ -304,6 +304,33 @@ pub(crate) fn region_call_sig(sig: &Signature) -> Option<RegionCallSig<'_>> {
         name: &sig.ident,
         inputs,
     })
+}
+
+/// A tensor parameter as declared: `x: Tensor<P>`, `x: &Tensor<P>`, `ids: &candle_core::Tensor`.
+pub(crate) struct TensorParam<'a> {
+    pub(crate) name: &'a syn::Ident,
+    /// The declared type without its reference: which one it is, the compiler decides.
+    pub(crate) declared: &'a Type,
+    /// Declared by reference: the body sees a reference too, usable any number of times.
+    pub(crate) by_ref: bool,
+}
+
+impl<'a> TensorParam<'a> {
+    fn new(arg: &'a FnArg) -> Option<Self> {
+        let name = tensor_param(arg)?;
+        let FnArg::Typed(typed) = arg else {
+            return None;
+        };
+        let (declared, by_ref) = match &*typed.ty {
+            Type::Reference(r) => (&*r.elem, true),
+            other => (other, false),
+        };
+        Some(Self {
+            name,
+            declared,
+            by_ref,
+        })
+    }
 }
 
 /// A parameter that enters the region as a tensor: `x: Tensor<P>` or `x: &Tensor<P>`.

@@ -27,6 +27,8 @@ pub(crate) enum Rt {
     AsAmp,
     AmpTensor,
     Enter,
+    /// The bound of a module call's tensor argument, by the parameter's declared type.
+    EnterAs,
     EnterFp32,
     EnterCast,
     Exit,
@@ -48,7 +50,7 @@ pub(crate) enum Rt {
 impl Rt {
     /// Every name, for the test that pins the contract with the facade.
     #[cfg(test)]
-    pub(crate) const ALL: [Self; 26] = [
+    pub(crate) const ALL: [Self; 27] = [
         Self::Fp16Policy,
         Self::Bf16Policy,
         Self::Fp32Policy,
@@ -62,6 +64,7 @@ impl Rt {
         Self::AsAmp,
         Self::AmpTensor,
         Self::Enter,
+        Self::EnterAs,
         Self::EnterFp32,
         Self::EnterCast,
         Self::Exit,
@@ -92,6 +95,7 @@ impl Rt {
             Self::AsAmp => "AsAmp",
             Self::AmpTensor => "AmpTensor",
             Self::Enter => "enter",
+            Self::EnterAs => "EnterAs",
             Self::EnterFp32 => "enter_fp32",
             Self::EnterCast => "enter_cast",
             Self::Exit => "exit",

@@ -8,20 +8,78 @@ use crate::cast::convert;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
 
-/// A parameter entering a region.
-pub fn enter<A: AsAmp>(a: &A) -> AmpTensor {
-    a.to_amp()
+/// A tensor parameter type a region accepts, as declared, and what the body sees of it:
+/// `Tensor<P>` enters as a region value, a plain `candle_core::Tensor` (token ids, masks,
+/// positions) as itself, never cast.
+pub trait RegionParam {
+    /// The value the region body works with.
+    type Value;
 }
 
-/// A parameter entering a `#[keep_fp32]` part: upcast to f32 at the boundary.
-pub fn enter_fp32<A: AsAmp>(a: &A) -> Result<AmpTensor> {
-    AmpTensor::new(convert(a.to_amp().as_candle(), DType::F32)?)
+impl<P: Precision> RegionParam for Tensor<P> {
+    type Value = AmpTensor;
+}
+
+impl RegionParam for candle_core::Tensor {
+    type Value = candle_core::Tensor;
+}
+
+/// An argument for a parameter declared `D` (any tensor a region can use for a `Tensor<P>`; a
+/// candle tensor for a `candle_core::Tensor`).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be passed for a parameter declared `{D}` in an autocast region",
+    label = "expected an argument for a `{D}` parameter",
+    note = "a `Tensor<P>` parameter takes typed tensors and region values; a \
+            `candle_core::Tensor` parameter (ids, masks) takes a candle tensor, passed through"
+)]
+pub trait EnterAs<D: RegionParam> {
+    /// The argument as the body sees it.
+    fn enter_as(&self) -> D::Value;
+    /// The same in a `#[keep_fp32]` part: floating values upcast to f32.
+    fn enter_as_fp32(&self) -> Result<D::Value>;
+}
+
+impl<P: Precision, A: AsAmp + ?Sized> EnterAs<Tensor<P>> for A {
+    fn enter_as(&self) -> AmpTensor {
+        self.to_amp()
+    }
+    fn enter_as_fp32(&self) -> Result<AmpTensor> {
+        AmpTensor::new(convert(self.to_amp().as_candle(), DType::F32)?)
+    }
+}
+
+impl EnterAs<candle_core::Tensor> for candle_core::Tensor {
+    fn enter_as(&self) -> candle_core::Tensor {
+        self.clone()
+    }
+    fn enter_as_fp32(&self) -> Result<candle_core::Tensor> {
+        Ok(self.clone())
+    }
+}
+
+impl<T: EnterAs<candle_core::Tensor> + ?Sized> EnterAs<candle_core::Tensor> for &T {
+    fn enter_as(&self) -> candle_core::Tensor {
+        (**self).enter_as()
+    }
+    fn enter_as_fp32(&self) -> Result<candle_core::Tensor> {
+        (**self).enter_as_fp32()
+    }
+}
+
+/// A parameter declared `D` entering a region.
+pub fn enter<D: RegionParam, A: EnterAs<D> + ?Sized>(a: &A) -> D::Value {
+    a.enter_as()
+}
+
+/// A parameter declared `D` entering a `#[keep_fp32]` part: upcast to f32 at the boundary.
+pub fn enter_fp32<D: RegionParam, A: EnterAs<D> + ?Sized>(a: &A) -> Result<D::Value> {
+    a.enter_as_fp32()
 }
 
 /// An input of a `#[custom_fwd(cast_inputs = ..)]` op: any tensor, typed or a region value,
 /// cast to the op's declared precision `Q`.
-pub fn enter_cast<Q: Precision, A: AsAmp>(a: &A) -> Result<Tensor<Q>> {
-    a.to_amp().cast::<Q>()
+pub fn enter_cast<Q: Precision, A: EnterAs<Tensor<Q>> + ?Sized>(a: &A) -> Result<Tensor<Q>> {
+    a.enter_as().cast::<Q>()
 }
 
 /// `#[custom_bwd]`: the incoming gradient in the dtype the forward produced.

@@ -33,6 +33,13 @@ macro_rules! region_operator {
                 (&self).$fn(rhs)
             }
         }
+        // A `&Tensor<P>` parameter is a `&AmpTensor` in the region: `&x + &h` stays valid.
+        impl<B: AsAmp> std::ops::$trait<B> for &&AmpTensor {
+            type Output = Result<AmpTensor>;
+            fn $fn(self, rhs: B) -> Result<AmpTensor> {
+                (*self).$fn(rhs)
+            }
+        }
         impl<P: Precision> std::ops::$trait<&AmpTensor> for &Tensor<P> {
             type Output = Result<AmpTensor>;
             fn $fn(self, rhs: &AmpTensor) -> Result<AmpTensor> {
@@ -62,6 +69,12 @@ macro_rules! scalar_operator {
             type Output = Result<AmpTensor>;
             fn $fn(self, s: f64) -> Result<AmpTensor> {
                 std::ops::$trait::$fn(&self, s)
+            }
+        }
+        impl std::ops::$trait<f64> for &&AmpTensor {
+            type Output = Result<AmpTensor>;
+            fn $fn(self, s: f64) -> Result<AmpTensor> {
+                std::ops::$trait::$fn(*self, s)
             }
         }
         impl std::ops::$trait<&AmpTensor> for f64 {
