@@ -760,3 +760,31 @@ fn candle_tensors_pass_through_and_reference_parameters_stay_references() -> Res
     assert!(diff < 0.1, "bf16 against f32: {diff}");
     Ok(())
 }
+
+// ---- Foreign ops: any candle function, routed by the class the caller states. ----
+
+#[autocast(fp16)]
+fn foreign(x: &Tensor<F32>) -> Result<Vec<DType>> {
+    let h = x.lower_op(candle_nn::ops::silu)?;
+    Ok(vec![
+        h.dtype(),
+        h.fp32_op(|t| t.exp())?.dtype(),
+        h.preserve_op(|t| t.elu(1.0))?.dtype(),
+        x.preserve_op(|t| t.elu(1.0))?.dtype(),
+    ])
+}
+
+#[test]
+fn foreign_ops_run_in_the_class_their_caller_states() -> Result<()> {
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3), &dev())?;
+    let (f16, f32) = (DType::F16, DType::F32);
+    assert_eq!(foreign(&x)?, [f16, f32, f16, f32]);
+    // Outside a region: the typed forms, `fp32_op` on `Tensor<F32>` only.
+    let s: Tensor<F32> = x.fp32_op(candle_core::Tensor::exp)?;
+    assert_eq!(s.dims(), &[2, 3]);
+    let h = x.cast::<F16>()?.lower_op(candle_nn::ops::silu)?;
+    assert_eq!(h.dtype(), f16);
+    // A function whose result has another dtype is an error, never a mistyped tensor.
+    assert!(x.lower_op(|t| t.to_dtype(DType::F16)).is_err());
+    Ok(())
+}

@@ -108,6 +108,7 @@ pub(crate) const OPS: &[Row] = rows! {
     conv_transpose1d: LowerPrecision, method Custom(6);
     conv_transpose2d: LowerPrecision, method Custom(5);
     linear: LowerPrecision;
+    lower_op: LowerPrecision, method Custom(1);
 
     // fp32: reductions, exp/log/pow, softmax, norms, every loss.
     sum: Fp32, method Dims;
@@ -123,6 +124,7 @@ pub(crate) const OPS: &[Row] = rows! {
     recip: Fp32, method Unary;
     log_sum_exp: Fp32, method Dims;
     cumsum: Fp32, method Dim;
+    fp32_op: Fp32, method Custom(1);
     softmax: Fp32, free Ops;
     log_softmax: Fp32, free Ops;
     layer_norm: Fp32, free Ops;
@@ -187,6 +189,7 @@ pub(crate) const OPS: &[Row] = rows! {
     min_all: Preserve, method Unary;
     argmax: Preserve, method Custom(1);
     clamp: Preserve, method Custom(2);
+    preserve_op: Preserve, method Custom(1);
     max_pool2d: Preserve, method Custom(1);
     avg_pool2d: Preserve, method Custom(1);
     batch_norm: Preserve;

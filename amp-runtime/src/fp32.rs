@@ -186,6 +186,18 @@ macro_rules! fp32_methods {
 }
 
 impl<P: Precision> Tensor<P> {
+    /// Any candle function on the data as an fp32-class op: `Tensor<F32>` in, f32 out (a half
+    /// tensor: cast it first, or run it in a region, which upcasts).
+    pub fn fp32_op(
+        &self,
+        f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
+    ) -> Result<Tensor<F32>>
+    where
+        P: Fp32Input<op::fp32_op>,
+    {
+        Tensor::from_candle(f(self.as_candle())?)
+    }
+
     fp32_methods! {
         /// Sum over `dims`, kept as size-1 dimensions.
         sum_keepdim<D: candle_core::shape::Dims>(dims: D);

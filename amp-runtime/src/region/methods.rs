@@ -201,6 +201,29 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
             x.conv_transpose2d(k, padding, output_padding, stride, dilation)
         })
     }
+    /// Any candle function on the value, run as a lower-precision op (input cast to the policy's
+    /// half dtype): a foreign op of PyTorch's `lower_precision_fp` kind.
+    pub fn lower_op(
+        &self,
+        f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
+    ) -> Result<AmpTensor> {
+        unary::<Pol, op::lower_op>(&self.amp(), f)
+    }
+    /// Any candle function on the value, run as an fp32-class op (input upcast to f32).
+    pub fn fp32_op(
+        &self,
+        f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
+    ) -> Result<AmpTensor> {
+        unary::<Pol, op::fp32_op>(&self.amp(), f)
+    }
+    /// Any candle function on the value, run in the value's own dtype (a precision-preserving
+    /// op: activations, shape ops).
+    pub fn preserve_op(
+        &self,
+        f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
+    ) -> Result<AmpTensor> {
+        unary::<Pol, op::preserve_op>(&self.amp(), f)
+    }
     /// Routed `clamp`, to `[min, max]`, in the receiver's dtype.
     pub fn clamp(&self, min: f64, max: f64) -> Result<AmpTensor> {
         unary::<Pol, op::clamp>(&self.amp(), |x| x.clamp(min, max))

@@ -159,6 +159,26 @@ impl<P: Precision> Tensor<P> {
         min,
     );
 
+    /// Any candle function on the data, run in `P` (outside a region: the op's class is the
+    /// caller's business; inside one the region routes it as a lower-precision op). The result
+    /// must have `P`'s dtype.
+    pub fn lower_op(
+        &self,
+        f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
+    ) -> Result<Self> {
+        Self::from_candle(f(&self.inner)?)
+    }
+
+    /// Any candle function on the data, run in `P`, precision-preserving (outside a region the
+    /// same as [`Tensor::lower_op`]; inside one the value keeps its dtype). The result must have
+    /// `P`'s dtype.
+    pub fn preserve_op(
+        &self,
+        f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
+    ) -> Result<Self> {
+        self.lower_op(f)
+    }
+
     /// Clamps to `[min, max]`.
     pub fn clamp(&self, min: f64, max: f64) -> Result<Self> {
         Ok(Self::wrap(self.inner.clamp(min, max)?))
