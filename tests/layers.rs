@@ -515,3 +515,27 @@ fn a_small_mixed_precision_training_step_reduces_the_loss() -> Result<()> {
     assert!(last < 0.5 * first, "loss {first} -> {last}");
     Ok(())
 }
+
+/// The layers are `candle_nn::Module`s for candle code: `xs.apply(&layer)` on a candle tensor is
+/// the typed forward in f32, and a region value's `.apply(&m)` runs under the region's policy.
+#[test]
+fn layers_are_candle_modules_and_apply_in_regions() -> Result<()> {
+    use candle_amp::{autocast, AmpTensor};
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let fc = nn::linear(4, 3, vb.pp("fc"))?;
+    let ln = nn::layer_norm(3, 1e-5, vb.pp("ln"))?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 4), &Device::Cpu)?;
+    let plain = x.as_candle().apply(&fc)?.apply(&ln)?;
+    let typed = ln.forward(&fc.forward(&x)?)?;
+    assert_eq!(plain.dtype(), DType::F32);
+    assert_eq!(plain.to_vec2::<f32>()?, typed.to_vec2::<f32>()?);
+
+    #[autocast(bf16)]
+    fn applied(fc: &nn::Linear, ln: &nn::LayerNorm, x: &Tensor<F32>) -> Result<Vec<DType>> {
+        let h: AmpTensor = x.apply(fc)?;
+        Ok(vec![h.dtype(), h.apply(ln)?.dtype()])
+    }
+    assert_eq!(applied(&fc, &ln, &x)?, [DType::BF16, DType::F32]);
+    Ok(())
+}

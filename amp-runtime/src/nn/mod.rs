@@ -80,6 +80,39 @@ pub trait AmpLayer {
     type Op: Op;
 }
 
+/// `candle_nn::Module` (and `ModuleT`) for the layers, so they drop into candle code
+/// (`xs.apply(&layer)`, `candle_nn::seq()`): the call runs as a module call from the region
+/// running on this thread (f32 outside any region), on a candle tensor of any float dtype.
+macro_rules! candle_module {
+    ($($layer:ty),*) => {$(
+        impl candle_nn::Module for $layer {
+            fn forward(&self, xs: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+                let x = $crate::region::AmpTensor::from_candle_value(xs)?;
+                $crate::region::AmpModule::forward_amp(self, &x).map(|y| y.as_candle().clone())
+            }
+        }
+    )*};
+}
+candle_module!(Linear, Conv1d, Conv2d, MaxPool2d, AvgPool2d, LayerNorm, RmsNorm);
+
+impl candle_nn::ModuleT for BatchNorm2d {
+    fn forward_t(&self, xs: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
+        use crate::region::{calls, AmpTensor, CallerPolicy, RegionCall};
+        let x = AmpTensor::from_candle_value(xs)?;
+        RegionCall::<CallerPolicy, calls::forward_t, (AmpTensor, bool)>::region_call(
+            self,
+            (x, train),
+        )
+        .map(|y| y.as_candle().clone())
+    }
+}
+
+impl candle_nn::Module for Embedding {
+    fn forward(&self, ids: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+        Ok(Embedding::forward(self, ids)?.into_candle())
+    }
+}
+
 /// Checks that a master weight is an f32 `Var` (what optimizers need: candle-nn's AdamW keeps
 /// its moments in the Var's dtype, so f16 masters break training).
 fn master(var: Var, what: &str) -> Result<Var> {

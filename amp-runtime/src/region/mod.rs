@@ -9,19 +9,22 @@
 //!
 //! One topic a file: `policy` (the policies), `value` (region values), `route` (the routing
 //! core, `Routed` receivers, module calls), `methods` (the routed op methods), `operators`,
-//! `free` (routed free-function ops), `boundary` (entering and leaving a region). Users meet the
-//! policies, [`AmpTensor`], [`AsAmp`], [`RegionCall`] and [`cast_count`]; everything only
-//! generated code calls is in the hidden [`__private`] module.
+//! `free` (routed free-function ops), `boundary` (entering and leaving a region), `module`
+//! (`AmpModule`, `apply`). Users meet the policies, [`AmpTensor`], [`AsAmp`], [`RegionCall`],
+//! [`AmpModule`] and [`cast_count`]; everything only generated code calls is in the hidden
+//! [`__private`] module.
 
 mod boundary;
 pub(crate) mod free;
 mod methods;
+mod module;
 mod operators;
 mod policy;
 mod route;
 mod value;
 
 pub use crate::cast::cast_count;
+pub use module::AmpModule;
 pub use policy::{current_policy, Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy};
 pub use route::{calls, RegionCall};
 pub use value::{AmpTensor, AsAmp};

@@ -30,6 +30,11 @@ impl AmpTensor {
         }
     }
 
+    /// A candle tensor as a region value (f32, f16 or bf16; another dtype is an error).
+    pub fn from_candle_value(t: &candle_core::Tensor) -> Result<Self> {
+        Self::new(t.clone())
+    }
+
     /// The current dtype.
     pub fn dtype(&self) -> DType {
         self.inner.dtype()
