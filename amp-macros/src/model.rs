@@ -277,8 +277,8 @@ impl<'a> Part<'a> {
 }
 
 /// The `RegionCall` shape of a module method: `forward`, `forward_t` or `forward_train` taking
-/// `&self`. Other methods get no `RegionCall` impl (a `&mut self` module called from a region
-/// gets the trait's own "not autocast-aware" error there).
+/// `&self`. Other methods get no `RegionCall` impl (a `&mut self` module gets one whose bound
+/// never holds, so that a region calling it is told why: `expand::mut_self_module`).
 pub(crate) fn region_call_sig(sig: &Signature) -> Option<RegionCallSig<'_>> {
     if !MODULE_CALLS.contains(&sig.ident.to_string().as_str()) {
         return None;

@@ -23,6 +23,8 @@ pub(crate) enum Rt {
     /// The module of method markers: `calls::forward`, `calls::forward_t`, ...
     Calls,
     RegionCall,
+    /// The never-implemented bound on a `&mut self` module's `RegionCall`.
+    MutSelfModule,
     RegionGuard,
     AsAmp,
     AmpTensor,
@@ -50,7 +52,7 @@ pub(crate) enum Rt {
 impl Rt {
     /// Every name, for the test that pins the contract with the facade.
     #[cfg(test)]
-    pub(crate) const ALL: [Self; 27] = [
+    pub(crate) const ALL: [Self; 28] = [
         Self::Fp16Policy,
         Self::Bf16Policy,
         Self::Fp32Policy,
@@ -60,6 +62,7 @@ impl Rt {
         Self::Routed,
         Self::Calls,
         Self::RegionCall,
+        Self::MutSelfModule,
         Self::RegionGuard,
         Self::AsAmp,
         Self::AmpTensor,
@@ -91,6 +94,7 @@ impl Rt {
             Self::Routed => "Routed",
             Self::Calls => "calls",
             Self::RegionCall => "RegionCall",
+            Self::MutSelfModule => "MutSelfModule",
             Self::RegionGuard => "RegionGuard",
             Self::AsAmp => "AsAmp",
             Self::AmpTensor => "AmpTensor",

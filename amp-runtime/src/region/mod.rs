@@ -42,7 +42,7 @@ pub mod __private {
     pub use super::policy::{
         Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy, PolicyScope,
     };
-    pub use super::route::{calls, RegionCall, Routed};
+    pub use super::route::{calls, MutSelfModule, RegionCall, Routed};
     pub use super::value::{AmpTensor, AsAmp};
     pub use crate::cast::RegionGuard;
     pub use crate::op;

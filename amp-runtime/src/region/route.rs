@@ -147,6 +147,17 @@ pub trait RegionCall<Pol: Policy, Method, Args> {
     fn region_call(&self, args: Args) -> Result<AmpTensor>;
 }
 
+/// Never implemented: the bound `#[autocast]` puts on the `RegionCall` of a module whose
+/// `forward` takes `&mut self`, so that calling it from a region names the actual cause.
+#[doc(hidden)]
+#[diagnostic::on_unimplemented(
+    message = "`{M}`'s `forward` takes `&mut self`: a module called from an autocast region takes `&self`",
+    label = "this module call needs `&self`",
+    note = "keep mutable state (a KV cache) in a `RefCell` or `Cell` field, so that `forward` \
+            takes `&self` and the region passes its policy on"
+)]
+pub trait MutSelfModule<M: ?Sized> {}
+
 impl<Pol: Policy, M, Args, T: RegionCall<Pol, M, Args> + ?Sized> RegionCall<Pol, M, Args> for &T {
     fn region_call(&self, args: Args) -> Result<AmpTensor> {
         (**self).region_call(args)
