@@ -788,3 +788,42 @@ fn foreign_ops_run_in_the_class_their_caller_states() -> Result<()> {
     assert!(x.lower_op(|t| t.to_dtype(DType::F16)).is_err());
     Ok(())
 }
+
+/// A module taking an optional additive mask by reference, as candle-transformers' attention.
+struct Masked;
+
+#[autocast]
+impl Masked {
+    fn forward(&self, x: &Tensor<F32>, mask: Option<&candle_core::Tensor>) -> Result<Tensor<F32>> {
+        let scores = x.matmul(&x.t()?)?;
+        let scores = match mask {
+            Some(m) => scores.broadcast_add(m)?,
+            None => scores,
+        };
+        assert_eq!(
+            scores.dtype(),
+            if mask.is_some() {
+                DType::F32
+            } else {
+                DType::F16
+            }
+        );
+        Ok(scores)
+    }
+}
+
+#[autocast(fp16)]
+fn masked_fp16(m: &Masked, x: &Tensor<F32>, mask: &candle_core::Tensor) -> Result<Tensor<F32>> {
+    let unmasked = m.forward(x, None)?;
+    let masked = m.forward(x, Some(mask))?;
+    Ok((&masked - &unmasked)?)
+}
+
+#[test]
+fn modules_take_optional_candle_masks_by_reference() -> Result<()> {
+    let x = Tensor::<F32>::ones((2, 3), &dev())?;
+    let mask = candle_core::Tensor::new(&[[0f32, -1e4], [0., 0.]], &dev())?;
+    let diff = masked_fp16(&Masked, &x, &mask)?;
+    assert_eq!(diff.to_vec2::<f32>()?, [[0., -1e4], [0., 0.]]);
+    Ok(())
+}

@@ -8,6 +8,7 @@ use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned, ToTokens};
 use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
+use syn::visit_mut::{self, VisitMut};
 use syn::{
     Block, Expr, FnArg, GenericParam, ImplItem, ItemFn, ItemImpl, Stmt, Type, TypeParam,
     TypeParamBound,
@@ -232,6 +233,20 @@ impl RegionCallHeader {
             }
             pats.push(input.pat.clone());
         }
+        // A reference among the other parameters (`mask: Option<&Tensor>`, `&[usize]`) gets a
+        // lifetime of the impl, one for all: a call's arguments shrink to it.
+        let mut lifetimes = NameElidedLifetimes {
+            lifetime: syn::Lifetime::new("'__amp_ref", Span::call_site()),
+            used: false,
+        };
+        for ty in &mut types {
+            lifetimes.visit_type_mut(ty);
+        }
+        if lifetimes.used {
+            // Lifetime parameters come before type parameters.
+            let param = syn::LifetimeParam::new(lifetimes.lifetime);
+            generics.params.insert(0, param.into());
+        }
         Self {
             generics,
             self_ty: (*imp.self_ty).clone(),
@@ -271,6 +286,22 @@ impl RegionCallHeader {
                 ) -> #candle_core::Result<#amp_tensor> #body
             }
         }
+    }
+}
+
+/// Names the elided lifetimes of reference types with one lifetime.
+struct NameElidedLifetimes {
+    lifetime: syn::Lifetime,
+    used: bool,
+}
+
+impl VisitMut for NameElidedLifetimes {
+    fn visit_type_reference_mut(&mut self, r: &mut syn::TypeReference) {
+        if r.lifetime.as_ref().is_none_or(|l| l.ident == "_") {
+            r.lifetime = Some(self.lifetime.clone());
+            self.used = true;
+        }
+        visit_mut::visit_type_reference_mut(self, r);
     }
 }
 

@@ -62,21 +62,8 @@ pub(crate) fn region(
 }
 
 /// A `RegionCall` impl with the header the successful expansion would give: same generics, same
-/// argument tuple. A reference parameter (which validation rejects) gets a lifetime of the impl,
-/// so that the stub itself is well-formed.
-fn region_call_stub(mut header: RegionCallHeader) -> TokenStream {
-    let mut lifetimes = NameElidedLifetimes {
-        lifetime: syn::Lifetime::new("'__amp_ref", proc_macro2::Span::call_site()),
-        used: false,
-    };
-    for ty in &mut header.types {
-        lifetimes.visit_type_mut(ty);
-    }
-    if lifetimes.used {
-        let param = syn::LifetimeParam::new(lifetimes.lifetime);
-        // Lifetime parameters come before type parameters.
-        header.generics.params.insert(0, param.into());
-    }
+/// argument tuple.
+fn region_call_stub(header: RegionCallHeader) -> TokenStream {
     let candle_core = Rt::CandleCore;
     let body = quote!({
         ::core::result::Result::Err(#candle_core::Error::Msg(::std::string::String::from(
@@ -84,22 +71,6 @@ fn region_call_stub(mut header: RegionCallHeader) -> TokenStream {
         )))
     });
     header.to_impl(false, &body)
-}
-
-/// Names the elided lifetimes of reference types with one lifetime.
-struct NameElidedLifetimes {
-    lifetime: syn::Lifetime,
-    used: bool,
-}
-
-impl VisitMut for NameElidedLifetimes {
-    fn visit_type_reference_mut(&mut self, r: &mut syn::TypeReference) {
-        if r.lifetime.as_ref().is_none_or(|l| l.ident == "_") {
-            r.lifetime = Some(self.lifetime.clone());
-            self.used = true;
-        }
-        visit_mut::visit_type_reference_mut(self, r);
-    }
 }
 
 /// Removes the region markers from an item: a method's `#[keep_fp32]`/`#[autocast(..)]` in an

@@ -14,7 +14,7 @@ use syn::{Item, ItemFn, ReturnType};
 
 use crate::args::{AutocastArg, AutocastArgs};
 use crate::model::{
-    is_tensor_type, named_precision, Attr, MarkerKind, Method, Part, Region, RegionCallSig, Target,
+    is_tensor_type, named_precision, Attr, MarkerKind, Method, Part, Region, Target,
 };
 use crate::rewrite::expr_macro_args;
 use crate::runtime::Rt;
@@ -193,9 +193,6 @@ fn method(region: &Region, method: &Method, errors: &mut Errors) {
         autocast_args(own, errors);
     }
     region_part(&method.part, &region.args, errors);
-    if let Some(sig) = &method.region_call {
-        region_call(sig, errors);
-    }
 }
 
 /// A method is `#[keep_fp32]` or has its own `#[autocast(..)]`, once.
@@ -268,26 +265,6 @@ fn check_output(args: &AutocastArgs, part: &Part, errors: &mut Errors) {
              result leaves in the precision its signature declares"
         ),
     );
-}
-
-/// A module called from a region takes its non-tensor arguments by value: the `RegionCall`
-/// impl names their types in its header, where a reference would need a lifetime.
-fn region_call(sig: &RegionCallSig, errors: &mut Errors) {
-    for input in sig.inputs.iter().filter(|input| input.tensor.is_none()) {
-        if contains_reference(input.ty) {
-            errors.spanned(
-                input.ty,
-                "a module called from an autocast region takes tensors and owned values; \
-                 a reference parameter other than a tensor is not supported yet",
-            );
-        }
-    }
-}
-
-fn contains_reference(ty: &syn::Type) -> bool {
-    ty.to_token_stream()
-        .into_iter()
-        .any(|t| matches!(t, proc_macro2::TokenTree::Punct(p) if p.as_char() == '&'))
 }
 
 /// Finds `.backward()` calls in a region body, over exactly the code the rewrite visits: not

@@ -11,7 +11,7 @@ use candle_core::Result;
 
 use super::policy::Policy;
 use super::route::{at, binary, target, unary, Routed};
-use super::value::{AmpTensor, AsAmp};
+use super::value::{AmpTensor, AsAmp, Operand};
 use crate::op;
 
 /// The routed method of each `method` row of the op table: generated for the common shapes
@@ -41,8 +41,8 @@ macro_rules! routed {
     };
     (@binary $name:ident) => {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
-        pub fn $name(&self, rhs: impl AsAmp) -> Result<AmpTensor> {
-            binary::<Pol, op::$name>(&self.amp(), &rhs.to_amp(), |a, b| a.$name(b))
+        pub fn $name(&self, rhs: impl Operand) -> Result<AmpTensor> {
+            binary::<Pol, op::$name>(&self.amp(), &rhs.operand(), |a, b| a.$name(b))
         }
     };
 }
@@ -145,20 +145,20 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     /// Routed `conv1d`.
     pub fn conv1d(
         &self,
-        kernel: impl AsAmp,
+        kernel: impl Operand,
         padding: usize,
         stride: usize,
         dilation: usize,
         groups: usize,
     ) -> Result<AmpTensor> {
-        binary::<Pol, op::conv1d>(&self.amp(), &kernel.to_amp(), |x, k| {
+        binary::<Pol, op::conv1d>(&self.amp(), &kernel.operand(), |x, k| {
             x.conv1d(k, padding, stride, dilation, groups)
         })
     }
     /// Routed `conv2d` (bf16 on CPU through candle-amp's kernel).
     pub fn conv2d(
         &self,
-        kernel: impl AsAmp,
+        kernel: impl Operand,
         padding: usize,
         stride: usize,
         dilation: usize,
@@ -170,34 +170,34 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
             dilation,
             groups,
         };
-        binary::<Pol, op::conv2d>(&self.amp(), &kernel.to_amp(), |x, k| {
+        binary::<Pol, op::conv2d>(&self.amp(), &kernel.operand(), |x, k| {
             crate::kernels::conv2d(x, k, params)
         })
     }
     /// Routed `conv_transpose1d`.
     pub fn conv_transpose1d(
         &self,
-        kernel: impl AsAmp,
+        kernel: impl Operand,
         padding: usize,
         output_padding: usize,
         stride: usize,
         dilation: usize,
         groups: usize,
     ) -> Result<AmpTensor> {
-        binary::<Pol, op::conv_transpose1d>(&self.amp(), &kernel.to_amp(), |x, k| {
+        binary::<Pol, op::conv_transpose1d>(&self.amp(), &kernel.operand(), |x, k| {
             x.conv_transpose1d(k, padding, output_padding, stride, dilation, groups)
         })
     }
     /// Routed `conv_transpose2d`.
     pub fn conv_transpose2d(
         &self,
-        kernel: impl AsAmp,
+        kernel: impl Operand,
         padding: usize,
         output_padding: usize,
         stride: usize,
         dilation: usize,
     ) -> Result<AmpTensor> {
-        binary::<Pol, op::conv_transpose2d>(&self.amp(), &kernel.to_amp(), |x, k| {
+        binary::<Pol, op::conv_transpose2d>(&self.amp(), &kernel.operand(), |x, k| {
             x.conv_transpose2d(k, padding, output_padding, stride, dilation)
         })
     }
@@ -234,9 +234,9 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
 /// reference) and region values or typed tensors: promote-class over the two branches.
 impl<Pol: Policy, M: Borrow<candle_core::Tensor>> Routed<'_, Pol, M> {
     /// Routed `where_cond`: `on_true` where the mask is non-zero, else `on_false`.
-    pub fn where_cond(&self, on_true: impl AsAmp, on_false: impl AsAmp) -> Result<AmpTensor> {
+    pub fn where_cond(&self, on_true: impl Operand, on_false: impl Operand) -> Result<AmpTensor> {
         let mask: &candle_core::Tensor = (**self).borrow();
-        binary::<Pol, op::where_cond>(&on_true.to_amp(), &on_false.to_amp(), |a, b| {
+        binary::<Pol, op::where_cond>(&on_true.operand(), &on_false.operand(), |a, b| {
             mask.where_cond(a, b)
         })
     }

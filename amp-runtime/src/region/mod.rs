@@ -27,7 +27,7 @@ pub use crate::cast::cast_count;
 pub use module::AmpModule;
 pub use policy::{current_policy, Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy};
 pub use route::{calls, RegionCall};
-pub use value::{AmpTensor, AsAmp};
+pub use value::{AmpTensor, AsAmp, Operand};
 
 pub(crate) use route::{unary, with_precision};
 

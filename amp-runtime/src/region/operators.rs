@@ -5,7 +5,7 @@ use candle_core::Result;
 
 use super::policy::Policy;
 use super::route::binary;
-use super::value::{AmpTensor, AsAmp};
+use super::value::{AmpTensor, AsAmp, Operand};
 use crate::cast::convert;
 use crate::op;
 use crate::precision::{Precision, F16};
@@ -21,20 +21,20 @@ impl Policy for DeclaredClasses {
 
 macro_rules! region_operator {
     ($trait:ident, $fn:ident, $op:ident) => {
-        impl<B: AsAmp> std::ops::$trait<B> for &AmpTensor {
+        impl<B: Operand> std::ops::$trait<B> for &AmpTensor {
             type Output = Result<AmpTensor>;
             fn $fn(self, rhs: B) -> Result<AmpTensor> {
-                binary::<DeclaredClasses, op::$op>(self, &rhs.to_amp(), |a, b| a.$fn(b))
+                binary::<DeclaredClasses, op::$op>(self, &rhs.operand(), |a, b| a.$fn(b))
             }
         }
-        impl<B: AsAmp> std::ops::$trait<B> for AmpTensor {
+        impl<B: Operand> std::ops::$trait<B> for AmpTensor {
             type Output = Result<AmpTensor>;
             fn $fn(self, rhs: B) -> Result<AmpTensor> {
                 (&self).$fn(rhs)
             }
         }
         // A `&Tensor<P>` parameter is a `&AmpTensor` in the region: `&x + &h` stays valid.
-        impl<B: AsAmp> std::ops::$trait<B> for &&AmpTensor {
+        impl<B: Operand> std::ops::$trait<B> for &&AmpTensor {
             type Output = Result<AmpTensor>;
             fn $fn(self, rhs: B) -> Result<AmpTensor> {
                 (*self).$fn(rhs)

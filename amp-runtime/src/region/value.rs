@@ -149,3 +149,41 @@ impl<T: AsAmp + ?Sized> AsAmp for &T {
         (**self).to_amp()
     }
 }
+
+/// An operand of a routed op or operator: anything [`AsAmp`], and a plain candle tensor (an
+/// additive mask, a position table), which takes part in the op's class like a region value and
+/// is never cast on entry. Receivers stay [`AsAmp`]: a method called on a candle tensor in a
+/// region is candle's own.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a tensor operand an autocast region can use",
+    label = "expected a `Tensor<P>`, a region value or a candle tensor here",
+    note = "inside `#[autocast]` tensor operands are typed tensors, values computed in the \
+            region, or candle tensors"
+)]
+pub trait Operand {
+    /// The operand as a region value (a handle clone).
+    fn operand(&self) -> AmpTensor;
+}
+
+impl<T: AsAmp + ?Sized> Operand for T {
+    fn operand(&self) -> AmpTensor {
+        self.to_amp()
+    }
+}
+
+macro_rules! candle_operand {
+    ($($ty:ty),*) => {$(
+        impl Operand for $ty {
+            fn operand(&self) -> AmpTensor {
+                AmpTensor {
+                    inner: <candle_core::Tensor as Clone>::clone(self),
+                }
+            }
+        }
+    )*};
+}
+candle_operand!(
+    candle_core::Tensor,
+    &candle_core::Tensor,
+    &&candle_core::Tensor
+);
