@@ -1,10 +1,10 @@
 //! Region values: the tensors a region body computes with.
 
-use candle_core::{shape, DType, Device, Result, Shape};
+use candle_core::{DType, Result};
 
 use crate::cast::convert;
 use crate::precision::Precision;
-use crate::tensor::{dims_n, Tensor};
+use crate::tensor::{shape_accessors, Tensor};
 
 /// A tensor inside an autocast region: f32, f16 or bf16, decided by the ops that made it.
 ///
@@ -40,47 +40,12 @@ impl AmpTensor {
         self.inner.dtype()
     }
 
-    /// The dimensions.
-    pub fn dims(&self) -> &[usize] {
-        self.inner.dims()
-    }
-
     /// The underlying candle tensor.
     pub fn as_candle(&self) -> &candle_core::Tensor {
         &self.inner
     }
 
-    /// The shape.
-    pub fn shape(&self) -> &Shape {
-        self.inner.shape()
-    }
-
-    /// The number of dimensions.
-    pub fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-
-    /// The number of elements.
-    pub fn elem_count(&self) -> usize {
-        self.inner.elem_count()
-    }
-
-    /// The device the data lives on.
-    pub fn device(&self) -> &Device {
-        self.inner.device()
-    }
-
-    /// Whether the data is laid out contiguously.
-    pub fn is_contiguous(&self) -> bool {
-        self.inner.is_contiguous()
-    }
-
-    /// The size of one dimension (`D::Minus1` for the last, as in candle).
-    pub fn dim<D: shape::Dim>(&self, dim: D) -> Result<usize> {
-        self.inner.dim(dim)
-    }
-
-    dims_n!();
+    shape_accessors!();
 
     /// An explicit cast to `dtype` (f32, f16 or bf16), like PyTorch's `.float()`/`.half()` in an
     /// autocast region: the ops that follow still route by their class.

@@ -100,12 +100,48 @@ pub(crate) fn dtype_error<P: Precision>(what: &str, got: DType) -> Error {
     ))
 }
 
-/// `dims1()` .. `dims5()` (the dimensions of a tensor of that rank, as candle's) and candle's
-/// indexing `i(..)`, for the typed tensor and the region value alike (both wrap `inner`).
-macro_rules! dims_n {
+/// candle's shape accessors (`shape`, `dims`, `dim`, `dims1()`..`dims5()`, `rank`,
+/// `elem_count`, `device`, `is_contiguous`) and indexing `i(..)`, for the typed tensor and the
+/// region value alike (both wrap a candle tensor in `inner`).
+macro_rules! shape_accessors {
     () => {
-        dims_n!(@ dims1 -> usize, dims2 -> (usize, usize), dims3 -> (usize, usize, usize),
-            dims4 -> (usize, usize, usize, usize),
+        /// The shape.
+        pub fn shape(&self) -> &candle_core::Shape {
+            self.inner.shape()
+        }
+
+        /// The dimensions.
+        pub fn dims(&self) -> &[usize] {
+            self.inner.dims()
+        }
+
+        /// The size of one dimension (`D::Minus1` for the last, as in candle).
+        pub fn dim<D: candle_core::shape::Dim>(&self, dim: D) -> candle_core::Result<usize> {
+            self.inner.dim(dim)
+        }
+
+        /// The number of dimensions.
+        pub fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+
+        /// The number of elements.
+        pub fn elem_count(&self) -> usize {
+            self.inner.elem_count()
+        }
+
+        /// The device the data lives on.
+        pub fn device(&self) -> &candle_core::Device {
+            self.inner.device()
+        }
+
+        /// Whether the data is laid out contiguously.
+        pub fn is_contiguous(&self) -> bool {
+            self.inner.is_contiguous()
+        }
+
+        shape_accessors!(@ dims1 -> usize, dims2 -> (usize, usize),
+            dims3 -> (usize, usize, usize), dims4 -> (usize, usize, usize, usize),
             dims5 -> (usize, usize, usize, usize, usize));
 
         /// Indexing as candle's `IndexOp::i`: `x.i((.., 0))`, `x.i(1..3)`; the same precision.
@@ -123,7 +159,7 @@ macro_rules! dims_n {
         }
     )*};
 }
-pub(crate) use dims_n;
+pub(crate) use shape_accessors;
 
 // ---------------------------------------------------------------------------------------------
 // Boundary with candle, casts, constructors, accessors.
@@ -292,42 +328,12 @@ impl<P: Precision> Tensor<P> {
         P::DTYPE
     }
 
-    /// The shape.
-    pub fn shape(&self) -> &Shape {
-        self.inner.shape()
-    }
-
-    /// The dimensions.
-    pub fn dims(&self) -> &[usize] {
-        self.inner.dims()
-    }
-
-    /// The size of one dimension.
-    pub fn dim<D: candle_core::shape::Dim>(&self, dim: D) -> Result<usize> {
-        self.inner.dim(dim)
-    }
-
-    dims_n!();
+    shape_accessors!();
 
     /// An indexed view keeps the precision.
     #[allow(clippy::unnecessary_wraps)] // the region value's check can fail
     fn wrap_indexed(t: candle_core::Tensor) -> Result<Self> {
         Ok(Self::wrap(t))
-    }
-
-    /// The number of dimensions.
-    pub fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-
-    /// The number of elements.
-    pub fn elem_count(&self) -> usize {
-        self.inner.elem_count()
-    }
-
-    /// The device the data lives on.
-    pub fn device(&self) -> &Device {
-        self.inner.device()
     }
 
     /// A copy on another device.
