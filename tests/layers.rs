@@ -539,3 +539,38 @@ fn layers_are_candle_modules_and_apply_in_regions() -> Result<()> {
     assert_eq!(applied(&fc, &ln, &x)?, [DType::BF16, DType::F32]);
     Ok(())
 }
+
+/// An `#[autocast(bf16)] impl candle_nn::Module` drops into f32 candle code: it takes and
+/// returns candle tensors in the input's dtype, and runs its layers under bf16 inside.
+#[test]
+fn an_autocast_candle_module_drops_into_candle_code() -> Result<()> {
+    use candle_amp::autocast;
+    struct Mlp {
+        fc1: nn::Linear,
+        fc2: nn::Linear,
+    }
+    #[autocast(bf16)]
+    impl candle_nn::Module for Mlp {
+        fn forward(&self, xs: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+            let h = self.fc1.forward(xs)?.relu()?;
+            assert_eq!(h.dtype(), DType::BF16);
+            self.fc2.forward(&h)
+        }
+    }
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let mlp = Mlp {
+        fc1: nn::linear(4, 8, vb.pp("fc1"))?,
+        fc2: nn::linear(8, 2, vb.pp("fc2"))?,
+    };
+    let xs = candle_core::Tensor::randn(0f32, 1., (3, 4), &Device::Cpu)?;
+    let ys = xs.apply(&mlp)?;
+    assert_eq!((ys.dtype(), ys.dims()), (DType::F32, &[3usize, 2][..]));
+    // Against the f32 program: bf16 rounding only (8-bit mantissas: a few parts in 100 of the
+    // output's scale after two layers).
+    let reference = xs.apply(&mlp.fc1)?.relu()?.apply(&mlp.fc2)?;
+    let diff = (&ys - &reference)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let scale = reference.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(diff <= 0.03 * (1.0 + scale), "{diff} at scale {scale}");
+    Ok(())
+}

@@ -59,7 +59,7 @@ fn region_block(part: &Part, region_args: &AutocastArgs) -> Block {
     // Called as a plain fn or method, a part that inherits its policy runs under the innermost
     // region running on this thread (f32 outside any): a helper method keeps its caller's.
     let policy = policy(args, &part.mode, Rt::CallerPolicy);
-    let exit = part.returns_tensor.then_some(Rt::Exit);
+    let exit = part.returns_tensor.then(|| Rt::Exit.into_token_stream());
     verbatim_block(region_body(part, &policy, args.enabled(), exit))
 }
 
@@ -83,7 +83,7 @@ fn region_body(
     part: &Part,
     policy: &TokenStream,
     enabled: Option<&Expr>,
-    exit: Option<Rt>,
+    exit: Option<TokenStream>,
 ) -> TokenStream {
     // Mixed-site: the guard must not shadow or be reachable from the user's names.
     let guard = syn::Ident::new("__amp_region", Span::mixed_site());
@@ -92,8 +92,29 @@ fn region_body(
     // Input:  `x: &Tensor<F32>`, `ids: &candle_core::Tensor`, `y: Tensor<F16>`
     // Output: `let x = &enter::<Tensor<F32>, _>(&x);` (a region value), `let ids = &enter::<
     //         candle_core::Tensor, _>(&ids);` (passed through), `let y = enter::<..>(&y);`
+    // A candle module: `xs` is the activation; the result leaves in `xs`'s dtype.
+    // Input:  `fn forward(&self, xs: &Tensor) -> Result<Tensor>`
+    // Output: `let __amp_exit = |r| exit_like(r, xs.dtype()); let xs = &enter_activation(xs)?;`
+    let (mut candle_exit, mut exit) = (TokenStream::new(), exit);
+    if part.candle_module {
+        if let Some(first) = part.tensor_params.first() {
+            let (name, exit_like) = (first.name, Rt::ExitLike);
+            let closure = syn::Ident::new("__amp_exit", Span::mixed_site());
+            candle_exit = quote! {
+                let #closure = {
+                    let dtype = #name.dtype();
+                    move |r| #exit_like(r, dtype)
+                };
+            };
+            exit = Some(closure.into_token_stream());
+        }
+    }
     let enter = part.tensor_params.iter().map(|p| {
         let (name, declared) = (p.name, p.declared);
+        if part.candle_module {
+            let enter_activation = Rt::EnterActivation;
+            return quote_spanned!(name.span()=> let #name = &#enter_activation(#name)?;);
+        }
         let value = if upcast {
             quote_spanned!(name.span()=> #enter_fp32::<#declared, _>(&#name)?)
         } else {
@@ -109,8 +130,8 @@ fn region_body(
     let scope = syn::Ident::new("__amp_policy", Span::mixed_site());
     let policy_scope = Rt::PolicyScope;
     let rewrite = |policy: TokenStream| -> TokenStream {
-        let body = rewrite::body(part.block, policy.clone(), exit);
-        let run = match exit {
+        let body = rewrite::body(part.block, policy.clone(), exit.clone());
+        let run = match &exit {
             Some(exit) => quote!(#exit(#body)),
             None => body.into_token_stream(),
         };
@@ -129,6 +150,7 @@ fn region_body(
     };
     quote! {
         let #guard = #region_guard::enter();
+        #candle_exit
         #(#enter)*
         #run
     }
@@ -355,7 +377,8 @@ fn region_call_impl(
         })
     } else {
         let policy = policy(args, &part.mode, &header.pol);
-        let stmts = region_body(part, &policy, args.enabled(), Some(exit_to_region));
+        let exit = Some(exit_to_region.into_token_stream());
+        let stmts = region_body(part, &policy, args.enabled(), exit);
         quote!({ #stmts })
     };
     header.to_impl(true, &body)

@@ -122,6 +122,10 @@ pub(crate) struct Part<'a> {
     /// Whether the signature returns `Result<Tensor<..>, ..>`: then the region's value leaves
     /// as that typed tensor, cast to its precision.
     pub(crate) returns_tensor: bool,
+    /// `forward`/`forward_t` of an `impl candle_nn::Module`/`ModuleT`: the candle tensor it
+    /// takes is the activation (a region value), and the result leaves as a candle tensor in
+    /// the input's dtype.
+    pub(crate) candle_module: bool,
 }
 
 impl Part<'_> {
@@ -200,6 +204,12 @@ impl<'a> Region<'a> {
 
 impl<'a> Impl<'a> {
     fn from_syn(item: &'a ItemImpl, mode: &Mode, errors: &mut Errors) -> Self {
+        // `impl candle_nn::Module for M` (or `ModuleT`), by the trait's last path segment.
+        let candle_module = item.trait_.as_ref().is_some_and(|(_, path, _)| {
+            path.segments
+                .last()
+                .is_some_and(|s| s.ident == "Module" || s.ident == "ModuleT")
+        });
         let methods = item
             .items
             .iter()
@@ -225,10 +235,16 @@ impl<'a> Impl<'a> {
                 } else {
                     mode.clone()
                 };
+                let mut part = Part::new(&method.sig, &method.block, mode, own_args);
+                // A candle module is called through its trait (`xs.apply(&m)`), not routed.
+                part.candle_module = candle_module
+                    && ["forward", "forward_t"].contains(&method.sig.ident.to_string().as_str());
                 Method {
                     markers,
-                    part: Part::new(&method.sig, &method.block, mode, own_args),
-                    region_call: region_call_sig(&method.sig),
+                    region_call: (!part.candle_module)
+                        .then(|| region_call_sig(&method.sig))
+                        .flatten(),
+                    part,
                 }
             })
             .collect();
@@ -272,6 +288,7 @@ impl<'a> Part<'a> {
             own_args,
             tensor_params: sig.inputs.iter().filter_map(TensorParam::new).collect(),
             returns_tensor: returns_tensor_result(&sig.output),
+            candle_module: false,
         }
     }
 }

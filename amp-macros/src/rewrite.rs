@@ -60,7 +60,7 @@ pub(crate) fn expr_macro_args(mac: &Macro) -> Option<Punctuated<Expr, Token![,]>
 
 /// Input:  a region body `{ stmts; tail }`, the policy it runs under, how a returned value leaves
 /// Output: the body with its op calls, module calls, free ops and `return`s routed
-pub(crate) fn body(block: &Block, policy: TokenStream, exit: Option<Rt>) -> Block {
+pub(crate) fn body(block: &Block, policy: TokenStream, exit: Option<TokenStream>) -> Block {
     let mut body = block.clone();
     Rewriter {
         policy,
@@ -78,8 +78,9 @@ struct Rewriter {
     /// How many `#[keep_fp32]` statements or blocks enclose the current expression: inside
     /// one, ops run under the f32 policy.
     kept_fp32: usize,
-    /// The function wrapping a returned value (`exit` or `exit_to_region`).
-    exit: Option<Rt>,
+    /// The function wrapping a returned value (`exit`, `exit_to_region`, or a candle module's
+    /// exit closure).
+    exit: Option<TokenStream>,
     closures: usize,
 }
 
@@ -239,7 +240,7 @@ impl VisitMut for Rewriter {
             Expr::MethodCall(call) => Self::method_call(call, &policy),
             Expr::Call(call) => free_op_call(call, &policy),
             Expr::Return(ret) if self.closures == 0 => {
-                if let (Some(exit), Some(value)) = (self.exit, &mut ret.expr) {
+                if let (Some(exit), Some(value)) = (&self.exit, &mut ret.expr) {
                     // Input: `return v`  Output: `return exit(v)`, the `return` kept as written.
                     let span = value.span();
                     let wrapped = quote_spanned!(span=> #exit(#value));

@@ -35,6 +35,10 @@ pub(crate) enum Rt {
     EnterCast,
     Exit,
     ExitToRegion,
+    /// A candle module's input entering as the region value it is.
+    EnterActivation,
+    /// A candle module's result leaving as a candle tensor in the input's dtype.
+    ExitLike,
     GradLike,
     GradsLike,
     F32,
@@ -52,7 +56,7 @@ pub(crate) enum Rt {
 impl Rt {
     /// Every name, for the test that pins the contract with the facade.
     #[cfg(test)]
-    pub(crate) const ALL: [Self; 28] = [
+    pub(crate) const ALL: [Self; 30] = [
         Self::Fp16Policy,
         Self::Bf16Policy,
         Self::Fp32Policy,
@@ -72,6 +76,8 @@ impl Rt {
         Self::EnterCast,
         Self::Exit,
         Self::ExitToRegion,
+        Self::EnterActivation,
+        Self::ExitLike,
         Self::GradLike,
         Self::GradsLike,
         Self::F32,
@@ -104,6 +110,8 @@ impl Rt {
             Self::EnterCast => "enter_cast",
             Self::Exit => "exit",
             Self::ExitToRegion => "exit_to_region",
+            Self::EnterActivation => "enter_activation",
+            Self::ExitLike => "exit_like",
             Self::GradLike => "grad_like",
             Self::GradsLike => "GradsLike",
             Self::F32 => "F32",

@@ -161,3 +161,18 @@ pub fn exit_to_region<A: AsAmp, E>(
 ) -> std::result::Result<AmpTensor, E> {
     r.map(|a| a.to_amp())
 }
+
+/// The input of an `#[autocast] impl candle_nn::Module`: the candle tensor is the activation, a
+/// region value (f32, f16 or bf16).
+pub fn enter_activation(xs: &candle_core::Tensor) -> Result<AmpTensor> {
+    AmpTensor::new(xs.clone())
+}
+
+/// The result of an `#[autocast] impl candle_nn::Module`: a candle tensor in `dtype`, the input's,
+/// so that the module drops into candle code of that dtype.
+pub fn exit_like<A: AsAmp, E: From<candle_core::Error>>(
+    r: std::result::Result<A, E>,
+    dtype: DType,
+) -> std::result::Result<candle_core::Tensor, E> {
+    r.and_then(|a| convert(a.to_amp().as_candle(), dtype).map_err(E::from))
+}

@@ -36,7 +36,8 @@ pub(crate) use route::{unary, with_precision};
 #[doc(hidden)]
 pub mod __private {
     pub use super::boundary::{
-        enter, enter_cast, enter_fp32, exit, exit_to_region, grad_like, EnterAs, GradsLike,
+        enter, enter_activation, enter_cast, enter_fp32, exit, exit_like, exit_to_region,
+        grad_like, EnterAs, GradsLike,
     };
     pub use super::free::{ForeignJoin, Unrouted};
     pub use super::policy::{
