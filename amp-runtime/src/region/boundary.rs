@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Result};
 
-use super::value::{AmpTensor, AsAmp};
+use super::value::{AmpTensor, AsAmp, Operand};
 use crate::cast::convert;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
@@ -149,17 +149,17 @@ impl
 }
 
 /// A region's result leaving as the typed tensor the signature declares.
-pub fn exit<Q: Precision, A: AsAmp, E: From<candle_core::Error>>(
+pub fn exit<Q: Precision, A: Operand, E: From<candle_core::Error>>(
     r: std::result::Result<A, E>,
 ) -> std::result::Result<Tensor<Q>, E> {
-    r.and_then(|a| a.to_amp().cast::<Q>().map_err(E::from))
+    r.and_then(|a| a.operand().cast::<Q>().map_err(E::from))
 }
 
 /// A region's result returned to a calling region (a module call), still a region value.
-pub fn exit_to_region<A: AsAmp, E>(
+pub fn exit_to_region<A: Operand, E>(
     r: std::result::Result<A, E>,
 ) -> std::result::Result<AmpTensor, E> {
-    r.map(|a| a.to_amp())
+    r.map(|a| a.operand())
 }
 
 /// The input of an `#[autocast] impl candle_nn::Module`: the candle tensor is the activation, a
@@ -170,9 +170,9 @@ pub fn enter_activation(xs: &candle_core::Tensor) -> Result<AmpTensor> {
 
 /// The result of an `#[autocast] impl candle_nn::Module`: a candle tensor in `dtype`, the input's,
 /// so that the module drops into candle code of that dtype.
-pub fn exit_like<A: AsAmp, E: From<candle_core::Error>>(
+pub fn exit_like<A: Operand, E: From<candle_core::Error>>(
     r: std::result::Result<A, E>,
     dtype: DType,
 ) -> std::result::Result<candle_core::Tensor, E> {
-    r.and_then(|a| convert(a.to_amp().as_candle(), dtype).map_err(E::from))
+    r.and_then(|a| convert(a.operand().as_candle(), dtype).map_err(E::from))
 }
