@@ -574,3 +574,42 @@ fn an_autocast_candle_module_drops_into_candle_code() -> Result<()> {
     assert!(diff <= 0.03 * (1.0 + scale), "{diff} at scale {scale}");
     Ok(())
 }
+
+/// candle-nn's own layers in a region run in their op class, and train: gradients reach their
+/// weights, the layer norm's too (candle-nn's fused `layer_norm` has no backward).
+#[test]
+fn candle_nn_layers_in_a_region_run_in_their_class_and_train() -> Result<()> {
+    use candle_amp::{autocast, loss};
+    struct Net {
+        emb: candle_nn::Embedding,
+        fc: candle_nn::Linear,
+        ln: candle_nn::LayerNorm,
+    }
+    #[autocast(fp16)]
+    impl Net {
+        fn losses(&self, ids: &candle_core::Tensor) -> Result<(Vec<DType>, Tensor<F32>)> {
+            let e = self.emb.forward(ids)?;
+            let h = self.fc.forward(&e)?;
+            let y = self.ln.forward(&h)?;
+            let l = loss::mse(&y, &e)?;
+            Ok((vec![e.dtype(), h.dtype(), y.dtype()], l.cast::<F32>()?))
+        }
+    }
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let net = Net {
+        emb: candle_nn::embedding(6, 4, vb.pp("emb"))?,
+        fc: candle_nn::linear(4, 4, vb.pp("fc"))?,
+        ln: candle_nn::layer_norm(4, 1e-5, vb.pp("ln"))?,
+    };
+    let ids = candle_core::Tensor::new(&[0u32, 2, 5], &Device::Cpu)?;
+    let (dtypes, l) = net.losses(&ids)?;
+    assert_eq!(dtypes, [DType::F32, DType::F16, DType::F32]);
+    let grads = l.as_candle().backward()?;
+    for w in [net.fc.weight(), net.ln.weight(), net.emb.embeddings()] {
+        let g = grads.get(w).expect("a gradient for every weight");
+        assert_eq!(g.dtype(), DType::F32);
+        assert!(g.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0);
+    }
+    Ok(())
+}

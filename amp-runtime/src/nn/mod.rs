@@ -30,6 +30,7 @@
 //! # Ok(()) }
 //! ```
 
+mod candle;
 pub mod conv;
 pub mod embedding;
 pub mod linear;
