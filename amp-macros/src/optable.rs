@@ -34,6 +34,8 @@ pub(crate) enum Method {
     Dims,
     /// `x.op(&rhs)`, a tensor operand.
     Binary,
+    /// `x.op(f)`, a candle function run as an op of the row's class (a foreign op).
+    Closure,
     /// Any other signature, with its argument count: the routed method is written by hand.
     Custom(usize),
 }
@@ -42,7 +44,7 @@ impl Method {
     fn arity(self) -> usize {
         match self {
             Self::Unary => 0,
-            Self::Dim | Self::Dims | Self::Binary => 1,
+            Self::Dim | Self::Dims | Self::Binary | Self::Closure => 1,
             Self::Custom(n) => n,
         }
     }
@@ -53,6 +55,7 @@ impl Method {
             Self::Dim => "dim",
             Self::Dims => "dims",
             Self::Binary => "binary",
+            Self::Closure => "closure",
             Self::Custom(_) => "custom",
         }
     }
@@ -108,7 +111,7 @@ pub(crate) const OPS: &[Row] = rows! {
     conv_transpose1d: LowerPrecision, method Custom(6);
     conv_transpose2d: LowerPrecision, method Custom(5);
     linear: LowerPrecision;
-    lower_op: LowerPrecision, method Custom(1);
+    lower_op: LowerPrecision, method Closure;
 
     // fp32: reductions, exp/log/pow, softmax, norms, every loss.
     sum: Fp32, method Dims;
@@ -124,7 +127,7 @@ pub(crate) const OPS: &[Row] = rows! {
     recip: Fp32, method Unary;
     log_sum_exp: Fp32, method Dims;
     cumsum: Fp32, method Dim;
-    fp32_op: Fp32, method Custom(1);
+    fp32_op: Fp32, method Closure;
     softmax: Fp32, free Ops;
     log_softmax: Fp32, free Ops;
     layer_norm: Fp32, free Ops;
@@ -189,7 +192,7 @@ pub(crate) const OPS: &[Row] = rows! {
     min_all: Preserve, method Unary;
     argmax: Preserve, method Custom(1);
     clamp: Preserve, method Custom(2);
-    preserve_op: Preserve, method Custom(1);
+    preserve_op: Preserve, method Closure;
     max_pool2d: Preserve, method Custom(1);
     avg_pool2d: Preserve, method Custom(1);
     batch_norm: Preserve;

@@ -15,7 +15,8 @@ use super::value::{AmpTensor, AsAmp, Operand};
 use crate::op;
 
 /// The routed method of each `method` row of the op table: generated for the common shapes
-/// (no argument, one dim, dims, one tensor operand); `custom` rows are written below by hand.
+/// (no argument, one dim, dims, one tensor operand, a candle function); `custom` rows are
+/// written below by hand.
 macro_rules! routed {
     ($($shape:ident $arity:literal $name:ident;)*) => {$(
         routed!(@$shape $name);
@@ -37,6 +38,16 @@ macro_rules! routed {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
         pub fn $name<D: candle_core::shape::Dims>(&self, dims: D) -> Result<AmpTensor> {
             unary::<Pol, op::$name>(&self.amp(), |x| x.$name(dims))
+        }
+    };
+    (@closure $name:ident) => {
+        #[doc = concat!("Any candle function on the value, run as the `", stringify!($name), "` op's class \
+            under the policy (a foreign op): its input cast there first.")]
+        pub fn $name(
+            &self,
+            f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
+        ) -> Result<AmpTensor> {
+            unary::<Pol, op::$name>(&self.amp(), f)
         }
     };
     (@binary $name:ident) => {
@@ -200,29 +211,6 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         binary::<Pol, op::conv_transpose2d>(&self.amp(), &kernel.operand(), |x, k| {
             x.conv_transpose2d(k, padding, output_padding, stride, dilation)
         })
-    }
-    /// Any candle function on the value, run as a lower-precision op (input cast to the policy's
-    /// half dtype): a foreign op of PyTorch's `lower_precision_fp` kind.
-    pub fn lower_op(
-        &self,
-        f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
-    ) -> Result<AmpTensor> {
-        unary::<Pol, op::lower_op>(&self.amp(), f)
-    }
-    /// Any candle function on the value, run as an fp32-class op (input upcast to f32).
-    pub fn fp32_op(
-        &self,
-        f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
-    ) -> Result<AmpTensor> {
-        unary::<Pol, op::fp32_op>(&self.amp(), f)
-    }
-    /// Any candle function on the value, run in the value's own dtype (a precision-preserving
-    /// op: activations, shape ops).
-    pub fn preserve_op(
-        &self,
-        f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
-    ) -> Result<AmpTensor> {
-        unary::<Pol, op::preserve_op>(&self.amp(), f)
     }
     /// Routed `clamp`, to `[min, max]`, in the receiver's dtype.
     pub fn clamp(&self, min: f64, max: f64) -> Result<AmpTensor> {
