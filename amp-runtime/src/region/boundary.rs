@@ -44,7 +44,7 @@ impl<P: Precision, A: AsAmp + ?Sized> EnterAs<Tensor<P>> for A {
         self.to_amp()
     }
     fn enter_as_fp32(&self) -> Result<AmpTensor> {
-        AmpTensor::new(convert(self.to_amp().as_candle(), DType::F32)?)
+        self.to_amp().to_dtype(DType::F32)
     }
 }
 
@@ -165,7 +165,7 @@ pub fn exit_to_region<A: Operand, E>(
 /// The input of an `#[autocast] impl candle_nn::Module`: the candle tensor is the activation, a
 /// region value (f32, f16 or bf16).
 pub fn enter_activation(xs: &candle_core::Tensor) -> Result<AmpTensor> {
-    AmpTensor::new(xs.clone())
+    AmpTensor::from_candle_value(xs)
 }
 
 /// The result of an `#[autocast] impl candle_nn::Module`: a candle tensor in `dtype`, the input's,
