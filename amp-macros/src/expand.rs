@@ -171,8 +171,6 @@ fn region_impl(imp: &Impl, region_args: &AutocastArgs) -> TokenStream {
         f.attrs.retain(|attr| !is_marker(attr));
         if let Some(sig) = &method.region_call {
             region_calls.push(region_call_impl(imp.item, &method.part, sig, region_args));
-        } else if takes_mut_self_as_module(method.part.sig) {
-            region_calls.push(mut_self_module(imp.item, &method.part.sig.ident));
         }
         // A cast_inputs op called with typed tensors outside a region runs exactly as written.
         if method.part.is_rewritten() {
@@ -180,45 +178,6 @@ fn region_impl(imp: &Impl, region_args: &AutocastArgs) -> TokenStream {
         }
     }
     quote!(#item #(#region_calls)*)
-}
-
-/// A module call (`forward`, ..) taking `&mut self`, which a region cannot route.
-fn takes_mut_self_as_module(sig: &syn::Signature) -> bool {
-    crate::optable::MODULE_CALLS.contains(&sig.ident.to_string().as_str())
-        && matches!(sig.inputs.first(), Some(FnArg::Receiver(r)) if r.mutability.is_some())
-}
-
-/// Input:  `impl Model { fn forward(&mut self, ..) }`
-/// Output: `impl<Pol, Args> RegionCall<Pol, calls::forward, Args> for Model where
-///         Pol: MutSelfModule<Model> { .. }`: the bound never holds, so a region calling the
-///         module gets `MutSelfModule`'s message, which names the `&mut self` receiver.
-fn mut_self_module(imp: &ItemImpl, name: &syn::Ident) -> TokenStream {
-    let (pol, args) = (
-        syn::Ident::new("__AmpPol", Span::mixed_site()),
-        syn::Ident::new("__AmpArgs", Span::mixed_site()),
-    );
-    let self_ty = &imp.self_ty;
-    let mut generics = imp.generics.clone();
-    generics.params.push(bounded(&pol, Rt::Policy));
-    generics
-        .params
-        .push(GenericParam::Type(TypeParam::from(args.clone())));
-    let mut_self = Rt::MutSelfModule;
-    // The user's type is a type: the predicate always parses.
-    let bound: syn::WherePredicate = syn::parse_quote!(#pol: #mut_self<#self_ty>);
-    generics.make_where_clause().predicates.push(bound);
-    let (impl_generics, _, where_clause) = generics.split_for_impl();
-    let (region_call, calls, amp_tensor, candle_core) =
-        (Rt::RegionCall, Rt::Calls, Rt::AmpTensor, Rt::CandleCore);
-    quote! {
-        impl #impl_generics #region_call<#pol, #calls::#name, #args> for #self_ty #where_clause {
-            fn region_call(&self, _: #args) -> #candle_core::Result<#amp_tensor> {
-                ::core::result::Result::Err(#candle_core::Error::Msg(
-                    ::std::string::String::from("a `&mut self` module cannot be called from a region"),
-                ))
-            }
-        }
-    }
 }
 
 /// The header of a module method's `RegionCall` impl: generic over the caller's policy and over
@@ -230,6 +189,8 @@ pub(crate) struct RegionCallHeader {
     pol: syn::Ident,
     /// `forward`, `forward_t` or `forward_train`.
     name: syn::Ident,
+    /// `RegionCallMut` (`&mut self`) rather than `RegionCall`.
+    mutable: bool,
     /// The argument tuple's element types.
     pub(crate) types: Vec<Type>,
     /// The parameters' patterns, which bind the tuple's elements.
@@ -274,6 +235,7 @@ impl RegionCallHeader {
             self_ty: (*imp.self_ty).clone(),
             pol,
             name: sig.name.clone(),
+            mutable: sig.mutable,
             types,
             pats,
         }
@@ -287,11 +249,20 @@ impl RegionCallHeader {
             self_ty,
             pol,
             name,
+            mutable,
             types,
             pats,
         } = self;
-        let (region_call, calls, amp_tensor, candle_core) =
-            (Rt::RegionCall, Rt::Calls, Rt::AmpTensor, Rt::CandleCore);
+        let (calls, amp_tensor, candle_core) = (Rt::Calls, Rt::AmpTensor, Rt::CandleCore);
+        let (region_call, method, receiver) = if *mutable {
+            (
+                Rt::RegionCallMut,
+                quote!(region_call_mut),
+                quote!(&mut self),
+            )
+        } else {
+            (Rt::RegionCall, quote!(region_call), quote!(&self))
+        };
         let (impl_generics, _, where_clause) = generics.split_for_impl();
         let params = if bind {
             quote!((#(#pats,)*))
@@ -302,8 +273,8 @@ impl RegionCallHeader {
             impl #impl_generics #region_call<#pol, #calls::#name, (#(#types,)*)>
                 for #self_ty #where_clause
             {
-                fn region_call(
-                    &self,
+                fn #method(
+                    #receiver,
                     #params: (#(#types,)*),
                 ) -> #candle_core::Result<#amp_tensor> #body
             }

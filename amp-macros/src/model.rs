@@ -93,8 +93,8 @@ pub(crate) struct Method<'a> {
     /// The method's own `#[keep_fp32]`/`#[autocast(..)]` attributes, in order.
     pub(crate) markers: Vec<Marker<'a>>,
     pub(crate) part: Part<'a>,
-    /// Set for the module calls a region routes (`forward`, `forward_t`, `forward_train` on
-    /// `&self`): the method gets a `RegionCall` impl.
+    /// Set for the module calls a region routes (`forward`, `forward_t`, `forward_train`): the
+    /// method gets a `RegionCall` impl (`RegionCallMut` for a `&mut self` receiver).
     pub(crate) region_call: Option<RegionCallSig<'a>>,
 }
 
@@ -144,6 +144,8 @@ impl Part<'_> {
 pub(crate) struct RegionCallSig<'a> {
     /// `forward`, `forward_t` or `forward_train`: the `calls::NAME` marker.
     pub(crate) name: &'a syn::Ident,
+    /// The receiver is `&mut self` (a module holding a KV cache).
+    pub(crate) mutable: bool,
     /// The parameters after `&self`.
     pub(crate) inputs: Vec<Input<'a>>,
 }
@@ -294,17 +296,16 @@ impl<'a> Part<'a> {
 }
 
 /// The `RegionCall` shape of a module method: `forward`, `forward_t` or `forward_train` taking
-/// `&self`. Other methods get no `RegionCall` impl (a `&mut self` module gets one whose bound
-/// never holds, so that a region calling it is told why: `expand::mut_self_module`).
+/// `&self` or `&mut self`. Other methods get no `RegionCall` impl.
 pub(crate) fn region_call_sig(sig: &Signature) -> Option<RegionCallSig<'_>> {
     if !MODULE_CALLS.contains(&sig.ident.to_string().as_str()) {
         return None;
     }
     let mut inputs = sig.inputs.iter();
-    match inputs.next() {
-        Some(FnArg::Receiver(r)) if r.reference.is_some() && r.mutability.is_none() => {}
+    let mutable = match inputs.next() {
+        Some(FnArg::Receiver(r)) if r.reference.is_some() => r.mutability.is_some(),
         _ => return None,
-    }
+    };
     let inputs = inputs
         .enumerate()
         .filter_map(|(index, input)| match input {
@@ -319,6 +320,7 @@ pub(crate) fn region_call_sig(sig: &Signature) -> Option<RegionCallSig<'_>> {
         .collect();
     Some(RegionCallSig {
         name: &sig.ident,
+        mutable,
         inputs,
     })
 }

@@ -1,8 +1,8 @@
 //! The body rewrite: routes op calls, module calls and free ops through the region's policy.
 //!
 //! Input:  `let h = self.fc.forward(&x)?.relu()?; Ok(ops::softmax(&h, 1)?)`
-//! Output: `let h = Routed::<Pol, _>::new(&(Routed::<Pol, _>::new(&(self.fc))
-//!              .__call::<calls::forward, _>((&x,))?)).relu()?;
+//! Output: `let h = Routed::<Pol, _>::new(&({ use module_call::{..};
+//!              (self.fc).__amp_forward(PhantomData::<Pol>, (&x,)) }?)).relu()?;
 //!          Ok(match (&h, 1) { .. __amp_routed::softmax(..).__amp_policy::<Pol>() }?)`
 //! (paths abbreviated; every inserted path is `::candle_amp::__private::NAME`, see `runtime.rs`).
 //!
@@ -18,7 +18,7 @@
 //! it where the original stood keeps precedence.
 
 use proc_macro2::TokenStream;
-use quote::{quote, quote_spanned, ToTokens};
+use quote::{format_ident, quote, quote_spanned, ToTokens};
 use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
 use syn::visit_mut::{self, VisitMut};
@@ -115,29 +115,49 @@ impl Rewriter {
 
     /// Input:  `x.matmul(&w)`, `m.forward(&x, train)`
     /// Output: `Routed::<Pol, _>::new(&(x)).matmul(&w)`,
-    ///         `Routed::<Pol, _>::new(&(m)).__call::<calls::forward, _>((&x, train,))`;
-    ///         `None` for a method that is neither an op nor a module call
+    ///         `{ use module_call::{__AmpForward as _, __AmpForwardMut as _};
+    ///          (m).__amp_forward(PhantomData::<Pol>, (&x, train,)) }`
+    ///         (a method call on `m` as written: Rust borrows it as the module's method needs,
+    ///         `&self` or `&mut self`); `None` for a method that is neither an op nor a module
+    ///         call
     fn method_call(call: &syn::ExprMethodCall, policy: &TokenStream) -> Option<TokenStream> {
         let name = call.method.to_string();
         let (receiver, method, args) = (&call.receiver, &call.method, &call.args);
         // The inserted tokens carry the method's span, so that rustc's errors about the routed
         // call point at the method the user wrote.
         let span = method.span();
+        if optable::MODULE_CALLS.contains(&name.as_str()) {
+            let module_call = Rt::ModuleCall.at(span);
+            let call = format_ident!("__amp_{}", method, span = span);
+            // `forward_t` -> `__AmpForwardT`, `__AmpForwardTMut`: the method's two traits.
+            let camel: String = name.split('_').map(capitalized).collect();
+            let by_ref = format_ident!("__Amp{}", camel, span = span);
+            let by_mut = format_ident!("__Amp{}Mut", camel, span = span);
+            let args = args.iter();
+            // One of the two is used, which one the probe decides.
+            return Some(quote_spanned!(span=> {
+                #[allow(unused_imports)]
+                use #module_call::{#by_ref as _, #by_mut as _};
+                (#receiver).#call(::core::marker::PhantomData::<#policy>, (#(#args,)*))
+            }));
+        }
         let routed = Rt::Routed.at(span);
         let routed = quote_spanned!(span=> #routed::<#policy, _>::new(&(#receiver)));
-        if optable::MODULE_CALLS.contains(&name.as_str()) {
-            let calls = Rt::Calls.at(span);
-            let args = args.iter();
-            return Some(quote_spanned!(span=>
-                #routed.__call::<#calls::#method, _>((#(#args,)*))
-            ));
-        }
         if optable::is_routed_method(&name, args.len()) {
             let turbofish = &call.turbofish;
             return Some(quote_spanned!(span=> #routed.#method #turbofish (#args)));
         }
         None
     }
+}
+
+/// `forward` -> `Forward`.
+fn capitalized(word: &str) -> String {
+    let mut chars = word.chars();
+    chars
+        .next()
+        .map(|c| c.to_ascii_uppercase().to_string() + chars.as_str())
+        .unwrap_or_default()
 }
 
 /// `let _p = PolicyScope::enter::<Fp32Policy>();`: while it lives, code called from here (helpers

@@ -23,8 +23,10 @@ pub(crate) enum Rt {
     /// The module of method markers: `calls::forward`, `calls::forward_t`, ...
     Calls,
     RegionCall,
-    /// The never-implemented bound on a `&mut self` module's `RegionCall`.
-    MutSelfModule,
+    /// `RegionCall` of a module whose method takes `&mut self`.
+    RegionCallMut,
+    /// The module of the traits a module call's rewrite names (`__amp_forward`, ..).
+    ModuleCall,
     RegionGuard,
     AsAmp,
     AmpTensor,
@@ -56,7 +58,7 @@ pub(crate) enum Rt {
 impl Rt {
     /// Every name, for the test that pins the contract with the facade.
     #[cfg(test)]
-    pub(crate) const ALL: [Self; 30] = [
+    pub(crate) const ALL: [Self; 31] = [
         Self::Fp16Policy,
         Self::Bf16Policy,
         Self::Fp32Policy,
@@ -66,7 +68,8 @@ impl Rt {
         Self::Routed,
         Self::Calls,
         Self::RegionCall,
-        Self::MutSelfModule,
+        Self::RegionCallMut,
+        Self::ModuleCall,
         Self::RegionGuard,
         Self::AsAmp,
         Self::AmpTensor,
@@ -100,7 +103,8 @@ impl Rt {
             Self::Routed => "Routed",
             Self::Calls => "calls",
             Self::RegionCall => "RegionCall",
-            Self::MutSelfModule => "MutSelfModule",
+            Self::RegionCallMut => "RegionCallMut",
+            Self::ModuleCall => "module_call",
             Self::RegionGuard => "RegionGuard",
             Self::AsAmp => "AsAmp",
             Self::AmpTensor => "AmpTensor",

@@ -8,13 +8,14 @@
 //! hold different precisions over a loop or across branches (see ARCHITECTURE.md).
 //!
 //! One topic a file: `policy` (the policies), `value` (region values), `route` (the routing
-//! core, `Routed` receivers, module calls), `methods` (the routed op methods), `operators`,
+//! core, `Routed` receivers), `call` (module calls), `methods` (the routed op methods), `operators`,
 //! `free` (routed free-function ops), `boundary` (entering and leaving a region), `module`
-//! (`AmpModule`, `apply`). Users meet the policies, [`AmpTensor`], [`AsAmp`], [`RegionCall`],
+//! (`AmpModule`, `apply`). Users meet the policies, [`AmpTensor`], [`AsAmp`], [`RegionCall`], [`RegionCallMut`],
 //! [`AmpModule`] and [`cast_count`]; everything only generated code calls is in the hidden
 //! [`__private`] module.
 
 mod boundary;
+mod call;
 pub(crate) mod free;
 mod methods;
 mod module;
@@ -24,9 +25,9 @@ mod route;
 mod value;
 
 pub use crate::cast::cast_count;
+pub use call::{calls, RegionCall, RegionCallMut};
 pub use module::AmpModule;
 pub use policy::{current_policy, Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy};
-pub use route::{calls, RegionCall};
 pub use value::{AmpTensor, AsAmp, Operand};
 
 pub(crate) use route::{unary, with_precision};
@@ -39,11 +40,12 @@ pub mod __private {
         enter, enter_activation, enter_cast, enter_fp32, exit, exit_like, exit_to_region,
         grad_like, EnterAs, GradsLike,
     };
+    pub use super::call::{calls, module_call, RegionCall, RegionCallMut};
     pub use super::free::{ForeignJoin, Unrouted};
     pub use super::policy::{
         Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy, PolicyScope,
     };
-    pub use super::route::{calls, MutSelfModule, RegionCall, Routed};
+    pub use super::route::Routed;
     pub use super::value::{AmpTensor, AsAmp};
     pub use crate::cast::RegionGuard;
     pub use crate::op;

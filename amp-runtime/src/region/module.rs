@@ -3,8 +3,8 @@
 
 use candle_core::Result;
 
+use super::call::{calls, RegionCall};
 use super::policy::{CallerPolicy, Policy, PolicyScope};
-use super::route::{calls, RegionCall};
 use super::value::{AmpTensor, AsAmp};
 
 /// A module of one tensor, callable from an autocast region: every candle-amp layer with a
@@ -68,14 +68,6 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for dyn AmpMod
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         let _policy = PolicyScope::enter::<Pol>();
         self.forward_amp(&x.to_amp())
-    }
-}
-
-impl<Pol: Policy, M, Args, T: RegionCall<Pol, M, Args> + ?Sized> RegionCall<Pol, M, Args>
-    for Box<T>
-{
-    fn region_call(&self, args: Args) -> Result<AmpTensor> {
-        (**self).region_call(args)
     }
 }
 

@@ -1,8 +1,8 @@
 //! Routing: an op's class under the policy fixes its target dtype; inputs are cast to it (no
 //! cast when already there), the op runs, the result is a region value.
 //!
-//! Method calls in a region are rewritten to `Routed::<Pol, _>::new(&x).op(args)`, and module
-//! calls to `Routed::<Pol, _>::new(&m).__call::<calls::forward, _>((args,))`.
+//! Method calls in a region are rewritten to `Routed::<Pol, _>::new(&x).op(args)`; module calls
+//! are `call.rs`'s.
 
 use std::marker::PhantomData;
 
@@ -116,61 +116,6 @@ impl<Pol, T: ?Sized> std::ops::Deref for Routed<'_, Pol, T> {
     type Target = T;
     fn deref(&self) -> &T {
         self.receiver
-    }
-}
-
-/// Method names of module calls, the `Method` parameter of [`RegionCall`].
-#[allow(non_camel_case_types)]
-pub mod calls {
-    /// `module.forward(...)`.
-    #[derive(Debug)]
-    pub struct forward;
-    /// `module.forward_t(..., train)`.
-    #[derive(Debug)]
-    pub struct forward_t;
-    /// `module.forward_train(...)`.
-    #[derive(Debug)]
-    pub struct forward_train;
-}
-
-/// A module callable from an autocast region: the built-in layers, and user modules whose impl
-/// has `#[autocast]` (which inherit the caller's policy `Pol`) or their own policy.
-#[diagnostic::on_unimplemented(
-    message = "`{Self}` is called inside an autocast region, but it is not autocast-aware",
-    label = "this call passes region tensors to a plain module",
-    note = "add `#[autocast]` to the module's impl so it inherits the caller's policy \
-            (or `#[autocast(fp16)]`/`#[keep_fp32]` for its own), or call it with explicit \
-            typed tensors: `x.cast::<F32>()?`"
-)]
-pub trait RegionCall<Pol: Policy, Method, Args> {
-    /// Runs the call on region values.
-    fn region_call(&self, args: Args) -> Result<AmpTensor>;
-}
-
-/// Never implemented: the bound `#[autocast]` puts on the `RegionCall` of a module whose
-/// `forward` takes `&mut self`, so that calling it from a region names the actual cause.
-#[doc(hidden)]
-#[diagnostic::on_unimplemented(
-    message = "`{M}`'s `forward` takes `&mut self`: a module called from an autocast region takes `&self`",
-    label = "this module call needs `&self`",
-    note = "keep mutable state (a KV cache) in a `RefCell` or `Cell` field, so that `forward` \
-            takes `&self` and the region passes its policy on"
-)]
-pub trait MutSelfModule<M: ?Sized> {}
-
-impl<Pol: Policy, M, Args, T: RegionCall<Pol, M, Args> + ?Sized> RegionCall<Pol, M, Args> for &T {
-    fn region_call(&self, args: Args) -> Result<AmpTensor> {
-        (**self).region_call(args)
-    }
-}
-
-impl<Pol: Policy, T: ?Sized> Routed<'_, Pol, T> {
-    /// A module call (`forward`, `forward_t`, `forward_train`), with the policy passed on.
-    pub fn __call<M, Args>(&self, args: Args) -> Result<AmpTensor>
-    where
-        T: RegionCall<Pol, M, Args>,
-    {
-        self.receiver.region_call(args)
     }
 }
 

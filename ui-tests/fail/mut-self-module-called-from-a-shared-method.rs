@@ -1,3 +1,5 @@
+//! A `&mut self` module (a KV cache) called from a `&self` method: Rust's own borrow error,
+//! as without the macro, with its fix-it (`&mut self` in the caller).
 use candle_amp::{autocast, Tensor, F32};
 use candle_core::Result;
 
