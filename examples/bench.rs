@@ -265,7 +265,7 @@ fn measure_step(args: &Args, dev: &Device) -> Result<Step> {
         let l = loss::mse(&mlp.forward_switch(&x, true)?, &y)?;
         let grads = scaler.scale(&l)?.backward()?;
         let _ = scaler.step(&mut amp_opt, grads)?;
-        scaler.update();
+        scaler.update()?;
         Ok(())
     };
     let mut f32_step = || -> Result<()> {

@@ -153,7 +153,7 @@ fn run(
         let l = loss::mse(&model.forward(x, true, amp)?, target)?;
         let grads = scaler.scale(&l)?.backward()?;
         let _ = scaler.step(&mut opt, grads)?;
-        scaler.update();
+        scaler.update()?;
         let value = l.to_scalar::<f32>()?;
         losses.push(value);
         bar.set_message(format!("loss {value:.5}"));

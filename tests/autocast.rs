@@ -827,3 +827,147 @@ fn modules_take_optional_candle_masks_by_reference() -> Result<()> {
     assert_eq!(diff.to_vec2::<f32>()?, [[0., -1e4], [0., 0.]]);
     Ok(())
 }
+
+// ---- No stale weights: optimizer steps inside a long region see their own updates. ----
+
+struct Net {
+    fc: nn::Linear,
+}
+
+#[autocast(fp16)]
+impl Net {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        Ok(self.fc.forward(x)?.relu()?)
+    }
+}
+
+/// A plain helper: forward, loss, backward and SGD step, as a training loop calls it.
+fn train_step(
+    net: &Net,
+    opt: &mut candle_nn::SGD,
+    x: &Tensor<F32>,
+    y: &Tensor<F32>,
+) -> Result<f32> {
+    use candle_nn::Optimizer;
+    let l = loss::mse(&net.forward(x)?, y)?;
+    opt.backward_step(l.as_candle())?;
+    l.as_candle().to_scalar()
+}
+
+type Batches = Vec<(Tensor<F32>, Tensor<F32>)>;
+
+/// A whole epoch under one region, the optimizer stepping in the plain helper.
+#[autocast(fp16)]
+fn epoch_in_a_region(net: &Net, opt: &mut candle_nn::SGD, batches: &Batches) -> Result<Vec<f32>> {
+    batches
+        .iter()
+        .map(|(x, y)| train_step(net, opt, x, y))
+        .collect()
+}
+
+/// The same epoch with the layer called in the region's own body, stepping through the scaler.
+#[autocast(fp16)]
+fn inline_epoch(
+    fc: &nn::Linear,
+    opt: &mut candle_nn::SGD,
+    scaler: &mut candle_amp::GradScaler,
+    batches: &Batches,
+) -> Result<Vec<f32>> {
+    let mut losses = Vec::new();
+    for (x, y) in batches {
+        let l = loss::mse(&fc.forward(x)?.relu()?, y)?;
+        losses.push(scaled_step(scaler, opt, l.as_candle())?);
+    }
+    Ok(losses)
+}
+
+/// One batch of `inline_epoch`, as its own region: the reference.
+#[autocast(fp16)]
+fn inline_batch(
+    fc: &nn::Linear,
+    opt: &mut candle_nn::SGD,
+    scaler: &mut candle_amp::GradScaler,
+    x: &Tensor<F32>,
+    y: &Tensor<F32>,
+) -> Result<f32> {
+    let l = loss::mse(&fc.forward(x)?.relu()?, y)?;
+    scaled_step(scaler, opt, l.as_candle())
+}
+
+fn scaled_step(
+    scaler: &mut candle_amp::GradScaler,
+    opt: &mut candle_nn::SGD,
+    l: &candle_core::Tensor,
+) -> Result<f32> {
+    let grads = scaler.scale(l)?.backward()?;
+    assert!(scaler.step(opt, grads)?.is_stepped());
+    scaler.update()?;
+    l.to_scalar()
+}
+
+fn stale_setup() -> Result<(VarMap, nn::Linear, candle_nn::SGD, Batches)> {
+    let (map, vb) = vars();
+    let fc = nn::linear(4, 3, vb.pp("fc"))?;
+    let opt = <candle_nn::SGD as candle_nn::Optimizer>::new(map.all_vars(), 0.5)?;
+    let batches = (0..4)
+        .map(|i| {
+            let x = Tensor::<F32>::randn(0.0, 1.0, (8, 4), &dev())?;
+            let y = Tensor::<F32>::full(0.5 + f64::from(i) * 0.1, (8, 3), &dev())?;
+            Ok((x, y))
+        })
+        .collect::<Result<_>>()?;
+    Ok((map, fc, opt, batches))
+}
+
+/// Restores the initial weights of `map` from `init`.
+fn restore(map: &VarMap, init: &[(String, candle_core::Tensor)]) -> Result<()> {
+    let vars = map.data().lock().unwrap();
+    for (name, value) in init {
+        vars[name].set(value)?;
+    }
+    Ok(())
+}
+
+fn snapshot(map: &VarMap) -> Result<Vec<(String, candle_core::Tensor)>> {
+    let vars = map.data().lock().unwrap();
+    vars.iter()
+        .map(|(k, v)| Ok((k.clone(), v.as_tensor().copy()?)))
+        .collect()
+}
+
+#[test]
+fn an_epoch_inside_one_region_never_reuses_a_stale_weight_cast() -> Result<()> {
+    let (map, fc, mut opt, batches) = stale_setup()?;
+    let init = snapshot(&map)?;
+    let net = Net { fc };
+    // Outside a region: each forward is its own region.
+    let outside: Vec<f32> = batches
+        .iter()
+        .map(|(x, y)| train_step(&net, &mut opt, x, y))
+        .collect::<Result<_>>()?;
+    restore(&map, &init)?;
+    let inside = epoch_in_a_region(&net, &mut opt, &batches)?;
+    assert_eq!(inside, outside);
+    // The losses move: the weights did change between the forwards.
+    assert!(
+        outside.windows(2).all(|w| (w[0] - w[1]).abs() > 1e-3),
+        "{outside:?}"
+    );
+
+    // The layer called in the region's body itself: the scaler's step drops the casts.
+    restore(&map, &init)?;
+    let mut scaler = candle_amp::GradScaler::new();
+    let reference: Vec<f32> = batches
+        .iter()
+        .map(|(x, y)| inline_batch(&net.fc, &mut opt, &mut scaler, x, y))
+        .collect::<Result<_>>()?;
+    restore(&map, &init)?;
+    let mut scaler = candle_amp::GradScaler::new();
+    let inline = inline_epoch(&net.fc, &mut opt, &mut scaler, &batches)?;
+    assert_eq!(inline, reference);
+    assert!(
+        reference.windows(2).all(|w| (w[0] - w[1]).abs() > 1e-3),
+        "{reference:?}"
+    );
+    Ok(())
+}

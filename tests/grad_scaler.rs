@@ -185,7 +185,7 @@ impl Probe {
         let loss = self.w.as_tensor().mul(&c)?.sum_all()?;
         let grads = scaler.scale(&loss)?.backward()?;
         let outcome = scaler.step(&mut self.opt, grads)?;
-        scaler.update();
+        scaler.update()?;
         Ok(outcome)
     }
 
@@ -428,6 +428,169 @@ fn malformed_state_is_an_error_naming_the_field() -> Result<()> {
     Ok(())
 }
 
+// ---- Nothing silently wrong: scales PyTorch would let write NaN into the weights. ----
+
+/// A model with the weights of the reproduction, `[0.01, -0.02, 0.1]`, and gradient `c`.
+struct Three {
+    w: Var,
+    opt: SGD,
+}
+
+impl Three {
+    fn new() -> Result<Self> {
+        let w = Var::new(&[0.01f32, -0.02, 0.1], &dev())?;
+        let opt = SGD::new(vec![w.clone()], 0.5)?;
+        Ok(Self { w, opt })
+    }
+
+    /// Scale, backward, step with gradient `[c, 0, c]` (a zero gradient, as a frozen unit
+    /// has); the outcome and the update's result.
+    fn iteration(&mut self, scaler: &mut GradScaler, c: f32) -> Result<(StepOutcome, Result<()>)> {
+        let c = candle_core::Tensor::new(&[c, 0.0, c], &dev())?;
+        let loss = self.w.as_tensor().mul(&c)?.sum_all()?;
+        let outcome = scaler.step(&mut self.opt, scaler.scale(&loss)?.backward()?)?;
+        Ok((outcome, scaler.update()))
+    }
+
+    fn weights(&self) -> Result<Vec<f32>> {
+        self.w.as_tensor().to_vec1()
+    }
+}
+
+#[test]
+fn backoff_to_the_bottom_of_f32_is_an_error_and_never_nan_weights() -> Result<()> {
+    // The reproduction: the default scaler, overflowing steps, then one finite batch. PyTorch
+    // (and candle-amp before) backed off to 2^-127 and below, where 1/scale is inf: the zero
+    // gradient unscaled to NaN, the step was reported as taken, the weights became NaN.
+    let mut scaler = GradScaler::new();
+    let mut m = Three::new()?;
+    let start = m.weights()?;
+    let mut first_error = None;
+    for i in 1..=145u64 {
+        let (outcome, updated) = m.iteration(&mut scaler, f32::INFINITY)?;
+        assert!(outcome.is_skipped());
+        if let (Err(e), None) = (updated, &first_error) {
+            first_error = Some((i, e.to_string()));
+        }
+    }
+    // 65536 = 2^16 backs off 142 times to 2^-126, the smallest normal f32; the 143rd would
+    // leave the normal range.
+    let (at, msg) = first_error.expect("the scaler reports the underflow");
+    assert_eq!(at, 143);
+    assert!(
+        msg.contains("143 steps in a row") && msg.contains("smallest normal f32"),
+        "{msg}"
+    );
+    assert_eq!(scaler.scale_value(), f32::MIN_POSITIVE);
+    assert_eq!(scaler.skipped_steps(), 145);
+    assert_eq!(m.weights()?, start, "skipped steps never write");
+    // The finite batch: scaled gradients 2^-126 * c, unscaled by 2^126 exactly.
+    let (outcome, updated) = m.iteration(&mut scaler, 1.0)?;
+    updated?;
+    assert_eq!(outcome, StepOutcome::Stepped);
+    assert_eq!(m.weights()?, [0.01 - 0.5, -0.02, 0.1 - 0.5]);
+    Ok(())
+}
+
+#[test]
+fn scales_whose_reciprocal_overflows_are_rejected_naming_the_field() -> Result<()> {
+    for init in [2f64.powi(-130), 1e-45, 0.0, 1e-39] {
+        let err = GradScaler::builder()
+            .init_scale(init)
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("invalid `init_scale`") && err.contains("normal positive f32"),
+            "{init}: {err}"
+        );
+    }
+    for field in ["min_scale", "max_scale"] {
+        let b = GradScaler::builder();
+        let b = if field == "min_scale" {
+            b.min_scale(1e-40)
+        } else {
+            b.max_scale(1e-40)
+        };
+        let err = b.build().unwrap_err().to_string();
+        assert!(err.contains(&format!("invalid `{field}`")), "{err}");
+    }
+    // Checkpoints holding such a scale, as JSON and as tensors.
+    let good = GradScaler::new().state();
+    for scale in [1e-45f32, 0.0, f32::MIN_POSITIVE / 2.0] {
+        let json = good.to_json().replace("65536.0", &format!("{scale:e}"));
+        assert!(json.contains(&format!("{scale:e}")), "{json}");
+        let err = ScalerState::from_json(&json).unwrap_err().to_string();
+        assert!(err.contains("invalid `scale`"), "{scale}: {err}");
+        let state = ScalerState {
+            scale,
+            ..good.clone()
+        };
+        let err = ScalerState::from_tensors(&state.to_tensors("")?, "")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("invalid `scale`"), "{scale}: {err}");
+        let mut scaler = GradScaler::new();
+        assert!(scaler.load_state(state).is_err());
+        assert_eq!(scaler.scale_value(), 65536.0);
+    }
+    // The smallest normal f32 itself is a valid scale.
+    GradScaler::builder()
+        .init_scale(f64::from(f32::MIN_POSITIVE))
+        .build()?;
+    Ok(())
+}
+
+#[test]
+fn a_backoff_factor_that_zeroes_the_scale_is_an_error_at_the_first_skip() -> Result<()> {
+    // PyTorch: 65536 * 1e-320 rounds to 0 in f32; from then on every scaled loss is 0, no
+    // gradient reaches a weight, and every step reports success.
+    let mut scaler = GradScaler::builder().backoff_factor(1e-320).build()?;
+    let mut m = Three::new()?;
+    let (outcome, updated) = m.iteration(&mut scaler, f32::NAN)?;
+    assert!(outcome.is_skipped());
+    let msg = updated.unwrap_err().to_string();
+    assert!(msg.contains("1 steps in a row"), "{msg}");
+    assert_eq!(scaler.scale_value(), 65536.0, "the scale is left as it was");
+    // Training goes on at that scale when the gradients are finite again.
+    let (outcome, updated) = m.iteration(&mut scaler, 1.0)?;
+    updated?;
+    assert!(outcome.is_stepped());
+    Ok(())
+}
+
+#[test]
+fn the_unscale_pass_checks_what_it_writes() -> Result<()> {
+    // An inf inv_scale turns a zero into NaN: caught although every input was finite.
+    let mut grads = vec![candle_core::Tensor::new(&[0f32, 1.0], &dev())?];
+    assert_eq!(unscale_in_place(&mut grads, f32::INFINITY)?, [true]);
+    // inv_scale > 1 (a scale below 1) can overflow f16: 60000 * 2 is past 65504.
+    let mut grads = vec![candle_core::Tensor::new(&[f16::from_f32(6e4)], &dev())?];
+    assert_eq!(unscale_in_place(&mut grads, 2.0)?, [true]);
+    let mut grads = vec![candle_core::Tensor::new(&[f16::from_f32(6e4)], &dev())?];
+    assert_eq!(naive_unscale(&mut grads, 2.0)?, [true]);
+    // Finite in, finite out: no flag.
+    let mut grads = vec![candle_core::Tensor::new(&[f16::from_f32(3e4)], &dev())?];
+    assert_eq!(unscale_in_place(&mut grads, 2.0)?, [false]);
+    Ok(())
+}
+
+#[test]
+fn a_loss_of_several_values_is_an_error_not_a_sum() -> Result<()> {
+    let scaler = GradScaler::new();
+    let loss = Tensor::<F32>::ones(4, &dev())?;
+    let msg = scaler.scale(&loss).unwrap_err().to_string();
+    assert!(
+        msg.contains("single value") && msg.contains("[4]") && msg.contains("mean_all"),
+        "{msg}"
+    );
+    // One value in any shape is a loss.
+    scaler.scale(&Tensor::<F32>::ones((1, 1), &dev())?)?;
+    let off = GradScaler::builder().enabled(false).build()?;
+    assert!(off.scale(&loss).is_err());
+    Ok(())
+}
+
 // ---- Training scenarios. ----
 
 /// A two-layer MLP with explicit weights, so two runs can start from the same values.
@@ -514,7 +677,7 @@ fn autocast_with_scaler_tracks_the_f32_control() -> Result<()> {
         let l = loss::mse(&amp.forward_fp16(&x)?, &y)?;
         let grads = scaler.scale(&l)?.backward()?;
         assert!(scaler.step(&mut amp_opt, grads)?.is_stepped());
-        scaler.update();
+        scaler.update()?;
         control_opt.backward_step(loss::mse(&control.forward_f32(&x)?, &y)?.as_candle())?;
         if i == 0 {
             first = l.to_scalar::<f32>()?;
@@ -545,7 +708,7 @@ fn a_scaler_under_bf16_autocast_is_harmless() -> Result<()> {
         let l = loss::mse(&model.forward_bf16(&x)?, &y)?;
         let grads = scaler.scale(&l)?.backward()?;
         assert!(scaler.step(&mut opt, grads)?.is_stepped());
-        scaler.update();
+        scaler.update()?;
     }
     assert_eq!(scaler.skipped_steps(), 0);
     Ok(())
@@ -565,7 +728,7 @@ fn disabled_scaler_is_an_exact_pass_through() -> Result<()> {
         assert_eq!(bits(scaled.as_tensor())?, bits(l.as_candle())?);
         let outcome = scaler.step(&mut opt_a, scaled.backward()?)?;
         assert!(outcome.is_stepped());
-        scaler.update();
+        scaler.update()?;
         opt_b.backward_step(loss::mse(&b.forward_fp16(&x)?, &y)?.as_candle())?;
     }
     assert_eq!(a.weight_bits()?, b.weight_bits()?);
@@ -725,7 +888,7 @@ fn accumulation_over_two_micro_batches_matches_plain_accumulation() -> Result<()
             }
         }
         assert!(scaler.step(&mut opt, acc.unwrap())?.is_stepped());
-        scaler.update();
+        scaler.update()?;
         control_opt.step(&control_acc.unwrap())?;
     }
     assert_eq!(amp.weight_bits()?, control.weight_bits()?);
@@ -742,7 +905,7 @@ fn accumulating_gradients_of_two_scales_is_an_error() -> Result<()> {
     let mut first = scaler.scale(&l)?.backward()?;
     let probe = scaler.unscale(scaler.scale(&l)?.backward()?)?;
     assert!(!probe.found_inf());
-    scaler.update(); // the scale doubles between the micro-batches
+    scaler.update()?; // the scale doubles between the micro-batches
     let second = scaler.scale(&l)?.backward()?;
     let err = first.accumulate(second).unwrap_err().to_string();
     assert!(
@@ -816,7 +979,7 @@ fn two_models(use_scaler: bool) -> Result<(Vec<f32>, Vec<f32>, GradScaler)> {
             let stepped1 = scaler.step(&mut opt1, grads1)?;
             assert!(stepped0.is_stepped(), "model 0 steps at every iteration");
             assert_eq!(stepped1.is_skipped(), i == skip_iter);
-            scaler.update();
+            scaler.update()?;
         } else {
             let mut g = loss0.as_candle().backward()?;
             g.extend(loss1.as_candle().backward()?)?;
@@ -905,7 +1068,7 @@ fn skips_and_scale_changes_emit_tracing_events() -> Result<()> {
         let _ = probe.iteration(&mut scaler, f32::NAN)?; // skip + backoff
         let _ = probe.iteration(&mut scaler, 1.0)?;
         let _ = probe.iteration(&mut scaler, 1.0)?; // growth
-        scaler.update(); // nothing recorded since the last update
+        scaler.update()?; // nothing recorded since the last update
         Ok(())
     })?;
     let expected = [
@@ -937,7 +1100,7 @@ fn train(model: &Mlp, scaler: &mut GradScaler, steps: std::ops::Range<u64>) -> R
         let l = loss::mse(&model.forward_fp16(&x)?, &y)?;
         let grads = scaler.scale(&l)?.backward()?;
         let _ = scaler.step(&mut opt, grads)?;
-        scaler.update();
+        scaler.update()?;
     }
     Ok(())
 }

@@ -4,9 +4,19 @@
 //! [`convert`]: a conversion to the dtype a tensor already has is elided (a handle clone), every
 //! other one is counted ([`cast_count`], for tests and benchmarks), and a conversion of a leaf
 //! variable (a master weight) is cached while a [`RegionGuard`] is alive on the thread, so a
-//! weight used several times in one region is cast once, as PyTorch's autocast does. The cache
-//! is dropped when the outermost guard ends, so a weight updated by the optimizer between two
-//! regions is cast afresh.
+//! weight used several times in one region is cast once, as PyTorch's autocast does.
+//!
+//! A cached cast must never outlive the master's value: candle's optimizers and `Var::set` write
+//! the master in place, with nothing a cache could observe. So each cached cast belongs to the
+//! innermost region part (fn or method body) running when it was made, and is dropped when that
+//! part returns: a model's `forward` that is a region reuses its casts within one call, and casts
+//! afresh at the next call, even when both calls run inside one long region (an epoch under
+//! `#[autocast]` whose optimizer steps run in a plain helper). [`GradScaler::step`] also drops
+//! every cached cast after stepping the optimizer, for the loop written in one region body.
+//! PyTorch keys its cache on the tensor until the outermost autocast exits, and so reuses a stale
+//! cast in that loop.
+//!
+//! [`GradScaler::step`]: crate::scaler::GradScaler::step
 //!
 //! Depends on candle only: everything above (typed tensors, regions, layers) converts through it.
 
@@ -20,7 +30,8 @@ use candle_core::{DType, Result, Tensor, TensorId};
 struct CastState {
     /// How many region guards are alive on this thread.
     depth: usize,
-    cache: HashMap<(TensorId, DType), Tensor>,
+    /// Cached casts of leaf variables, each with the depth of the guard it belongs to.
+    cache: HashMap<(TensorId, DType), (usize, Tensor)>,
     casts: u64,
 }
 
@@ -34,8 +45,14 @@ pub fn cast_count() -> u64 {
     STATE.with(|s| s.borrow().casts)
 }
 
-/// Marks an autocast region's extent on this thread: while one is alive, casts of leaf
-/// variables are cached; the cache is dropped when the outermost one ends.
+/// Drops every cached weight cast on this thread: called after anything in candle-amp that
+/// writes master weights (the scaler's optimizer step).
+pub(crate) fn invalidate_weight_casts() {
+    STATE.with(|s| s.borrow_mut().cache.clear());
+}
+
+/// Marks a region part's extent on this thread: while one is alive, casts of leaf variables are
+/// cached; the casts made while it was the innermost are dropped when it ends.
 #[derive(Debug)]
 pub struct RegionGuard {
     // Regions are per thread.
@@ -58,9 +75,8 @@ impl Drop for RegionGuard {
         STATE.with(|s| {
             let mut s = s.borrow_mut();
             s.depth -= 1;
-            if s.depth == 0 {
-                s.cache.clear();
-            }
+            let depth = s.depth;
+            s.cache.retain(|_, (owner, _)| *owner <= depth);
         });
     }
 }
@@ -74,7 +90,7 @@ pub(crate) fn convert(t: &Tensor, dtype: DType) -> Result<Tensor> {
     let key = (t.id(), dtype);
     let cacheable = t.is_variable() && STATE.with(|s| s.borrow().depth > 0);
     if cacheable {
-        if let Some(hit) = STATE.with(|s| s.borrow().cache.get(&key).cloned()) {
+        if let Some(hit) = STATE.with(|s| s.borrow().cache.get(&key).map(|(_, t)| t.clone())) {
             return Ok(hit);
         }
     }
@@ -83,7 +99,8 @@ pub(crate) fn convert(t: &Tensor, dtype: DType) -> Result<Tensor> {
         let mut s = s.borrow_mut();
         s.casts += 1;
         if cacheable {
-            s.cache.insert(key, converted.clone());
+            let owner = s.depth;
+            s.cache.insert(key, (owner, converted.clone()));
         }
     });
     Ok(converted)
@@ -105,7 +122,7 @@ mod tests {
     }
 
     #[test]
-    fn leaf_variables_are_cast_once_per_region() -> Result<()> {
+    fn leaf_variables_are_cast_once_per_region_part() -> Result<()> {
         let w = Var::ones(4, DType::F32, &Device::Cpu)?;
         let before = cast_count();
         {
@@ -113,13 +130,42 @@ mod tests {
             let a = convert(w.as_tensor(), DType::F16)?;
             let _inner = RegionGuard::enter();
             let b = convert(w.as_tensor(), DType::F16)?;
-            assert_eq!(a.id(), b.id(), "the nested region reuses the cached cast");
+            assert_eq!(a.id(), b.id(), "a nested part reuses its caller's cast");
         }
         assert_eq!(cast_count() - before, 1);
         // The outermost guard dropped the cache: the next region casts afresh.
         let _g = RegionGuard::enter();
         convert(w.as_tensor(), DType::F16)?;
         assert_eq!(cast_count() - before, 2);
+        Ok(())
+    }
+
+    #[test]
+    #[allow(clippy::float_cmp)] // sums of small integers, exact in f16 and f32
+    fn a_cast_made_in_a_nested_part_ends_with_it() -> Result<()> {
+        let w = Var::ones(4, DType::F32, &Device::Cpu)?;
+        let _epoch = RegionGuard::enter();
+        let forward = || -> Result<f32> {
+            let _part = RegionGuard::enter();
+            let h = convert(w.as_tensor(), DType::F16)?;
+            let again = convert(w.as_tensor(), DType::F16)?;
+            assert_eq!(h.id(), again.id());
+            h.to_dtype(DType::F32)?.sum_all()?.to_scalar()
+        };
+        assert_eq!(forward()?, 4.0);
+        // An optimizer step between two forwards, inside the outer region.
+        w.set(&Tensor::full(2f32, 4, &Device::Cpu)?)?;
+        assert_eq!(forward()?, 8.0, "the second forward sees the new weights");
+        // A cast made in the outer part itself is dropped by the scaler's step.
+        let stale = convert(w.as_tensor(), DType::F16)?;
+        w.set(&Tensor::full(3f32, 4, &Device::Cpu)?)?;
+        invalidate_weight_casts();
+        let fresh = convert(w.as_tensor(), DType::F16)?;
+        assert_ne!(stale.id(), fresh.id());
+        assert_eq!(
+            fresh.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?,
+            12.0
+        );
         Ok(())
     }
 

@@ -224,7 +224,7 @@ pub fn run_mode<M, O: Optimizer>(
         let l = loss(&model, step, mode.amp)?;
         let grads = scaler.scale(&l)?.backward()?;
         let _ = scaler.step(&mut opt, grads)?; // skips are counted by the scaler
-        scaler.update();
+        scaler.update()?;
         final_loss = l.to_scalar::<f32>()?;
         bar.set_message(format!("loss {final_loss:.5}"));
         bar.inc(1);

@@ -6,7 +6,7 @@ use candle_nn::SGD;
 fn iteration(scaler: &mut GradScaler, opt: &mut SGD, loss: &Tensor<F32>) -> candle_core::Result<()> {
     let grads = scaler.scale(loss)?.backward()?;
     scaler.step(opt, grads)?;
-    scaler.update();
+    scaler.update()?;
     Ok(())
 }
 

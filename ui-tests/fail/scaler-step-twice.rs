@@ -6,7 +6,7 @@ fn iteration(scaler: &mut GradScaler, opt: &mut SGD, loss: &Tensor<F32>) -> cand
     let grads = scaler.unscale(scaler.scale(loss)?.backward()?)?;
     let _ = scaler.step(opt, grads)?;
     let _ = scaler.step(opt, grads)?;
-    scaler.update();
+    scaler.update()?;
     Ok(())
 }
 

@@ -41,7 +41,7 @@ fn main() -> Result<()> {
         if !found_inf {
             assert!(body.is_stepped() && head.is_stepped());
         }
-        scaler.update();
+        scaler.update()?;
     }
     Ok(())
 }

@@ -1,6 +1,6 @@
 // The CUDA half of GradScaler's fused pass (PyTorch's _amp_foreach_non_finite_check_and_unscale_):
 // every gradient of one dtype is multiplied by inv_scale in place, in ONE launch, and each
-// gradient that held an inf or NaN before the multiplication sets its flag in `found`.
+// gradient holding an inf or NaN after the multiplication (as stored) sets its flag in `found`.
 //
 // Compiled at run time by NVRTC (no CUDA toolkit needed to build the crate), so it includes no
 // headers: half and bfloat16 values travel as 16-bit integers and are converted here.
@@ -60,9 +60,9 @@ extern "C" __global__ void NAME(AMP_UNSCALE_ARGS) {                          \
     AMP_CHUNK_PROLOGUE                                                       \
     T* x = (T*)ptrs[t];                                                      \
     for (unsigned long long i = start + threadIdx.x; i < stop; i += blockDim.x) { \
-        T v = x[i];                                                          \
+        T v = x[i] * (T)inv_scale;                                           \
+        x[i] = v;                                                            \
         bad |= !isfinite(v);                                                 \
-        x[i] = v * (T)inv_scale;                                             \
     }                                                                        \
     AMP_CHUNK_EPILOGUE                                                       \
 }
@@ -76,9 +76,8 @@ extern "C" __global__ void NAME(AMP_UNSCALE_ARGS) {                          \
     AMP_CHUNK_PROLOGUE                                                       \
     unsigned short* x = (unsigned short*)ptrs[t];                            \
     for (unsigned long long i = start + threadIdx.x; i < stop; i += blockDim.x) { \
-        float v = amp_load(x + i, BF);                                       \
-        bad |= !isfinite(v);                                                 \
-        amp_store(x + i, v * inv_scale, BF);                                 \
+        amp_store(x + i, amp_load(x + i, BF) * inv_scale, BF);               \
+        bad |= !isfinite(amp_load(x + i, BF));                               \
     }                                                                        \
     AMP_CHUNK_EPILOGUE                                                       \
 }

@@ -9,9 +9,13 @@
 //! feature, contiguous CUDA gradients go through one kernel launch per dtype and device
 //! (`kernels::cuda`); anything else takes the per-tensor candle-ops path ([`naive_unscale`]).
 //!
-//! The check looks at each value *before* scaling, as PyTorch's kernel does: an inf stays inf
-//! after multiplying by a small `inv_scale`, and a finite value that would overflow cannot occur
-//! because `inv_scale <= 1` in practice.
+//! The check looks at each value *as written*, after scaling and rounding to the gradient's
+//! dtype. PyTorch's kernel checks the value before scaling, which misses what the multiplication
+//! itself produces: with an infinite `inv_scale` (a scale below 2^-128, reachable by backoff)
+//! a zero gradient becomes NaN, and with `inv_scale > 1` a finite f16 gradient can overflow;
+//! either would reach the optimizer as a finite step. Every non-finite input is still caught
+//! (inf or NaN times a finite, nonzero `inv_scale` stays non-finite, and the scaler keeps the
+//! scale a normal positive f32).
 
 use std::cell::RefCell;
 use std::collections::HashSet;
@@ -117,12 +121,6 @@ pub fn naive_unscale(grads: &mut [Tensor], inv_scale: f32) -> Result<Vec<bool>> 
 
 fn naive_unscale_one(g: &Tensor, inv_scale: f32) -> Result<(Tensor, bool)> {
     check_float(g.dtype())?;
-    let probe = g
-        .sub(g)?
-        .sum_all()?
-        .to_dtype(DType::F64)?
-        .to_scalar::<f64>()?;
-    let found = probe != 0.0;
     let scaled = match g.dtype() {
         DType::F64 => g.broadcast_mul(&Tensor::new(f64::from(inv_scale), g.device())?)?,
         dtype => g
@@ -130,7 +128,13 @@ fn naive_unscale_one(g: &Tensor, inv_scale: f32) -> Result<(Tensor, bool)> {
             .broadcast_mul(&Tensor::new(inv_scale, g.device())?)?
             .to_dtype(dtype)?,
     };
-    Ok((scaled, found))
+    // x - x is 0 for finite x, NaN for inf and NaN.
+    let probe = scaled
+        .sub(&scaled)?
+        .sum_all()?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()?;
+    Ok((scaled, probe != 0.0))
 }
 
 fn check_float(dtype: DType) -> Result<()> {
@@ -349,7 +353,7 @@ impl Task {
     }
 }
 
-/// A gradient element type: scale in place, report whether the old value was non-finite.
+/// A gradient element type: scale in place, report whether the value written is non-finite.
 trait Element: Copy {
     fn unscale(&mut self, inv_scale: f32) -> bool;
 }
@@ -357,36 +361,32 @@ trait Element: Copy {
 impl Element for f32 {
     #[inline]
     fn unscale(&mut self, inv_scale: f32) -> bool {
-        // Exponent all ones: inf or NaN. A bit test vectorises where `is_finite` may not.
-        let found = self.to_bits() & 0x7f80_0000 == 0x7f80_0000;
         *self *= inv_scale;
-        found
+        // Exponent all ones: inf or NaN. A bit test vectorises where `is_finite` may not.
+        self.to_bits() & 0x7f80_0000 == 0x7f80_0000
     }
 }
 
 impl Element for f64 {
     #[inline]
     fn unscale(&mut self, inv_scale: f32) -> bool {
-        let found = self.to_bits() & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000;
         *self *= f64::from(inv_scale);
-        found
+        self.to_bits() & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000
     }
 }
 
 impl Element for f16 {
     #[inline]
     fn unscale(&mut self, inv_scale: f32) -> bool {
-        let found = !self.is_finite();
         *self = f16::from_f32(self.to_f32() * inv_scale);
-        found
+        !self.is_finite()
     }
 }
 
 impl Element for bf16 {
     #[inline]
     fn unscale(&mut self, inv_scale: f32) -> bool {
-        let found = !self.is_finite();
         *self = bf16::from_f32(self.to_f32() * inv_scale);
-        found
+        !self.is_finite()
     }
 }

@@ -30,6 +30,8 @@ use candle_nn::Optimizer;
 pub use grads::{Gradients, ScaledGrads, UnscaledGrads};
 pub use state::{ScalerError, ScalerState};
 
+use state::{invalid_scale, is_valid_scale};
+
 use crate::precision::Precision;
 
 /// `tracing` target of the scaler's events (skipped steps, scale changes).
@@ -49,6 +51,8 @@ pub struct GradScaler {
     /// Whether a non-finite gradient was seen since the last `update()`; `None` until an
     /// unscale or step records a check.
     found_inf: Option<bool>,
+    /// Updates in a row that found inf/NaN (not checkpointed: it only words an error).
+    consecutive_skips: u64,
 }
 
 impl Default for GradScaler {
@@ -160,8 +164,14 @@ impl GradScaler {
     }
 
     /// Multiplies the loss by the scale, in f32. Disabled: the loss itself, untouched.
+    ///
+    /// The loss must be a single value (any shape of one element): a loss of several values
+    /// is an error, as in PyTorch's `backward`, never silently summed.
     pub fn scale(&self, loss: &impl Loss) -> Result<ScaledLoss> {
         let loss = loss.loss_tensor();
+        if loss.elem_count() != 1 {
+            return Err(ScalerError::NotScalarLoss(loss.dims().to_vec()).into());
+        }
         if !self.enabled {
             return Ok(ScaledLoss {
                 tensor: loss.clone(),
@@ -207,6 +217,8 @@ impl GradScaler {
             return Ok(StepOutcome::Skipped);
         }
         opt.step(grads.grad_store())?;
+        // The masters changed in place: no cast of their old values may be reused.
+        crate::cast::invalidate_weight_casts();
         Ok(StepOutcome::Stepped)
     }
 
@@ -217,19 +229,46 @@ impl GradScaler {
     ///
     /// Without a recorded check (no unscale or step since the last update) the scale is left
     /// as it is and a warning is emitted; PyTorch raises an error there.
-    pub fn update(&mut self) {
+    ///
+    /// # Errors
+    /// [`ScalerError::ScaleUnderflow`] when backing off would take the scale below the
+    /// smallest normal f32 (after ~150 skipped steps in a row from the default 65536, or at
+    /// once with an extreme `backoff_factor`). The scale stays where it was. PyTorch goes on
+    /// backing off to subnormals and 0, where `1/scale` is inf and unscaling writes NaN into
+    /// zero gradients, then a zero scale that zeroes every gradient, and reports each of those
+    /// steps as taken; here the run stops with an error that says the gradients are non-finite
+    /// at any scale. A `tracing` error event carries the same.
+    pub fn update(&mut self) -> Result<()> {
         if !self.enabled {
-            return;
+            return Ok(());
         }
         let Some(found_inf) = self.found_inf.take() else {
             tracing::warn!(
                 target: TRACING_TARGET,
                 "update() without an unscale or step since the last update: scale unchanged"
             );
-            return;
+            return Ok(());
+        };
+        self.consecutive_skips = if found_inf {
+            self.consecutive_skips + 1
+        } else {
+            0
         };
         let before = self.state.scale;
-        self.state.advance(found_inf);
+        if !self.state.advance(found_inf) {
+            let err = ScalerError::ScaleUnderflow {
+                scale: before,
+                backoff_factor: self.state.backoff_factor,
+                consecutive_skips: self.consecutive_skips,
+            };
+            tracing::error!(
+                target: TRACING_TARGET,
+                scale = before,
+                consecutive_skips = self.consecutive_skips,
+                "{err}"
+            );
+            return Err(err.into());
+        }
         if self.state.scale.to_bits() != before.to_bits() {
             tracing::info!(
                 target: TRACING_TARGET,
@@ -239,6 +278,7 @@ impl GradScaler {
                 "loss scale changed"
             );
         }
+        Ok(())
     }
 
     /// The state to checkpoint (see [`ScalerState`]).
@@ -252,12 +292,14 @@ impl GradScaler {
         state.validate()?;
         self.state = state;
         self.found_inf = None;
+        self.consecutive_skips = 0;
         Ok(())
     }
 }
 
 /// Configures a [`GradScaler`]; `build` validates (growth_factor > 1, backoff_factor in
-/// (0, 1), growth_interval >= 1, init_scale finite and > 0, bounds consistent).
+/// (0, 1), growth_interval >= 1, init_scale and the bounds finite normal positive f32s, bounds
+/// consistent).
 #[derive(Clone, Debug)]
 pub struct GradScalerBuilder {
     init_scale: f64,
@@ -328,15 +370,8 @@ impl GradScalerBuilder {
 
     pub fn build(self) -> Result<GradScaler> {
         let scale = self.init_scale as f32;
-        if !(scale.is_finite() && scale > 0.0) {
-            return Err(ScalerError::Invalid {
-                field: "init_scale",
-                reason: format!(
-                    "must be a finite number > 0 in f32, got {}",
-                    self.init_scale
-                ),
-            }
-            .into());
+        if !is_valid_scale(scale) {
+            return Err(invalid_scale("init_scale", self.init_scale));
         }
         let state = ScalerState {
             scale,
@@ -353,6 +388,7 @@ impl GradScalerBuilder {
             state,
             enabled: self.enabled,
             found_inf: None,
+            consecutive_skips: 0,
         })
     }
 }

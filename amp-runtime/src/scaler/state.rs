@@ -19,6 +19,47 @@ pub enum ScalerError {
     /// Gradients that cannot be combined, e.g. scaled by two different scales.
     #[error("GradScaler: {0}")]
     Mismatch(String),
+    /// A loss that is not a single value: backpropagating it would silently sum it.
+    #[error(
+        "GradScaler: the loss must be a single value, got shape {0:?}; reduce it first \
+         (e.g. `loss.mean_all()`), as PyTorch requires (\"grad can be implicitly created only \
+         for scalar outputs\")"
+    )]
+    NotScalarLoss(Vec<usize>),
+    /// Backoff would take the scale below the smallest normal f32: every step for a long while
+    /// had inf/NaN gradients, so the scale is not the cause.
+    #[error(
+        "GradScaler: {consecutive_skips} steps in a row had inf/NaN gradients and the loss scale \
+         would fall below the smallest normal f32 ({scale:e} x backoff {backoff_factor}); the \
+         scale is left at {scale:e}. The gradients are non-finite at any scale, so the forward \
+         pass or the loss produces inf/NaN itself: check the inputs and the loss, and compare \
+         with the same step in f32 (`enabled = false`) to find the op"
+    )]
+    ScaleUnderflow {
+        scale: f32,
+        backoff_factor: f64,
+        consecutive_skips: u64,
+    },
+}
+
+/// The smallest scale a state may hold: the smallest normal f32, so that `1/scale` is finite
+/// (below 2^-128 it is inf, and an unscaled zero gradient would become NaN).
+pub(crate) const MIN_SCALE: f32 = f32::MIN_POSITIVE;
+
+/// Whether `v` can be a loss scale: finite and a normal positive f32.
+pub(crate) fn is_valid_scale(v: f32) -> bool {
+    v.is_finite() && v >= MIN_SCALE
+}
+
+/// The error for a scale-like field holding `v`.
+pub(crate) fn invalid_scale(field: &'static str, v: impl std::fmt::Display) -> candle_core::Error {
+    invalid(
+        field,
+        format!(
+            "must be a finite, normal positive f32 (at least {MIN_SCALE:e}, so that 1/scale \
+             is finite), got {v}"
+        ),
+    )
 }
 
 impl From<ScalerError> for candle_core::Error {
@@ -37,8 +78,8 @@ fn invalid(field: &'static str, reason: String) -> candle_core::Error {
 ///
 /// Save it next to the weights: as JSON ([`to_json`](Self::to_json), or any serde format), or
 /// as tensors in the model's safetensors file ([`to_tensors`](Self::to_tensors)). Loading checks
-/// every field ([`validate`](Self::validate)); a missing field, a NaN, infinite or negative
-/// scale, `growth_factor <= 1`, `backoff_factor` outside (0, 1) or a tracker at or past the
+/// every field ([`validate`](Self::validate)); a missing field, a NaN, infinite, negative, zero
+/// or subnormal scale, `growth_factor <= 1`, `backoff_factor` outside (0, 1) or a tracker at or past the
 /// interval is an error, not a panic.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -67,11 +108,8 @@ pub struct ScalerState {
 impl ScalerState {
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<()> {
-        if !(self.scale.is_finite() && self.scale >= 0.0) {
-            return Err(invalid(
-                "scale",
-                format!("must be a finite number >= 0, got {}", self.scale),
-            ));
+        if !is_valid_scale(self.scale) {
+            return Err(invalid_scale("scale", self.scale));
         }
         if !(self.growth_factor.is_finite() && self.growth_factor > 1.0) {
             return Err(invalid(
@@ -102,11 +140,8 @@ impl ScalerState {
         }
         for (field, bound) in [("min_scale", self.min_scale), ("max_scale", self.max_scale)] {
             if let Some(b) = bound {
-                if !(b.is_finite() && b > 0.0) {
-                    return Err(invalid(
-                        field,
-                        format!("must be a finite number > 0, got {b}"),
-                    ));
+                if !is_valid_scale(b) {
+                    return Err(invalid_scale(field, b));
                 }
             }
         }
@@ -135,12 +170,18 @@ impl ScalerState {
     /// One `update()`: PyTorch's `_amp_update_scale_` rule, with the optional bounds applied.
     ///
     /// The products are computed in f64 (PyTorch multiplies the f32 scale by a Python float)
-    /// and rounded to f32; growth that would reach inf leaves the scale unchanged.
-    pub(crate) fn advance(&mut self, found_inf: bool) {
+    /// and rounded to f32; growth that would reach inf leaves the scale unchanged. A backoff that
+    /// would leave the normal f32 range (PyTorch goes on to subnormals, 0 and an infinite
+    /// `1/scale`) leaves the scale unchanged too, and returns `false`.
+    pub(crate) fn advance(&mut self, found_inf: bool) -> bool {
         if found_inf {
             let backed_off = (f64::from(self.scale) * self.backoff_factor) as f32;
-            self.scale = self.min_scale.map_or(backed_off, |lo| backed_off.max(lo));
+            let backed_off = self.min_scale.map_or(backed_off, |lo| backed_off.max(lo));
             self.growth_tracker = 0;
+            if !is_valid_scale(backed_off) {
+                return false;
+            }
+            self.scale = backed_off;
         } else if self.growth_tracker + 1 == self.growth_interval {
             let grown = (f64::from(self.scale) * self.growth_factor) as f32;
             if grown.is_finite() {
@@ -150,6 +191,7 @@ impl ScalerState {
         } else {
             self.growth_tracker += 1;
         }
+        true
     }
 
     /// The state as a JSON object (PyTorch's state_dict keys, `_growth_tracker` without the
