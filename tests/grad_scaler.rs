@@ -1148,3 +1148,21 @@ fn a_resumed_run_continues_bit_for_bit() -> Result<()> {
     assert_eq!(resumed_scaler.state(), straight_scaler.state());
     Ok(())
 }
+
+#[test]
+fn a_scale_underflow_is_a_tracing_error_too() -> Result<()> {
+    let events = recording(|| {
+        let mut scaler = GradScaler::builder().backoff_factor(1e-320).build()?;
+        let mut m = Three::new()?;
+        let (_, updated) = m.iteration(&mut scaler, f32::INFINITY)?;
+        assert!(updated.is_err());
+        Ok(())
+    })?;
+    let errors: Vec<_> = events
+        .iter()
+        .filter(|(level, _)| *level == tracing::Level::ERROR)
+        .collect();
+    assert_eq!(errors.len(), 1, "{events:?}");
+    assert!(errors[0].1.contains("1 steps in a row"), "{}", errors[0].1);
+    Ok(())
+}

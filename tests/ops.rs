@@ -301,8 +301,15 @@ fn from_candle_checks_the_dtype() -> Result<()> {
     assert!(Tensor::<F16>::from_candle(t.clone()).is_ok());
     let err = Tensor::<F32>::from_candle(t).unwrap_err().to_string();
     assert!(err.contains("F32") && err.contains("F16"), "{err}");
+    assert!(err.contains("use `Tensor<F16>`"), "{err}");
+    // Integer tensors: the hint says where they belong, not which float type to pick.
     let ints = candle_core::Tensor::new(&[1u32, 2], &dev())?;
-    assert!(Tensor::<BF16>::from_candle(ints).is_err());
+    let err = Tensor::<BF16>::from_candle(ints).unwrap_err().to_string();
+    assert!(
+        err.contains("got U32")
+            && err.contains("keep integer tensors (token ids, masks) as `candle_core::Tensor`"),
+        "{err}"
+    );
     Ok(())
 }
 

@@ -50,7 +50,24 @@ pub(crate) fn verbatim_block(stmts: TokenStream) -> Block {
 fn region_fn(item: &ItemFn, part: &Part, region_args: &AutocastArgs) -> ItemFn {
     let mut f = item.clone();
     *f.block = region_block(part, region_args);
+    strip_tensor_param_mut(&mut f.sig);
     f
+}
+
+/// Input:  `fn f(mut x: Tensor<F32>)`
+/// Output: `fn f(x: Tensor<F32>)`: the body rebinds `x` as `let mut x = enter(..)`, so the
+///         parameter's own `mut` would be unused.
+fn strip_tensor_param_mut(sig: &mut syn::Signature) {
+    for input in &mut sig.inputs {
+        if crate::model::tensor_param(input).is_none() {
+            continue;
+        }
+        if let FnArg::Typed(t) = input {
+            if let syn::Pat::Ident(p) = &mut *t.pat {
+                p.mutability = None;
+            }
+        }
+    }
 }
 
 /// A part's body as a region, for the fn or method itself (called with typed tensors).
@@ -59,7 +76,9 @@ fn region_block(part: &Part, region_args: &AutocastArgs) -> Block {
     // Called as a plain fn or method, a part that inherits its policy runs under the innermost
     // region running on this thread (f32 outside any): a helper method keeps its caller's.
     let policy = policy(args, &part.mode, Rt::CallerPolicy);
-    let exit = part.returns_tensor.then(|| Rt::Exit.into_token_stream());
+    let exit = part
+        .exits_as_tensor(args)
+        .then(|| Rt::Exit.into_token_stream());
     verbatim_block(region_body(part, &policy, args.enabled(), exit))
 }
 
@@ -120,10 +139,11 @@ fn region_body(
         } else {
             quote_spanned!(name.span()=> #enter::<#declared, _>(&#name))
         };
+        let mutability = p.mutable.then(|| quote!(mut));
         if p.by_ref {
-            quote_spanned!(name.span()=> let #name = &#value;)
+            quote_spanned!(name.span()=> let #mutability #name = &#value;)
         } else {
-            quote_spanned!(name.span()=> let #name = #value;)
+            quote_spanned!(name.span()=> let #mutability #name = #value;)
         }
     });
     // Each branch runs its body with its policy pushed for the code it calls (`CallerPolicy`).
@@ -175,6 +195,7 @@ fn region_impl(imp: &Impl, region_args: &AutocastArgs) -> TokenStream {
         // A cast_inputs op called with typed tensors outside a region runs exactly as written.
         if method.part.is_rewritten() {
             f.block = region_block(&method.part, region_args);
+            strip_tensor_param_mut(&mut f.sig);
         }
     }
     quote!(#item #(#region_calls)*)
@@ -201,6 +222,17 @@ impl RegionCallHeader {
     pub(crate) fn new(imp: &ItemImpl, sig: &RegionCallSig) -> Self {
         let pol = syn::Ident::new("__AmpPol", Span::mixed_site());
         let mut generics = imp.generics.clone();
+        // The method's own generics become the impl's: lifetimes first, as Rust requires.
+        for param in &sig.generics.params {
+            match param {
+                GenericParam::Lifetime(_) => generics.params.insert(0, param.clone()),
+                _ => generics.params.push(param.clone()),
+            }
+        }
+        if let Some(clause) = &sig.generics.where_clause {
+            let predicates = &mut generics.make_where_clause().predicates;
+            predicates.extend(clause.predicates.iter().cloned());
+        }
         generics.params.push(bounded(&pol, Rt::Policy));
         let (mut types, mut pats) = (Vec::new(), Vec::new());
         for input in &sig.inputs {
@@ -211,10 +243,16 @@ impl RegionCallHeader {
                     .params
                     .push(bounded(&a, quote!(#enter_as<#declared>)));
                 types.push(Type::Verbatim(a.into_token_stream()));
+                // The body rebinds it (`let mut x = enter(..)`): the pattern needs no `mut`.
+                let mut pat = input.pat.clone();
+                if let syn::Pat::Ident(p) = &mut pat {
+                    p.mutability = None;
+                }
+                pats.push(pat);
             } else {
                 types.push(input.ty.clone());
+                pats.push(input.pat.clone());
             }
-            pats.push(input.pat.clone());
         }
         // A reference among the other parameters (`mask: Option<&Tensor>`, `&[usize]`) gets a
         // lifetime of the impl, one for all: a call's arguments shrink to it.

@@ -74,8 +74,10 @@ fn region_call_stub(header: RegionCallHeader) -> TokenStream {
 }
 
 /// Removes the region markers from an item: a method's `#[keep_fp32]`/`#[autocast(..)]` in an
-/// impl, and `#[keep_fp32]` on statements and blocks of the bodies (where the rewrite takes it).
+/// impl, and `#[keep_fp32]` on statements, blocks and closures of the bodies (where the rewrite
+/// takes it); and a region's `const`, already reported, whose body would only cascade errors.
 struct StripMarkers {
+    /// Whether anything was removed (else the item goes out as its original tokens).
     removed: bool,
 }
 
@@ -92,6 +94,7 @@ impl VisitMut for StripMarkers {
             Item::Impl(imp) => {
                 for item in &mut imp.items {
                     if let ImplItem::Fn(method) = item {
+                        self.removed |= method.sig.constness.take().is_some();
                         let before = method.attrs.len();
                         method.attrs.retain(|attr| !is_marker(attr));
                         self.removed |= method.attrs.len() != before;
@@ -99,7 +102,10 @@ impl VisitMut for StripMarkers {
                     }
                 }
             }
-            Item::Fn(f) => self.visit_block_mut(&mut f.block),
+            Item::Fn(f) => {
+                self.removed |= f.sig.constness.take().is_some();
+                self.visit_block_mut(&mut f.block);
+            }
             _ => {}
         }
     }
@@ -122,6 +128,11 @@ impl VisitMut for StripMarkers {
     fn visit_expr_block_mut(&mut self, block: &mut syn::ExprBlock) {
         self.keep_fp32(&mut block.attrs);
         visit_mut::visit_expr_block_mut(self, block);
+    }
+
+    fn visit_expr_closure_mut(&mut self, closure: &mut syn::ExprClosure) {
+        self.keep_fp32(&mut closure.attrs);
+        visit_mut::visit_expr_closure_mut(self, closure);
     }
 }
 

@@ -129,6 +129,12 @@ pub(crate) struct Part<'a> {
 }
 
 impl Part<'_> {
+    /// Whether the region's value leaves as a typed tensor: the signature says so, or it names
+    /// a type alias (`-> R`) and `output = ..` declares the precision behind it.
+    pub(crate) fn exits_as_tensor(&self, args: &AutocastArgs) -> bool {
+        self.returns_tensor || (args.output().is_some() && returns_alias(&self.sig.output))
+    }
+
     /// The arguments this part runs with: its own, else those of the item's attribute.
     pub(crate) fn args<'s>(&'s self, region: &'s AutocastArgs) -> &'s AutocastArgs {
         self.own_args.as_ref().unwrap_or(region)
@@ -146,6 +152,8 @@ pub(crate) struct RegionCallSig<'a> {
     pub(crate) name: &'a syn::Ident,
     /// The receiver is `&mut self` (a module holding a KV cache).
     pub(crate) mutable: bool,
+    /// The method's own generics (`fn forward<S: Into<f64>>`), which the impl takes on.
+    pub(crate) generics: &'a syn::Generics,
     /// The parameters after `&self`.
     pub(crate) inputs: Vec<Input<'a>>,
 }
@@ -321,6 +329,7 @@ pub(crate) fn region_call_sig(sig: &Signature) -> Option<RegionCallSig<'_>> {
     Some(RegionCallSig {
         name: &sig.ident,
         mutable,
+        generics: &sig.generics,
         inputs,
     })
 }
@@ -332,6 +341,8 @@ pub(crate) struct TensorParam<'a> {
     pub(crate) declared: &'a Type,
     /// Declared by reference: the body sees a reference too, usable any number of times.
     pub(crate) by_ref: bool,
+    /// Declared `mut x`: the region value it enters as is a `mut` binding.
+    pub(crate) mutable: bool,
 }
 
 impl<'a> TensorParam<'a> {
@@ -344,10 +355,12 @@ impl<'a> TensorParam<'a> {
             Type::Reference(r) => (&*r.elem, true),
             other => (other, false),
         };
+        let mutable = matches!(&*typed.pat, Pat::Ident(p) if p.mutability.is_some());
         Some(Self {
             name,
             declared,
             by_ref,
+            mutable,
         })
     }
 }
@@ -370,6 +383,18 @@ pub(crate) fn is_tensor_type(ty: &Type) -> bool {
         Type::Paren(p) => is_tensor_type(&p.elem),
         _ => false,
     }
+}
+
+/// Whether the signature returns a bare type name (`-> R`), which may be an alias of
+/// `Result<Tensor<P>>` that the macro cannot see through.
+pub(crate) fn returns_alias(output: &ReturnType) -> bool {
+    let ReturnType::Type(_, ty) = output else {
+        return false;
+    };
+    matches!(&**ty, Type::Path(p) if p.qself.is_none()
+        && p.path.segments.len() == 1
+        && p.path.segments[0].arguments.is_none()
+        && !is_tensor_type(ty))
 }
 
 /// Whether the signature returns `Result<Tensor<..>, ..>`.

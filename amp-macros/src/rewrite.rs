@@ -239,6 +239,21 @@ impl VisitMut for Rewriter {
     }
 
     fn visit_expr_mut(&mut self, expr: &mut Expr) {
+        // Input:  `#[keep_fp32] |h| h.matmul(&w)`
+        // Output: `|h| { let _p = PolicyScope::enter::<Fp32Policy>(); h.matmul(&w) }`, its ops
+        //         routed under f32 as well
+        if let Expr::Closure(closure) = expr {
+            let mut attrs = std::mem::take(&mut closure.attrs);
+            let kept = self.with_keep_fp32(&mut attrs, |this| {
+                this.visit_expr_closure_mut(closure);
+            });
+            if kept {
+                let (scope, body) = (fp32_scope(), &closure.body);
+                *closure.body = Expr::Verbatim(quote!({ #scope #body }));
+            }
+            closure.attrs = attrs;
+            return;
+        }
         if let Expr::Block(block) = expr {
             let mut attrs = std::mem::take(&mut block.attrs);
             let kept = self.with_keep_fp32(&mut attrs, |this| {
@@ -260,7 +275,11 @@ impl VisitMut for Rewriter {
             Expr::MethodCall(call) => Self::method_call(call, &policy),
             Expr::Call(call) => free_op_call(call, &policy),
             Expr::Return(ret) if self.closures == 0 => {
-                if let (Some(exit), Some(value)) = (&self.exit, &mut ret.expr) {
+                // `return Err(e)` has the signature's type already, and `exit` could not infer
+                // the value type of an `Err` alone.
+                let is_err = matches!(ret.expr.as_deref(), Some(Expr::Call(c))
+                    if matches!(&*c.func, Expr::Path(p) if p.path.is_ident("Err")));
+                if let (Some(exit), Some(value), false) = (&self.exit, &mut ret.expr, is_err) {
                     // Input: `return v`  Output: `return exit(v)`, the `return` kept as written.
                     let span = value.span();
                     let wrapped = quote_spanned!(span=> #exit(#value));
@@ -366,19 +385,69 @@ fn free_op_call(call: &syn::ExprCall, policy: &TokenStream) -> Option<TokenStrea
     Some(group.into_token_stream())
 }
 
-/// The attributes of expression kinds that can carry `#[keep_fp32]` as a statement.
+/// The attributes of an expression statement. syn puts a statement's outer attributes on its
+/// leftmost operand (`#[a] h = x` on `h`, `#[a] x.f()?` on `x`), so a marker is looked for down
+/// that chain; without one, the expression's own attributes.
 pub(crate) fn expr_attrs(e: &mut Expr) -> Option<&mut Vec<Attribute>> {
-    match e {
-        Expr::Block(b) => Some(&mut b.attrs),
-        Expr::Assign(a) => Some(&mut a.attrs),
-        Expr::If(i) => Some(&mut i.attrs),
-        Expr::ForLoop(f) => Some(&mut f.attrs),
-        Expr::Call(c) => Some(&mut c.attrs),
-        Expr::MethodCall(m) => Some(&mut m.attrs),
-        Expr::Try(t) => Some(&mut t.attrs),
-        _ => None,
+    own_attrs(marker_holder(e))
+}
+
+/// The expression on `e`'s left chain that holds a marker attribute, or `e`.
+fn marker_holder(e: &mut Expr) -> &mut Expr {
+    if !holds_marker(e) && left_operand(e).is_some_and(chain_holds_marker) {
+        // Invariant: `left_operand` found an operand, so its mutable twin does.
+        marker_holder(left_operand_mut(e).expect("checked by left_operand"))
+    } else {
+        e
     }
 }
+
+fn holds_marker(e: &Expr) -> bool {
+    own_attrs_ref(e).is_some_and(|attrs| attrs.iter().any(crate::model::is_marker))
+}
+
+fn chain_holds_marker(e: &Expr) -> bool {
+    holds_marker(e) || left_operand(e).is_some_and(chain_holds_marker)
+}
+
+/// The operand syn hangs a statement's attributes on, one level down, and the attributes of
+/// the expression kinds that can carry `#[keep_fp32]` as (the start of) a statement; each in a
+/// shared and a mutable form.
+macro_rules! expr_accessors {
+    ($left:ident, $attrs:ident, $($mut_:tt)?) => {
+        fn $left(e: &$($mut_)? Expr) -> Option<&$($mut_)? Expr> {
+            Some(match e {
+                Expr::Assign(a) => &$($mut_)? *a.left,
+                Expr::Binary(b) => &$($mut_)? *b.left,
+                Expr::Cast(c) => &$($mut_)? *c.expr,
+                Expr::MethodCall(m) => &$($mut_)? *m.receiver,
+                Expr::Try(t) => &$($mut_)? *t.expr,
+                Expr::Field(f) => &$($mut_)? *f.base,
+                Expr::Index(i) => &$($mut_)? *i.expr,
+                Expr::Call(c) => &$($mut_)? *c.func,
+                _ => return None,
+            })
+        }
+
+        fn $attrs(e: &$($mut_)? Expr) -> Option<&$($mut_)? Vec<Attribute>> {
+            match e {
+                Expr::Block(x) => Some(&$($mut_)? x.attrs),
+                Expr::Assign(x) => Some(&$($mut_)? x.attrs),
+                Expr::If(x) => Some(&$($mut_)? x.attrs),
+                Expr::ForLoop(x) => Some(&$($mut_)? x.attrs),
+                Expr::Call(x) => Some(&$($mut_)? x.attrs),
+                Expr::MethodCall(x) => Some(&$($mut_)? x.attrs),
+                Expr::Try(x) => Some(&$($mut_)? x.attrs),
+                Expr::Path(x) => Some(&$($mut_)? x.attrs),
+                Expr::Closure(x) => Some(&$($mut_)? x.attrs),
+                Expr::Paren(x) => Some(&$($mut_)? x.attrs),
+                _ => None,
+            }
+        }
+    };
+}
+expr_accessors!(left_operand, own_attrs_ref,);
+expr_accessors!(left_operand_mut, own_attrs, mut);
 
 /// Puts a statement's remaining attributes back on its expression. A statement rewritten into
 /// tokens has no attribute slot any more, so they go in front of the tokens, which is where

@@ -75,6 +75,7 @@ pub(crate) fn region(region: &Region) -> syn::Result<()> {
         }
         _ => {}
     }
+    stacked_attributes(&region.target, &mut errors);
     match &region.target {
         Target::Fn { item, part } => region_fn(region, item, part, &mut errors),
         Target::Impl(imp) => {
@@ -219,10 +220,41 @@ fn markers(method: &Method, errors: &mut Errors) {
     }
 }
 
-/// A part whose body is rewritten: its `output` assertion holds, and it calls no `.backward()`.
+/// Input:  `#[autocast(fp16)] #[autocast(bf16)] fn f(..)`: the first attribute's macro sees the
+///         second among the item's attributes
+/// Output: an error on the second: one item, one region attribute
+fn stacked_attributes(target: &Target, errors: &mut Errors) {
+    let attrs = match target {
+        Target::Fn { item, .. } => &item.attrs,
+        Target::Impl(imp) => &imp.item.attrs,
+        Target::Other(_) => return,
+    };
+    let region_attr = |a: &&syn::Attribute| {
+        a.path().segments.last().is_some_and(|s| {
+            ["autocast", "keep_fp32", "custom_fwd"].contains(&s.ident.to_string().as_str())
+        })
+    };
+    if let Some(second) = attrs.iter().find(region_attr) {
+        errors.spanned(
+            second,
+            "a second region attribute on this item: one item takes one of #[autocast(..)], \
+             #[keep_fp32], #[custom_fwd(..)]; keep the one you mean (the first one would apply)",
+        );
+    }
+}
+
+/// A part whose body is rewritten: not a `const fn`, its `output` assertion holds, and it calls
+/// no `.backward()`.
 fn region_part(part: &Part, region_args: &AutocastArgs, errors: &mut Errors) {
     if !part.is_rewritten() {
         return;
+    }
+    if let Some(constness) = &part.sig.constness {
+        errors.at(
+            constness.span,
+            "a region cannot be a `const fn`: it casts and routes tensors at run time; \
+             remove `const`",
+        );
     }
     check_output(part.args(region_args), part, errors);
     BackwardCalls { errors }.visit_block(part.block);
@@ -252,6 +284,11 @@ fn check_output(args: &AutocastArgs, part: &Part, errors: &mut Errors) {
         other => Some(other.to_uppercase()),
     };
     if returned.is_some() && returned == wanted {
+        return;
+    }
+    // `-> R` with `type R = Result<Tensor<P>>`: `output` declares what the alias hides, and the
+    // compiler checks the exit against the alias.
+    if returned.is_none() && wanted.is_some() && crate::model::returns_alias(&part.sig.output) {
         return;
     }
     let returns = returned.map_or_else(

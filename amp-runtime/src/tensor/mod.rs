@@ -83,20 +83,32 @@ impl<P: Precision> From<Tensor<P>> for candle_core::Tensor {
     }
 }
 
-/// The error `from_candle` returns for a tensor of the wrong dtype.
+/// The error `from_candle` returns for a tensor of the wrong dtype: for a float tensor, the
+/// typed tensor it would fit; for an integer one (token ids, masks), that typed tensors are
+/// floating only and candle tensors pass through.
 pub(crate) fn dtype_error<P: Precision>(what: &str, got: DType) -> Error {
+    let fits = match got {
+        DType::F16 => Some("F16"),
+        DType::BF16 => Some("BF16"),
+        DType::F32 => Some("F32"),
+        _ => None,
+    };
+    let hint = match fits {
+        Some(fits) => format!(
+            "convert it first with `.to_dtype(DType::{:?})` or use `Tensor<{fits}>`",
+            P::DTYPE
+        ),
+        None => format!(
+            "typed tensors hold f32, f16 or bf16 values; keep integer tensors (token ids, \
+             masks) as `candle_core::Tensor`, which regions and layers take as they are, or \
+             convert values with `.to_dtype(DType::{:?})`",
+            P::DTYPE
+        ),
+    };
     Error::Msg(format!(
-        "{what}: expected a {:?} tensor for `Tensor<{}>`, got {got:?}; convert it first with \
-         `.to_dtype(DType::{:?})` or use `Tensor<{}>`",
+        "{what}: expected a {:?} tensor for `Tensor<{}>`, got {got:?}; {hint}",
         P::DTYPE,
         P::NAME,
-        P::DTYPE,
-        match got {
-            DType::F16 => "F16",
-            DType::BF16 => "BF16",
-            DType::F32 => "F32",
-            _ => "a float type: F32, F16 or BF16",
-        }
     ))
 }
 
