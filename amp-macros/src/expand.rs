@@ -16,7 +16,7 @@ use syn::{
 
 use crate::args::{AutocastArgs, PolicyArg};
 use crate::custom;
-use crate::model::{is_marker, Impl, Mode, Part, Region, RegionCallSig, Target};
+use crate::model::{is_marker, Impl, Mode, ParamKind, Part, Region, RegionCallSig, Target};
 use crate::rewrite;
 use crate::runtime::Rt;
 
@@ -59,15 +59,22 @@ fn region_fn(item: &ItemFn, part: &Part, region_args: &AutocastArgs) -> ItemFn {
 ///         parameter's own `mut` would be unused.
 fn strip_tensor_param_mut(sig: &mut syn::Signature) {
     for input in &mut sig.inputs {
-        if crate::model::tensor_param(input).is_none() {
+        if !crate::model::enters_region(input) {
             continue;
         }
         if let FnArg::Typed(t) = input {
-            if let syn::Pat::Ident(p) = &mut *t.pat {
-                p.mutability = None;
-            }
+            *t.pat = without_mut(&t.pat);
         }
     }
+}
+
+/// A tensor parameter's pattern without `mut`: the body rebinds it (`let mut x = enter(..)`).
+fn without_mut(pat: &syn::Pat) -> syn::Pat {
+    let mut pat = pat.clone();
+    if let syn::Pat::Ident(p) = &mut pat {
+        p.mutability = None;
+    }
+    pat
 }
 
 /// A part's body as a region, for the fn or method itself (called with typed tensors).
@@ -116,7 +123,11 @@ fn region_body(
     // Output: `let __amp_exit = |r| exit_like(r, xs.dtype()); let xs = &enter_activation(xs)?;`
     let (mut candle_exit, mut exit) = (TokenStream::new(), exit);
     if part.candle_module {
-        if let Some(first) = part.tensor_params.first() {
+        if let Some(first) = part
+            .tensor_params
+            .iter()
+            .find(|p| p.kind == ParamKind::Tensor)
+        {
             let (name, exit_like) = (first.name, Rt::ExitLike);
             let closure = syn::Ident::new("__amp_exit", Span::mixed_site());
             candle_exit = quote! {
@@ -130,16 +141,48 @@ fn region_body(
     }
     let enter = part.tensor_params.iter().map(|p| {
         let (name, declared) = (p.name, p.declared);
-        if part.candle_module {
+        if part.candle_module && p.kind == ParamKind::Tensor {
             let enter_activation = Rt::EnterActivation;
             return quote_spanned!(name.span()=> let #name = &#enter_activation(#name)?;);
+        }
+        let mutability = p.mutable.then(|| quote!(mut));
+        // Input:  `bias: Option<&Tensor<F32>>`, `xs: &[Tensor<F32>]`
+        // Output: `let bias = bias.map(|t| enter::<Tensor<F32>, _>(t)); let bias = bias.as_ref();`,
+        //         `let xs: Vec<_> = xs.iter().map(..).collect(); let xs = xs.as_slice();`
+        match (p.kind, upcast) {
+            (ParamKind::Optional, false) => {
+                return quote_spanned!(name.span()=>
+                    let #name = #name.map(|t| #enter::<#declared, _>(t));
+                    let #mutability #name = #name.as_ref();
+                );
+            }
+            (ParamKind::Optional, true) => {
+                return quote_spanned!(name.span()=>
+                    let #name = #name.map(|t| #enter_fp32::<#declared, _>(t)).transpose()?;
+                    let #mutability #name = #name.as_ref();
+                );
+            }
+            (ParamKind::Slice, false) => {
+                return quote_spanned!(name.span()=>
+                    let #name = #name.iter().map(|t| #enter::<#declared, _>(t))
+                        .collect::<::std::vec::Vec<_>>();
+                    let #mutability #name = #name.as_slice();
+                );
+            }
+            (ParamKind::Slice, true) => {
+                return quote_spanned!(name.span()=>
+                    let #name = #name.iter().map(|t| #enter_fp32::<#declared, _>(t))
+                        .collect::<::core::result::Result<::std::vec::Vec<_>, _>>()?;
+                    let #mutability #name = #name.as_slice();
+                );
+            }
+            (ParamKind::Tensor, _) => {}
         }
         let value = if upcast {
             quote_spanned!(name.span()=> #enter_fp32::<#declared, _>(&#name)?)
         } else {
             quote_spanned!(name.span()=> #enter::<#declared, _>(&#name))
         };
-        let mutability = p.mutable.then(|| quote!(mut));
         if p.by_ref {
             quote_spanned!(name.span()=> let #mutability #name = &#value;)
         } else {
@@ -216,6 +259,9 @@ pub(crate) struct RegionCallHeader {
     pub(crate) types: Vec<Type>,
     /// The parameters' patterns, which bind the tuple's elements.
     pats: Vec<syn::Pat>,
+    /// The method's declared return type (`Result<Tensor<F32>>`), whose region form is the
+    /// impl's `Output`.
+    pub(crate) ret: Type,
 }
 
 impl RegionCallHeader {
@@ -236,19 +282,30 @@ impl RegionCallHeader {
         generics.params.push(bounded(&pol, Rt::Policy));
         let (mut types, mut pats) = (Vec::new(), Vec::new());
         for input in &sig.inputs {
-            if let Some(param) = &input.tensor {
+            // Input:  `bias: Option<&Tensor<F32>>`, `xs: &[Tensor<F32>]`
+            // Output: `Option<&<Tensor<F32> as RegionParam>::Value>` (`Option<&AmpTensor>`, so
+            //         that `None` needs no annotation), `&[<Tensor<F32> as ..>::Value]`
+            if let Some(param) = input
+                .tensor
+                .as_ref()
+                .filter(|p| p.kind != ParamKind::Tensor)
+            {
+                let (region_param, declared) = (Rt::RegionParam, param.declared);
+                let value = quote!(<#declared as #region_param>::Value);
+                types.push(if param.kind == ParamKind::Optional {
+                    syn::parse_quote!(::core::option::Option<&#value>)
+                } else {
+                    syn::parse_quote!(&[#value])
+                });
+                pats.push(without_mut(input.pat));
+            } else if let Some(param) = &input.tensor {
                 let a = format_ident!("__AmpA{}", input.index, span = Span::mixed_site());
                 let (enter_as, declared) = (Rt::EnterAs, param.declared);
                 generics
                     .params
                     .push(bounded(&a, quote!(#enter_as<#declared>)));
                 types.push(Type::Verbatim(a.into_token_stream()));
-                // The body rebinds it (`let mut x = enter(..)`): the pattern needs no `mut`.
-                let mut pat = input.pat.clone();
-                if let syn::Pat::Ident(p) = &mut pat {
-                    p.mutability = None;
-                }
-                pats.push(pat);
+                pats.push(without_mut(input.pat));
             } else {
                 types.push(input.ty.clone());
                 pats.push(input.pat.clone());
@@ -256,11 +313,15 @@ impl RegionCallHeader {
         }
         // A reference among the other parameters (`mask: Option<&Tensor>`, `&[usize]`) gets a
         // lifetime of the impl, one for all: a call's arguments shrink to it.
+        let mut ret = match sig.output {
+            syn::ReturnType::Type(_, ty) => (**ty).clone(),
+            syn::ReturnType::Default => syn::parse_quote!(()),
+        };
         let mut lifetimes = NameElidedLifetimes {
             lifetime: syn::Lifetime::new("'__amp_ref", Span::call_site()),
             used: false,
         };
-        for ty in &mut types {
+        for ty in types.iter_mut().chain([&mut ret]) {
             lifetimes.visit_type_mut(ty);
         }
         if lifetimes.used {
@@ -276,6 +337,7 @@ impl RegionCallHeader {
             mutable: sig.mutable,
             types,
             pats,
+            ret,
         }
     }
 
@@ -290,8 +352,9 @@ impl RegionCallHeader {
             mutable,
             types,
             pats,
+            ret,
         } = self;
-        let (calls, amp_tensor, candle_core) = (Rt::Calls, Rt::AmpTensor, Rt::CandleCore);
+        let (calls, region_output, candle_core) = (Rt::Calls, Rt::RegionOutput, Rt::CandleCore);
         let (region_call, method, receiver) = if *mutable {
             (
                 Rt::RegionCallMut,
@@ -311,10 +374,11 @@ impl RegionCallHeader {
             impl #impl_generics #region_call<#pol, #calls::#name, (#(#types,)*)>
                 for #self_ty #where_clause
             {
+                type Output = #region_output<#ret>;
                 fn #method(
                     #receiver,
                     #params: (#(#types,)*),
-                ) -> #candle_core::Result<#amp_tensor> #body
+                ) -> #candle_core::Result<Self::Output> #body
             }
         }
     }
@@ -346,7 +410,8 @@ fn bounded(name: &syn::Ident, bound: impl ToTokens) -> GenericParam {
 
 /// Input:  `fn forward(&self, x: &Tensor<F32>, train: bool) -> Result<Tensor<F32>> { body }`
 /// Output: `impl<Pol: Policy, A0: EnterAs<Tensor<F32>>> RegionCall<Pol, calls::forward, (A0, bool)> for
-///         Module { fn region_call(&self, (x, train): (A0, bool)) -> Result<AmpTensor> { .. } }`
+///         Module { type Output = RegionOutput<Result<Tensor<F32>>>; (AmpTensor)
+///         fn region_call(&self, (x, train): (A0, bool)) -> Result<Self::Output> { .. } }`
 ///         whose body runs `body` as a region under the caller's policy (or the module's own),
 ///         or, for a cast_inputs op, casts the tensors and calls the method itself
 fn region_call_impl(
@@ -357,14 +422,20 @@ fn region_call_impl(
 ) -> TokenStream {
     let header = RegionCallHeader::new(imp, sig);
     let args = part.args(region_args);
-    let exit_to_region = Rt::ExitToRegion;
+    let (exit_to_region, ret) = (Rt::ExitToRegion, &header.ret);
+    let exit_to_region = quote!(#exit_to_region::<#ret, _, _>);
     let body = if let Mode::CastInputs(precision) = &part.mode {
         // Autocast is off inside: cast the tensor inputs and call the op's own method.
         // Invariant established by validation, which rejects any other precision.
         let marker = Rt::precision(&precision.to_string())
             .expect("validated: cast_inputs is f32, f16 or bf16");
         let enter_cast = Rt::EnterCast;
-        let params: Vec<_> = part.tensor_params.iter().map(|p| p.name).collect();
+        let params: Vec<_> = part
+            .tensor_params
+            .iter()
+            .filter(|p| p.kind == ParamKind::Tensor)
+            .map(|p| p.name)
+            .collect();
         let call_args = part.sig.inputs.iter().skip(1).map(|input| match input {
             FnArg::Typed(t) if crate::model::tensor_param(input).is_some() => {
                 let pat = &t.pat;

@@ -154,6 +154,8 @@ pub(crate) struct RegionCallSig<'a> {
     pub(crate) mutable: bool,
     /// The method's own generics (`fn forward<S: Into<f64>>`), which the impl takes on.
     pub(crate) generics: &'a syn::Generics,
+    /// The declared return type.
+    pub(crate) output: &'a ReturnType,
     /// The parameters after `&self`.
     pub(crate) inputs: Vec<Input<'a>>,
 }
@@ -330,38 +332,97 @@ pub(crate) fn region_call_sig(sig: &Signature) -> Option<RegionCallSig<'_>> {
         name: &sig.ident,
         mutable,
         generics: &sig.generics,
+        output: &sig.output,
         inputs,
     })
 }
 
-/// A tensor parameter as declared: `x: Tensor<P>`, `x: &Tensor<P>`, `ids: &candle_core::Tensor`.
+/// A tensor parameter as declared: `x: Tensor<P>`, `x: &Tensor<P>`, `ids: &candle_core::Tensor`,
+/// `bias: Option<&Tensor<P>>`, `xs: &[Tensor<P>]`.
 pub(crate) struct TensorParam<'a> {
     pub(crate) name: &'a syn::Ident,
-    /// The declared type without its reference: which one it is, the compiler decides.
+    /// The declared tensor type, without the reference, `Option` or slice around it: which one
+    /// it is, the compiler decides.
     pub(crate) declared: &'a Type,
     /// Declared by reference: the body sees a reference too, usable any number of times.
     pub(crate) by_ref: bool,
     /// Declared `mut x`: the region value it enters as is a `mut` binding.
     pub(crate) mutable: bool,
+    /// The tensor itself, an optional one or a slice of them.
+    pub(crate) kind: ParamKind,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ParamKind {
+    /// `x: Tensor<P>` or `x: &Tensor<P>`.
+    Tensor,
+    /// `x: Option<&Tensor<P>>`: enters as `Option<&AmpTensor>`.
+    Optional,
+    /// `xs: &[Tensor<P>]`: enters as `&[AmpTensor]`.
+    Slice,
 }
 
 impl<'a> TensorParam<'a> {
     fn new(arg: &'a FnArg) -> Option<Self> {
-        let name = tensor_param(arg)?;
         let FnArg::Typed(typed) = arg else {
             return None;
         };
-        let (declared, by_ref) = match &*typed.ty {
-            Type::Reference(r) => (&*r.elem, true),
-            other => (other, false),
+        let Pat::Ident(pat) = &*typed.pat else {
+            return None;
         };
-        let mutable = matches!(&*typed.pat, Pat::Ident(p) if p.mutability.is_some());
+        let (declared, by_ref, kind) = match &*typed.ty {
+            ty if is_tensor_type(ty) => match ty {
+                Type::Reference(r) => (&*r.elem, true, ParamKind::Tensor),
+                other => (other, false, ParamKind::Tensor),
+            },
+            ty => {
+                if let Some(inner) = optional_tensor(ty) {
+                    (inner, true, ParamKind::Optional)
+                } else if let Some(inner) = tensor_slice(ty) {
+                    (inner, true, ParamKind::Slice)
+                } else {
+                    return None;
+                }
+            }
+        };
         Some(Self {
-            name,
+            name: &pat.ident,
             declared,
             by_ref,
-            mutable,
+            mutable: pat.mutability.is_some(),
+            kind,
         })
+    }
+}
+
+/// Whether a parameter enters the region (a tensor, an optional one, a slice of them).
+pub(crate) fn enters_region(arg: &FnArg) -> bool {
+    TensorParam::new(arg).is_some()
+}
+
+/// `Option<&T>` with `T` a tensor type: `T`.
+fn optional_tensor(ty: &Type) -> Option<&Type> {
+    let Type::Path(p) = ty else { return None };
+    let last = p.path.segments.last()?;
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    match (last.ident == "Option", args.args.first()) {
+        (true, Some(syn::GenericArgument::Type(Type::Reference(r)))) if is_tensor_type(&r.elem) => {
+            Some(&r.elem)
+        }
+        _ => None,
+    }
+}
+
+/// `&[T]` with `T` a tensor type: `T`.
+fn tensor_slice(ty: &Type) -> Option<&Type> {
+    match ty {
+        Type::Reference(r) => match &*r.elem {
+            Type::Slice(s) if is_tensor_type(&s.elem) => Some(&s.elem),
+            _ => None,
+        },
+        _ => None,
     }
 }
 
@@ -412,7 +473,15 @@ fn returns_tensor_result(output: &ReturnType) -> bool {
     let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
         return false;
     };
-    matches!(args.args.first(), Some(syn::GenericArgument::Type(t)) if is_tensor_type(t))
+    matches!(args.args.first(), Some(syn::GenericArgument::Type(t)) if is_tensor_or_tuple(t))
+}
+
+/// `Tensor<P>`, or a tuple of them (`(k, v)`).
+fn is_tensor_or_tuple(ty: &Type) -> bool {
+    match ty {
+        Type::Tuple(t) => !t.elems.is_empty() && t.elems.iter().all(is_tensor_type),
+        other => is_tensor_type(other),
+    }
 }
 
 /// The precision marker a `Tensor<X>`, `&Tensor<X>` or `Result<Tensor<X>, ..>` type names, if

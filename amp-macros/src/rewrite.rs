@@ -331,8 +331,15 @@ fn free_op_call(call: &syn::ExprCall, policy: &TokenStream) -> Option<TokenStrea
     let owner = prefix.segments.last()?;
     let module = optable::free_module(&name.ident.to_string())?;
     let args: Vec<_> = call.args.iter().collect();
-    let binds: Vec<_> = (0..args.len())
-        .map(|i| quote::format_ident!("__amp_a{}", i, span = proc_macro2::Span::mixed_site()))
+    // Hygienic names located at the user's arguments, so that a type error about one (a region
+    // value given to candle-nn's `softmax`) points at the argument, not at the attribute.
+    let binds: Vec<_> = args
+        .iter()
+        .enumerate()
+        .map(|(i, arg)| {
+            let span = proc_macro2::Span::mixed_site().located_at(arg.span());
+            quote::format_ident!("__amp_a{}", i, span = span)
+        })
         .collect();
     let span = name.ident.span();
     let ident = &name.ident;

@@ -29,14 +29,17 @@ pub(crate) enum Rt {
     ModuleCall,
     RegionGuard,
     AsAmp,
-    AmpTensor,
     Enter,
     /// The bound of a module call's tensor argument, by the parameter's declared type.
     EnterAs,
+    /// A declared tensor type's value in a region (`Option<&Tensor<P>>` arguments).
+    RegionParam,
     EnterFp32,
     EnterCast,
     Exit,
     ExitToRegion,
+    /// A module method's declared return type in region form (its `RegionCall::Output`).
+    RegionOutput,
     /// A candle module's input entering as the region value it is.
     EnterActivation,
     /// A candle module's result leaving as a candle tensor in the input's dtype.
@@ -58,7 +61,7 @@ pub(crate) enum Rt {
 impl Rt {
     /// Every name, for the test that pins the contract with the facade.
     #[cfg(test)]
-    pub(crate) const ALL: [Self; 31] = [
+    pub(crate) const ALL: [Self; 32] = [
         Self::Fp16Policy,
         Self::Bf16Policy,
         Self::Fp32Policy,
@@ -72,13 +75,14 @@ impl Rt {
         Self::ModuleCall,
         Self::RegionGuard,
         Self::AsAmp,
-        Self::AmpTensor,
         Self::Enter,
         Self::EnterAs,
+        Self::RegionParam,
         Self::EnterFp32,
         Self::EnterCast,
         Self::Exit,
         Self::ExitToRegion,
+        Self::RegionOutput,
         Self::EnterActivation,
         Self::ExitLike,
         Self::GradLike,
@@ -107,13 +111,14 @@ impl Rt {
             Self::ModuleCall => "module_call",
             Self::RegionGuard => "RegionGuard",
             Self::AsAmp => "AsAmp",
-            Self::AmpTensor => "AmpTensor",
             Self::Enter => "enter",
             Self::EnterAs => "EnterAs",
+            Self::RegionParam => "RegionParam",
             Self::EnterFp32 => "enter_fp32",
             Self::EnterCast => "enter_cast",
             Self::Exit => "exit",
             Self::ExitToRegion => "exit_to_region",
+            Self::RegionOutput => "RegionOutput",
             Self::EnterActivation => "enter_activation",
             Self::ExitLike => "exit_like",
             Self::GradLike => "grad_like",

@@ -22,6 +22,7 @@ fn bias_at(b: Option<&Tensor>, like: &Tensor) -> Result<Option<Tensor>> {
 }
 
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::Linear {
+    type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         unary::<Pol, op::linear>(&x.to_amp(), |x| {
             let w = at_dtype(self.weight(), x)?;
@@ -31,6 +32,7 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
 }
 
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::Conv2d {
+    type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         unary::<Pol, op::conv2d>(&x.to_amp(), |x| {
             let c = self.config();
@@ -50,6 +52,7 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
 }
 
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::Conv1d {
+    type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         unary::<Pol, op::conv1d>(&x.to_amp(), |x| {
             let c = self.config();
@@ -64,6 +67,7 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
 }
 
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::LayerNorm {
+    type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         if self.remove_mean() {
             unary::<Pol, op::layer_norm>(&x.to_amp(), |x| {
@@ -78,6 +82,7 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
 }
 
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::RmsNorm {
+    type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         unary::<Pol, op::rms_norm>(&x.to_amp(), |x| {
             composite::rms_norm(x, self.weight(), self.eps())
@@ -87,6 +92,7 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
 
 /// Ids are integers, not region values: the table's rows, in the table's dtype.
 impl<Pol: Policy> RegionCall<Pol, calls::forward, (&Tensor,)> for candle_nn::Embedding {
+    type Output = AmpTensor;
     fn region_call(&self, (ids,): (&Tensor,)) -> Result<AmpTensor> {
         AmpTensor::from_candle_value(&self.forward(ids)?)
     }

@@ -85,6 +85,7 @@ impl AmpLayer for Embedding {
 
 /// Ids are integers, not region values: the lookup returns the f32 table's rows.
 impl<Pol: Policy> RegionCall<Pol, calls::forward, (&candle_core::Tensor,)> for Embedding {
+    type Output = AmpTensor;
     fn region_call(&self, (ids,): (&candle_core::Tensor,)) -> Result<AmpTensor> {
         Ok(self.forward(ids)?.to_amp())
     }

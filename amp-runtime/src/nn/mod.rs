@@ -59,6 +59,7 @@ macro_rules! region_forward {
         impl<Pol: $crate::region::Policy, A: $crate::region::AsAmp>
             $crate::region::RegionCall<Pol, $crate::region::calls::forward, (A,)> for $layer
         {
+            type Output = $crate::region::AmpTensor;
             fn region_call(&self, (x,): (A,)) -> Result<$crate::region::AmpTensor> {
                 $crate::region::unary::<Pol, <$layer as $crate::nn::AmpLayer>::Op>(
                     &x.to_amp(),

@@ -100,6 +100,7 @@ impl AmpLayer for LayerNorm {
 }
 
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for LayerNorm {
+    type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         let bias = self.bias().map(Var::as_tensor);
         unary::<Pol, op::layer_norm>(&x.to_amp(), |x| {
@@ -155,6 +156,7 @@ impl AmpLayer for RmsNorm {
 }
 
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for RmsNorm {
+    type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         unary::<Pol, op::rms_norm>(&x.to_amp(), |x| {
             composite::rms_norm(x, self.weight(), self.eps())
@@ -375,6 +377,7 @@ impl AmpLayer for BatchNorm2d {
 }
 
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_t, (A, bool)> for BatchNorm2d {
+    type Output = AmpTensor;
     fn region_call(&self, (x, train): (A, bool)) -> Result<AmpTensor> {
         unary::<Pol, op::batch_norm>(&x.to_amp(), |x| {
             with_precision!(x.dtype(), P => self
@@ -385,6 +388,7 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_t, (A, bool)> for Bat
 }
 
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_train, (A,)> for BatchNorm2d {
+    type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         RegionCall::<Pol, calls::forward_t, (A, bool)>::region_call(self, (x, true))
     }

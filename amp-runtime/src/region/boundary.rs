@@ -148,18 +148,134 @@ impl
     }
 }
 
-/// A region's result leaving as the typed tensor the signature declares.
-pub fn exit<Q: Precision, A: Operand, E: From<candle_core::Error>>(
+/// A region's result leaving as the type the signature declares: a typed tensor `Tensor<Q>`
+/// (cast to `Q`) or a tuple of them (each element cast).
+pub fn exit<D, A: ExitAs<D>, E: From<candle_core::Error>>(
     r: std::result::Result<A, E>,
-) -> std::result::Result<Tensor<Q>, E> {
-    r.and_then(|a| a.operand().cast::<Q>().map_err(E::from))
+) -> std::result::Result<D, E> {
+    r.and_then(|a| a.exit_as().map_err(E::from))
 }
 
-/// A region's result returned to a calling region (a module call), still a region value.
-pub fn exit_to_region<A: Operand, E>(
+/// A region's value leaving as declared type `D` (see [`exit`]).
+#[diagnostic::on_unimplemented(
+    message = "a region cannot return `{Self}` as `{D}`",
+    label = "this value leaves the region as `{D}`",
+    note = "a region's result is a tensor (a region value, a typed or a candle tensor) leaving \
+            as the `Tensor<P>` the signature declares, or a tuple of them"
+)]
+pub trait ExitAs<D> {
+    /// The value as `D`.
+    fn exit_as(self) -> Result<D>;
+}
+
+impl<A: Operand, Q: Precision> ExitAs<Tensor<Q>> for A {
+    fn exit_as(self) -> Result<Tensor<Q>> {
+        self.operand().cast::<Q>()
+    }
+}
+
+/// What a module method's declared result is in the calling region: tensors become region
+/// values ([`AmpTensor`]), tuples element by element.
+pub trait RegionResult {
+    /// The type the calling region gets.
+    type Region;
+}
+
+impl<P: Precision> RegionResult for Tensor<P> {
+    type Region = AmpTensor;
+}
+
+impl RegionResult for AmpTensor {
+    type Region = AmpTensor;
+}
+
+impl RegionResult for candle_core::Tensor {
+    type Region = AmpTensor;
+}
+
+/// The `Ok` type of a module method's declared `Result`, whatever spells it (an alias too).
+pub trait RegionReturn {
+    /// The declared `Ok` type.
+    type Ok: RegionResult;
+}
+
+impl<T: RegionResult, E> RegionReturn for std::result::Result<T, E> {
+    type Ok = T;
+}
+
+/// The region form of a module method's declared return type `R`.
+pub type RegionOutput<R> = <<R as RegionReturn>::Ok as RegionResult>::Region;
+
+/// A module body's value given back to the calling region as declared type `D`'s region form.
+#[diagnostic::on_unimplemented(
+    message = "a module called from a region cannot return `{Self}` as `{D}`",
+    label = "this value goes back to the calling region as `{D}`",
+    note = "a module method returns tensors (region values, typed or candle tensors) declared \
+            as `AmpTensor`, `Tensor<P>` or `candle_core::Tensor`, or a tuple of them"
+)]
+pub trait IntoRegion<D: RegionResult> {
+    /// The value in region form.
+    fn into_region(self) -> D::Region;
+}
+
+impl<A: Operand, P: Precision> IntoRegion<Tensor<P>> for A {
+    fn into_region(self) -> AmpTensor {
+        self.operand()
+    }
+}
+
+impl<A: Operand> IntoRegion<AmpTensor> for A {
+    fn into_region(self) -> AmpTensor {
+        self.operand()
+    }
+}
+
+impl<A: Operand> IntoRegion<candle_core::Tensor> for A {
+    fn into_region(self) -> AmpTensor {
+        self.operand()
+    }
+}
+
+/// Tuples of results, element by element: `(k, v)` from a module holding a KV cache.
+macro_rules! tuple_results {
+    ($(($($a:ident $d:ident $i:tt),+))*) => {$(
+        impl<$($d: RegionResult),+> RegionResult for ($($d,)+) {
+            type Region = ($($d::Region,)+);
+        }
+
+        impl<$($a, $d),+> ExitAs<($($d,)+)> for ($($a,)+)
+        where
+            $($a: ExitAs<$d>),+
+        {
+            fn exit_as(self) -> Result<($($d,)+)> {
+                Ok(($(self.$i.exit_as()?,)+))
+            }
+        }
+
+        impl<$($a, $d: RegionResult),+> IntoRegion<($($d,)+)> for ($($a,)+)
+        where
+            $($a: IntoRegion<$d>),+
+        {
+            fn into_region(self) -> ($($d::Region,)+) {
+                ($(self.$i.into_region(),)+)
+            }
+        }
+    )*};
+}
+
+tuple_results! {
+    (A0 D0 0, A1 D1 1)
+    (A0 D0 0, A1 D1 1, A2 D2 2)
+    (A0 D0 0, A1 D1 1, A2 D2 2, A3 D3 3)
+}
+
+/// A module body's result returned to a calling region (a module call) in region form: the
+/// declared return type `R` (`Result<Tensor<F32>>`, `Result<(Tensor<F32>, Tensor<F32>)>`)
+/// says which.
+pub fn exit_to_region<R: RegionReturn, A: IntoRegion<R::Ok>, E>(
     r: std::result::Result<A, E>,
-) -> std::result::Result<AmpTensor, E> {
-    r.map(|a| a.operand())
+) -> std::result::Result<RegionOutput<R>, E> {
+    r.map(IntoRegion::into_region)
 }
 
 /// The input of an `#[autocast] impl candle_nn::Module`: the candle tensor is the activation, a

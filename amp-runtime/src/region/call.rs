@@ -14,7 +14,6 @@
 use candle_core::Result;
 
 use super::policy::Policy;
-use super::value::AmpTensor;
 
 /// Method names of module calls, the `Method` parameter of [`RegionCall`].
 #[allow(non_camel_case_types)]
@@ -41,20 +40,25 @@ pub mod calls {
             typed tensors: `x.cast::<F32>()?`"
 )]
 pub trait RegionCall<Pol: Policy, Method, Args> {
+    /// What the calling region gets: a region value, or a tuple of them.
+    type Output;
     /// Runs the call on region values.
-    fn region_call(&self, args: Args) -> Result<AmpTensor>;
+    fn region_call(&self, args: Args) -> Result<Self::Output>;
 }
 
 /// A module callable from an autocast region through `&mut self`: an `#[autocast]` impl whose
 /// `forward` takes `&mut self` (a KV cache in a field). The calling region needs the module
 /// mutably, as plain Rust would.
 pub trait RegionCallMut<Pol: Policy, Method, Args> {
+    /// What the calling region gets: a region value, or a tuple of them.
+    type Output;
     /// Runs the call on region values.
-    fn region_call_mut(&mut self, args: Args) -> Result<AmpTensor>;
+    fn region_call_mut(&mut self, args: Args) -> Result<Self::Output>;
 }
 
 impl<Pol: Policy, M, Args, T: RegionCall<Pol, M, Args> + ?Sized> RegionCall<Pol, M, Args> for &T {
-    fn region_call(&self, args: Args) -> Result<AmpTensor> {
+    type Output = T::Output;
+    fn region_call(&self, args: Args) -> Result<T::Output> {
         (**self).region_call(args)
     }
 }
@@ -62,7 +66,8 @@ impl<Pol: Policy, M, Args, T: RegionCall<Pol, M, Args> + ?Sized> RegionCall<Pol,
 impl<Pol: Policy, M, Args, T: RegionCall<Pol, M, Args> + ?Sized> RegionCall<Pol, M, Args>
     for Box<T>
 {
-    fn region_call(&self, args: Args) -> Result<AmpTensor> {
+    type Output = T::Output;
+    fn region_call(&self, args: Args) -> Result<T::Output> {
         (**self).region_call(args)
     }
 }
@@ -70,7 +75,8 @@ impl<Pol: Policy, M, Args, T: RegionCall<Pol, M, Args> + ?Sized> RegionCall<Pol,
 impl<Pol: Policy, M, Args, T: RegionCallMut<Pol, M, Args> + ?Sized> RegionCallMut<Pol, M, Args>
     for Box<T>
 {
-    fn region_call_mut(&mut self, args: Args) -> Result<AmpTensor> {
+    type Output = T::Output;
+    fn region_call_mut(&mut self, args: Args) -> Result<T::Output> {
         (**self).region_call_mut(args)
     }
 }
@@ -98,18 +104,22 @@ pub struct ViaMut;
             (or `#[autocast(fp16)]`/`#[keep_fp32]` for its own), or call it with explicit \
             typed tensors: `x.cast::<F32>()?`",
     note = "a module whose `forward` takes `&mut self` (a KV cache) needs a mutable reference \
-            at the call, as in plain Rust: `&mut self` in the caller, `iter_mut()` over a stack"
+            at the call, as in plain Rust: `&mut self` in the caller, `iter_mut()` over a stack",
+    note = "a type parameter bounded by `AmpModule` is called as `x.apply(&m)`"
 )]
 pub trait ModuleCall<Pol: Policy, Method, Args, Via> {
+    /// What the calling region gets.
+    type Output;
     /// Runs the call on region values.
-    fn module_call(&mut self, args: Args) -> Result<AmpTensor>;
+    fn module_call(&mut self, args: Args) -> Result<Self::Output>;
 }
 
 impl<Pol: Policy, M, Args, T> ModuleCall<Pol, M, Args, ViaShared> for T
 where
     T: RegionCall<Pol, M, Args> + ?Sized,
 {
-    fn module_call(&mut self, args: Args) -> Result<AmpTensor> {
+    type Output = T::Output;
+    fn module_call(&mut self, args: Args) -> Result<T::Output> {
         self.region_call(args)
     }
 }
@@ -118,7 +128,8 @@ impl<Pol: Policy, M, Args, T> ModuleCall<Pol, M, Args, ViaMut> for T
 where
     T: RegionCallMut<Pol, M, Args> + ?Sized,
 {
-    fn module_call(&mut self, args: Args) -> Result<AmpTensor> {
+    type Output = T::Output;
+    fn module_call(&mut self, args: Args) -> Result<T::Output> {
         self.region_call_mut(args)
     }
 }
@@ -136,20 +147,24 @@ macro_rules! module_call_traits {
         pub mod module_call {
             use std::marker::PhantomData;
 
-            use super::{calls, AmpTensor, ModuleCall, Policy, RegionCall, Result};
+            use super::{calls, ModuleCall, Policy, RegionCall, Result};
 
             $(
                 #[doc = concat!("`m.", stringify!($name), "(..)` of a `&self` module.")]
                 pub trait $by_ref<Pol, Args> {
+                    /// What the calling region gets.
+                    type Output;
                     #[doc = concat!("Calls `", stringify!($name), "` under `Pol`.")]
-                    fn $method(&self, policy: PhantomData<Pol>, args: Args) -> Result<AmpTensor>;
+                    fn $method(&self, policy: PhantomData<Pol>, args: Args)
+                        -> Result<Self::Output>;
                 }
 
                 impl<Pol: Policy, Args, T> $by_ref<Pol, Args> for T
                 where
                     T: RegionCall<Pol, calls::$name, Args> + ?Sized,
                 {
-                    fn $method(&self, _: PhantomData<Pol>, args: Args) -> Result<AmpTensor> {
+                    type Output = T::Output;
+                    fn $method(&self, _: PhantomData<Pol>, args: Args) -> Result<T::Output> {
                         self.region_call(args)
                     }
                 }
@@ -158,14 +173,14 @@ macro_rules! module_call_traits {
                 pub trait $by_mut<Pol: Policy, Args> {
                     #[doc = concat!("Calls `", stringify!($name), "` under `Pol`.")]
                     fn $method<Via>(&mut self, policy: PhantomData<Pol>, args: Args)
-                        -> Result<AmpTensor>
+                        -> Result<<Self as ModuleCall<Pol, calls::$name, Args, Via>>::Output>
                     where
                         Self: ModuleCall<Pol, calls::$name, Args, Via>;
                 }
 
                 impl<Pol: Policy, Args, T: ?Sized> $by_mut<Pol, Args> for T {
                     fn $method<Via>(&mut self, _: PhantomData<Pol>, args: Args)
-                        -> Result<AmpTensor>
+                        -> Result<<Self as ModuleCall<Pol, calls::$name, Args, Via>>::Output>
                     where
                         Self: ModuleCall<Pol, calls::$name, Args, Via>,
                     {

@@ -38,7 +38,7 @@ pub(crate) use route::{unary, with_precision};
 pub mod __private {
     pub use super::boundary::{
         enter, enter_activation, enter_cast, enter_fp32, exit, exit_like, exit_to_region,
-        grad_like, EnterAs, GradsLike,
+        grad_like, EnterAs, GradsLike, RegionOutput, RegionParam,
     };
     pub use super::call::{calls, module_call, RegionCall, RegionCallMut};
     pub use super::free::{ForeignJoin, Unrouted};
@@ -46,7 +46,7 @@ pub mod __private {
         Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy, PolicyScope,
     };
     pub use super::route::Routed;
-    pub use super::value::{AmpTensor, AsAmp};
+    pub use super::value::AsAmp;
     pub use crate::cast::RegionGuard;
     pub use crate::op;
     pub use crate::precision::{BF16, F16, F32};

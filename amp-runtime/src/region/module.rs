@@ -10,8 +10,10 @@ use super::value::{AmpTensor, AsAmp};
 /// A module of one tensor, callable from an autocast region: every candle-amp layer with a
 /// `forward(x)`, and every `#[autocast]` impl whose `forward` takes one tensor. Use it as a
 /// generic bound (`M: AmpModule`) or as `Box<dyn AmpModule>` / `Vec<Box<dyn AmpModule>>`; a
-/// region calls such a module with `m.forward(&h)` or `h.apply(&m)`, and it runs under that
-/// region's policy.
+/// region calls such a module with `h.apply(&m)`, or `m.forward(&h)` when its type is known
+/// (a `dyn AmpModule` included), and it runs under that region's policy. A type parameter
+/// bounded by `AmpModule` alone is called with `h.apply(&m)`: `m.forward(..)` needs the module's
+/// own `RegionCall`, which the bound does not carry.
 ///
 /// ```
 /// # extern crate amp_runtime as candle_amp;
@@ -56,7 +58,7 @@ pub trait AmpModule {
 
 impl<M> AmpModule for M
 where
-    M: RegionCall<CallerPolicy, calls::forward, (AmpTensor,)>,
+    M: RegionCall<CallerPolicy, calls::forward, (AmpTensor,), Output = AmpTensor>,
 {
     fn forward_amp(&self, x: &AmpTensor) -> Result<AmpTensor> {
         self.region_call((x.clone(),))
@@ -65,6 +67,7 @@ where
 
 /// A module behind `dyn` loses the static policy: the call pushes it for [`CallerPolicy`].
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for dyn AmpModule {
+    type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         let _policy = PolicyScope::enter::<Pol>();
         self.forward_amp(&x.to_amp())
