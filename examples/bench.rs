@@ -25,6 +25,10 @@
 //!   it is expected >= 1 and is reported as measured: it shows what the casts and f16 kernels
 //!   cost there, not what AMP buys.
 //!
+//! - `linear3d_vs_candle_nn` (target <= 1.05): forward and backward of candle-amp's `Linear` on
+//!   a rank-3 f32 input `(8, 128, 768)` to 768 features (a transformer's projection), over
+//!   `candle_nn::Linear` with the same weights: both flatten to one 2-D GEMM.
+//!
 //! `--device cpu` (default) or `cuda` (a `--features cuda` build). On CPU the first three
 //! figures are what this crate promises and the fourth is reported as measured; on a GPU the
 //! memcpy reference is a device-to-device copy, and every timed run ends with a device sync.
@@ -285,6 +289,38 @@ fn measure_step(args: &Args, dev: &Device) -> Result<Step> {
     })
 }
 
+/// Side 0: candle-amp's `Linear`, side 1: `candle_nn::Linear`, fwd+bwd on `(8, 128, 768)`.
+struct Linear3d(Samples);
+
+fn measure_linear3d(args: &Args, dev: &Device) -> Result<Linear3d> {
+    use candle_nn::Module;
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, dev);
+    let amp = candle_amp::nn::linear(768, 768, vb.pp("fc"))?;
+    let plain = candle_nn::Linear::new(
+        amp.weight().as_tensor().clone(),
+        amp.bias().map(|b| b.as_tensor().clone()),
+    );
+    let x = Tensor::<F32>::randn(0.0, 1.0, (8, 128, 768), dev)?;
+    let mut by_amp = || -> Result<()> {
+        let y = amp.forward(black_box(&x))?;
+        black_box(y.as_candle().sum_all()?.backward()?);
+        Ok(())
+    };
+    let mut by_candle_nn = || -> Result<()> {
+        let y = plain.forward(black_box(x.as_candle()))?;
+        black_box(y.sum_all()?.backward()?);
+        Ok(())
+    };
+    let t = interleaved(
+        dev,
+        args.warmup,
+        args.step_samples,
+        &mut [&mut by_amp, &mut by_candle_nn],
+    )?;
+    Ok(Linear3d(t))
+}
+
 // ---- Report. ----
 
 #[derive(Serialize, Debug)]
@@ -295,6 +331,7 @@ struct Report {
     fused_unscale_vs_memcpy: f64,
     naive_unscale_vs_fused: f64,
     amp_vs_f32_step: f64,
+    linear3d_vs_candle_nn: f64,
     macro_ms: f64,
     handwritten_ms: f64,
     fused_ms: f64,
@@ -302,6 +339,8 @@ struct Report {
     memcpy_ms: f64,
     amp_step_ms: f64,
     f32_step_ms: f64,
+    linear3d_ms: f64,
+    linear3d_candle_nn_ms: f64,
     amp_skipped_steps: u64,
     unscale_tensors: usize,
     unscale_bytes: usize,
@@ -340,7 +379,7 @@ fn machine() -> String {
     format!("{cpu}, {threads} threads")
 }
 
-fn report(args: &Args, f: &Forward, u: &Unscale, s: &Step) -> Report {
+fn report(args: &Args, f: &Forward, u: &Unscale, s: &Step, l: &Linear3d) -> Report {
     let gbps = |ms: f64| u.bytes as f64 / (ms * 1e-3) / 1e9;
     Report {
         macro_vs_handwritten: round(f.0.ratio(0, 1), 4),
@@ -350,6 +389,7 @@ fn report(args: &Args, f: &Forward, u: &Unscale, s: &Step) -> Report {
         fused_unscale_vs_memcpy: round(u.t.ratio(MEMCPY, FUSED), 3),
         naive_unscale_vs_fused: round(u.t.ratio(NAIVE, FUSED), 3),
         amp_vs_f32_step: round(s.t.ratio(0, 1), 3),
+        linear3d_vs_candle_nn: round(l.0.ratio(0, 1), 3),
         macro_ms: round(f.0.median(0), 4),
         handwritten_ms: round(f.0.median(1), 4),
         fused_ms: round(u.t.median(FUSED), 3),
@@ -357,6 +397,8 @@ fn report(args: &Args, f: &Forward, u: &Unscale, s: &Step) -> Report {
         memcpy_ms: round(u.t.median(MEMCPY), 3),
         amp_step_ms: round(s.t.median(0), 2),
         f32_step_ms: round(s.t.median(1), 2),
+        linear3d_ms: round(l.0.median(0), 2),
+        linear3d_candle_nn_ms: round(l.0.median(1), 2),
         amp_skipped_steps: s.amp_skipped,
         unscale_tensors: u.tensors,
         unscale_bytes: u.bytes,
@@ -433,6 +475,16 @@ fn print_table(r: &Report) {
         r.amp_skipped_steps
     );
     println!(
+        "{:<26} {:>8.3}  {:<10} {:<7} candle-amp {:.2} ms, candle-nn {:.2} ms (fwd+bwd, \
+         (8, 128, 768) -> 768, f32)",
+        "linear3d_vs_candle_nn",
+        r.linear3d_vs_candle_nn,
+        "<= 1.05",
+        verdict(r.linear3d_vs_candle_nn <= 1.05),
+        r.linear3d_ms,
+        r.linear3d_candle_nn_ms
+    );
+    println!(
         "\namp_vs_f32_step has no target on CPU: candle's f16 gemm there converts to f32, so AMP \
          costs casts and buys nothing; the speed-up needs a GPU with f16 tensor cores."
     );
@@ -459,7 +511,9 @@ fn main() -> Result<()> {
     let unscale = measure_unscale(&args, &dev)?;
     progress("the training step: AMP + GradScaler vs f32");
     let step = measure_step(&args, &dev)?;
-    let r = report(&args, &forward, &unscale, &step);
+    progress("Linear on a rank-3 input: candle-amp vs candle-nn");
+    let linear3d = measure_linear3d(&args, &dev)?;
+    let r = report(&args, &forward, &unscale, &step, &linear3d);
     if args.json {
         println!(
             "{}",

@@ -72,14 +72,27 @@ impl Linear {
     }
 
     /// Applies the layer to `x` of shape `(..., in)`, in `x`'s precision.
+    ///
+    /// A contiguous input of rank 3 or 4 is flattened to one 2-D matmul `(rows, in) x (in, out)`
+    /// and reshaped back, as candle-nn's `Linear` does: one large GEMM instead of a batched
+    /// matmul over a broadcast weight (whose backward also sums the weight gradient over the
+    /// batch). A strided input takes the broadcast form.
     pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
         let w = weight_as::<P>(&self.weight)?;
-        let w = match *x.dims() {
-            [b1, b2, _, _] => w.broadcast_left((b1, b2))?.t()?,
-            [b, _, _] => w.broadcast_left(b)?.t()?,
-            _ => w.t()?,
+        let y = match *x.dims() {
+            [b1, b2, m, k] if x.is_contiguous() => x
+                .reshape((b1 * b2 * m, k))?
+                .matmul(&w.t()?)?
+                .reshape((b1, b2, m, ()))?,
+            [b, m, k] if x.is_contiguous() => {
+                x.reshape((b * m, k))?
+                    .matmul(&w.t()?)?
+                    .reshape((b, m, ()))?
+            }
+            [b1, b2, _, _] => x.matmul(&w.broadcast_left((b1, b2))?.t()?)?,
+            [b, _, _] => x.matmul(&w.broadcast_left(b)?.t()?)?,
+            _ => x.matmul(&w.t()?)?,
         };
-        let y = x.matmul(&w)?;
         match &self.bias {
             Some(b) => y.broadcast_add(&weight_as::<P>(b)?),
             None => Ok(y),
