@@ -613,3 +613,98 @@ fn candle_nn_layers_in_a_region_run_in_their_class_and_train() -> Result<()> {
     }
     Ok(())
 }
+
+// ---- The transformer layers: dropout, activations, softmax_last_dim, causal mask, configs. ----
+
+#[candle_amp::autocast(bf16)]
+fn transformer_bits(
+    x: &Tensor<F32>,
+    drop: &nn::Dropout,
+    act: &nn::Activation,
+    train: bool,
+) -> Result<Vec<DType>> {
+    let h = x.cast::<BF16>()?;
+    let dropped = drop.forward(&h, train)?;
+    let kept = drop.forward_t(&h, false)?;
+    let a = act.forward(&h)?;
+    let p = candle_amp::ops::softmax_last_dim(&h)?;
+    Ok(vec![dropped.dtype(), kept.dtype(), a.dtype(), p.dtype()])
+}
+
+#[test]
+fn dropout_and_activations_keep_their_input_precision_and_softmax_last_dim_is_f32() -> Result<()> {
+    let x = Tensor::<F32>::randn(0.0, 1.0, (4, 8), &dev())?;
+    let drop = nn::Dropout::new(0.5);
+    let dtypes = transformer_bits(&x, &drop, &nn::Activation::GeluPytorchTanh, true)?;
+    assert_eq!(dtypes, [DType::BF16, DType::BF16, DType::BF16, DType::F32]);
+    // Dropout: identity in evaluation; in training each value is 0 or doubled.
+    let ones = Tensor::<F32>::ones((64, 64), &dev())?;
+    assert_eq!(
+        drop.forward(&ones, false)?.to_vec2::<f32>()?,
+        ones.to_vec2::<f32>()?
+    );
+    let trained: Vec<f32> = drop.forward(&ones, true)?.flatten_all()?.to_vec1()?;
+    assert!(trained.iter().all(|&v| v == 0.0 || v == 2.0));
+    let kept = trained.iter().filter(|&&v| v == 2.0).count() as f64 / trained.len() as f64;
+    assert!((kept - 0.5).abs() < 0.05, "kept {kept}");
+    Ok(())
+}
+
+#[test]
+fn softmax_last_dim_trains_and_matches_softmax() -> Result<()> {
+    let w = Var::new(&[[1.0f32, 2.0, 3.0], [0.5, 0.5, -1.0]], &dev())?;
+    let x = Tensor::<F32>::from_candle(w.as_tensor().clone())?;
+    let p = candle_amp::ops::softmax_last_dim(&x)?;
+    let reference = candle_amp::ops::softmax(&x, 1)?;
+    assert_eq!(p.to_vec2::<f32>()?, reference.to_vec2::<f32>()?);
+    // candle-nn's fused `softmax_last_dim` has no backward; this one does.
+    let grads = (p.as_candle()
+        * &candle_core::Tensor::new(&[[1f32, 0., 0.], [0., 1., 0.]], &dev())?)?
+        .sum_all()?
+        .backward()?;
+    let g = grads.get(w.as_tensor()).expect("a gradient");
+    // d p0 / d x0 = p0 (1 - p0) for the first row.
+    let p0 = p.to_vec2::<f32>()?[0][0];
+    assert!((g.to_vec2::<f32>()?[0][0] - p0 * (1.0 - p0)).abs() < 1e-6);
+    Ok(())
+}
+
+#[test]
+fn causal_mask_hides_the_future_after_a_cache() -> Result<()> {
+    let m = candle_amp::ops::causal_mask(2, 1, &dev())?.to_vec2::<f32>()?;
+    let inf = f32::NEG_INFINITY;
+    // Query 0 sits at position 1: it sees keys 0 and 1; query 1 (position 2) sees all three.
+    assert_eq!(m, [[0.0, 0.0, inf], [0.0, 0.0, 0.0]]);
+    Ok(())
+}
+
+#[test]
+fn layer_norm_takes_candle_nn_configs_and_linear_b_its_bias_flag() -> Result<()> {
+    let (map, vb) = vars();
+    let eps = nn::layer_norm(4, 1e-6, vb.pp("a"))?;
+    assert_eq!(eps.eps(), 1e-6);
+    let fixed = nn::layer_norm(
+        4,
+        nn::LayerNormConfig {
+            affine: false,
+            ..Default::default()
+        },
+        vb.pp("b"),
+    )?;
+    assert!(fixed.bias().is_none());
+    let rms = nn::layer_norm(
+        4,
+        nn::LayerNormConfig {
+            remove_mean: false,
+            ..Default::default()
+        },
+        vb.pp("c"),
+    );
+    assert!(rms.unwrap_err().to_string().contains("rms_norm"));
+    assert!(nn::linear_b(4, 2, false, vb.pp("d"))?.bias().is_none());
+    assert!(nn::linear_b(4, 2, true, vb.pp("e"))?.bias().is_some());
+    // The non-affine norm adds no trained parameters.
+    let names: Vec<String> = map.data().lock().unwrap().keys().cloned().collect();
+    assert!(names.iter().all(|n| !n.starts_with("b.")), "{names:?}");
+    Ok(())
+}

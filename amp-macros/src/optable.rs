@@ -129,6 +129,7 @@ pub(crate) const OPS: &[Row] = rows! {
     cumsum: Fp32, method Dim;
     fp32_op: Fp32, method Closure;
     softmax: Fp32, free Ops;
+    softmax_last_dim = softmax: Fp32, free Ops;
     log_softmax: Fp32, free Ops;
     layer_norm: Fp32, free Ops;
     rms_norm: Fp32, free Ops;

@@ -18,6 +18,24 @@ pub fn softmax<P: Fp32Input<op::softmax>, D: Dim>(xs: &Tensor<P>, dim: D) -> Res
     fp32::softmax(xs, dim)
 }
 
+/// Softmax over the last dimension, candle-nn's `softmax_last_dim` with a backward.
+pub fn softmax_last_dim<P: Fp32Input<op::softmax>>(xs: &Tensor<P>) -> Result<Tensor<F32>> {
+    fp32::softmax(xs, candle_core::D::Minus1)
+}
+
+/// The additive causal mask of a decoder: `(t, past + t)`, 0 where query `i` (at position
+/// `past + i`) may attend to key `j` (`j <= past + i`), `-inf` elsewhere; f32, to be added to
+/// the attention scores with `broadcast_add` before the softmax. `past` is the length of a KV
+/// cache (0 without one).
+pub fn causal_mask(t: usize, past: usize, device: &candle_core::Device) -> Result<Tensor<F32>> {
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| {
+            (0..past + t).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 })
+        })
+        .collect();
+    Tensor::from_candle(candle_core::Tensor::from_vec(mask, (t, past + t), device)?)
+}
+
 /// Log-softmax along `d`.
 pub fn log_softmax<P: Fp32Input<op::log_softmax>, D: Dim>(
     xs: &Tensor<P>,
@@ -55,5 +73,7 @@ pub fn sigmoid<P: Precision>(xs: &Tensor<P>) -> Result<Tensor<P>> {
 /// exactly when the user's `ops` is this module (see `region/free.rs`).
 #[doc(hidden)]
 pub mod __amp_routed {
-    pub use crate::region::free::{layer_norm, log_softmax, rms_norm, sigmoid, softmax};
+    pub use crate::region::free::{
+        layer_norm, log_softmax, rms_norm, sigmoid, softmax, softmax_last_dim,
+    };
 }

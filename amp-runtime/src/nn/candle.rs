@@ -97,3 +97,11 @@ impl<Pol: Policy> RegionCall<Pol, calls::forward, (&Tensor,)> for candle_nn::Emb
         AmpTensor::from_candle_value(&self.forward(ids)?)
     }
 }
+
+/// An activation runs on the value as it is (PyTorch's autocast lists none of them).
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::Activation {
+    type Output = AmpTensor;
+    fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
+        AmpTensor::new(self.forward(x.to_amp().as_candle())?)
+    }
+}

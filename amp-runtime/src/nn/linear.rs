@@ -125,6 +125,15 @@ pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<L
     Linear::new(linear_weight(in_dim, out_dim, &vb)?, None)
 }
 
+/// `linear` or `linear_no_bias`, as candle-nn's `linear_b`.
+pub fn linear_b(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<Linear> {
+    if bias {
+        linear(in_dim, out_dim, vb)
+    } else {
+        linear_no_bias(in_dim, out_dim, vb)
+    }
+}
+
 fn linear_weight(in_dim: usize, out_dim: usize, vb: &VarBuilder) -> Result<Var> {
     let w = vb.get_with_hints(
         (out_dim, in_dim),

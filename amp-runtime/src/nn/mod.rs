@@ -32,6 +32,7 @@
 
 mod candle;
 pub mod conv;
+pub mod dropout;
 pub mod embedding;
 pub mod linear;
 pub mod norm;
@@ -39,10 +40,14 @@ pub mod pool;
 
 pub use crate::loss;
 
-pub use candle_nn::{BatchNormConfig, Conv1dConfig, Conv2dConfig};
+/// candle-nn's activations, usable as they are: called from a region (`self.act.forward(&h)`)
+/// they run in their input's precision, as PyTorch's autocast runs them (on no list).
+pub use candle_nn::Activation;
+pub use candle_nn::{BatchNormConfig, Conv1dConfig, Conv2dConfig, LayerNormConfig};
 pub use conv::{conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, Conv1d, Conv2d};
+pub use dropout::Dropout;
 pub use embedding::{embedding, Embedding};
-pub use linear::{linear, linear_no_bias, Linear};
+pub use linear::{linear, linear_b, linear_no_bias, Linear};
 pub use norm::{batch_norm2d, layer_norm, rms_norm, BatchNorm2d, LayerNorm, RmsNorm};
 pub use pool::{AvgPool2d, MaxPool2d};
 

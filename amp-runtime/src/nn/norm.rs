@@ -109,14 +109,32 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for LayerNorm 
     }
 }
 
-/// A layer norm with scale (ones) and shift (zeros), as candle-nn's `layer_norm`.
-pub fn layer_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
+/// A layer norm as candle-nn's `layer_norm`: `config` is an `eps` (`1e-5`) or a
+/// [`LayerNormConfig`](candle_nn::LayerNormConfig). Affine (the default): a trained scale (ones)
+/// and shift (zeros) from `vb`; not affine: a fixed scale of ones and no shift. A config with
+/// `remove_mean: false` is an RMS norm, which is [`rms_norm`].
+pub fn layer_norm<C: Into<candle_nn::LayerNormConfig>>(
+    size: usize,
+    config: C,
+    vb: VarBuilder,
+) -> Result<LayerNorm> {
+    let config = config.into();
+    if !config.remove_mean {
+        candle_core::bail!(
+            "layer_norm: a LayerNormConfig with `remove_mean: false` is an RMS norm; use \
+             `nn::rms_norm(size, eps, vb)`"
+        );
+    }
+    if !config.affine {
+        let ones = candle_core::Tensor::ones(size, DType::F32, vb.device())?;
+        return LayerNorm::new(Var::from_tensor(&ones)?, None, config.eps);
+    }
     let weight = vb.get_with_hints(size, "weight", candle_nn::Init::Const(1.))?;
     let bias = vb.get_with_hints(size, "bias", candle_nn::Init::Const(0.))?;
     LayerNorm::new(
         Var::from_tensor(&weight)?,
         Some(Var::from_tensor(&bias)?),
-        eps,
+        config.eps,
     )
 }
 

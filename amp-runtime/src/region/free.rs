@@ -103,6 +103,14 @@ pub fn softmax<D: Dim + 'static>(xs: impl AsAmp, dim: D) -> Call<op::softmax> {
     })
 }
 
+/// Routed `ops::softmax_last_dim`: softmax over the last dimension, in f32 and differentiable
+/// (candle-nn's fused kernel has no backward).
+pub fn softmax_last_dim(xs: impl AsAmp) -> Call<op::softmax> {
+    call(vec![xs.to_amp()], |x| {
+        candle_nn::ops::softmax(&x[0], candle_core::D::Minus1)
+    })
+}
+
 /// Routed `ops::log_softmax`.
 pub fn log_softmax<D: Dim + 'static>(xs: impl AsAmp, d: D) -> Call<op::log_softmax> {
     call(vec![xs.to_amp()], move |x| {
