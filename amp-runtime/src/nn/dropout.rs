@@ -36,7 +36,7 @@ impl Dropout {
         self.forward(x, train)
     }
 
-    fn run(&self, x: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
+    fn run(self, x: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
         if train && self.p > 0.0 {
             candle_nn::ops::dropout(x, self.p)
         } else {
