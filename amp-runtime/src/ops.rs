@@ -24,16 +24,21 @@ pub fn softmax_last_dim<P: Fp32Input<op::softmax>>(xs: &Tensor<P>) -> Result<Ten
 }
 
 /// The additive causal mask of a decoder: `(t, past + t)`, 0 where query `i` (at position
-/// `past + i`) may attend to key `j` (`j <= past + i`), `-inf` elsewhere; f32, to be added to
-/// the attention scores with `broadcast_add` before the softmax. `past` is the length of a KV
-/// cache (0 without one).
-pub fn causal_mask(t: usize, past: usize, device: &candle_core::Device) -> Result<Tensor<F32>> {
+/// `past + i`) may attend to key `j` (`j <= past + i`), `-inf` elsewhere. An f32 candle tensor,
+/// as candle-transformers passes masks (`Option<&Tensor>`): added to the attention scores with
+/// `broadcast_add` before the softmax, it takes part in the add's promotion and is never cast on
+/// entering a region. `past` is the length of a KV cache (0 without one).
+pub fn causal_mask(
+    t: usize,
+    past: usize,
+    device: &candle_core::Device,
+) -> Result<candle_core::Tensor> {
     let mask: Vec<f32> = (0..t)
         .flat_map(|i| {
             (0..past + t).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 })
         })
         .collect();
-    Tensor::from_candle(candle_core::Tensor::from_vec(mask, (t, past + t), device)?)
+    candle_core::Tensor::from_vec(mask, (t, past + t), device)
 }
 
 /// Log-softmax along `d`.

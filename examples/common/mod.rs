@@ -12,7 +12,9 @@ use candle_core::{DType, Device, Result, Var};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use serde::Serialize;
 
+pub mod curves;
 mod device;
+#[allow(unused_imports)] // not every example takes `--device`
 pub use device::parse_device;
 
 /// The system allocator, counting live heap bytes and their peak (CPU tensors live on the heap,

@@ -1,0 +1,252 @@
+//! GPT under autocast: a GPT-2-style decoder (`examples/transformers/gpt_model.rs`, written as
+//! candle-transformers writes one) trained on a synthetic next-token task in f32, fp16 (with
+//! `GradScaler`) and bf16, from the same initial weights and batches; then greedy generation
+//! with the KV cache from a prompt, checked against a full recompute.
+//!
+//! `cargo run --release --example gpt` prints a table (ms/step, final loss, peak heap, skipped
+//! steps per mode), writes `gpt_loss.png` into `--out`, and prints the generated text;
+//! `--json` prints one line `{"f32": {..}, "fp16": {..}, "bf16": {..},
+//! "kv_cache_max_abs_diff": x}`.
+//!
+//! The task: sequences that count up by a stride (1, 2, 3 or 5) modulo the vocabulary, written
+//! as letters; the next token follows from the context, so a trained model continues `a c e`
+//! with `g i k ...`.
+
+#[path = "common/mod.rs"]
+mod common;
+#[path = "transformers/gpt_model.rs"]
+mod gpt_model;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use candle_amp::{GradScaler, Tensor, F32};
+use candle_core::{DType, Device, Result};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use clap::Parser;
+use gpt_model::{Config, Counting, Gpt};
+use serde::Serialize;
+
+/// Trains a small GPT in f32, fp16 and bf16 and generates with its KV cache.
+#[derive(Parser, Debug, Clone)]
+#[command(about)]
+struct Args {
+    /// Training steps per mode.
+    #[arg(long, default_value_t = 300, value_parser = common::positive)]
+    steps: usize,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = 16, value_parser = common::positive)]
+    batch: usize,
+    /// Tokens per training sequence.
+    #[arg(long, default_value_t = 32, value_parser = common::positive)]
+    seq: usize,
+    /// Vocabulary size (letters a, b, c, ...; at most 26).
+    #[arg(long, default_value_t = 16, value_parser = common::positive)]
+    vocab: usize,
+    /// Width of the model.
+    #[arg(long, default_value_t = 64, value_parser = common::positive)]
+    width: usize,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Print one JSON line on stdout instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Where `gpt_loss.png` goes.
+    #[arg(long, default_value = "target/examples-out")]
+    out: PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    F32,
+    Fp16,
+    Bf16,
+}
+
+impl Mode {
+    const ALL: [Self; 3] = [Self::F32, Self::Fp16, Self::Bf16];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Fp16 => "fp16",
+            Self::Bf16 => "bf16",
+        }
+    }
+
+    fn loss(self, m: &mut Gpt, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
+        match self {
+            Self::F32 => gpt_model::loss_f32(m, ids),
+            Self::Fp16 => gpt_model::loss_fp16(m, ids),
+            Self::Bf16 => gpt_model::loss_bf16(m, ids),
+        }
+    }
+}
+
+#[derive(Serialize, Debug)]
+struct ModeResult {
+    ms_per_step: f64,
+    final_loss: f32,
+    peak_bytes: usize,
+    skipped_steps: u64,
+    #[serde(skip)]
+    losses: Vec<f32>,
+}
+
+/// Trains a fresh model from `init` in `mode`; returns the figures and the trained model.
+fn train(
+    args: &Args,
+    cfg: &Config,
+    init: &common::Init,
+    mode: Mode,
+    label: bool,
+) -> Result<(ModeResult, Gpt)> {
+    let dev = Device::Cpu;
+    let base = common::live_bytes();
+    common::reset_peak();
+    let mut vars = VarMap::new();
+    let mut model = Gpt::new(cfg, VarBuilder::from_varmap(&vars, DType::F32, &dev))?;
+    vars.set(init.iter().map(|(name, t)| (name, t)))?;
+    let params = ParamsAdamW {
+        lr: args.lr,
+        weight_decay: 0.0,
+        ..ParamsAdamW::default()
+    };
+    let mut opt = AdamW::new(vars.all_vars(), params)?;
+    // fp16 needs loss scaling; bf16 has f32's range and, as in PyTorch, none.
+    let mut scaler = GradScaler::builder().enabled(mode == Mode::Fp16).build()?;
+    let mut data = Counting::new(args.vocab, 7);
+    let bar = common::progress(args.steps as u64, mode.name(), args.json || !label);
+    let (mut losses, mut start) = (Vec::with_capacity(args.steps), Instant::now());
+    for step in 0..args.steps {
+        if step == 1 {
+            start = Instant::now(); // the first step is the untimed warm-up
+        }
+        let ids = data.batch(args.batch, args.seq + 1, &dev)?;
+        let l = mode.loss(&mut model, &ids)?;
+        let grads = scaler.scale(&l)?.backward()?;
+        let _ = scaler.step(&mut opt, grads)?;
+        scaler.update()?;
+        losses.push(l.to_scalar::<f32>()?);
+        bar.set_message(format!("loss {:.4}", losses[step]));
+        bar.inc(1);
+    }
+    bar.finish();
+    let timed = args.steps.saturating_sub(1).max(1);
+    let result = ModeResult {
+        ms_per_step: start.elapsed().as_secs_f64() * 1e3 / timed as f64,
+        final_loss: mean_tail(&losses),
+        peak_bytes: common::peak_since(base),
+        skipped_steps: scaler.skipped_steps(),
+        losses,
+    };
+    Ok((result, model))
+}
+
+/// The mean of the last tenth of the losses (at least one): the final loss, less one batch's
+/// noise.
+fn mean_tail(losses: &[f32]) -> f32 {
+    let n = (losses.len() / 10).max(1);
+    losses[losses.len() - n..].iter().sum::<f32>() / n as f32
+}
+
+fn letters(tokens: &[u32]) -> String {
+    tokens
+        .iter()
+        .map(|&t| char::from(b'a' + t as u8).to_string())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.vocab > 26 {
+        candle_core::bail!("--vocab is at most 26 (the tokens print as letters)");
+    }
+    let cfg = Config {
+        n_embd: args.width,
+        n_positions: args.seq.max(32) + 32,
+        ..Config::small(args.vocab)
+    };
+    let init_vars = VarMap::new();
+    Gpt::new(
+        &cfg,
+        VarBuilder::from_varmap(&init_vars, DType::F32, &Device::Cpu),
+    )?;
+    let init = common::snapshot(&init_vars)?;
+
+    // One untimed step of each mode first: the thread pool and gemm's buffers stay allocated
+    // afterwards, which would otherwise count in the first mode's peak only.
+    let warm = Args {
+        steps: 1,
+        json: true,
+        ..args.clone()
+    };
+    for mode in Mode::ALL {
+        train(&warm, &cfg, &init, mode, false)?;
+    }
+    let mut results = Vec::new();
+    let mut f32_model = None;
+    for mode in Mode::ALL {
+        let (r, model) = train(&args, &cfg, &init, mode, true)?;
+        if mode == Mode::F32 {
+            f32_model = Some(model);
+        }
+        results.push((mode, r));
+    }
+    let mut model = f32_model.expect("f32 ran");
+    let prompt = [0u32, 2, 4];
+    let (tokens, cached) = gpt_model::generate(&mut model, &prompt, 12)?;
+    let full = gpt_model::recomputed(&mut model, &tokens[..tokens.len() - 1], prompt.len())?;
+    let kv_diff = gpt_model::max_abs_diff(&cached, &full);
+
+    if args.json {
+        let mut json = serde_json::Map::new();
+        for (mode, r) in &results {
+            json.insert(
+                mode.name().into(),
+                serde_json::to_value(r).map_err(candle_core::Error::wrap)?,
+            );
+        }
+        json.insert("kv_cache_max_abs_diff".into(), f64::from(kv_diff).into());
+        println!("{}", serde_json::Value::Object(json));
+        return Ok(());
+    }
+    println!(
+        "GPT ({} layers, width {}, {} heads), {} steps of batch {} x {} tokens, AdamW lr {}",
+        cfg.n_layer, cfg.n_embd, cfg.n_head, args.steps, args.batch, args.seq, args.lr
+    );
+    println!("| mode | ms per step | final loss | peak heap MiB | skipped steps |");
+    println!("|------|-------------|------------|---------------|---------------|");
+    for (mode, r) in &results {
+        println!(
+            "| {:<4} | {:>11.2} | {:>10.4} | {:>13.1} | {:>13} |",
+            mode.name(),
+            r.ms_per_step,
+            r.final_loss,
+            r.peak_bytes as f64 / (1024.0 * 1024.0),
+            r.skipped_steps
+        );
+    }
+    println!(
+        "\nprompt: {}\ngenerated (f32 model, KV cache): {}\nKV-cached logits vs full recompute: \
+         max |diff| {kv_diff:.2e}",
+        letters(&prompt),
+        letters(&tokens)
+    );
+    std::fs::create_dir_all(&args.out).map_err(candle_core::Error::wrap)?;
+    let png = args.out.join("gpt_loss.png");
+    let curves: Vec<(&str, &[f32])> = results
+        .iter()
+        .map(|(m, r)| (m.name(), r.losses.as_slice()))
+        .collect();
+    common::curves::draw_losses(
+        &png,
+        "gpt: training loss (next-token cross-entropy)",
+        &curves,
+    )
+    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    println!("wrote {}", png.display());
+    Ok(())
+}

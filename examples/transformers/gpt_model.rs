@@ -1,0 +1,360 @@
+//! A GPT-2-style decoder written as candle-transformers writes one (`gpt2`/`bigcode`): token and
+//! learned position embeddings, pre-norm blocks, multi-head causal self-attention split into
+//! helper methods, a GELU MLP, a final norm and an LM head tied to the token embeddings, and a
+//! KV cache held in each attention layer as `Option<(AmpTensor, AmpTensor)>`.
+//!
+//! Ported from candle code by adding `#[autocast]` to the impls and writing `Tensor<F32>` for
+//! activations (`candle_core::Tensor` stays for token ids and masks). The model runs in whatever
+//! precision the calling region asks for: f32 called directly, fp16 or bf16 from
+//! `#[autocast(fp16)]`/`#[autocast(bf16)]` training steps.
+//!
+//! Shared by `examples/gpt.rs` and the tests (`tests/transformers.rs`).
+
+use std::cell::Cell;
+
+use candle_amp::nn::{self, Dropout, Embedding, LayerNorm, Linear};
+use candle_amp::{autocast, loss, ops, AmpTensor, Tensor, F32};
+use candle_core::{DType, Device, IndexOp, Result, D};
+use candle_nn::VarBuilder;
+
+#[derive(Clone, Copy, Debug)]
+pub struct Config {
+    pub vocab_size: usize,
+    pub n_positions: usize,
+    pub n_embd: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub dropout: f32,
+    pub layer_norm_epsilon: f64,
+}
+
+impl Config {
+    /// The default of `examples/gpt.rs`.
+    pub fn small(vocab_size: usize) -> Self {
+        Self {
+            vocab_size,
+            n_positions: 64,
+            n_embd: 64,
+            n_layer: 2,
+            n_head: 4,
+            dropout: 0.0,
+            layer_norm_epsilon: 1e-5,
+        }
+    }
+}
+
+pub struct Attention {
+    c_attn: Linear,
+    c_proj: Linear,
+    n_head: usize,
+    kv_cache: Option<(AmpTensor, AmpTensor)>,
+    use_cache: bool,
+    /// The dtypes of the last call's attention scores and probabilities (for the dtype test).
+    pub last_dtypes: Cell<Option<(DType, DType)>>,
+}
+
+#[autocast]
+impl Attention {
+    fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            c_attn: nn::linear(cfg.n_embd, 3 * cfg.n_embd, vb.pp("c_attn"))?,
+            c_proj: nn::linear(cfg.n_embd, cfg.n_embd, vb.pp("c_proj"))?,
+            n_head: cfg.n_head,
+            kv_cache: None,
+            use_cache: false,
+            last_dtypes: Cell::new(None),
+        })
+    }
+
+    /// `(b, t, c)` to `(b, heads, t, c / heads)`.
+    fn split_heads(&self, x: &AmpTensor) -> Result<AmpTensor> {
+        let (b, t, c) = x.dims3()?;
+        x.reshape((b, t, self.n_head, c / self.n_head))?
+            .transpose(1, 2)?
+            .contiguous()
+    }
+
+    fn attn(
+        &self,
+        q: &AmpTensor,
+        k: &AmpTensor,
+        v: &AmpTensor,
+        mask: Option<&candle_core::Tensor>,
+    ) -> Result<AmpTensor> {
+        let head_dim = q.dim(D::Minus1)?;
+        let scale = 1.0 / (head_dim as f64).sqrt();
+        let att = (q.matmul(&k.t()?)? * scale)?;
+        let scores = att.dtype();
+        let att = match mask {
+            Some(mask) => att.broadcast_add(mask)?,
+            None => att,
+        };
+        let att = ops::softmax_last_dim(&att)?;
+        self.last_dtypes.set(Some((scores, att.dtype())));
+        att.matmul(v)
+    }
+
+    fn forward(
+        &mut self,
+        x: &Tensor<F32>,
+        mask: Option<&candle_core::Tensor>,
+    ) -> Result<Tensor<F32>> {
+        let (b, t, c) = x.dims3()?;
+        let qkv = self.c_attn.forward(x)?;
+        let q = self.split_heads(&qkv.narrow(D::Minus1, 0, c)?)?;
+        let k = self.split_heads(&qkv.narrow(D::Minus1, c, c)?)?;
+        let v = self.split_heads(&qkv.narrow(D::Minus1, 2 * c, c)?)?;
+        let (k, v) = if self.use_cache {
+            let (k, v) = match &self.kv_cache {
+                Some((past_k, past_v)) => (
+                    Tensor::cat(&[past_k, &k], 2)?,
+                    Tensor::cat(&[past_v, &v], 2)?,
+                ),
+                None => (k, v),
+            };
+            self.kv_cache = Some((k.clone(), v.clone()));
+            (k, v)
+        } else {
+            (k, v)
+        };
+        let y = self.attn(&q, &k, &v, mask)?;
+        let y = y.transpose(1, 2)?.reshape((b, t, c))?;
+        self.c_proj.forward(&y)
+    }
+}
+
+pub struct Mlp {
+    c_fc: Linear,
+    c_proj: Linear,
+    act: nn::Activation,
+}
+
+#[autocast]
+impl Mlp {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let h = self.act.forward(&self.c_fc.forward(x)?)?;
+        self.c_proj.forward(&h)
+    }
+}
+
+pub struct Block {
+    ln_1: LayerNorm,
+    attn: Attention,
+    ln_2: LayerNorm,
+    mlp: Mlp,
+    dropout: Dropout,
+}
+
+#[autocast]
+impl Block {
+    fn forward(
+        &mut self,
+        x: &Tensor<F32>,
+        mask: Option<&candle_core::Tensor>,
+        train: bool,
+    ) -> Result<Tensor<F32>> {
+        let a = self.attn.forward(&self.ln_1.forward(x)?, mask)?;
+        let x = (x + self.dropout.forward(&a, train)?)?;
+        let m = self.mlp.forward(&self.ln_2.forward(&x)?)?;
+        Ok((&x + self.dropout.forward(&m, train)?)?)
+    }
+}
+
+pub struct Gpt {
+    wte: Embedding,
+    wpe: Embedding,
+    pub blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    dropout: Dropout,
+}
+
+#[autocast]
+impl Gpt {
+    pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
+        let blocks = (0..cfg.n_layer)
+            .map(|i| {
+                let vb = vb.pp(format!("h.{i}"));
+                Ok(Block {
+                    ln_1: nn::layer_norm(cfg.n_embd, cfg.layer_norm_epsilon, vb.pp("ln_1"))?,
+                    attn: Attention::new(cfg, vb.pp("attn"))?,
+                    ln_2: nn::layer_norm(cfg.n_embd, cfg.layer_norm_epsilon, vb.pp("ln_2"))?,
+                    mlp: Mlp {
+                        c_fc: nn::linear(cfg.n_embd, 4 * cfg.n_embd, vb.pp("mlp.c_fc"))?,
+                        c_proj: nn::linear(4 * cfg.n_embd, cfg.n_embd, vb.pp("mlp.c_proj"))?,
+                        act: nn::Activation::NewGelu,
+                    },
+                    dropout: Dropout::new(cfg.dropout),
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            wte: nn::embedding(cfg.vocab_size, cfg.n_embd, vb.pp("wte"))?,
+            wpe: nn::embedding(cfg.n_positions, cfg.n_embd, vb.pp("wpe"))?,
+            blocks,
+            ln_f: nn::layer_norm(cfg.n_embd, cfg.layer_norm_epsilon, vb.pp("ln_f"))?,
+            dropout: Dropout::new(cfg.dropout),
+        })
+    }
+
+    /// Logits `(b, t, vocab)` for token ids `(b, t)` at positions `past..past + t` (`past`: the
+    /// length already in the KV cache, 0 without one).
+    pub fn forward(
+        &mut self,
+        ids: &candle_core::Tensor,
+        past: usize,
+        train: bool,
+    ) -> Result<Tensor<F32>> {
+        let (_b, t) = ids.dims2()?;
+        let positions = candle_core::Tensor::arange(past as u32, (past + t) as u32, ids.device())?;
+        let x = self
+            .wte
+            .forward(ids)?
+            .broadcast_add(&self.wpe.forward(&positions)?)?;
+        let mut h = self.dropout.forward(&x, train)?;
+        let mask = if t > 1 {
+            Some(ops::causal_mask(t, past, ids.device())?)
+        } else {
+            None
+        };
+        for block in &mut self.blocks {
+            h = block.forward(&h, mask.as_ref(), train)?;
+        }
+        let h = self.ln_f.forward(&h)?;
+        // The LM head is the token embedding, transposed (weight tying, as GPT-2).
+        let (b, t, c) = h.dims3()?;
+        let w = self.wte.embeddings().as_tensor();
+        Ok(h.reshape((b * t, c))?
+            .matmul(&w.t()?)?
+            .reshape((b, t, ()))?)
+    }
+
+    pub fn set_use_cache(&mut self, on: bool) {
+        for b in &mut self.blocks {
+            b.attn.use_cache = on;
+            b.attn.kv_cache = None;
+        }
+    }
+}
+
+/// Next-token cross-entropy of `ids` `(b, t + 1)`.
+fn next_token_loss(m: &mut Gpt, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
+    let t = ids.dim(1)? - 1;
+    let logits = m.forward(&ids.narrow(1, 0, t)?, 0, true)?;
+    let (b, t, v) = logits.dims3()?;
+    loss::cross_entropy(
+        &logits.reshape((b * t, v))?,
+        &ids.narrow(1, 1, t)?.flatten_all()?,
+    )
+}
+
+/// The training loss under each precision: f32 (the model called from plain code), and the
+/// same model from an fp16 and a bf16 region.
+pub fn loss_f32(m: &mut Gpt, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
+    next_token_loss(m, ids)
+}
+
+#[autocast(fp16)]
+pub fn loss_fp16(m: &mut Gpt, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
+    next_token_loss(m, ids)
+}
+
+#[autocast(bf16)]
+pub fn loss_bf16(m: &mut Gpt, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
+    next_token_loss(m, ids)
+}
+
+/// A synthetic language with structure to learn: each sequence counts up from a random start by
+/// a random stride (1, 2, 3 or 5) modulo the vocabulary, so the next token follows from the
+/// last two; a model must attend to its context to find the stride.
+pub struct Counting {
+    state: u64,
+    pub vocab: usize,
+}
+
+impl Counting {
+    pub fn new(vocab: usize, seed: u64) -> Self {
+        Self {
+            state: seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407)
+                | 1,
+            vocab,
+        }
+    }
+
+    fn next(&mut self) -> u64 {
+        // xorshift64*
+        self.state ^= self.state >> 12;
+        self.state ^= self.state << 25;
+        self.state ^= self.state >> 27;
+        self.state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11
+    }
+
+    /// One sequence of `len` tokens.
+    pub fn sequence(&mut self, len: usize) -> Vec<u32> {
+        let start = self.next() % self.vocab as u64;
+        let stride = [1, 2, 3, 5][(self.next() % 4) as usize];
+        (0..len as u64)
+            .map(|i| ((start + i * stride) % self.vocab as u64) as u32)
+            .collect()
+    }
+
+    /// A batch `(b, len)` of sequences.
+    pub fn batch(&mut self, b: usize, len: usize, dev: &Device) -> Result<candle_core::Tensor> {
+        let ids: Vec<u32> = (0..b).flat_map(|_| self.sequence(len)).collect();
+        candle_core::Tensor::from_vec(ids, (b, len), dev)
+    }
+}
+
+/// Greedy generation of `n` tokens after `prompt` with the KV cache: the prompt in one call,
+/// then one token per call. Returns the tokens and the last-position logits of each call.
+pub fn generate(m: &mut Gpt, prompt: &[u32], n: usize) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    let dev = Device::Cpu;
+    m.set_use_cache(true);
+    let (mut tokens, mut logits_seen) = (prompt.to_vec(), Vec::new());
+    let mut input = prompt.to_vec();
+    for _ in 0..n {
+        let past = tokens.len() - input.len();
+        let ids = candle_core::Tensor::new(input.as_slice(), &dev)?.unsqueeze(0)?;
+        let logits = m.forward(&ids, past, false)?;
+        let last: Vec<f32> = logits.as_candle().i((0, input.len() - 1))?.to_vec1()?;
+        let next = argmax(&last);
+        logits_seen.push(last);
+        tokens.push(next);
+        input = vec![next];
+    }
+    m.set_use_cache(false);
+    Ok((tokens, logits_seen))
+}
+
+/// The last-position logits of each prefix of `tokens` of length `from..tokens.len()`, each by
+/// a full forward without the cache: what [`generate`]'s cached calls must reproduce.
+pub fn recomputed(m: &mut Gpt, tokens: &[u32], from: usize) -> Result<Vec<Vec<f32>>> {
+    let dev = Device::Cpu;
+    m.set_use_cache(false);
+    (from..tokens.len())
+        .map(|n| {
+            let ids = candle_core::Tensor::new(&tokens[..n], &dev)?.unsqueeze(0)?;
+            m.forward(&ids, 0, false)?
+                .as_candle()
+                .i((0, n - 1))?
+                .to_vec1()
+        })
+        .collect()
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map_or(0, |(i, _)| i as u32)
+}
+
+/// The largest absolute difference between two lists of logits.
+pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
