@@ -8,7 +8,8 @@
 //! precision the calling region asks for: f32 called directly, fp16 or bf16 from
 //! `#[autocast(fp16)]`/`#[autocast(bf16)]` training steps.
 //!
-//! Shared by `examples/gpt.rs` and the tests (`tests/transformers.rs`).
+//! Shared by `examples/gpt.rs` and its test (`tests/gpt.rs`), which use different parts.
+#![allow(dead_code)]
 
 use std::cell::Cell;
 
@@ -139,7 +140,7 @@ impl Mlp {
 
 pub struct Block {
     ln_1: LayerNorm,
-    attn: Attention,
+    pub attn: Attention,
     ln_2: LayerNorm,
     mlp: Mlp,
     dropout: Dropout,
@@ -275,8 +276,8 @@ impl Counting {
     pub fn new(vocab: usize, seed: u64) -> Self {
         Self {
             state: seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407)
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407)
                 | 1,
             vocab,
         }
@@ -327,12 +328,13 @@ pub fn generate(m: &mut Gpt, prompt: &[u32], n: usize) -> Result<(Vec<u32>, Vec<
     Ok((tokens, logits_seen))
 }
 
-/// The last-position logits of each prefix of `tokens` of length `from..tokens.len()`, each by
-/// a full forward without the cache: what [`generate`]'s cached calls must reproduce.
+/// The last-position logits of each prefix of `tokens` of length `from..=tokens.len()`, each by
+/// a full forward without the cache: what [`generate`]'s cached calls must reproduce (given the
+/// generated tokens less the last, which was never an input).
 pub fn recomputed(m: &mut Gpt, tokens: &[u32], from: usize) -> Result<Vec<Vec<f32>>> {
     let dev = Device::Cpu;
     m.set_use_cache(false);
-    (from..tokens.len())
+    (from..=tokens.len())
         .map(|n| {
             let ids = candle_core::Tensor::new(&tokens[..n], &dev)?.unsqueeze(0)?;
             m.forward(&ids, 0, false)?
@@ -350,8 +352,9 @@ fn argmax(v: &[f32]) -> u32 {
         .map_or(0, |(i, _)| i as u32)
 }
 
-/// The largest absolute difference between two lists of logits.
+/// The largest absolute difference between two lists of logits of the same shape.
 pub fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len(), "as many logits on both sides");
     a.iter()
         .flatten()
         .zip(b.iter().flatten())
