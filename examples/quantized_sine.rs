@@ -245,7 +245,11 @@ fn plots(args: &Args, target: &[f32], f32_run: &Run, amp_run: &Run) -> PlotResul
         ],
     )?;
     let curves = args.out.join("loss.png");
-    draw_losses(&curves, &f32_run.losses, &amp_run.losses)?;
+    common::curves::draw_losses(
+        &curves,
+        "quantized_sine: training loss (MSE)",
+        &[("f32", &f32_run.losses), ("AMP (fp16)", &amp_run.losses)],
+    )?;
     Ok(vec![images, curves])
 }
 
@@ -283,54 +287,6 @@ fn draw_images(path: &Path, size: usize, panels: &[(&str, &[f32])]) -> PlotResul
             ))?;
         }
     }
-    root.present()?;
-    Ok(())
-}
-
-fn draw_losses(path: &Path, f32_losses: &[f32], amp_losses: &[f32]) -> PlotResult<()> {
-    use plotters::prelude::*;
-    let all = f32_losses
-        .iter()
-        .chain(amp_losses)
-        .copied()
-        .filter(|v| v.is_finite() && *v > 0.0);
-    let (lo, hi) = all.fold((f32::MAX, f32::MIN), |(lo, hi), v| (lo.min(v), hi.max(v)));
-    let root = BitMapBackend::new(path, (800, 500)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("quantized_sine: training loss (MSE)", ("sans-serif", 22))
-        .margin(15)
-        .x_label_area_size(40)
-        .y_label_area_size(70)
-        .build_cartesian_2d(
-            0..f32_losses.len().max(amp_losses.len()),
-            (lo..hi).log_scale(),
-        )?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc("loss")
-        .label_style(("sans-serif", 14))
-        .draw()?;
-    for (name, losses, color) in [("f32", f32_losses, BLUE), ("AMP (fp16)", amp_losses, RED)] {
-        chart
-            .draw_series(LineSeries::new(
-                losses
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, v)| v.is_finite())
-                    .map(|(i, v)| (i, *v)),
-                color.stroke_width(2),
-            ))?
-            .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()?;
     root.present()?;
     Ok(())
 }
