@@ -5,52 +5,64 @@
 //! The model is the recipe's MLP: Linear(w, w) + ReLU, Linear(w, w) + ReLU, Linear(w, w), trained
 //! with MSE against random targets by SGD (lr 1e-3) on random data made once up front (the same
 //! batches and the same initial weights for both modes). The "amp" mode is the recipe's
-//! `torch.autocast(device_type, dtype=torch.float16, enabled=use_amp)` forward plus
-//! `GradScaler(enabled=use_amp)`: one `#[autocast(fp16, enabled = use_amp)]` forward serves both
-//! modes, and the f32 mode runs the same loop with `use_amp = false` and a disabled scaler (an
-//! exact pass-through).
+//! `torch.autocast(device_type, dtype=dtype, enabled=use_amp)` forward plus
+//! `GradScaler(enabled=use_amp)` for fp16: one `#[autocast(policy = Pol, enabled = use_amp)]`
+//! forward, generic over the policy `Pol`, serves both modes, and the f32 mode runs the same loop
+//! with `use_amp = false` and a disabled scaler (an exact pass-through).
+//!
+//! `--precision bf16|fp16` is the recipe's `dtype`: `main` matches on it once and runs the
+//! generic code with `Bf16Policy` or `Fp16Policy`. Without the flag it is PyTorch's autocast
+//! default for the device: bf16 on CPU, fp16 on CUDA. Only fp16 scales the loss: bf16 has f32's
+//! range, and, as in PyTorch, trains without a `GradScaler` (the scaler is built disabled).
 //!
 //! ```sh
 //! cargo run --release --example amp_recipe                  # smaller defaults, ~35 s on 2 cores
+//! cargo run --release --example amp_recipe -- --precision fp16   # the recipe's float16
 //! cargo run --release --example amp_recipe -- --width 4096 --batch 512 --batches 50 --epochs 3
 //! cargo run --release --example amp_recipe -- --json        # one JSON line on stdout
 //! ```
 //!
 //! Flags: `--width` (default 1024; the recipe's 4096), `--batch` (256; recipe 512), `--batches`
-//! (50, as the recipe), `--epochs` (3, as the recipe), `--enabled false` (AMP off in the "amp" run,
-//! nothing else changed: it then is the f32 program with a disabled scaler and should match the
-//! f32 row), `--json` (print only `{"f32": {...}, "amp": {...}}` and hide the progress bars),
-//! `--device cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
+//! (50, as the recipe), `--epochs` (3, as the recipe), `--precision bf16|fp16` (the AMP run's
+//! lower precision; default bf16 on CPU, fp16 on CUDA), `--enabled false` (AMP off in the "amp"
+//! run, nothing else changed: it then is the f32 program with a disabled scaler and should match
+//! the f32 row), `--json` (print only `{"precision": "bf16", "f32": {...}, "amp": {...}}` and
+//! hide the progress bars), `--device cpu`, or `cuda` / `cuda:N` in a build with
+//! `--features cuda`. The table names the AMP row by its precision: `AMP (bf16)`.
 //!
 //! Measured per mode: milliseconds per training step (forward, loss, scaled backward, unscale,
 //! optimizer step, scale update), excluding the mode's first step (it is trained on, just not
 //! timed); the peak heap bytes above what was live when the mode started (the data set and the
 //! initial weights are shared and not counted); the loss of the last step; the scaler's skipped
-//! steps and final scale. Before either mode, one unmeasured step of each warms up the process
-//! (thread pool, gemm's per-thread buffers), so that its one-time allocations count in neither
-//! peak: with `--enabled false` the two rows then have the same peak to the byte and the same
-//! loss to the bit.
+//! steps and final scale (0 and 1 when the scaler is disabled, as for bf16). Before either mode,
+//! one unmeasured step of each warms up the process (thread pool, gemm's per-thread buffers), so
+//! that its one-time allocations count in neither peak: with `--enabled false` the two rows then
+//! have the same peak to the byte and the same loss to the bit.
 //!
-//! What to expect on CPU: the two final losses agree to about 4 decimals (f16 matmuls with f32
-//! masters; no step is skipped), but AMP is *slower* here: candle's CPU f16 matmul is no faster
-//! than f32, and autocast adds a cast of every weight per forward and of the activations at the
-//! region's boundaries. Peak heap is about the same: activations are saved in f16, but the f16
-//! weight copies and the f32 gradients add bytes (a few % lower with the defaults, a few % higher
-//! at the recipe's width, where the weights dominate). On this project's 2-core CPU the defaults
-//! take about 35 s in all, roughly 80 ms per step in f32 and 140 ms with AMP; the recipe's full
-//! size keeps 840 MB of random data and takes about 2 s (f32) and 3 s (AMP) per step, some 12
-//! minutes in all. The speed and memory gains of AMP are a GPU (tensor core) effect; this example
-//! reports the CPU numbers as they are.
+//! What to expect on CPU, as measured with fp16 AMP (`--precision fp16`; these figures predate
+//! the flag, and bf16 has not been measured at these sizes): the two final losses agree to about
+//! 4 decimals (f16 matmuls with f32 masters; no step is skipped), but AMP is *slower* here:
+//! candle's CPU f16 matmul is no faster than f32, and autocast adds a cast of every weight per
+//! forward and of the activations at the region's boundaries. Peak heap is about the same:
+//! activations are saved in f16, but the f16 weight copies and the f32 gradients add bytes (a few
+//! % lower with the defaults, a few % higher at the recipe's width, where the weights dominate).
+//! On this project's 2-core CPU the defaults took about 35 s in all, roughly 80 ms per step in
+//! f32 and 140 ms with fp16 AMP; the recipe's full size keeps 840 MB of random data and takes
+//! about 2 s (f32) and 3 s (fp16 AMP) per step, some 12 minutes in all. bf16 keeps 8 significant
+//! bits to fp16's 11, so expect its loss to follow f32's less closely. The speed and memory gains
+//! of AMP are a GPU (tensor core) effect; this example reports the CPU numbers as they are.
 
 mod common;
 
 use candle_amp::nn::{self, loss};
-use candle_amp::{autocast, Tensor, F32};
+use candle_amp::{autocast, Bf16Policy, Fp16Policy, Policy, Tensor, F32};
 use candle_core::{DType, Device, Result};
 use candle_nn::{Optimizer, VarBuilder, VarMap, SGD};
 use clap::Parser;
+use common::AmpPrecision;
 
-/// PyTorch's AMP recipe (3-layer MLP, MSE, SGD) trained in f32 and with fp16 AMP side by side.
+/// PyTorch's AMP recipe (3-layer MLP, MSE, SGD) trained in f32 and with AMP (bf16 or fp16) side
+/// by side.
 ///
 /// The defaults are smaller than the recipe (`--width 4096 --batch 512 --batches 50 --epochs 3`)
 /// so that both modes run in about 35 s on 2 CPU cores.
@@ -71,7 +83,11 @@ struct Args {
     /// AMP on (true) or off (false) in the "amp" run; off, it is the f32 program.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     enabled: bool,
-    /// Print one JSON line (`{"f32": {...}, "amp": {...}}`) instead of the table.
+    /// Lower precision of the AMP run [default: bf16 on CPU, fp16 on CUDA, as PyTorch's
+    /// autocast]; fp16 trains with a GradScaler, bf16 without.
+    #[arg(long, value_enum)]
+    precision: Option<AmpPrecision>,
+    /// Print one JSON line (`{"precision": .., "f32": {...}, "amp": {...}}`) instead of the table.
     #[arg(long)]
     json: bool,
     /// Device to train on: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
@@ -95,11 +111,12 @@ impl Mlp {
         })
     }
 
-    /// The recipe's forward under `torch.autocast(..., dtype=torch.float16, enabled=use_amp)`:
-    /// f16 matmuls on f16 copies of the f32 masters when `use_amp`, plain f32 otherwise; the
-    /// output leaves in f32 either way.
-    #[autocast(fp16, enabled = use_amp)]
-    fn forward(&self, x: &Tensor<F32>, use_amp: bool) -> Result<Tensor<F32>> {
+    /// The recipe's forward under `torch.autocast(..., dtype=dtype, enabled=use_amp)`, the dtype
+    /// given by the policy `Pol` (`Bf16Policy`: bf16, `Fp16Policy`: f16): half matmuls on half
+    /// copies of the f32 masters when `use_amp`, plain f32 otherwise; the output leaves in f32
+    /// either way.
+    #[autocast(policy = Pol, enabled = use_amp)]
+    fn forward<Pol: Policy>(&self, x: &Tensor<F32>, use_amp: bool) -> Result<Tensor<F32>> {
         let h = self.l1.forward(&x)?.relu()?;
         let h = self.l2.forward(&h)?.relu()?;
         self.l3.forward(&h)
@@ -119,8 +136,9 @@ fn data(args: &Args) -> Result<Vec<(Tensor<F32>, Tensor<F32>)>> {
         .collect()
 }
 
-/// One mode of the recipe (see `common::run_mode`): SGD lr 1e-3 on MSE, the batches in order.
-fn run_mode(
+/// One mode of the recipe (see `common::run_mode`): SGD lr 1e-3 on MSE, the batches in order;
+/// with `amp`, the forward runs under the policy `Pol`.
+fn run_mode<Pol: Policy>(
     label: Option<&str>,
     amp: bool,
     args: &Args,
@@ -132,6 +150,9 @@ fn run_mode(
         label,
         quiet: args.json,
         amp,
+        // `GradScaler(enabled=use_amp and dtype == torch.float16)`: fp16 needs loss scaling; bf16
+        // has f32's range and, as in PyTorch, none.
+        loss_scaling: amp && Pol::lower() == DType::F16,
         steps,
     };
     common::run_mode(
@@ -142,13 +163,28 @@ fn run_mode(
         |vars| SGD::new(vars, 1e-3),
         |model, step, amp| {
             let (x, target) = &data[step % data.len()];
-            loss::mse(&model.forward(x, amp)?, target)
+            loss::mse(&model.forward::<Pol>(x, amp)?, target)
         },
     )
 }
 
+/// The f32 run, then the AMP run under the policy `Pol`, from the same weights and batches.
+fn train<Pol: Policy>(
+    args: &Args,
+    init: &common::Init,
+    data: &[(Tensor<F32>, Tensor<F32>)],
+) -> Result<(common::ModeResult, common::ModeResult)> {
+    let steps = args.epochs * data.len();
+    common::f32_then_amp(args.enabled, Pol::NAME, steps, |label, amp, steps| {
+        run_mode::<Pol>(label, amp, args, init, data, steps)
+    })
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
+    let precision = args
+        .precision
+        .unwrap_or_else(|| AmpPrecision::default_for(&args.device));
     let data = data(&args)?;
     // One set of initial weights, copied into each mode's fresh model.
     let init_map = VarMap::new();
@@ -158,10 +194,12 @@ fn main() -> Result<()> {
     )?;
     let init = common::snapshot(&init_map)?;
 
-    let steps = args.epochs * data.len();
-    let (f32, amp) = common::f32_then_amp(args.enabled, steps, |label, amp, steps| {
-        run_mode(label, amp, &args, &init, &data, steps)
-    })?;
+    // The policy is a type: pick it once from the flag (PyTorch: `dtype = torch.bfloat16 if
+    // args.precision == "bf16" else torch.float16`), the rest is the same generic code.
+    let (f32, amp) = match precision {
+        AmpPrecision::Bf16 => train::<Bf16Policy>(&args, &init, &data)?,
+        AmpPrecision::Fp16 => train::<Fp16Policy>(&args, &init, &data)?,
+    };
     let title = format!(
         "amp_recipe: MLP 3x Linear({w}, {w}) + ReLU, batch {b}, {n} batches x {e} epochs, MSE, \
          SGD lr 1e-3, {dev:?}",
@@ -171,6 +209,6 @@ fn main() -> Result<()> {
         e = args.epochs,
         dev = args.device,
     );
-    common::report(args.json, args.enabled, &title, &f32, &amp);
+    common::report(args.json, args.enabled, precision, &title, &f32, &amp);
     Ok(())
 }

@@ -1,24 +1,32 @@
 //! The main job: the AMP experiment of AMD's ROCm blog, a 2-D quantized sine learnt by a 1x1-conv
 //! network (on a GPU the blog reports AMP 46% faster with 50% less memory, final loss 0.0083
-//! against f32's 0.01), trained in f32 and then with AMP (`#[autocast(fp16)]` + `GradScaler`) in
-//! one process, then run for inference.
+//! against f32's 0.01), trained in f32 and then with AMP in one process, then run for inference.
 //!
 //! Data: the (2, H, W) grid of coordinates in [0, 1]; target cos(2 pi 4x) + cos(2 pi 2y)
 //! digitised into 4 levels and standardised to [0, 1]. Model: Conv(2, h) + BatchNorm + ReLU,
 //! two Conv(h, h) + BatchNorm + ReLU, Conv(h, 1), all 1x1; MSE; Adam lr 1e-3; one step per
 //! epoch on the whole grid.
 //!
+//! `--precision bf16|fp16` chooses the AMP run's lower precision, as `dtype=` does for
+//! `torch.autocast`; without it, PyTorch's defaults: bf16 on CPU, fp16 on CUDA. fp16 trains with
+//! a `GradScaler`; bf16, whose range is f32's, without one (as in PyTorch). The forward is
+//! generic over the autocast policy (`#[autocast(policy = Pol, enabled = amp)]`), and `main`
+//! picks `Bf16Policy` or `Fp16Policy` once from the flag.
+//!
 //! ```text
 //! cargo run --release --example quantized_sine                     # about a minute on 2 cores
+//! cargo run --release --example quantized_sine -- --precision fp16 # fp16 + GradScaler
 //! cargo run --release --example quantized_sine -- --json           # one JSON object on stdout
 //! cargo run --release --example quantized_sine -- --size 512 --hidden 256 --epochs 512  # the blog
 //! ```
 //!
 //! Prints a table (time per step, peak heap, final loss, skipped steps, final scale; AMP's
-//! speedup and memory saving) and writes `outputs.png` (target | f32 | AMP) and `loss.png` (both
-//! loss curves) to `--out` (default `target/quantized_sine`). On CPU, a half convolution is
-//! computed in f32 after a conversion, so expect AMP to be slower here; the blog's 46% speedup
-//! needs a GPU (`--device cuda` in a `--features cuda` build).
+//! speedup and memory saving), the AMP row named by its precision (`AMP (bf16)`), and writes
+//! `outputs.png` (target | f32 | AMP) and `loss.png` (both loss curves) to `--out` (default
+//! `target/quantized_sine`). `--json` prints `{"precision": "bf16", "f32": {...}, "amp":
+//! {...}}`. On CPU, a half convolution is computed in f32 after a conversion, so expect AMP to
+//! be slower here; the blog's 46% speedup needs a GPU (`--device cuda` in a `--features cuda`
+//! build).
 
 mod common;
 
@@ -27,11 +35,11 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_amp::nn::{self, loss};
-use candle_amp::{autocast, GradScaler, Tensor, F32};
+use candle_amp::{autocast, Bf16Policy, Fp16Policy, GradScaler, Policy, Tensor, F32};
 use candle_core::{DType, Device, Result};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use clap::Parser;
-use common::ModeResult;
+use common::{AmpPrecision, ModeResult};
 
 #[derive(Parser, Debug)]
 #[command(about = "The ROCm blog's quantized-sine AMP experiment: f32 vs AMP, side by side")]
@@ -45,7 +53,12 @@ struct Args {
     /// Training steps, one per epoch over the whole grid (the blog: 512).
     #[arg(long, default_value_t = 500)]
     epochs: usize,
-    /// Print one JSON object `{"f32": {...}, "amp": {...}}` instead of the table.
+    /// Lower precision of the AMP run [default: bf16 on CPU, fp16 on CUDA, as PyTorch's
+    /// autocast]; fp16 trains with a GradScaler, bf16 without.
+    #[arg(long, value_enum)]
+    precision: Option<AmpPrecision>,
+    /// Print one JSON object `{"precision": .., "f32": {...}, "amp": {...}}` instead of the
+    /// table.
     #[arg(long)]
     json: bool,
     /// Where the PNGs go.
@@ -101,9 +114,10 @@ impl Model {
         Ok(Self { convs, norms })
     }
 
-    /// The forward pass; `amp` switches `#[autocast(fp16)]` on, nothing else changes.
-    #[autocast(fp16, enabled = amp)]
-    fn forward(&self, x: &Tensor<F32>, train: bool, amp: bool) -> Result<Tensor<F32>> {
+    /// The forward pass; `amp` switches autocast under the policy `Pol` on (`Bf16Policy`:
+    /// bf16, `Fp16Policy`: f16), nothing else changes.
+    #[autocast(policy = Pol, enabled = amp)]
+    fn forward<Pol: Policy>(&self, x: &Tensor<F32>, train: bool, amp: bool) -> Result<Tensor<F32>> {
         let mut h = x.clone();
         for (conv, norm) in self.convs.iter().zip(&self.norms) {
             h = norm.forward_t(&conv.forward(&h)?, train)?.relu()?;
@@ -120,9 +134,9 @@ struct Run {
     inference_ms: f64,
 }
 
-/// Trains a fresh model from the `init` weights in one mode, then runs inference; peak heap
-/// counted from model creation.
-fn run(
+/// Trains a fresh model from the `init` weights in one mode (with `amp`, under the policy
+/// `Pol`), then runs inference; peak heap counted from model creation.
+fn run<Pol: Policy>(
     args: &Args,
     amp: bool,
     x: &Tensor<F32>,
@@ -144,13 +158,16 @@ fn run(
         ..ParamsAdamW::default()
     };
     let mut opt = AdamW::new(vars.all_vars(), params)?;
-    let mut scaler = GradScaler::builder().enabled(amp).build()?;
-    let label = if amp { "amp" } else { "f32" };
+    // `GradScaler(enabled=use_amp and dtype == torch.float16)`: fp16 needs loss scaling; bf16 has
+    // f32's range and, as in PyTorch, none.
+    let fp16 = Pol::lower() == DType::F16;
+    let mut scaler = GradScaler::builder().enabled(amp && fp16).build()?;
+    let label = if amp { Pol::NAME } else { "f32" };
     let bar = common::progress(args.epochs as u64, label, args.json);
     let mut losses = Vec::with_capacity(args.epochs);
     let start = Instant::now();
     for _ in 0..args.epochs {
-        let l = loss::mse(&model.forward(x, true, amp)?, target)?;
+        let l = loss::mse(&model.forward::<Pol>(x, true, amp)?, target)?;
         let grads = scaler.scale(&l)?.backward()?;
         let _ = scaler.step(&mut opt, grads)?;
         scaler.update()?;
@@ -163,7 +180,7 @@ fn run(
     bar.finish_and_clear();
 
     let start = Instant::now();
-    let output = model.forward(x, false, amp)?;
+    let output = model.forward::<Pol>(x, false, amp)?;
     x.device().synchronize()?; // on CUDA, wait for the queued kernels before reading the timer
     let inference_ms = start.elapsed().as_secs_f64() * 1e3;
     let output = output.to_flat_vec::<f32>()?;
@@ -182,9 +199,24 @@ fn run(
     })
 }
 
+/// The f32 run, then the AMP run under the policy `Pol`, from the same initial weights.
+fn train<Pol: Policy>(
+    args: &Args,
+    x: &Tensor<F32>,
+    target: &Tensor<F32>,
+    init: &common::Init,
+) -> Result<(Run, Run)> {
+    let f32_run = run::<Pol>(args, false, x, target, init)?;
+    let amp_run = run::<Pol>(args, true, x, target, init)?;
+    Ok((f32_run, amp_run))
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let dev = args.device.clone();
+    let precision = args
+        .precision
+        .unwrap_or_else(|| AmpPrecision::default_for(&dev));
     if args.size < 2 || args.hidden == 0 || args.epochs == 0 {
         candle_core::bail!("--size must be >= 2, --hidden and --epochs >= 1");
     }
@@ -196,24 +228,38 @@ fn main() -> Result<()> {
         &VarBuilder::from_varmap(&init_map, DType::F32, &dev),
     )?;
     let init = common::snapshot(&init_map)?;
-    let f32_run = run(&args, false, &x, &target, &init)?;
-    let amp_run = run(&args, true, &x, &target, &init)?;
+    // The policy is a type: pick it once from the flag (PyTorch: `dtype = torch.bfloat16 if
+    // args.precision == "bf16" else torch.float16`), the rest is the same generic code.
+    let (f32_run, amp_run) = match precision {
+        AmpPrecision::Bf16 => train::<Bf16Policy>(&args, &x, &target, &init)?,
+        AmpPrecision::Fp16 => train::<Fp16Policy>(&args, &x, &target, &init)?,
+    };
 
-    let written = plots(&args, &target.to_flat_vec::<f32>()?, &f32_run, &amp_run);
+    let target = target.to_flat_vec::<f32>()?;
+    let written = plots(&args, precision, &target, &f32_run, &amp_run);
     if args.json {
-        println!("{}", common::json(&f32_run.result, &amp_run.result));
+        println!(
+            "{}",
+            common::json(precision, &f32_run.result, &amp_run.result)
+        );
     } else {
         let title = format!(
-            "quantized_sine: {0}x{0} grid, hidden {1}, {2} steps, Adam 1e-3, {3:?}",
-            args.size, args.hidden, args.epochs, dev
+            "quantized_sine: {0}x{0} grid, hidden {1}, {2} steps, Adam 1e-3, {3:?}\n{4}",
+            args.size,
+            args.hidden,
+            args.epochs,
+            dev,
+            common::amp_description(precision)
         );
         print!(
             "{}",
-            common::table(&title, &f32_run.result, &amp_run.result)
+            common::table(&title, precision, &f32_run.result, &amp_run.result)
         );
         println!(
-            "inference (eval mode, whole grid): f32 {:.2} ms, amp {:.2} ms",
-            f32_run.inference_ms, amp_run.inference_ms
+            "inference (eval mode, whole grid): f32 {:.2} ms, {} {:.2} ms",
+            f32_run.inference_ms,
+            precision.label(),
+            amp_run.inference_ms
         );
     }
     match written {
@@ -230,10 +276,18 @@ fn main() -> Result<()> {
 
 type PlotResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
-/// Writes `outputs.png` (target | f32 | AMP) and `loss.png` into `--out`.
-fn plots(args: &Args, target: &[f32], f32_run: &Run, amp_run: &Run) -> PlotResult<Vec<PathBuf>> {
+/// Writes `outputs.png` (target | f32 | AMP) and `loss.png` into `--out`, the AMP panel and
+/// curve named by the precision (`AMP (bf16)`).
+fn plots(
+    args: &Args,
+    precision: AmpPrecision,
+    target: &[f32],
+    f32_run: &Run,
+    amp_run: &Run,
+) -> PlotResult<Vec<PathBuf>> {
     std::fs::create_dir_all(&args.out)?;
     common::register_font();
+    let amp = precision.label();
     let images = args.out.join("outputs.png");
     draw_images(
         &images,
@@ -241,14 +295,14 @@ fn plots(args: &Args, target: &[f32], f32_run: &Run, amp_run: &Run) -> PlotResul
         &[
             ("target", target),
             ("f32 output", &f32_run.output),
-            ("AMP output", &amp_run.output),
+            (&format!("{amp} output"), &amp_run.output),
         ],
     )?;
     let curves = args.out.join("loss.png");
     common::curves::draw_losses(
         &curves,
         "quantized_sine: training loss (MSE)",
-        &[("f32", &f32_run.losses), ("AMP (fp16)", &amp_run.losses)],
+        &[("f32", &f32_run.losses), (&amp, &amp_run.losses)],
     )?;
     Ok(vec![images, curves])
 }

@@ -10,41 +10,53 @@
 //! Training: cross-entropy against 10 random class labels, Adam (AdamW with weight decay 0) lr
 //! 1e-3, on random 3x32x32 images from N(0, 1) made once up front. Both modes see the same
 //! batches and start from the same weights. The "amp" mode runs the forward under
-//! `#[autocast(fp16, enabled = use_amp)]` (convolutions and the head in f16 on f16 copies of the
-//! f32 masters, ReLU and pooling in f16, the loss in f32) with a `GradScaler`; the f32 mode is
-//! the same loop with `use_amp = false` and a disabled scaler (an exact pass-through).
+//! `#[autocast(policy = Pol, enabled = use_amp)]` (convolutions and the head in the policy's half
+//! precision on half copies of the f32 masters, ReLU and pooling in that precision, the loss in
+//! f32); the f32 mode is the same loop with `use_amp = false` and a disabled scaler (an exact
+//! pass-through).
+//!
+//! `--precision bf16|fp16` chooses the policy, as `dtype=` does for `torch.autocast`: `main`
+//! matches on it once and runs the generic code with `Bf16Policy` or `Fp16Policy`. Without the
+//! flag it is PyTorch's autocast default for the device: bf16 on CPU, fp16 on CUDA. fp16 trains
+//! with a `GradScaler`; bf16, whose range is f32's, without one (as in PyTorch; the scaler is
+//! built disabled).
 //!
 //! ```sh
 //! cargo run --release --example simple_cnn                 # small defaults, ~45 s on 2 cores
+//! cargo run --release --example simple_cnn -- --precision fp16   # fp16 + GradScaler
 //! cargo run --release --example simple_cnn -- --batches 20 --epochs 5   # about 2.5 minutes
 //! cargo run --release --example simple_cnn -- --json       # one JSON line on stdout
 //! ```
 //!
 //! Flags: `--batch` (default 64, as the seed), `--batches` (random batches per epoch, default
-//! 6), `--epochs` (default 5), `--enabled false` (AMP off in the "amp" run, nothing else changed:
+//! 6), `--epochs` (default 5), `--precision bf16|fp16` (the AMP run's lower precision; default
+//! bf16 on CPU, fp16 on CUDA), `--enabled false` (AMP off in the "amp" run, nothing else changed:
 //! it then is the f32 program with a disabled scaler and should match the f32 row), `--json`
-//! (print only `{"f32": {...}, "amp": {...}}` and hide the progress bars), `--device cpu`, or
-//! `cuda` / `cuda:N` in a build with `--features cuda`.
+//! (print only `{"precision": "bf16", "f32": {...}, "amp": {...}}` and hide the progress bars),
+//! `--device cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`. The table names the
+//! AMP row by its precision: `AMP (bf16)`.
 //!
 //! Measured per mode: milliseconds per training step (forward, loss, scaled backward, unscale,
 //! Adam step, scale update), excluding the mode's first step (it is trained on, just not timed);
 //! the peak heap bytes above what was live when the mode started (the data set and the initial
 //! weights are shared and not counted); the loss of the last step; the scaler's skipped steps and
-//! final scale. Before either mode, one unmeasured step of each warms up the process (thread
-//! pool, gemm's per-thread buffers), so that its one-time allocations count in neither peak: with
-//! `--enabled false` the two rows then have the same peak to the byte and the same loss to the
-//! bit.
+//! final scale (0 and 1 when it is disabled, as for bf16). Before either mode, one unmeasured
+//! step of each warms up the process (thread pool, gemm's per-thread buffers), so that its
+//! one-time allocations count in neither peak: with `--enabled false` the two rows then have the
+//! same peak to the byte and the same loss to the bit.
 //!
 //! What to expect on CPU (the defaults take about 45 s in all on this project's 2 cores):
 //! - The loss starts near 6 rather than ln 10 = 2.3 (unnormalised N(0, 1) images through
 //!   PyTorch-style initialisations give large logits) and falls, noisily, as Adam memorises the
-//!   few random batches. The scaler's first 2 or 3 steps are skipped (f16 gradient overflow at
-//!   the initial scale 65536, backed off to 16384 or 8192), so the AMP model ends a few updates
-//!   behind the f32 one: its final loss is comparable, not equal.
-//! - AMP is several times *slower*: candle's CPU f16 matmul and convolution forward are no faster
-//!   than f32, and the convolution's backward to its input (candle's `conv_transpose2d`, a scalar
-//!   loop on CPU) is about 20x slower in f16 than in f32.
-//! - Peak heap halves: the im2col buffers and the activations saved for backward are f16.
+//!   few random batches. With fp16, the scaler's first 2 or 3 steps are skipped (f16 gradient
+//!   overflow at the initial scale 65536, backed off to 16384 or 8192), so the AMP model ends a
+//!   few updates behind the f32 one: its final loss is comparable, not equal. bf16 skips none
+//!   (it runs without a scaler) but keeps 8 significant bits to fp16's 11.
+//! - fp16 AMP is *slower* (the README's Results, measured in fp16 before `--precision` existed:
+//!   378 ms against f32's 283 ms per step): half convolutions and matmuls are computed in f32 on
+//!   CPU, after a conversion.
+//! - Peak heap halves: the im2col buffers and the activations saved for backward are half
+//!   precision.
 //!
 //! The speed gains of AMP are a GPU (tensor core) effect; this example reports the CPU numbers as
 //! they are.
@@ -52,10 +64,11 @@
 mod common;
 
 use candle_amp::nn::{self, loss};
-use candle_amp::{autocast, Tensor, F32};
+use candle_amp::{autocast, Bf16Policy, Fp16Policy, Policy, Tensor, F32};
 use candle_core::{DType, Device, Result};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use clap::Parser;
+use common::AmpPrecision;
 
 /// Classes of the random labels.
 const CLASSES: usize = 10;
@@ -63,7 +76,7 @@ const CLASSES: usize = 10;
 const SIDE: usize = 32;
 
 /// The seed CNN (two conv blocks and a linear head, cross-entropy, Adam) trained in f32 and with
-/// fp16 AMP side by side on random 3x32x32 images.
+/// AMP (bf16 or fp16) side by side on random 3x32x32 images.
 ///
 /// The defaults run both modes in about 45 s on 2 CPU cores.
 #[derive(Parser, Debug)]
@@ -80,7 +93,11 @@ struct Args {
     /// AMP on (true) or off (false) in the "amp" run; off, it is the f32 program.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     enabled: bool,
-    /// Print one JSON line (`{"f32": {...}, "amp": {...}}`) instead of the table.
+    /// Lower precision of the AMP run [default: bf16 on CPU, fp16 on CUDA, as PyTorch's
+    /// autocast]; fp16 trains with a GradScaler, bf16 without.
+    #[arg(long, value_enum)]
+    precision: Option<AmpPrecision>,
+    /// Print one JSON line (`{"precision": .., "f32": {...}, "amp": {...}}`) instead of the table.
     #[arg(long)]
     json: bool,
     /// Device to train on: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
@@ -112,10 +129,11 @@ impl Cnn {
         })
     }
 
-    /// Logits `(batch, 10)` of images `(batch, 3, 32, 32)`: f16 convolutions, pooling and head
-    /// when `use_amp`, plain f32 otherwise; the logits leave in f32 either way.
-    #[autocast(fp16, enabled = use_amp)]
-    fn forward(&self, x: &Tensor<F32>, use_amp: bool) -> Result<Tensor<F32>> {
+    /// Logits `(batch, 10)` of images `(batch, 3, 32, 32)`: convolutions, pooling and head in
+    /// the lower precision of the policy `Pol` (bf16 for `Bf16Policy`, f16 for `Fp16Policy`) when
+    /// `use_amp`, plain f32 otherwise; the logits leave in f32 either way.
+    #[autocast(policy = Pol, enabled = use_amp)]
+    fn forward<Pol: Policy>(&self, x: &Tensor<F32>, use_amp: bool) -> Result<Tensor<F32>> {
         let h = self.conv1.forward(&x)?.relu()?;
         let h = self.pool.forward(&h)?;
         let h = self.conv2.forward(&h)?.relu()?;
@@ -140,8 +158,8 @@ fn data(args: &Args) -> Result<Vec<(Tensor<F32>, candle_core::Tensor)>> {
 }
 
 /// One mode of the seed CNN (see `common::run_mode`): Adam lr 1e-3 on cross-entropy, the
-/// batches in order.
-fn run_mode(
+/// batches in order; with `amp`, the forward runs under the policy `Pol`.
+fn run_mode<Pol: Policy>(
     label: Option<&str>,
     amp: bool,
     args: &Args,
@@ -153,6 +171,9 @@ fn run_mode(
         label,
         quiet: args.json,
         amp,
+        // `GradScaler(enabled=use_amp and dtype == torch.float16)`: fp16 needs loss scaling; bf16
+        // has f32's range and, as in PyTorch, none.
+        loss_scaling: amp && Pol::lower() == DType::F16,
         steps,
     };
     let params = ParamsAdamW {
@@ -168,13 +189,28 @@ fn run_mode(
         |vars| AdamW::new(vars, params),
         |model, step, amp| {
             let (x, labels) = &data[step % data.len()];
-            loss::cross_entropy(&model.forward(x, amp)?, labels)
+            loss::cross_entropy(&model.forward::<Pol>(x, amp)?, labels)
         },
     )
 }
 
+/// The f32 run, then the AMP run under the policy `Pol`, from the same weights and batches.
+fn train<Pol: Policy>(
+    args: &Args,
+    init: &common::Init,
+    data: &[(Tensor<F32>, candle_core::Tensor)],
+) -> Result<(common::ModeResult, common::ModeResult)> {
+    let steps = args.epochs * data.len();
+    common::f32_then_amp(args.enabled, Pol::NAME, steps, |label, amp, steps| {
+        run_mode::<Pol>(label, amp, args, init, data, steps)
+    })
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
+    let precision = args
+        .precision
+        .unwrap_or_else(|| AmpPrecision::default_for(&args.device));
     let data = data(&args)?;
     // One set of initial weights, copied into each mode's fresh model.
     let init_map = VarMap::new();
@@ -185,10 +221,12 @@ fn main() -> Result<()> {
     ))?;
     let init = common::snapshot(&init_map)?;
 
-    let steps = args.epochs * data.len();
-    let (f32, amp) = common::f32_then_amp(args.enabled, steps, |label, amp, steps| {
-        run_mode(label, amp, &args, &init, &data, steps)
-    })?;
+    // The policy is a type: pick it once from the flag (PyTorch: `dtype = torch.bfloat16 if
+    // args.precision == "bf16" else torch.float16`), the rest is the same generic code.
+    let (f32, amp) = match precision {
+        AmpPrecision::Bf16 => train::<Bf16Policy>(&args, &init, &data)?,
+        AmpPrecision::Fp16 => train::<Fp16Policy>(&args, &init, &data)?,
+    };
     let title = format!(
         "simple_cnn: 2x (Conv3x3 + ReLU + MaxPool2) + Linear({flat}, {CLASSES}) on random \
          3x{SIDE}x{SIDE} images, batch {b}, {n} batches x {e} epochs, cross-entropy, Adam lr \
@@ -199,6 +237,6 @@ fn main() -> Result<()> {
         e = args.epochs,
         dev = args.device,
     );
-    common::report(args.json, args.enabled, &title, &f32, &amp);
+    common::report(args.json, args.enabled, precision, &title, &f32, &amp);
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! Shared by the seed-experiment examples: peak-heap accounting, the per-mode result record, the
-//! comparison table, the `--json` object, progress bars and the plots' font.
+//! `--precision` choice, the comparison table, the `--json` object, progress bars and the plots'
+//! font.
 #![allow(dead_code)] // each example uses a different subset
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -77,6 +78,44 @@ pub fn live_bytes() -> usize {
     LIVE.load(Ordering::Relaxed)
 }
 
+/// `--precision`: the lower precision of the AMP run, PyTorch's `torch.autocast(dtype=...)`.
+///
+/// Without the flag, [`AmpPrecision::default_for`] picks PyTorch's autocast default for the
+/// device: bf16 on CPU, fp16 on CUDA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AmpPrecision {
+    /// bfloat16: f32's range, 8 significant bits; no loss scaling needed
+    Bf16,
+    /// float16: 11 significant bits, range up to 65504; trained with a GradScaler
+    Fp16,
+}
+
+impl AmpPrecision {
+    /// PyTorch's autocast default: `torch.autocast("cpu")` is bf16, `torch.autocast("cuda")`
+    /// fp16.
+    pub fn default_for(device: &Device) -> Self {
+        if device.is_cpu() {
+            Self::Bf16
+        } else {
+            Self::Fp16
+        }
+    }
+
+    /// `"bf16"` or `"fp16"`, as the flag spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::Fp16 => "fp16",
+        }
+    }
+
+    /// The AMP mode's label in tables and plot legends: `AMP (bf16)`.
+    pub fn label(self) -> String {
+        format!("AMP ({})", self.name())
+    }
+}
+
 /// One mode's figures, the fields of the `--json` object.
 #[derive(Clone, Debug, Serialize)]
 pub struct ModeResult {
@@ -87,18 +126,20 @@ pub struct ModeResult {
     pub final_scale: f32,
 }
 
-/// `{"f32": {...}, "amp": {...}}` on one line.
-pub fn json(f32: &ModeResult, amp: &ModeResult) -> String {
-    serde_json::json!({ "f32": f32, "amp": amp }).to_string()
+/// `{"precision": "bf16", "f32": {...}, "amp": {...}}` on one line (`precision`: the AMP run's).
+pub fn json(precision: AmpPrecision, f32: &ModeResult, amp: &ModeResult) -> String {
+    serde_json::json!({ "precision": precision, "f32": f32, "amp": amp }).to_string()
 }
 
 /// The seed examples' two measured runs: one untimed, unmeasured step of each mode first (the
 /// first use of the thread pool and of gemm's per-thread packing buffers allocates memory that
 /// stays for the process, which would otherwise count in the first mode's peak only), then
-/// `steps` steps in f32 and in AMP. `run(label, amp, steps)` runs one mode; `amp_enabled` false
-/// (`--enabled false`) makes the AMP row run the f32 program.
+/// `steps` steps in f32 and in AMP. `run(label, amp, steps)` runs one mode (`label` names its
+/// progress bar: `f32`, or `amp_label` for the AMP run, e.g. its policy's name `bf16`);
+/// `amp_enabled` false (`--enabled false`) makes the AMP row run the f32 program.
 pub fn f32_then_amp(
     amp_enabled: bool,
+    amp_label: &str,
     steps: usize,
     mut run: impl FnMut(Option<&str>, bool, usize) -> Result<ModeResult>,
 ) -> Result<(ModeResult, ModeResult)> {
@@ -106,15 +147,36 @@ pub fn f32_then_amp(
     run(None, amp_enabled, 1)?;
     Ok((
         run(Some("f32"), false, steps)?,
-        run(Some("amp"), amp_enabled, steps)?,
+        run(Some(amp_label), amp_enabled, steps)?,
     ))
+}
+
+/// What the AMP row ran, for the line under a table's title: `AMP (fp16) = fp16 autocast +
+/// GradScaler`, or `AMP (bf16) = bf16 autocast without GradScaler (...)`.
+pub fn amp_description(precision: AmpPrecision) -> String {
+    let scaler = match precision {
+        AmpPrecision::Fp16 => "+ GradScaler",
+        AmpPrecision::Bf16 => "without GradScaler (bf16 has f32's range)",
+    };
+    format!(
+        "{} = {} autocast {scaler}",
+        precision.label(),
+        precision.name()
+    )
 }
 
 /// Prints the `--json` object, or the table under `title` and a line saying what the AMP row
 /// ran.
-pub fn report(json: bool, amp_enabled: bool, title: &str, f32: &ModeResult, amp: &ModeResult) {
+pub fn report(
+    json: bool,
+    amp_enabled: bool,
+    precision: AmpPrecision,
+    title: &str,
+    f32: &ModeResult,
+    amp: &ModeResult,
+) {
     if json {
-        println!("{}", self::json(f32, amp));
+        println!("{}", self::json(precision, f32, amp));
     } else {
         let off = if amp_enabled {
             ""
@@ -122,19 +184,20 @@ pub fn report(json: bool, amp_enabled: bool, title: &str, f32: &ModeResult, amp:
             ": DISABLED by --enabled false, both rows run the f32 program"
         };
         let title = format!(
-            "{title}\namp = fp16 autocast + GradScaler{off}; ms per step excludes each mode's \
-             first step"
+            "{title}\n{}{off}; ms per step excludes each mode's first step",
+            amp_description(precision)
         );
-        print!("{}", table(&title, f32, amp));
+        print!("{}", table(&title, precision, f32, amp));
     }
 }
 
-/// The comparison table: one row per mode, then AMP's speedup and memory saving in %.
-pub fn table(title: &str, f32: &ModeResult, amp: &ModeResult) -> String {
+/// The comparison table: one row per mode (the AMP row named by its precision, `AMP (bf16)`),
+/// then AMP's speedup and memory saving in %.
+pub fn table(title: &str, precision: AmpPrecision, f32: &ModeResult, amp: &ModeResult) -> String {
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
     let row = |name: &str, r: &ModeResult| {
         format!(
-            "| {name:<4} | {:>11.2} | {:>14.1} | {:>10.5} | {:>13} | {:>11} |\n",
+            "| {name:<10} | {:>11.2} | {:>14.1} | {:>10.5} | {:>13} | {:>11} |\n",
             r.ms_per_step,
             mib(r.peak_bytes),
             r.final_loss,
@@ -144,14 +207,16 @@ pub fn table(title: &str, f32: &ModeResult, amp: &ModeResult) -> String {
     };
     let speedup = (f32.ms_per_step / amp.ms_per_step - 1.0) * 100.0;
     let saving = (1.0 - amp.peak_bytes as f64 / f32.peak_bytes as f64) * 100.0;
+    let label = precision.label();
     format!(
         "{title}\n\
-         | mode | ms per step | peak heap MiB | final loss | skipped steps | final scale |\n\
-         |------|-------------|----------------|------------|---------------|-------------|\n\
+         | mode       | ms per step | peak heap MiB  | final loss | skipped steps | final scale |\n\
+         |------------|-------------|----------------|------------|---------------|-------------|\n\
          {}{}\
-         AMP vs f32: {speedup:+.1}% speed ({:.2}x time), {saving:+.1}% memory saving ({:.2}x peak)\n",
+         {label} vs f32: {speedup:+.1}% speed ({:.2}x time), {saving:+.1}% memory saving ({:.2}x \
+         peak)\n",
         row("f32", f32),
-        row("amp", amp),
+        row(&label, amp),
         amp.ms_per_step / f32.ms_per_step,
         amp.peak_bytes as f64 / f32.peak_bytes as f64,
     )
@@ -182,19 +247,22 @@ pub fn snapshot(map: &VarMap) -> Result<Init> {
         .collect())
 }
 
-/// How one mode runs: AMP on or off, the number of steps, and the progress bar's label (`None`
-/// hides it, as for the warm-up; `quiet` hides it too, for `--json`).
+/// How one mode runs: AMP on or off, loss scaling on or off (a `GradScaler` enabled or not),
+/// the number of steps, and the progress bar's label (`None` hides it, as for the warm-up;
+/// `quiet` hides it too, for `--json`).
 pub struct Mode<'a> {
     pub label: Option<&'a str>,
     pub quiet: bool,
     pub amp: bool,
+    pub loss_scaling: bool,
     pub steps: usize,
 }
 
 /// Trains a fresh model in one mode and measures it: `build` makes the model on a new f32
 /// `VarMap`, which then takes the `init` weights; `optimizer` is made from its variables; each
-/// step runs the GradScaler loop on `loss(model, step, amp)`. Every step but the first (the
-/// untimed warm-up) is timed; peak heap counts from model creation.
+/// step runs the GradScaler loop on `loss(model, step, amp)`, the scaler enabled only with
+/// `mode.loss_scaling` (disabled, it is an exact pass-through: a plain optimizer step). Every
+/// step but the first (the untimed warm-up) is timed; peak heap counts from model creation.
 pub fn run_mode<M, O: Optimizer>(
     mode: &Mode,
     init: &Init,
@@ -210,7 +278,7 @@ pub fn run_mode<M, O: Optimizer>(
     let model = build(&VarBuilder::from_varmap(&vars, DType::F32, dev))?;
     vars.set(init.iter().map(|(name, t)| (name, t)))?;
     let mut opt = optimizer(vars.all_vars())?;
-    let mut scaler = GradScaler::builder().enabled(mode.amp).build()?;
+    let mut scaler = GradScaler::builder().enabled(mode.loss_scaling).build()?;
 
     let bar = progress(
         mode.steps as u64,
