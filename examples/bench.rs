@@ -52,7 +52,7 @@ use std::time::Instant;
 
 use candle_amp::kernels::unscale::{naive_unscale, unscale_in_place};
 use candle_amp::nn::loss;
-use candle_amp::{GradScaler, Tensor, F32};
+use candle_amp::{Bf16Policy, Fp16Policy, GradScaler, Policy, Tensor, BF16, F32};
 use candle_core::{DType, Device, Result};
 use candle_nn::{Optimizer, VarBuilder, VarMap, SGD};
 use clap::Parser;
@@ -177,7 +177,7 @@ fn measure_forward(args: &Args, dev: &Device) -> Result<Forward> {
         Ok(())
     };
     let mut by_hand = || -> Result<()> {
-        black_box(mlp.forward_by_hand(black_box(x.as_candle()))?);
+        black_box(mlp.forward_by_hand(black_box(&x))?);
         Ok(())
     };
     let t = interleaved(
@@ -250,12 +250,23 @@ fn measure_unscale(args: &Args, dev: &Device) -> Result<Unscale> {
 }
 
 struct Step {
-    /// Side 0: AMP + GradScaler, side 1: f32.
+    /// Side 0: AMP, side 1: f32.
     t: Samples,
     amp_skipped: u64,
+    precision: &'static str,
 }
 
+/// The AMP step in PyTorch's default precision for the device: bf16 without loss scaling on
+/// CPU, fp16 with a `GradScaler` on CUDA.
 fn measure_step(args: &Args, dev: &Device) -> Result<Step> {
+    if dev.is_cpu() {
+        measure_step_in::<Bf16Policy>(args, dev)
+    } else {
+        measure_step_in::<Fp16Policy>(args, dev)
+    }
+}
+
+fn measure_step_in<Pol: Policy>(args: &Args, dev: &Device) -> Result<Step> {
     let vars = VarMap::new();
     let mlp = Mlp::new(args.width, &VarBuilder::from_varmap(&vars, DType::F32, dev))?;
     let x = Tensor::<F32>::randn(0.0, 1.0, (args.batch, args.width), dev)?;
@@ -264,16 +275,18 @@ fn measure_step(args: &Args, dev: &Device) -> Result<Step> {
     // own `&mut`.
     let mut amp_opt = SGD::new(vars.all_vars(), 1e-3)?;
     let mut f32_opt = SGD::new(vars.all_vars(), 1e-3)?;
-    let mut scaler = GradScaler::new();
+    let mut scaler = GradScaler::builder()
+        .enabled(Pol::lower() == DType::F16)
+        .build()?;
     let mut amp_step = || -> Result<()> {
-        let l = loss::mse(&mlp.forward_switch(&x, true)?, &y)?;
+        let l = loss::mse(&mlp.forward_switch::<Pol>(&x, true)?, &y)?;
         let grads = scaler.scale(&l)?.backward()?;
         let _ = scaler.step(&mut amp_opt, grads)?;
         scaler.update()?;
         Ok(())
     };
     let mut f32_step = || -> Result<()> {
-        let l = loss::mse(&mlp.forward_switch(&x, false)?, &y)?;
+        let l = loss::mse(&mlp.forward_switch::<Pol>(&x, false)?, &y)?;
         let grads = l.as_candle().backward()?;
         f32_opt.step(&grads)
     };
@@ -286,7 +299,76 @@ fn measure_step(args: &Args, dev: &Device) -> Result<Step> {
     Ok(Step {
         t,
         amp_skipped: scaler.skipped_steps(),
+        precision: Pol::NAME,
     })
+}
+
+/// Side 0: candle-amp's bf16 matmul, side 1: candle's f32 matmul, at 1024^3 on CPU.
+struct Gemm(Samples);
+
+const GEMM_SIZE: usize = 1024;
+
+fn measure_gemm(args: &Args, dev: &Device) -> Result<Gemm> {
+    let a = Tensor::<F32>::randn(0.0, 1.0, (GEMM_SIZE, GEMM_SIZE), dev)?;
+    let b = Tensor::<F32>::randn(0.0, 1.0, (GEMM_SIZE, GEMM_SIZE), dev)?;
+    let (a16, b16) = (a.cast::<BF16>()?, b.cast::<BF16>()?);
+    let mut ours = || -> Result<()> {
+        black_box(black_box(&a16).matmul(&b16)?);
+        Ok(())
+    };
+    let mut candle = || -> Result<()> {
+        black_box(black_box(a.as_candle()).matmul(b.as_candle())?);
+        Ok(())
+    };
+    let t = interleaved(
+        dev,
+        args.warmup,
+        args.forward_samples / 10,
+        &mut [&mut ours, &mut candle],
+    )?;
+    Ok(Gemm(t))
+}
+
+/// Side 0: candle-amp's `Conv2d`, side 1: `candle_nn::Conv2d` with the same weights, f32
+/// forward and backward of a 1x1 conv (256 -> 256 channels, batch 1, 128 x 128), the hidden
+/// layer of `quantized_sine --size 128 --hidden 256`.
+struct Conv1x1(Samples);
+
+fn measure_conv1x1(args: &Args, dev: &Device) -> Result<Conv1x1> {
+    use candle_nn::Module;
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, dev);
+    let cfg = candle_amp::nn::Conv2dConfig::default();
+    let amp = candle_amp::nn::conv2d(256, 256, 1, cfg, vb.pp("conv"))?;
+    let plain = candle_nn::Conv2d::new(
+        amp.weight().as_tensor().clone(),
+        amp.bias().map(|b| b.as_tensor().clone()),
+        cfg,
+    );
+    let x = candle_core::Var::from_tensor(&candle_core::Tensor::randn(
+        0f32,
+        1.0,
+        (1, 256, 128, 128),
+        dev,
+    )?)?;
+    let xt = Tensor::<F32>::from_candle(x.as_tensor().clone())?;
+    let mut by_amp = || -> Result<()> {
+        let y = amp.forward(black_box(&xt))?;
+        black_box(y.as_candle().sum_all()?.backward()?);
+        Ok(())
+    };
+    let mut by_candle_nn = || -> Result<()> {
+        let y = plain.forward(black_box(x.as_tensor()))?;
+        black_box(y.sum_all()?.backward()?);
+        Ok(())
+    };
+    let t = interleaved(
+        dev,
+        args.warmup,
+        args.step_samples,
+        &mut [&mut by_amp, &mut by_candle_nn],
+    )?;
+    Ok(Conv1x1(t))
 }
 
 /// Side 0: candle-amp's `Linear`, side 1: `candle_nn::Linear`, fwd+bwd on `(8, 128, 768)`.
@@ -332,6 +414,13 @@ struct Report {
     naive_unscale_vs_fused: f64,
     amp_vs_f32_step: f64,
     linear3d_vs_candle_nn: f64,
+    bf16_matmul_vs_candle_f32: f64,
+    conv1x1_train_step_vs_candle: f64,
+    bf16_matmul_gflops: f64,
+    candle_f32_matmul_gflops: f64,
+    conv1x1_ms: f64,
+    conv1x1_candle_ms: f64,
+    step_precision: &'static str,
     macro_ms: f64,
     handwritten_ms: f64,
     fused_ms: f64,
@@ -379,8 +468,20 @@ fn machine() -> String {
     format!("{cpu}, {threads} threads")
 }
 
-fn report(args: &Args, f: &Forward, u: &Unscale, s: &Step, l: &Linear3d) -> Report {
+/// Everything measured, one field per comparison.
+struct Measured {
+    forward: Forward,
+    unscale: Unscale,
+    step: Step,
+    linear3d: Linear3d,
+    gemm: Gemm,
+    conv1x1: Conv1x1,
+}
+
+fn report(args: &Args, m: &Measured) -> Report {
+    let (f, u, s, l) = (&m.forward, &m.unscale, &m.step, &m.linear3d);
     let gbps = |ms: f64| u.bytes as f64 / (ms * 1e-3) / 1e9;
+    let gflops = |ms: f64| 2.0 * (GEMM_SIZE as f64).powi(3) / (ms * 1e-3) / 1e9;
     Report {
         macro_vs_handwritten: round(f.0.ratio(0, 1), 4),
         fused_unscale_gbps: round(gbps(u.t.median(FUSED)), 2),
@@ -390,6 +491,14 @@ fn report(args: &Args, f: &Forward, u: &Unscale, s: &Step, l: &Linear3d) -> Repo
         naive_unscale_vs_fused: round(u.t.ratio(NAIVE, FUSED), 3),
         amp_vs_f32_step: round(s.t.ratio(0, 1), 3),
         linear3d_vs_candle_nn: round(l.0.ratio(0, 1), 3),
+        // Same FLOPs on both sides: our GFLOP/s over candle's is candle's time over ours.
+        bf16_matmul_vs_candle_f32: round(m.gemm.0.ratio(1, 0), 3),
+        conv1x1_train_step_vs_candle: round(m.conv1x1.0.ratio(0, 1), 3),
+        bf16_matmul_gflops: round(gflops(m.gemm.0.median(0)), 1),
+        candle_f32_matmul_gflops: round(gflops(m.gemm.0.median(1)), 1),
+        conv1x1_ms: round(m.conv1x1.0.median(0), 2),
+        conv1x1_candle_ms: round(m.conv1x1.0.median(1), 2),
+        step_precision: s.precision,
         macro_ms: round(f.0.median(0), 4),
         handwritten_ms: round(f.0.median(1), 4),
         fused_ms: round(u.t.median(FUSED), 3),
@@ -463,11 +572,13 @@ fn print_table(r: &Report) {
         r.unscale_tensors
     );
     println!(
-        "{:<26} {:>8.3}  {:<10} {:<7} amp {:.2} ms, f32 {:.2} ms (width {}, batch {}, {} skipped)",
+        "{:<26} {:>8.3}  {:<10} {:<7} amp ({}) {:.2} ms, f32 {:.2} ms (width {}, batch {}, {} \
+         skipped)",
         "amp_vs_f32_step",
         r.amp_vs_f32_step,
-        "< 1 (GPU)",
-        "n/a cpu",
+        "< 1",
+        verdict(r.amp_vs_f32_step < 1.0),
+        r.step_precision,
         r.amp_step_ms,
         r.f32_step_ms,
         r.width,
@@ -485,8 +596,24 @@ fn print_table(r: &Report) {
         r.linear3d_candle_nn_ms
     );
     println!(
-        "\namp_vs_f32_step has no target on CPU: candle's f16 gemm there converts to f32, so AMP \
-         costs casts and buys nothing; the speed-up needs a GPU with f16 tensor cores."
+        "{:<26} {:>8.3}  {:<10} {:<7} bf16 {:.1} GFLOP/s, candle f32 {:.1} GFLOP/s ({n}^3)",
+        "bf16_matmul_vs_candle_f32",
+        r.bf16_matmul_vs_candle_f32,
+        ">= 1.8",
+        verdict(r.bf16_matmul_vs_candle_f32 >= 1.8),
+        r.bf16_matmul_gflops,
+        r.candle_f32_matmul_gflops,
+        n = GEMM_SIZE
+    );
+    println!(
+        "{:<26} {:>8.3}  {:<10} {:<7} candle-amp {:.2} ms, candle-nn {:.2} ms (f32 fwd+bwd, \
+         1x1 conv 256 -> 256 on 128 x 128)",
+        "conv1x1_train_step_vs_candle",
+        r.conv1x1_train_step_vs_candle,
+        "<= 0.5",
+        verdict(r.conv1x1_train_step_vs_candle <= 0.5),
+        r.conv1x1_ms,
+        r.conv1x1_candle_ms
     );
 }
 
@@ -509,11 +636,25 @@ fn main() -> Result<()> {
     let forward = measure_forward(&args, &dev)?;
     progress("the gradient unscale: fused vs naive vs memcpy");
     let unscale = measure_unscale(&args, &dev)?;
-    progress("the training step: AMP + GradScaler vs f32");
+    progress("the training step: AMP vs f32");
     let step = measure_step(&args, &dev)?;
     progress("Linear on a rank-3 input: candle-amp vs candle-nn");
     let linear3d = measure_linear3d(&args, &dev)?;
-    let r = report(&args, &forward, &unscale, &step, &linear3d);
+    progress("matmul at 1024^3: candle-amp bf16 vs candle f32");
+    let gemm = measure_gemm(&args, &dev)?;
+    progress("a 1x1 conv layer, f32 fwd+bwd: candle-amp vs candle-nn");
+    let conv1x1 = measure_conv1x1(&args, &dev)?;
+    let r = report(
+        &args,
+        &Measured {
+            forward,
+            unscale,
+            step,
+            linear3d,
+            gemm,
+            conv1x1,
+        },
+    );
     if args.json {
         println!(
             "{}",

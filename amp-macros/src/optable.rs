@@ -104,8 +104,8 @@ macro_rules! rows {
 /// (`Linear` is `linear`, `BatchNorm2d` is `batch_norm`, `Embedding` is `embedding`).
 pub(crate) const OPS: &[Row] = rows! {
     // Lower precision: PyTorch's `lower_precision_fp` list.
-    matmul: LowerPrecision, method Binary;
-    broadcast_matmul: LowerPrecision, method Binary;
+    matmul: LowerPrecision, method Custom(1);
+    broadcast_matmul: LowerPrecision, method Custom(1);
     conv1d: LowerPrecision, method Custom(5);
     conv2d: LowerPrecision, method Custom(5);
     conv_transpose1d: LowerPrecision, method Custom(6);
@@ -157,7 +157,7 @@ pub(crate) const OPS: &[Row] = rows! {
     where_cond: Promote, method Custom(2);
 
     // Preserve: exact or safe in any precision.
-    relu: Preserve, method Unary;
+    relu: Preserve, method Custom(0);
     gelu: Preserve, method Unary;
     gelu_erf: Preserve, method Unary;
     silu: Preserve, method Unary;
@@ -313,7 +313,7 @@ mod tests {
         );
         let out = expand(quote!(methods => routed)).unwrap().to_string();
         assert!(
-            out.contains("custom 5 conv2d ;") && out.contains("unary 0 relu ;"),
+            out.contains("custom 5 conv2d ;") && out.contains("unary 0 gelu ;"),
             "{out}"
         );
         assert!(expand(quote!(colours => f)).is_err());

@@ -1,14 +1,28 @@
-//! `conv2d` on CPU in bf16 and f16. candle fails on bf16 ("unsupported dtype BF16 for op
-//! matmul") and, in f16, its backward's `conv_transpose2d` takes a slow direct path (20x the f32
-//! time on a 32x32 CNN). Here a half conv runs as a custom op that widens the operands to f32
-//! inside the kernel, convolves with f32 accumulation (what a tensor core does too), and rounds
-//! the result to the input's dtype. Because the widening happens inside the op, the autograd
-//! graph keeps only the half operands, not f32 copies; the backward is candle's conv2d backward
-//! formula, computed the same way.
+//! `conv2d` on CPU as GEMMs, in f32, bf16 and f16, forward and both gradients.
+//!
+//! candle's CPU conv2d fails on bf16 ("unsupported dtype BF16 for op matmul"), and its backward
+//! computes the input gradient with a direct `conv_transpose2d` loop (a scalar dot product per
+//! output, slow in every dtype and 20x the f32 time in f16). Here, per image and group, with
+//! `K = c_in / groups * kh * kw` and `P = out_h * out_w`:
+//!
+//! - forward: `y (c_out, P) = w (c_out, K) * col (K, P)`, where `col` is the im2col matrix of
+//!   the image; a 1x1, stride-1, unpadded conv needs no im2col: the image is `col`;
+//! - input gradient: `grad_col (K, P) = w^T * grad_y`, scattered back by col2im (again nothing
+//!   for a 1x1 conv);
+//! - weight gradient: `grad_w (c_out, K) = sum over images of grad_y * col^T`, accumulated in
+//!   f32 and rounded once.
+//!
+//! All three products run on [`super::gemm`] with f32 accumulation (bf16 on `vdpbf16ps` where
+//! the CPU has it). The autograd graph keeps only the operands in their own dtype. Images run in
+//! parallel when each image's product is small, otherwise one at a time with the GEMM parallel.
 
-use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Tensor};
+use candle_core::{
+    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result,
+    Shape, Tensor,
+};
 use rayon::prelude::*;
 
+use super::gemm::{gemm, GemmElem, MatRef};
 use super::Real;
 
 /// Convolution hyper-parameters, as candle's `conv2d` takes them.
@@ -20,55 +34,389 @@ pub(crate) struct Conv2dParams {
     pub groups: usize,
 }
 
-/// `conv2d` that also works for bf16 on CPU, and runs f16 on CPU through f32.
-pub(crate) fn conv2d(x: &Tensor, k: &Tensor, p: Conv2dParams) -> Result<Tensor> {
-    if matches!(x.dtype(), DType::BF16 | DType::F16) && x.device().is_cpu() {
-        x.apply_op2(k, CpuHalfConv2d(p))
+/// `conv2d` with candle's semantics plus an optional per-channel `bias` `(c_out)` of the same
+/// dtype; on CPU as GEMMs with the bias added before the one rounding of each output (see the
+/// module docs), elsewhere candle's conv and a broadcast add.
+pub(crate) fn conv2d(
+    x: &Tensor,
+    k: &Tensor,
+    bias: Option<&Tensor>,
+    p: Conv2dParams,
+) -> Result<Tensor> {
+    let bias_fits =
+        bias.is_none_or(|b| b.dims() == [k.dim(0).unwrap_or(0)] && b.dtype() == x.dtype());
+    if handles(x, k, p) && bias_fits {
+        let (x, k) = (x.contiguous()?, k.contiguous()?);
+        match bias {
+            Some(b) => x.apply_op3(&k, &b.contiguous()?, GemmConv2d(p)),
+            None => x.apply_op2(&k, GemmConv2d(p)),
+        }
     } else {
-        x.conv2d(k, p.padding, p.stride, p.dilation, p.groups)
+        let y = x.conv2d(k, p.padding, p.stride, p.dilation, p.groups)?;
+        match bias {
+            Some(b) => y.broadcast_add(&b.reshape((1, (), 1, 1))?),
+            None => Ok(y),
+        }
     }
 }
 
-/// Half-precision conv2d on CPU computed in f32 (see the module docs).
-struct CpuHalfConv2d(Conv2dParams);
-
-/// A strided half-precision CPU operand as a contiguous f32 tensor.
-fn widen(storage: &CpuStorage, layout: &Layout) -> Result<Tensor> {
-    match storage {
-        CpuStorage::BF16(src) => widen_typed(src, layout),
-        CpuStorage::F16(src) => widen_typed(src, layout),
-        other => candle_core::bail!(
-            "half conv2d kernel: expected f16 or bf16, got {:?}",
-            candle_core::backend::BackendStorage::dtype(other)
-        ),
-    }
-}
-
-fn widen_typed<T: Real>(src: &[T], layout: &Layout) -> Result<Tensor> {
-    let data: Vec<f32> = match layout.contiguous_offsets() {
-        Some((start, end)) => src[start..end].par_iter().map(|v| v.get()).collect(),
-        // Gathers a non-contiguous view element by element, in row-major order of its shape.
-        None => super::strided_offsets(layout)
-            .map(|offset| src[offset].get())
-            .collect(),
+/// Whether [`conv2d`] takes its own path: CPU, one float dtype, shapes candle accepts.
+fn handles(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
+    let (&[_, c_in, h, w], &[c_out, c_in_g, kh, kw]) = (x.dims(), k.dims()) else {
+        return false;
     };
-    Tensor::from_vec(data, layout.shape(), &Device::Cpu)
+    x.device().is_cpu()
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && x.dtype() == k.dtype()
+        && p.groups > 0
+        && p.stride > 0
+        && p.dilation > 0
+        && c_in == c_in_g * p.groups
+        && c_out % p.groups == 0
+        && h + 2 * p.padding > p.dilation * (kh - 1)
+        && w + 2 * p.padding > p.dilation * (kw - 1)
 }
 
-/// An f32 result rounded to the dtype of the half operand `like`.
-fn narrow_to(y: &[f32], like: &CpuStorage) -> CpuStorage {
-    fn round<T: Real>(y: &[f32]) -> Vec<T> {
-        y.par_iter().map(|&v| T::put(v)).collect()
+/// The geometry of one convolution.
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    batch: usize,
+    c_in: usize,
+    h: usize,
+    w: usize,
+    c_out: usize,
+    kh: usize,
+    kw: usize,
+    out_h: usize,
+    out_w: usize,
+    p: Conv2dParams,
+}
+
+impl Geometry {
+    fn new(x: &[usize], k: &[usize], p: Conv2dParams) -> Self {
+        let out = |size: usize, ks: usize| {
+            (size + 2 * p.padding - p.dilation * (ks - 1) - 1) / p.stride + 1
+        };
+        Self {
+            batch: x[0],
+            c_in: x[1],
+            h: x[2],
+            w: x[3],
+            c_out: k[0],
+            kh: k[2],
+            kw: k[3],
+            out_h: out(x[2], k[2]),
+            out_w: out(x[3], k[3]),
+            p,
+        }
     }
-    match like {
-        CpuStorage::F16(_) => CpuStorage::F16(round(y)),
-        _ => CpuStorage::BF16(round(y)),
+
+    fn out_shape(&self) -> Shape {
+        Shape::from((self.batch, self.c_out, self.out_h, self.out_w))
+    }
+
+    fn c_in_g(&self) -> usize {
+        self.c_in / self.p.groups
+    }
+    fn c_out_g(&self) -> usize {
+        self.c_out / self.p.groups
+    }
+    /// Rows of the im2col matrix of one group: `c_in_g * kh * kw`.
+    fn col_rows(&self) -> usize {
+        self.c_in_g() * self.kh * self.kw
+    }
+    /// Output pixels per image.
+    fn pixels(&self) -> usize {
+        self.out_h * self.out_w
+    }
+    fn image_in(&self) -> usize {
+        self.c_in * self.h * self.w
+    }
+    fn image_out(&self) -> usize {
+        self.c_out * self.pixels()
+    }
+    /// A 1x1, stride-1, unpadded conv: the image itself is the im2col matrix.
+    fn pointwise(&self) -> bool {
+        self.kh == 1 && self.kw == 1 && self.p.stride == 1 && self.p.padding == 0
+    }
+    /// Whether images run in parallel (each GEMM serial) rather than one at a time.
+    fn per_image_tasks(&self) -> bool {
+        const SMALL: usize = 1 << 22;
+        self.batch > 1 && self.c_out_g() * self.col_rows() * self.pixels() < SMALL
+    }
+
+    /// The im2col matrix `(col_rows, pixels)` of group `g` of `image` (`c_in * h * w`).
+    fn im2col<T: Copy>(&self, image: &[T], g: usize, zero: T, col: &mut [T]) {
+        let (pw, ow, stride) = (self.pixels(), self.out_w, self.p.stride);
+        let plane = self.h * self.w;
+        for c in 0..self.c_in_g() {
+            let src = &image[(g * self.c_in_g() + c) * plane..][..plane];
+            for i in 0..self.kh {
+                for j in 0..self.kw {
+                    let row = &mut col[((c * self.kh + i) * self.kw + j) * pw..][..pw];
+                    for oy in 0..self.out_h {
+                        let dst = &mut row[oy * ow..][..ow];
+                        let Some(iy) = self.source(oy, i) else {
+                            dst.fill(zero);
+                            continue;
+                        };
+                        let line = &src[iy * self.w..][..self.w];
+                        for (ox, d) in dst.iter_mut().enumerate() {
+                            *d = self.source_x(ox, j).map_or(zero, |ix| line[ix]);
+                        }
+                        let _ = stride;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Adds the im2col-shaped gradient `col` of group `g` back into `image`'s gradient.
+    fn col2im(&self, col: &[f32], g: usize, image: &mut [f32]) {
+        let (pw, ow) = (self.pixels(), self.out_w);
+        let plane = self.h * self.w;
+        for c in 0..self.c_in_g() {
+            let dst = &mut image[(g * self.c_in_g() + c) * plane..][..plane];
+            for i in 0..self.kh {
+                for j in 0..self.kw {
+                    let row = &col[((c * self.kh + i) * self.kw + j) * pw..][..pw];
+                    for oy in 0..self.out_h {
+                        let Some(iy) = self.source(oy, i) else {
+                            continue;
+                        };
+                        let line = &mut dst[iy * self.w..][..self.w];
+                        for (ox, &v) in row[oy * ow..][..ow].iter().enumerate() {
+                            if let Some(ix) = self.source_x(ox, j) {
+                                line[ix] += v;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The input row that kernel row `i` reads for output row `oy`, if inside the image.
+    #[inline]
+    fn source(&self, oy: usize, i: usize) -> Option<usize> {
+        (oy * self.p.stride + i * self.p.dilation)
+            .checked_sub(self.p.padding)
+            .filter(|&y| y < self.h)
+    }
+
+    #[inline]
+    fn source_x(&self, ox: usize, j: usize) -> Option<usize> {
+        (ox * self.p.stride + j * self.p.dilation)
+            .checked_sub(self.p.padding)
+            .filter(|&x| x < self.w)
+    }
+
+    /// Runs `f(image)` for every image, in parallel or not as [`Self::per_image_tasks`] says;
+    /// `f` gets whether its own GEMMs should be parallel.
+    fn for_images<O: Send>(
+        &self,
+        out: &mut [O],
+        per_image: usize,
+        f: impl Fn(usize, &mut [O], bool) + Sync,
+    ) {
+        if self.per_image_tasks() {
+            out.par_chunks_mut(per_image)
+                .enumerate()
+                .for_each(|(b, o)| f(b, o, false));
+        } else {
+            for (b, o) in out.chunks_mut(per_image).enumerate() {
+                f(b, o, true);
+            }
+        }
+    }
+
+    /// `y = conv(x, w) + bias`, `(batch, c_out, out_h, out_w)` in `T`.
+    fn forward<T: GemmElem>(&self, x: &[T], w: &[T], bias: Option<&[T]>) -> Vec<T> {
+        let zero = T::put(0.0);
+        let (rows, pw) = (self.col_rows(), self.pixels());
+        let mut y = vec![zero; self.batch * self.image_out()];
+        self.for_images(&mut y, self.image_out(), |b, out, parallel| {
+            let image = &x[b * self.image_in()..][..self.image_in()];
+            let mut col = Vec::new();
+            for g in 0..self.p.groups {
+                let cols: &[T] = if self.pointwise() {
+                    &image[g * rows * pw..][..rows * pw]
+                } else {
+                    col.resize(rows * pw, zero);
+                    self.im2col(image, g, zero, &mut col);
+                    &col
+                };
+                let wg = MatRef {
+                    data: w,
+                    offset: g * self.c_out_g() * rows,
+                    rs: rows,
+                    cs: 1,
+                };
+                let cm = MatRef {
+                    data: cols,
+                    offset: 0,
+                    rs: pw,
+                    cs: 1,
+                };
+                let og = &mut out[g * self.c_out_g() * pw..][..self.c_out_g() * pw];
+                // With a bias, each output row starts at its channel's bias and the product is
+                // accumulated onto it in f32: one rounding.
+                if let Some(bias) = bias {
+                    let bg = &bias[g * self.c_out_g()..][..self.c_out_g()];
+                    for (row, &b) in og.chunks_mut(pw).zip(bg) {
+                        row.fill(b);
+                    }
+                }
+                gemm(
+                    self.c_out_g(),
+                    pw,
+                    rows,
+                    wg,
+                    cm,
+                    og,
+                    bias.is_some(),
+                    parallel,
+                );
+            }
+        });
+        y
+    }
+
+    /// The input gradient `w^T * grad_y` through col2im, in `T`.
+    fn grad_input<T: GemmElem>(&self, w: &[T], gy: &[T]) -> Vec<T> {
+        let (rows, pw) = (self.col_rows(), self.pixels());
+        let mut gx = vec![T::put(0.0); self.batch * self.image_in()];
+        self.for_images(&mut gx, self.image_in(), |b, out, parallel| {
+            let gimg = &gy[b * self.image_out()..][..self.image_out()];
+            let mut col = Vec::new();
+            let mut sum = Vec::new();
+            if !self.pointwise() {
+                sum.resize(self.image_in(), 0f32);
+            }
+            for g in 0..self.p.groups {
+                // w_g^T: (rows, c_out_g), a transposed view of the (c_out_g, rows) block.
+                let wt = MatRef {
+                    data: w,
+                    offset: g * self.c_out_g() * rows,
+                    rs: 1,
+                    cs: rows,
+                };
+                let gg = MatRef {
+                    data: gimg,
+                    offset: g * self.c_out_g() * pw,
+                    rs: pw,
+                    cs: 1,
+                };
+                if self.pointwise() {
+                    let og = &mut out[g * rows * pw..][..rows * pw];
+                    gemm(rows, pw, self.c_out_g(), wt, gg, og, false, parallel);
+                } else {
+                    col.resize(rows * pw, 0f32);
+                    gemm(rows, pw, self.c_out_g(), wt, gg, &mut col, false, parallel);
+                    self.col2im(&col, g, &mut sum);
+                }
+            }
+            if !self.pointwise() {
+                out.iter_mut().zip(&sum).for_each(|(o, &v)| *o = T::put(v));
+            }
+        });
+        gx
+    }
+
+    /// The weight gradient `sum over images of grad_y * col^T`, accumulated in f32 and rounded
+    /// once to `T`.
+    fn grad_weight<T: GemmElem>(&self, x: &[T], gy: &[T]) -> Vec<T> {
+        let (rows, pw) = (self.col_rows(), self.pixels());
+        let size = self.c_out * rows;
+        let zero = T::put(0.0);
+        // Sums of the images `images`, into `acc`.
+        let partial = |images: std::ops::Range<usize>, acc: &mut [f32], parallel: bool| {
+            let mut col = Vec::new();
+            for (n, b) in images.enumerate() {
+                let image = &x[b * self.image_in()..][..self.image_in()];
+                let gimg = &gy[b * self.image_out()..][..self.image_out()];
+                for g in 0..self.p.groups {
+                    let cols: &[T] = if self.pointwise() {
+                        &image[g * rows * pw..][..rows * pw]
+                    } else {
+                        col.resize(rows * pw, zero);
+                        self.im2col(image, g, zero, &mut col);
+                        &col
+                    };
+                    let gg = MatRef {
+                        data: gimg,
+                        offset: g * self.c_out_g() * pw,
+                        rs: pw,
+                        cs: 1,
+                    };
+                    // col^T: (pixels, rows).
+                    let ct = MatRef {
+                        data: cols,
+                        offset: 0,
+                        rs: 1,
+                        cs: pw,
+                    };
+                    let ag = &mut acc[g * self.c_out_g() * rows..][..self.c_out_g() * rows];
+                    gemm(self.c_out_g(), rows, pw, gg, ct, ag, n > 0, parallel);
+                }
+            }
+        };
+        let mut sums = vec![0f32; size];
+        if self.per_image_tasks() {
+            let threads = rayon::current_num_threads().min(self.batch);
+            let chunk = self.batch.div_ceil(threads);
+            let parts: Vec<Vec<f32>> = (0..threads)
+                .into_par_iter()
+                .map(|t| {
+                    let mut acc = vec![0f32; size];
+                    let images = t * chunk..((t + 1) * chunk).min(self.batch);
+                    if !images.is_empty() {
+                        partial(images, &mut acc, false);
+                    }
+                    acc
+                })
+                .collect();
+            for part in parts {
+                sums.iter_mut().zip(part).for_each(|(s, v)| *s += v);
+            }
+        } else {
+            partial(0..self.batch, &mut sums, true);
+        }
+        sums.into_iter().map(T::put).collect()
     }
 }
 
-impl CustomOp2 for CpuHalfConv2d {
+/// The conv op with its backward (see the module docs).
+struct GemmConv2d(Conv2dParams);
+
+/// Runs `$body` with `$x`, `$y` bound to the slices of two CPU storages of one float dtype,
+/// wrapping the `Vec` it returns in that dtype's storage.
+macro_rules! same_float {
+    ($s1:expr, $s2:expr, |$x:ident, $y:ident| $body:expr) => {
+        match ($s1, $s2) {
+            (CpuStorage::F32($x), CpuStorage::F32($y)) => CpuStorage::F32($body),
+            (CpuStorage::BF16($x), CpuStorage::BF16($y)) => CpuStorage::BF16($body),
+            (CpuStorage::F16($x), CpuStorage::F16($y)) => CpuStorage::F16($body),
+            (a, b) => candle_core::bail!(
+                "conv2d kernel: expected two f32, f16 or bf16 operands, got {:?} and {:?}",
+                a.dtype(),
+                b.dtype()
+            ),
+        }
+    };
+}
+
+/// A contiguous slice of a contiguous layout (the op makes its operands contiguous).
+fn contiguous<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&data[start..end]),
+        None => candle_core::bail!("conv2d kernel: operand not contiguous"),
+    }
+}
+
+impl CustomOp2 for GemmConv2d {
     fn name(&self) -> &'static str {
-        "cpu-half-conv2d"
+        "amp-gemm-conv2d"
     }
 
     fn cpu_fwd(
@@ -78,79 +426,178 @@ impl CustomOp2 for CpuHalfConv2d {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let p = self.0;
-        let y =
-            widen(s1, l1)?.conv2d(&widen(s2, l2)?, p.padding, p.stride, p.dilation, p.groups)?;
-        let shape = y.shape().clone();
-        let y: Vec<f32> = y.flatten_all()?.to_vec1()?;
-        Ok((narrow_to(&y, s1), shape))
+        let geo = Geometry::new(l1.dims(), l2.dims(), self.0);
+        let y = same_float!(s1, s2, |x, w| geo.forward(
+            contiguous(x, l1)?,
+            contiguous(w, l2)?,
+            None
+        ));
+        Ok((y, geo.out_shape()))
     }
 
     fn bwd(
         &self,
-        arg: &Tensor,
-        kernel: &Tensor,
+        x: &Tensor,
+        k: &Tensor,
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let Conv2dParams {
-            padding,
-            stride,
-            dilation,
-            groups,
-        } = self.0;
-        let (x, k, g) = (
-            arg.to_dtype(DType::F32)?,
-            kernel.to_dtype(DType::F32)?,
-            grad.to_dtype(DType::F32)?,
-        );
-        // Grouped convolution is independent per group: x's channels, k's output channels and
-        // the gradient's channels split into `groups` matching chunks.
-        let (xs, ks, gs) = (
-            x.chunk(groups, 1)?,
-            k.chunk(groups, 0)?,
-            g.chunk(groups, 1)?,
-        );
-        let mut grad_x = Vec::with_capacity(groups);
-        let mut grad_k = Vec::with_capacity(groups);
-        for ((x, k), g) in xs.iter().zip(&ks).zip(&gs) {
-            let (gx, gk) = conv2d_backward(x, k, g, padding, stride, dilation)?;
-            grad_x.push(gx);
-            grad_k.push(gk);
-        }
-        let grad_x = Tensor::cat(&grad_x, 1)?.to_dtype(arg.dtype())?;
-        let grad_k = Tensor::cat(&grad_k, 0)?.to_dtype(kernel.dtype())?;
+        let geo = Geometry::new(x.dims(), k.dims(), self.0);
+        let grad = grad.contiguous()?;
+        let grad_x = k.apply_op2_no_bwd(&grad, &GradInput(geo))?;
+        let grad_k = x.apply_op2_no_bwd(&grad, &GradWeight(geo))?;
         Ok((Some(grad_x), Some(grad_k)))
     }
 }
 
-/// Gradients of a single-group conv2d, the formula of candle's own backward pass.
-fn conv2d_backward(
-    x: &Tensor,
-    k: &Tensor,
-    g: &Tensor,
-    padding: usize,
-    stride: usize,
-    dilation: usize,
-) -> Result<(Tensor, Tensor)> {
-    let (_, _, k_h, k_w) = k.dims4()?;
-    // conv_transpose2d's output height is (g_h - 1) * stride - 2 * padding
-    // + dilation * (k_h - 1) + out_padding + 1; out_padding recovers the rows that the forward
-    // stride skipped.
-    let out_size = (g.dim(2)? - 1) * stride + dilation * (k_h - 1) + 1 - 2 * padding;
-    let out_padding = x.dim(2)? - out_size;
-    let grad_x = g.conv_transpose2d(k, padding, out_padding, stride, dilation)?;
-    let grad_k = x
-        .transpose(0, 1)?
-        .conv2d(&g.transpose(0, 1)?, padding, dilation, stride, 1)?
-        .transpose(0, 1)?;
-    let grad_k = grad_k.narrow(2, 0, k_h)?.narrow(3, 0, k_w)?;
-    Ok((grad_x, grad_k))
+impl CustomOp3 for GemmConv2d {
+    fn name(&self) -> &'static str {
+        "amp-gemm-conv2d-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let geo = Geometry::new(l1.dims(), l2.dims(), self.0);
+        let y = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
+                CpuStorage::F32(geo.forward(
+                    contiguous(x, l1)?,
+                    contiguous(w, l2)?,
+                    Some(contiguous(b, l3)?),
+                ))
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(w), CpuStorage::BF16(b)) => {
+                CpuStorage::BF16(geo.forward(
+                    contiguous(x, l1)?,
+                    contiguous(w, l2)?,
+                    Some(contiguous(b, l3)?),
+                ))
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(w), CpuStorage::F16(b)) => {
+                CpuStorage::F16(geo.forward(
+                    contiguous(x, l1)?,
+                    contiguous(w, l2)?,
+                    Some(contiguous(b, l3)?),
+                ))
+            }
+            (a, b, c) => candle_core::bail!(
+                "conv2d kernel: expected three f32, f16 or bf16 operands, got {:?}, {:?} and {:?}",
+                a.dtype(),
+                b.dtype(),
+                c.dtype()
+            ),
+        };
+        Ok((y, geo.out_shape()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        k: &Tensor,
+        _bias: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (grad_x, grad_k) = CustomOp2::bwd(self, x, k, res, grad)?;
+        let grad_b = grad.contiguous()?.apply_op1_no_bwd(&GradBias)?;
+        Ok((grad_x, grad_k, Some(grad_b)))
+    }
+}
+
+/// `grad_y (batch, c_out, h, w) -> grad_bias (c_out)`: per-channel sums in f32, rounded once.
+struct GradBias;
+
+impl CustomOp1 for GradBias {
+    fn name(&self) -> &'static str {
+        "amp-conv2d-grad-bias"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        fn sums<T: Real + Send + Sync>(g: &[T], batch: usize, channels: usize) -> Vec<T> {
+            let plane = g.len() / (batch * channels).max(1);
+            (0..channels)
+                .into_par_iter()
+                .map(|c| {
+                    let total: f32 = (0..batch)
+                        .map(|b| {
+                            g[(b * channels + c) * plane..][..plane]
+                                .iter()
+                                .map(|v| v.get())
+                                .sum::<f32>()
+                        })
+                        .sum();
+                    T::put(total)
+                })
+                .collect()
+        }
+        let (batch, channels) = (l.dims()[0], l.dims()[1]);
+        let out = match s {
+            CpuStorage::F32(g) => CpuStorage::F32(sums(contiguous(g, l)?, batch, channels)),
+            CpuStorage::F16(g) => CpuStorage::F16(sums(contiguous(g, l)?, batch, channels)),
+            CpuStorage::BF16(g) => CpuStorage::BF16(sums(contiguous(g, l)?, batch, channels)),
+            other => {
+                candle_core::bail!("conv2d bias gradient: unexpected dtype {:?}", other.dtype())
+            }
+        };
+        Ok((out, Shape::from(channels)))
+    }
+}
+
+/// `(kernel, grad_y) -> grad_x`.
+struct GradInput(Geometry);
+
+impl CustomOp2 for GradInput {
+    fn name(&self) -> &'static str {
+        "amp-gemm-conv2d-grad-input"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let geo = self.0;
+        let gx = same_float!(s1, s2, |w, g| geo
+            .grad_input(contiguous(w, l1)?, contiguous(g, l2)?));
+        Ok((gx, Shape::from((geo.batch, geo.c_in, geo.h, geo.w))))
+    }
+}
+
+/// `(x, grad_y) -> grad_kernel`.
+struct GradWeight(Geometry);
+
+impl CustomOp2 for GradWeight {
+    fn name(&self) -> &'static str {
+        "amp-gemm-conv2d-grad-weight"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let geo = self.0;
+        let gk = same_float!(s1, s2, |x, g| geo
+            .grad_weight(contiguous(x, l1)?, contiguous(g, l2)?));
+        Ok((gk, Shape::from((geo.c_out, geo.c_in_g(), geo.kh, geo.kw))))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
         (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
@@ -160,19 +607,37 @@ mod tests {
             .to_scalar()
     }
 
-    /// Forward and both gradients of the bf16 and f16 paths against candle's f32 conv2d on the
-    /// same (half-representable) values, for strided, padded, dilated and grouped shapes.
+    /// Forward and both gradients of every dtype against candle's f32 conv2d on the same
+    /// (half-representable) values, for 1x1, strided, padded, dilated and grouped shapes.
     #[test]
-    fn half_conv2d_matches_f32_reference() -> Result<()> {
-        // bf16 rounds to 2^-8 relative, f16 to 2^-11.
-        for (dtype, tol) in [(DType::BF16, 2e-2), (DType::F16, 4e-3)] {
-            half_conv2d_case(dtype, tol)?;
+    fn gemm_conv2d_matches_candles_f32_conv2d() -> Result<()> {
+        // bf16 rounds to 2^-8 relative, f16 to 2^-11; f32 differs only in summation order.
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 4e-3)] {
+            conv_cases(dtype, tol)?;
         }
         Ok(())
     }
 
-    fn half_conv2d_case(dtype: DType, tol: f32) -> Result<()> {
-        let dev = Device::Cpu;
+    fn conv_cases(dtype: DType, tol: f32) -> Result<()> {
+        let pointwise = Conv2dParams {
+            padding: 0,
+            stride: 1,
+            dilation: 1,
+            groups: 1,
+        };
+        for (p, (c_in, c_out), ks) in [
+            (pointwise, (5, 7), 1),
+            (
+                Conv2dParams {
+                    stride: 2,
+                    ..pointwise
+                },
+                (3, 4),
+                1,
+            ),
+        ] {
+            conv_case(dtype, tol, p, c_in, c_out, ks)?;
+        }
         for (p, (c_in, c_out)) in [
             (
                 Conv2dParams {
@@ -211,39 +676,59 @@ mod tests {
                 (4, 6),
             ),
         ] {
-            let x = Tensor::randn(0f32, 1., (2, c_in, 9, 9), &dev)?.to_dtype(dtype)?;
-            let k =
-                Tensor::randn(0f32, 1., (c_out, c_in / p.groups, 3, 3), &dev)?.to_dtype(dtype)?;
-            let xv = candle_core::Var::from_tensor(&x)?;
-            let kv = candle_core::Var::from_tensor(&k)?;
-            let y = conv2d(&xv, &kv, p)?;
+            conv_case(dtype, tol, p, c_in, c_out, 3)?;
+        }
+        Ok(())
+    }
+
+    /// One shape, without and with a bias (the bias gradient checked too).
+    fn conv_case(
+        dtype: DType,
+        tol: f32,
+        p: Conv2dParams,
+        c_in: usize,
+        c_out: usize,
+        ks: usize,
+    ) -> Result<()> {
+        let dev = Device::Cpu;
+        let var = |t: &Tensor| candle_core::Var::from_tensor(t);
+        let x = Tensor::randn(0f32, 1., (3, c_in, 9, 9), &dev)?.to_dtype(dtype)?;
+        let k = Tensor::randn(0f32, 1., (c_out, c_in / p.groups, ks, ks), &dev)?.to_dtype(dtype)?;
+        let b = Tensor::randn(0f32, 1., c_out, &dev)?.to_dtype(dtype)?;
+        let scale =
+            |t: &Tensor| -> Result<f32> { t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>() };
+        for with_bias in [false, true] {
+            let (xv, kv, bv) = (var(&x)?, var(&k)?, var(&b)?);
+            let y = conv2d(&xv, &kv, with_bias.then_some(bv.as_tensor()), p)?;
             assert_eq!(y.dtype(), dtype);
             let grads = y.to_dtype(DType::F32)?.sqr()?.sum_all()?.backward()?;
 
-            let x32 = candle_core::Var::from_tensor(&x.to_dtype(DType::F32)?)?;
-            let k32 = candle_core::Var::from_tensor(&k.to_dtype(DType::F32)?)?;
-            let y32 = x32.conv2d(&k32, p.padding, p.stride, p.dilation, p.groups)?;
+            let up = |t: &Tensor| var(&t.to_dtype(DType::F32)?);
+            let (x32, k32, b32) = (up(&x)?, up(&k)?, up(&b)?);
+            let mut y32 = x32.conv2d(&k32, p.padding, p.stride, p.dilation, p.groups)?;
+            if with_bias {
+                y32 = y32.broadcast_add(&b32.reshape((1, (), 1, 1))?)?;
+            }
             // The f32 reference squares its own f32 output; the half path squares its rounded
             // output, so gradients agree to the rounding of y.
             let grads32 = y32.sqr()?.sum_all()?.backward()?;
-
-            let scale =
-                |t: &Tensor| -> Result<f32> { t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>() };
+            let what = format!("{dtype:?} {p:?} bias={with_bias}");
             assert!(
                 max_abs_diff(&y, &y32)? <= tol * scale(&y32)?,
-                "{dtype:?} {p:?} forward"
+                "{what} forward"
             );
-            let (gx, gx32) = (grads.get(&xv).unwrap(), grads32.get(&x32).unwrap());
-            assert_eq!(gx.dtype(), dtype);
-            assert!(
-                max_abs_diff(gx, gx32)? <= tol * scale(gx32)?,
-                "{dtype:?} {p:?} grad x"
-            );
-            let (gk, gk32) = (grads.get(&kv).unwrap(), grads32.get(&k32).unwrap());
-            assert!(
-                max_abs_diff(gk, gk32)? <= tol * scale(gk32)?,
-                "{dtype:?} {p:?} grad k"
-            );
+            let mut pairs = vec![("x", &xv, &x32), ("k", &kv, &k32)];
+            if with_bias {
+                pairs.push(("bias", &bv, &b32));
+            }
+            for (name, v, v32) in pairs {
+                let (g, g32) = (grads.get(v).unwrap(), grads32.get(v32).unwrap());
+                assert_eq!(g.dtype(), dtype, "{what} grad {name}");
+                assert!(
+                    max_abs_diff(g, g32)? <= tol * scale(g32)?,
+                    "{what} grad {name}"
+                );
+            }
         }
         Ok(())
     }

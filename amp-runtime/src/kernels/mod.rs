@@ -14,9 +14,16 @@ pub(crate) mod batch_norm;
 mod conv2d;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub(crate) mod gemm;
+mod matmul;
+mod relu;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod simd;
 pub mod unscale;
 
 pub(crate) use conv2d::{conv2d, Conv2dParams};
+pub(crate) use matmul::{broadcast_matmul, linear, matmul};
+pub(crate) use relu::relu;
 
 use candle_core::Layout;
 use half::{bf16, f16};

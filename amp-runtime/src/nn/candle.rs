@@ -42,11 +42,8 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
                 dilation: c.dilation,
                 groups: c.groups,
             };
-            let y = crate::kernels::conv2d(x, &at_dtype(self.weight(), x)?, params)?;
-            match bias_at(self.bias(), x)? {
-                Some(b) => y.broadcast_add(&b.reshape((1, (), 1, 1))?),
-                None => Ok(y),
-            }
+            let bias = bias_at(self.bias(), x)?;
+            crate::kernels::conv2d(x, &at_dtype(self.weight(), x)?, bias.as_ref(), params)
         })
     }
 }

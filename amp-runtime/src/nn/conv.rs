@@ -76,12 +76,45 @@ fn conv_params(
     Ok((Var::from_tensor(&w)?, bias))
 }
 
-/// Adds a per-channel bias to `(batch, channels, ...)`.
-fn add_channel_bias<P: Precision>(y: Tensor<P>, bias: Option<&Var>) -> Result<Tensor<P>> {
-    let Some(b) = bias else { return Ok(y) };
-    let mut shape = vec![1; y.rank()];
-    shape[1] = b.dim(0)?;
-    y.broadcast_add(&weight_as::<P>(b)?.reshape(shape)?)
+impl Conv1d {
+    /// The convolution, then the bias added per channel.
+    fn apply<P: Precision>(
+        x: &Tensor<P>,
+        w: &Tensor<P>,
+        bias: Option<Tensor<P>>,
+        c: &Conv1dConfig,
+    ) -> Result<Tensor<P>> {
+        let y = x.conv1d(w, c.padding, c.stride, c.dilation, c.groups)?;
+        match bias {
+            Some(b) => y.broadcast_add(&b.reshape((1, (), 1))?),
+            None => Ok(y),
+        }
+    }
+}
+
+impl Conv2d {
+    /// The convolution with its bias in one op (on CPU: added before the output's one rounding,
+    /// and its gradient a per-channel sum inside the op).
+    fn apply<P: Precision>(
+        x: &Tensor<P>,
+        w: &Tensor<P>,
+        bias: Option<Tensor<P>>,
+        c: &Conv2dConfig,
+    ) -> Result<Tensor<P>> {
+        let params = crate::kernels::Conv2dParams {
+            padding: c.padding,
+            stride: c.stride,
+            dilation: c.dilation,
+            groups: c.groups,
+        };
+        crate::kernels::conv2d(
+            x.as_candle(),
+            w.as_candle(),
+            bias.as_ref().map(Tensor::as_candle),
+            params,
+        )
+        .map(Tensor::wrap)
+    }
 }
 
 macro_rules! conv_layer {
@@ -122,15 +155,8 @@ macro_rules! conv_layer {
 
             /// Applies the convolution in `x`'s precision.
             pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
-                let c = &self.config;
-                let y = x.$op(
-                    &weight_as::<P>(&self.weight)?,
-                    c.padding,
-                    c.stride,
-                    c.dilation,
-                    c.groups,
-                )?;
-                add_channel_bias(y, self.bias.as_ref())
+                let bias = self.bias.as_ref().map(weight_as::<P>).transpose()?;
+                Self::apply(x, &weight_as::<P>(&self.weight)?, bias, &self.config)
             }
         }
 

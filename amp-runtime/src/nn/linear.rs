@@ -73,28 +73,40 @@ impl Linear {
 
     /// Applies the layer to `x` of shape `(..., in)`, in `x`'s precision.
     ///
-    /// A contiguous input of rank 3 or 4 is flattened to one 2-D matmul `(rows, in) x (in, out)`
-    /// and reshaped back, as candle-nn's `Linear` does: one large GEMM instead of a batched
-    /// matmul over a broadcast weight (whose backward also sums the weight gradient over the
-    /// batch). A strided input takes the broadcast form.
+    /// A contiguous input (or any 2-D one) is flattened to one 2-D product `(rows, in) x (in,
+    /// out)` and reshaped back, as candle-nn's `Linear` does: one large GEMM instead of a batched
+    /// matmul over a broadcast weight. In bf16 and f16 on CPU that product is one op with the
+    /// bias added before its one rounding (`kernels::linear`). A strided input of rank 3 or 4
+    /// takes the broadcast form.
     pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
         let w = weight_as::<P>(&self.weight)?;
-        let y = match *x.dims() {
-            [b1, b2, m, k] if x.is_contiguous() => x
-                .reshape((b1 * b2 * m, k))?
-                .matmul(&w.t()?)?
-                .reshape((b1, b2, m, ()))?,
-            [b, m, k] if x.is_contiguous() => {
-                x.reshape((b * m, k))?
-                    .matmul(&w.t()?)?
-                    .reshape((b, m, ()))?
-            }
-            [b1, b2, _, _] => x.matmul(&w.broadcast_left((b1, b2))?.t()?)?,
-            [b, _, _] => x.matmul(&w.broadcast_left(b)?.t()?)?,
-            _ => x.matmul(&w.t()?)?,
+        let b = self.bias.as_ref().map(weight_as::<P>).transpose()?;
+        let dims = x.dims().to_vec();
+        let Some((&k, lead)) = dims.split_last() else {
+            candle_core::bail!("Linear: expected an input of rank >= 1, got a scalar")
         };
-        match &self.bias {
-            Some(b) => y.broadcast_add(&weight_as::<P>(b)?),
+        if x.rank() <= 2 || x.is_contiguous() {
+            // One 2-D product; in half precision on CPU, one op with the bias fused.
+            let rows = lead.iter().product::<usize>();
+            let y = crate::kernels::linear(
+                x.reshape((rows, k))?.as_candle(),
+                w.as_candle(),
+                b.as_ref().map(Tensor::as_candle),
+            )?;
+            let mut out = lead.to_vec();
+            out.push(w.dim(0)?);
+            return Tensor::wrap(y).reshape(out);
+        }
+        let y = match *lead {
+            [b1, b2, _] => x.matmul(&w.broadcast_left((b1, b2))?.t()?)?,
+            [b, _] => x.matmul(&w.broadcast_left(b)?.t()?)?,
+            _ => candle_core::bail!(
+                "Linear: a strided input of rank {} is not supported",
+                x.rank()
+            ),
+        };
+        match b {
+            Some(b) => y.broadcast_add(&b),
             None => Ok(y),
         }
     }

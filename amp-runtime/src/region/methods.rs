@@ -166,6 +166,22 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
             x.conv1d(k, padding, stride, dilation, groups)
         })
     }
+    /// Routed `relu` (NaN stays NaN, as in PyTorch).
+    pub fn relu(&self) -> Result<AmpTensor> {
+        unary::<Pol, op::relu>(&self.amp(), crate::kernels::relu)
+    }
+    /// Routed `matmul` (bf16 and f16 on CPU through candle-amp's GEMM).
+    pub fn matmul(&self, rhs: impl Operand) -> Result<AmpTensor> {
+        binary::<Pol, op::matmul>(&self.amp(), &rhs.operand(), crate::kernels::matmul)
+    }
+    /// Routed `broadcast_matmul` (bf16 and f16 on CPU through candle-amp's GEMM).
+    pub fn broadcast_matmul(&self, rhs: impl Operand) -> Result<AmpTensor> {
+        binary::<Pol, op::broadcast_matmul>(
+            &self.amp(),
+            &rhs.operand(),
+            crate::kernels::broadcast_matmul,
+        )
+    }
     /// Routed `conv2d` (bf16 on CPU through candle-amp's kernel).
     pub fn conv2d(
         &self,
@@ -182,7 +198,7 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
             groups,
         };
         binary::<Pol, op::conv2d>(&self.amp(), &kernel.operand(), |x, k| {
-            crate::kernels::conv2d(x, k, params)
+            crate::kernels::conv2d(x, k, None, params)
         })
     }
     /// Routed `conv_transpose1d`.

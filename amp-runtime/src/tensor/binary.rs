@@ -41,11 +41,24 @@ impl<P: Precision> Tensor<P> {
         maximum,
         /// Elementwise minimum.
         minimum,
-        /// Matrix product over the last two dimensions (a lower-precision op under autocast).
-        matmul,
-        /// Matrix product with broadcasting of the batch dimensions.
-        broadcast_matmul,
     );
+
+    /// Matrix product over the last two dimensions (a lower-precision op under autocast); bf16
+    /// and f16 on CPU run on candle-amp's GEMM (f32 accumulation).
+    pub fn matmul<Q>(&self, rhs: &Tensor<Q>) -> Result<Self>
+    where
+        Q: SamePrecision<P, op::matmul>,
+    {
+        crate::kernels::matmul(&self.inner, &rhs.inner).map(Self::wrap)
+    }
+
+    /// Matrix product with broadcasting of the batch dimensions.
+    pub fn broadcast_matmul<Q>(&self, rhs: &Tensor<Q>) -> Result<Self>
+    where
+        Q: SamePrecision<P, op::broadcast_matmul>,
+    {
+        crate::kernels::broadcast_matmul(&self.inner, &rhs.inner).map(Self::wrap)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -91,7 +104,7 @@ impl<P: Precision> Tensor<P> {
             dilation,
             groups,
         };
-        crate::kernels::conv2d(&self.inner, &kernel.inner, params).map(Self::wrap)
+        crate::kernels::conv2d(&self.inner, &kernel.inner, None, params).map(Self::wrap)
     }
 
     /// 1-D transposed convolution; `kernel` is `(c_in, c_out / groups, k)`.

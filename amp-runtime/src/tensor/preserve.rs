@@ -25,9 +25,12 @@ macro_rules! preserve_along_dim {
 }
 
 impl<P: Precision> Tensor<P> {
+    /// `max(x, 0)`; NaN stays NaN, as in PyTorch (one op with a one-pass backward on CPU).
+    pub fn relu(&self) -> Result<Self> {
+        crate::kernels::relu(&self.inner).map(Self::wrap)
+    }
+
     preserve_unary!(
-        /// `max(x, 0)`.
-        relu,
         /// GELU, tanh approximation (candle's `gelu`).
         gelu,
         /// GELU, exact erf form (PyTorch's default `gelu`).

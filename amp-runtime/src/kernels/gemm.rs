@@ -1,0 +1,829 @@
+//! A packed, cache-blocked GEMM with f32 accumulation for f32, bf16 and f16 operands on CPU.
+//!
+//! `C (m x n, f32) = A (m x k) * B (k x n)` on strided views of any of the three element types,
+//! blocked as BLIS does: for each `NC`-column slice of B and each `KC`-deep slice of the inner
+//! dimension, B is packed once into `NR`-column micro-panels, then blocks of `MC` rows of A are
+//! packed into `MR`-row micro-panels and a register-blocked micro-kernel computes each
+//! `MR x NR` tile of C. Packing is where the element types meet the kernels:
+//!
+//! - **bf16 on AVX512-BF16** (`vdpbf16ps`, Zen 4, Sapphire Rapids): packing interleaves pairs of
+//!   consecutive `k` into one 32-bit lane, and each `_mm512_dpbf16_ps` does 32 multiply-adds
+//!   into 16 f32 accumulators, twice the multiply-adds of an f32 FMA at the same width.
+//! - **everything else** converts to f32 while packing (f16 keeps its 10-bit mantissa: it never
+//!   goes through bf16) and runs an f32 kernel: AVX-512 FMA where the CPU has it, portable Rust
+//!   otherwise. The kernel is chosen once per process by run-time feature detection.
+//!
+//! Work is split over rayon's pool by blocks of rows of C and, when there are few of those, by
+//! groups of B's micro-panels too; each task writes its own tiles of C.
+
+use std::sync::OnceLock;
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use super::Real;
+
+/// A strided matrix view: element `(i, j)` is `data[offset + i * rs + j * cs]`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MatRef<'a, T> {
+    pub data: &'a [T],
+    pub offset: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+#[cfg(test)]
+impl<T: Copy> MatRef<'_, T> {
+    fn at(&self, i: usize, j: usize) -> T {
+        self.data[self.offset + i * self.rs + j * self.cs]
+    }
+}
+
+/// An element type the GEMM reads: its f32 value (`Real`) and its bf16 bits.
+pub(crate) trait GemmElem: Real + Send + Sync {
+    const IS_BF16: bool = false;
+
+    /// The value rounded to bf16, as bits (the identity for bf16 itself).
+    #[inline]
+    fn bf16_bits(self) -> u16 {
+        bf16::from_f32(self.get()).to_bits()
+    }
+}
+
+impl GemmElem for f32 {}
+impl GemmElem for f16 {}
+impl GemmElem for bf16 {
+    const IS_BF16: bool = true;
+
+    #[inline]
+    fn bf16_bits(self) -> u16 {
+        self.to_bits()
+    }
+}
+
+/// The micro-kernels this CPU can run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// AVX-512F with AVX512-BF16: `vdpbf16ps` for bf16, FMA for the rest.
+    Avx512Bf16,
+    /// AVX-512F: FMA for every type (bf16 converted to f32 while packing).
+    Avx512,
+    /// Plain Rust.
+    Portable,
+}
+
+/// The kernels chosen for this process (detected once).
+pub(crate) fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(detect)
+}
+
+fn detect() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::env::var_os("CANDLE_AMP_PORTABLE_GEMM").is_some() {
+            return Isa::Portable;
+        }
+        let avx512 = is_x86_feature_detected!("avx512f");
+        if avx512 && is_x86_feature_detected!("avx512bf16") {
+            return Isa::Avx512Bf16;
+        }
+        if avx512 {
+            return Isa::Avx512;
+        }
+    }
+    Isa::Portable
+}
+
+/// `c = a * b` (or `c += a * b` with `accumulate`) where `a` is `m x k`, `b` is `k x n` and `c`
+/// is `m x n` row-major with leading dimension `n`, in any of the three types: each element
+/// is accumulated in f32 over the whole of `k` and rounded once. Runs on rayon's pool when
+/// `parallel`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm<T: GemmElem, O: Real + Send + Sync>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: MatRef<T>,
+    b: MatRef<T>,
+    c: &mut [O],
+    accumulate: bool,
+    parallel: bool,
+) {
+    assert!(c.len() >= m * n, "gemm: output of {} for {m}x{n}", c.len());
+    if m == 0 || n == 0 {
+        return;
+    }
+    let p = Problem {
+        m,
+        n,
+        k,
+        a,
+        b,
+        accumulate,
+        parallel,
+    };
+    if k == 0 {
+        if !accumulate {
+            c[..m * n].fill(O::put(0.0));
+        }
+        return;
+    }
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Bf16 if T::IS_BF16 => blocked::<T, x86::Bf16Kernel, O>(&p, c),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Bf16 | Isa::Avx512 => blocked::<T, x86::F32Kernel, O>(&p, c),
+        _ => blocked::<T, portable::F32Kernel, O>(&p, c),
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Problem<'a, T> {
+    m: usize,
+    n: usize,
+    k: usize,
+    a: MatRef<'a, T>,
+    b: MatRef<'a, T>,
+    accumulate: bool,
+    parallel: bool,
+}
+
+impl<T: Copy> Problem<'_, T> {
+    /// The same product over the inner range `k0..k0 + kc` only.
+    fn inner_slice(&self, k0: usize, kc: usize) -> Self {
+        let mut p = *self;
+        p.a.offset += k0 * p.a.cs;
+        p.b.offset += k0 * p.b.rs;
+        p.k = kc;
+        p
+    }
+}
+
+/// A register-blocked micro-kernel and the packed layout it reads.
+trait Kernel {
+    /// One packed unit: `KSTEP` consecutive `k` of one row of A or one column of B.
+    type Unit: Copy + Default + Send + Sync;
+    const MR: usize;
+    const NR: usize;
+    /// How many `k` one unit holds.
+    const KSTEP: usize;
+
+    /// The unit of `KSTEP` consecutive values of the inner dimension that start with `first`
+    /// and end with `last` (one and the same value when `KSTEP` is 1).
+    fn unit<T: GemmElem>(first: T, last: T) -> Self::Unit;
+
+    /// `tile (MR x NR) = a-panel (units x MR)^T * b-panel (units x NR)` accumulated in f32,
+    /// then the first `rows x cols` of it stored to `c` (row stride `ldc`), rounded to `O`,
+    /// added to what is there when `accumulate`.
+    ///
+    /// # Safety
+    /// `a` holds `units * MR` and `b` `units * NR` units; `c` addresses `rows` rows of `cols`
+    /// writable elements at stride `ldc`; the CPU has the kernel's features.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<O: Real>(
+        units: usize,
+        a: *const Self::Unit,
+        b: *const Self::Unit,
+        c: *mut O,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        accumulate: bool,
+    );
+}
+
+/// The most units of the inner dimension packed per pass: a B micro-panel of 2048 x 32 units
+/// (256 KiB) stays in L2. Longer products (weight gradients, whose `k` is batch x pixels)
+/// run in passes accumulated in f32.
+const MAX_UNITS: usize = 2048;
+/// Bytes of packed A per task, to stay within L2 next to the B micro-panel.
+const A_BLOCK_BYTES: usize = 512 << 10;
+/// Bytes of packed B per column slice.
+const B_SLICE_BYTES: usize = 4 << 20;
+
+/// A raw pointer to C shared by tasks that write disjoint tiles.
+#[derive(Clone, Copy)]
+struct SharedOut<O>(*mut O);
+// SAFETY: tasks write disjoint tiles through it (see `one_pass`).
+unsafe impl<O> Send for SharedOut<O> {}
+unsafe impl<O> Sync for SharedOut<O> {}
+
+impl<O> SharedOut<O> {
+    /// The element `offset` of C.
+    ///
+    /// # Safety
+    /// `offset` is inside C.
+    unsafe fn at(&self, offset: usize) -> *mut O {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.0.add(offset) }
+    }
+}
+
+/// Splits `k` into passes of at most `MAX_UNITS` units; with several passes into a half `O`,
+/// the passes accumulate in an f32 buffer that is rounded once at the end.
+fn blocked<T: GemmElem, K: Kernel, O: Real + Send + Sync>(p: &Problem<T>, c: &mut [O]) {
+    let kc_max = MAX_UNITS * K::KSTEP;
+    if p.k <= kc_max {
+        return one_pass::<T, K, O>(p, c);
+    }
+    let mut sums = vec![0f32; p.m * p.n];
+    for (pass, k0) in (0..p.k).step_by(kc_max).enumerate() {
+        let mut slice = p.inner_slice(k0, kc_max.min(p.k - k0));
+        slice.accumulate = pass > 0;
+        one_pass::<T, K, f32>(&slice, &mut sums);
+    }
+    for (o, s) in c.iter_mut().zip(&sums) {
+        *o = O::put(if p.accumulate { o.get() + s } else { *s });
+    }
+}
+
+/// One pass over the whole inner dimension: B packed per column slice, A per block of rows,
+/// each tile accumulated in registers over all of `k` and stored once.
+fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(p: &Problem<T>, c: &mut [O]) {
+    let (m, n, k) = (p.m, p.n, p.k);
+    let units = k.div_ceil(K::KSTEP);
+    let unit_bytes = std::mem::size_of::<K::Unit>();
+    let out = SharedOut(c.as_mut_ptr());
+    let threads = if p.parallel {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    let nc_max = (B_SLICE_BYTES / (units * unit_bytes))
+        .max(K::NR)
+        .next_multiple_of(K::NR);
+    let mc_max = (A_BLOCK_BYTES / (units * unit_bytes)).clamp(K::MR, 8 * K::MR) / K::MR * K::MR;
+    // B viewed as n lanes along k.
+    let b_lanes = MatRef {
+        rs: p.b.cs,
+        cs: p.b.rs,
+        ..p.b
+    };
+    let mut packed_b: Vec<K::Unit> = Vec::new();
+    for j0 in (0..n).step_by(nc_max) {
+        let nc = nc_max.min(n - j0);
+        let panels_n = nc.div_ceil(K::NR);
+        packed_b.clear();
+        packed_b.resize(panels_n * units * K::NR, K::Unit::default());
+        let pack_b = |(jp, panel): (usize, &mut [K::Unit])| {
+            let cols = K::NR.min(nc - jp * K::NR);
+            pack::<T, K>(b_lanes, j0 + jp * K::NR, cols, K::NR, k, panel);
+        };
+        let chunk = units * K::NR;
+        if threads > 1 && panels_n > 1 {
+            packed_b.par_chunks_mut(chunk).enumerate().for_each(pack_b);
+        } else {
+            packed_b.chunks_mut(chunk).enumerate().for_each(pack_b);
+        }
+
+        // Tasks: blocks of rows, times groups of B panels when rows alone cannot keep every
+        // thread busy.
+        let mc = mc_max
+            .min(m.div_ceil(threads).next_multiple_of(K::MR))
+            .max(K::MR);
+        let blocks_m = m.div_ceil(mc);
+        let groups_n = (2 * threads).div_ceil(blocks_m).clamp(1, panels_n);
+        let panels_per_group = panels_n.div_ceil(groups_n);
+        let packed_b = &packed_b;
+        let task = |t: usize| {
+            let (ib, g) = (t / groups_n, t % groups_n);
+            let i0 = ib * mc;
+            let rows = mc.min(m - i0);
+            let panels_m = rows.div_ceil(K::MR);
+            let mut packed_a = vec![K::Unit::default(); panels_m * units * K::MR];
+            for (ip, panel) in packed_a.chunks_mut(units * K::MR).enumerate() {
+                let prow = K::MR.min(rows - ip * K::MR);
+                pack::<T, K>(p.a, i0 + ip * K::MR, prow, K::MR, k, panel);
+            }
+            let jp_end = ((g + 1) * panels_per_group).min(panels_n);
+            for jp in g * panels_per_group..jp_end {
+                let cols = K::NR.min(nc - jp * K::NR);
+                let b_panel = &packed_b[jp * units * K::NR..];
+                for ip in 0..panels_m {
+                    let prow = K::MR.min(rows - ip * K::MR);
+                    let a_panel = &packed_a[ip * units * K::MR..];
+                    let (row, col) = (i0 + ip * K::MR, j0 + jp * K::NR);
+                    // SAFETY: the panels hold `units` units each (sized above); the tile
+                    // covers rows row..row + prow and columns col..col + cols of the m x n
+                    // output, which no other task writes; `isa()` chose K for this CPU.
+                    unsafe {
+                        K::tile(
+                            units,
+                            a_panel.as_ptr(),
+                            b_panel.as_ptr(),
+                            out.at(row * n + col),
+                            n,
+                            prow,
+                            cols,
+                            p.accumulate,
+                        );
+                    }
+                }
+            }
+        };
+        let tasks = blocks_m * groups_n;
+        if threads > 1 && tasks > 1 {
+            (0..tasks).into_par_iter().for_each(task);
+        } else {
+            (0..tasks).for_each(task);
+        }
+    }
+}
+
+/// Packs `count` lanes from `first` (rows of `v`, which is A or B transposed) over the inner
+/// dimension `0..kc` into `out`, laid out `[unit][width]`; `out` comes zeroed, so lanes past
+/// `count` stay zero.
+fn pack<T: GemmElem, K: Kernel>(
+    v: MatRef<T>,
+    first: usize,
+    count: usize,
+    width: usize,
+    kc: usize,
+    out: &mut [K::Unit],
+) {
+    let base = v.offset + first * v.rs;
+    let whole = kc / K::KSTEP;
+    // A unit's last value: past `kc` (an odd tail of bf16 pairs) it is zero.
+    let zero = T::put(0.0);
+    let value = |l: usize, kk: usize| {
+        if kk < kc {
+            v.data[base + l * v.rs + kk * v.cs]
+        } else {
+            zero
+        }
+    };
+    if v.cs == 1 {
+        // Each lane's run along k is contiguous.
+        for l in 0..count {
+            let run = &v.data[base + l * v.rs..][..whole * K::KSTEP];
+            for (u, values) in run.chunks_exact(K::KSTEP).enumerate() {
+                out[u * width + l] = K::unit(values[0], values[K::KSTEP - 1]);
+            }
+        }
+    } else if v.rs == 1 {
+        // The lanes at each k are contiguous.
+        for u in 0..whole {
+            let k0 = u * K::KSTEP;
+            let lo = &v.data[base + k0 * v.cs..][..count];
+            let hi = &v.data[base + (k0 + K::KSTEP - 1) * v.cs..][..count];
+            for ((unit, &x), &y) in out[u * width..][..count].iter_mut().zip(lo).zip(hi) {
+                *unit = K::unit(x, y);
+            }
+        }
+    } else {
+        for l in 0..count {
+            for u in 0..whole {
+                let k0 = u * K::KSTEP;
+                out[u * width + l] = K::unit(value(l, k0), value(l, k0 + K::KSTEP - 1));
+            }
+        }
+    }
+    if whole * K::KSTEP < kc {
+        let k0 = whole * K::KSTEP;
+        for l in 0..count {
+            out[whole * width + l] = K::unit(value(l, k0), value(l, k0 + K::KSTEP - 1));
+        }
+    }
+}
+
+/// Stores the first `rows x cols` of a row-major tile of width `nr` into `c`, rounded to `O`.
+///
+/// # Safety
+/// As [`Kernel::tile`]'s `c`.
+#[inline]
+unsafe fn store_tile<O: Real>(
+    tile: &[f32],
+    nr: usize,
+    c: *mut O,
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+    accumulate: bool,
+) {
+    for i in 0..rows {
+        for j in 0..cols {
+            // SAFETY: (i, j) is inside the caller's rows x cols window.
+            let dst = unsafe { &mut *c.add(i * ldc + j) };
+            let v = tile[i * nr + j];
+            *dst = O::put(if accumulate { dst.get() + v } else { v });
+        }
+    }
+}
+
+mod portable {
+    use super::{store_tile, GemmElem, Kernel, Real};
+
+    /// Plain-Rust f32 kernel (4 x 16): whatever the compiler vectorises for the target.
+    pub(super) struct F32Kernel;
+
+    const MR: usize = 4;
+    const NR: usize = 16;
+
+    impl Kernel for F32Kernel {
+        type Unit = f32;
+        const MR: usize = MR;
+        const NR: usize = NR;
+        const KSTEP: usize = 1;
+
+        #[inline]
+        fn unit<T: GemmElem>(first: T, _last: T) -> f32 {
+            first.get()
+        }
+
+        unsafe fn tile<O: Real>(
+            units: usize,
+            a: *const f32,
+            b: *const f32,
+            c: *mut O,
+            ldc: usize,
+            rows: usize,
+            cols: usize,
+            accumulate: bool,
+        ) {
+            // SAFETY: the caller passes panels of `units` units.
+            let (a, b) = unsafe {
+                (
+                    std::slice::from_raw_parts(a, units * MR),
+                    std::slice::from_raw_parts(b, units * NR),
+                )
+            };
+            let mut acc = [0f32; MR * NR];
+            for (ar, br) in a.chunks_exact(MR).zip(b.chunks_exact(NR)) {
+                for i in 0..MR {
+                    for j in 0..NR {
+                        acc[i * NR + j] += ar[i] * br[j];
+                    }
+                }
+            }
+            // SAFETY: forwarded from the caller.
+            unsafe { store_tile(&acc, NR, c, ldc, rows, cols, accumulate) };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::{
+        __m512, __m512bh, __m512i, _mm512_add_ps, _mm512_dpbf16_ps, _mm512_fmadd_ps,
+        _mm512_loadu_ps, _mm512_loadu_si512, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps,
+        _mm512_storeu_ps,
+    };
+
+    use candle_core::DType;
+
+    use super::{store_tile, GemmElem, Kernel, Real};
+
+    /// Rows and columns of a tile: 12 x 32 = 24 zmm accumulators, two B vectors and one A
+    /// broadcast in flight, within the 32 registers of AVX-512.
+    const MR: usize = 12;
+    const NR: usize = 32;
+
+    /// bf16 x bf16 -> f32 with `vdpbf16ps`; a unit is a pair of consecutive `k`.
+    pub(super) struct Bf16Kernel;
+
+    /// f32 FMA; a unit is one `k`.
+    pub(super) struct F32Kernel;
+
+    impl Kernel for Bf16Kernel {
+        type Unit = u32;
+        const MR: usize = MR;
+        const NR: usize = NR;
+        const KSTEP: usize = 2;
+
+        #[inline]
+        fn unit<T: GemmElem>(first: T, last: T) -> u32 {
+            u32::from(first.bf16_bits()) | (u32::from(last.bf16_bits()) << 16)
+        }
+
+        unsafe fn tile<O: Real>(
+            units: usize,
+            a: *const u32,
+            b: *const u32,
+            c: *mut O,
+            ldc: usize,
+            rows: usize,
+            cols: usize,
+            accumulate: bool,
+        ) {
+            // SAFETY: `isa()` selects this kernel only where avx512f and avx512bf16 exist.
+            unsafe { bf16_tile(units, a, b, c, ldc, rows, cols, accumulate) }
+        }
+    }
+
+    impl Kernel for F32Kernel {
+        type Unit = f32;
+        const MR: usize = MR;
+        const NR: usize = NR;
+        const KSTEP: usize = 1;
+
+        #[inline]
+        fn unit<T: GemmElem>(first: T, _last: T) -> f32 {
+            first.get()
+        }
+
+        unsafe fn tile<O: Real>(
+            units: usize,
+            a: *const f32,
+            b: *const f32,
+            c: *mut O,
+            ldc: usize,
+            rows: usize,
+            cols: usize,
+            accumulate: bool,
+        ) {
+            // SAFETY: `isa()` selects this kernel only where avx512f exists.
+            unsafe { f32_tile(units, a, b, c, ldc, rows, cols, accumulate) }
+        }
+    }
+
+    /// Stores the accumulators: straight into C for a full tile, through a buffer otherwise.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store<O: Real>(
+        acc: &[[__m512; 2]; MR],
+        c: *mut O,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        accumulate: bool,
+    ) {
+        let full = rows == MR && cols == NR;
+        if full && O::DTYPE == DType::F32 {
+            let c = c.cast::<f32>();
+            for (i, row) in acc.iter().enumerate() {
+                for (h, v) in row.iter().enumerate() {
+                    // SAFETY: a full tile: rows MR and columns NR are all inside C.
+                    unsafe {
+                        let dst = c.add(i * ldc + h * 16);
+                        let v = if accumulate {
+                            _mm512_add_ps(*v, _mm512_loadu_ps(dst))
+                        } else {
+                            *v
+                        };
+                        _mm512_storeu_ps(dst, v);
+                    }
+                }
+            }
+        } else if full && matches!(O::DTYPE, DType::BF16 | DType::F16) {
+            // 16-bit elements: widen what is there when accumulating, round once, store.
+            let c = c.cast::<u16>();
+            let bf16 = O::DTYPE == DType::BF16;
+            for (i, row) in acc.iter().enumerate() {
+                for (h, v) in row.iter().enumerate() {
+                    // SAFETY: a full tile: rows MR and columns NR are all inside C.
+                    unsafe {
+                        let dst = c.add(i * ldc + h * 16);
+                        let v = if accumulate {
+                            _mm512_add_ps(*v, crate::kernels::simd::load16(dst, bf16))
+                        } else {
+                            *v
+                        };
+                        crate::kernels::simd::store16(dst, v, bf16);
+                    }
+                }
+            }
+        } else {
+            let mut tile = [0f32; MR * NR];
+            for (i, row) in acc.iter().enumerate() {
+                for (h, v) in row.iter().enumerate() {
+                    // SAFETY: the buffer holds MR x NR floats.
+                    unsafe { _mm512_storeu_ps(tile.as_mut_ptr().add(i * NR + h * 16), *v) };
+                }
+            }
+            // SAFETY: forwarded from the caller.
+            unsafe { store_tile(&tile, NR, c, ldc, rows, cols, accumulate) };
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn bf16_tile<O: Real>(
+        units: usize,
+        a: *const u32,
+        b: *const u32,
+        c: *mut O,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        accumulate: bool,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        for u in 0..units {
+            // SAFETY: the panels hold `units` units of NR (B) and MR (A) lanes.
+            unsafe {
+                let b0: __m512bh = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    b.add(u * NR).cast(),
+                ));
+                let b1: __m512bh = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    b.add(u * NR + 16).cast(),
+                ));
+                let ar = a.add(u * MR);
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let av: __m512bh = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
+                        *ar.add(i) as i32,
+                    ));
+                    row[0] = _mm512_dpbf16_ps(row[0], av, b0);
+                    row[1] = _mm512_dpbf16_ps(row[1], av, b1);
+                }
+            }
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { store(&acc, c, ldc, rows, cols, accumulate) };
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn f32_tile<O: Real>(
+        units: usize,
+        a: *const f32,
+        b: *const f32,
+        c: *mut O,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        accumulate: bool,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        for u in 0..units {
+            // SAFETY: the panels hold `units` units of NR (B) and MR (A) floats.
+            unsafe {
+                let b0 = _mm512_loadu_ps(b.add(u * NR));
+                let b1 = _mm512_loadu_ps(b.add(u * NR + 16));
+                let ar = a.add(u * MR);
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let av = _mm512_set1_ps(*ar.add(i));
+                    row[0] = _mm512_fmadd_ps(av, b0, row[0]);
+                    row[1] = _mm512_fmadd_ps(av, b1, row[1]);
+                }
+            }
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { store(&acc, c, ldc, rows, cols, accumulate) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// f64 reference of `a * b` on the same (already rounded) values.
+    fn reference<T: GemmElem>(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: MatRef<T>,
+        b: MatRef<T>,
+    ) -> Vec<f64> {
+        let mut c = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k)
+                    .map(|l| f64::from(a.at(i, l).get()) * f64::from(b.at(l, j).get()))
+                    .sum();
+            }
+        }
+        c
+    }
+
+    fn values<T: GemmElem>(len: usize, seed: u32) -> Vec<T> {
+        (0..len)
+            .map(|i| T::put(((i as f32) * 0.618 + seed as f32).sin()))
+            .collect()
+    }
+
+    type Driver<T> = fn(&Problem<T>, &mut [f32]);
+
+    /// The drivers this CPU can run for `T`, with f32 output.
+    fn drivers<T: GemmElem>() -> Vec<Driver<T>> {
+        let mut all: Vec<Driver<T>> = vec![blocked::<T, portable::F32Kernel, f32>];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if isa() != Isa::Portable {
+                all.push(blocked::<T, x86::F32Kernel, f32>);
+            }
+            if isa() == Isa::Avx512Bf16 && T::IS_BF16 {
+                all.push(blocked::<T, x86::Bf16Kernel, f32>);
+            }
+        }
+        all
+    }
+
+    /// Every kernel against f64 on the same values, for edge sizes (one pass and several),
+    /// strided and transposed operands, accumulation, serial and parallel; f32 accumulation of
+    /// k products of magnitude <= 1 is good to ~k * 2^-24. Then the public entry point into
+    /// `T` itself, which rounds once.
+    fn check<T: GemmElem>() {
+        let shapes = [
+            (1, 1, 1),
+            (7, 17, 3),
+            (13, 33, 513),
+            (25, 70, 1030),
+            (5, 9, 4500),
+        ];
+        for &(m, n, k) in &shapes {
+            for transposed in [false, true] {
+                let a_data = values::<T>(m * k + 3, 1);
+                let b_data = values::<T>(k * n + 5, 2);
+                let (a, b) = if transposed {
+                    (
+                        MatRef {
+                            data: &a_data,
+                            offset: 3,
+                            rs: 1,
+                            cs: m,
+                        },
+                        MatRef {
+                            data: &b_data,
+                            offset: 5,
+                            rs: 1,
+                            cs: k,
+                        },
+                    )
+                } else {
+                    (
+                        MatRef {
+                            data: &a_data,
+                            offset: 3,
+                            rs: k,
+                            cs: 1,
+                        },
+                        MatRef {
+                            data: &b_data,
+                            offset: 5,
+                            rs: n,
+                            cs: 1,
+                        },
+                    )
+                };
+                let want = reference(m, n, k, a, b);
+                let tol = 1e-5 * (k as f64 + 1.0);
+                let name = std::any::type_name::<T>();
+                for driver in drivers::<T>() {
+                    for parallel in [false, true] {
+                        let mut c = vec![1f32; m * n];
+                        let p = Problem {
+                            m,
+                            n,
+                            k,
+                            a,
+                            b,
+                            accumulate: true,
+                            parallel,
+                        };
+                        driver(&p, &mut c);
+                        for (got, want) in c.iter().zip(&want) {
+                            let got = f64::from(*got) - 1.0;
+                            assert!(
+                                (got - want).abs() <= tol,
+                                "{name} {m}x{n}x{k} t={transposed}: {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+                check_rounded((m, n, k), a, b, &want);
+            }
+        }
+        let mut empty: Vec<T> = vec![T::put(3.0); 6];
+        let none = MatRef {
+            data: &[] as &[T],
+            offset: 0,
+            rs: 0,
+            cs: 1,
+        };
+        gemm(2, 3, 0, none, none, &mut empty, false, false);
+        assert!(empty.iter().all(|x| x.get() == 0.0), "k = 0 gives zeros");
+    }
+
+    /// The public entry point into `T` itself, which rounds once: within half an ulp of `T`
+    /// plus the f32 accumulation error.
+    fn check_rounded<T: GemmElem>(
+        (m, n, k): (usize, usize, usize),
+        a: MatRef<T>,
+        b: MatRef<T>,
+        want: &[f64],
+    ) {
+        let name = std::any::type_name::<T>();
+        let tol = 1e-5 * (k as f64 + 1.0);
+        let mut c = vec![T::put(0.0); m * n];
+        gemm(m, n, k, a, b, &mut c, false, true);
+        for (got, want) in c.iter().zip(want) {
+            let ulp = (T::put(want.abs() as f32 * 1.001).get() - T::put(want.abs() as f32).get())
+                .abs()
+                .max(f32::EPSILON);
+            let bound = f64::from(ulp) + tol + want.abs() * 1e-2;
+            assert!(
+                (f64::from(got.get()) - want).abs() <= bound,
+                "{name} {m}x{n}x{k} into {name}: {} vs {want}",
+                got.get()
+            );
+        }
+    }
+
+    #[test]
+    fn gemm_matches_f64_reference_in_every_type() {
+        check::<f32>();
+        check::<f16>();
+        check::<bf16>();
+    }
+}

@@ -1,0 +1,522 @@
+//! `matmul` of half-precision tensors on CPU through [`super::gemm`], forward and both
+//! gradients.
+//!
+//! candle's CPU matmul fails on bf16 in some builds and otherwise widens half operands to f32
+//! around a generic GEMM, at f32 speed. Here a bf16 matmul runs on `vdpbf16ps` where the CPU has
+//! it, and an f16 one converts to f32 while packing (f16 arithmetic has no x86 hardware path).
+//! The op keeps only its half operands for the backward pass, whose two products,
+//! `grad_a = grad * b^T` and `grad_b = a^T * grad`, are this same op on transposed views
+//! (strides swapped, nothing copied).
+
+use candle_core::{
+    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result,
+    Shape, Tensor,
+};
+use rayon::prelude::*;
+
+use super::gemm::{gemm, GemmElem, MatRef};
+use super::Real;
+
+/// Below this many multiply-adds per matrix, a batch of matmuls runs one matrix per task
+/// rather than splitting each matrix over the pool.
+const SMALL_GEMM: usize = 1 << 18;
+
+/// `a.matmul(b)` with candle's semantics (equal batch dimensions, `(.., m, k) x (.., k, n)`),
+/// through this crate's GEMM for bf16 and f16 on CPU and candle's matmul otherwise. Shapes
+/// candle would reject go to candle too, for its error message.
+pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if handles(a, b) {
+        a.apply_op2(b, HalfMatmul)
+    } else {
+        a.matmul(b)
+    }
+}
+
+/// `a.broadcast_matmul(b)`: the batch dimensions broadcast to a common shape (as views, no
+/// copy), then [`matmul`].
+pub(crate) fn broadcast_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (da, db) = (a.dims(), b.dims());
+    if da.len() < 2 || db.len() < 2 {
+        return a.broadcast_matmul(b);
+    }
+    let (ba, bb) = (&da[..da.len() - 2], &db[..db.len() - 2]);
+    let batch = Shape::from(ba).broadcast_shape_binary_op(&Shape::from(bb), "broadcast_matmul")?;
+    let with = |t: &Tensor, tail: &[usize]| -> Result<Tensor> {
+        let dims = [batch.dims(), tail].concat();
+        if dims == t.dims() {
+            Ok(t.clone())
+        } else {
+            t.broadcast_as(dims)
+        }
+    };
+    matmul(
+        &with(a, &da[da.len() - 2..])?,
+        &with(b, &db[db.len() - 2..])?,
+    )
+}
+
+/// A linear layer on a 2-D input: `x (rows, in) * w (out, in)^T + b (out)`. For half operands
+/// on CPU one op whose bias is added before the output's one rounding and whose backward is
+/// three products' worth of work: `grad_x = grad * w`, `grad_w = grad^T * x` (both on this
+/// GEMM) and `grad_b` the column sums of `grad` (f32 sums). Elsewhere candle's matmul and a
+/// broadcast add.
+pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let bias_fits = b.is_none_or(|b| b.dtype() == x.dtype() && b.dims() == [w.dim(0).unwrap_or(0)]);
+    if x.rank() == 2 && w.rank() == 2 && handles(x, &w.t()?) && bias_fits {
+        match b {
+            Some(b) => x.apply_op3(w, b, HalfLinear),
+            None => x.apply_op2(w, HalfLinear),
+        }
+    } else {
+        let y = x.matmul(&w.t()?)?;
+        match b {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// Whether [`matmul`] takes its own path for these operands.
+fn handles(a: &Tensor, b: &Tensor) -> bool {
+    let (da, db) = (a.dims(), b.dims());
+    let rank = da.len();
+    a.device().is_cpu()
+        && matches!(a.dtype(), DType::BF16 | DType::F16)
+        && a.dtype() == b.dtype()
+        && rank >= 2
+        && db.len() == rank
+        && da[..rank - 2] == db[..rank - 2]
+        && da[rank - 1] == db[rank - 2]
+}
+
+struct HalfMatmul;
+
+/// The geometry of a batched matmul read off its two layouts.
+struct Batched {
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    /// Start offset of each batch item, in A and in B.
+    a_starts: Vec<usize>,
+    b_starts: Vec<usize>,
+    /// Row and column strides of A and of B.
+    a_strides: (usize, usize),
+    b_strides: (usize, usize),
+}
+
+impl Batched {
+    fn new(la: &Layout, lb: &Layout) -> Self {
+        let (da, db) = (la.dims(), lb.dims());
+        let rank = da.len();
+        let starts = |l: &Layout| -> Vec<usize> {
+            let batch_dims = &l.dims()[..rank - 2];
+            let strides = &l.stride()[..rank - 2];
+            let count: usize = batch_dims.iter().product();
+            (0..count)
+                .map(|mut idx| {
+                    let mut off = l.start_offset();
+                    for (d, s) in batch_dims.iter().zip(strides).rev() {
+                        off += (idx % d) * s;
+                        idx /= d;
+                    }
+                    off
+                })
+                .collect()
+        };
+        let rc = |l: &Layout| (l.stride()[rank - 2], l.stride()[rank - 1]);
+        Self {
+            batch: da[..rank - 2].iter().product(),
+            m: da[rank - 2],
+            k: da[rank - 1],
+            n: db[rank - 1],
+            a_starts: starts(la),
+            b_starts: starts(lb),
+            a_strides: rc(la),
+            b_strides: rc(lb),
+        }
+    }
+
+    fn out_shape(&self, la: &Layout) -> Shape {
+        let mut dims = la.dims().to_vec();
+        let rank = dims.len();
+        dims[rank - 1] = self.n;
+        Shape::from(dims)
+    }
+
+    /// Every product into a contiguous `(batch, m, n)` output of `T`.
+    fn run<T: GemmElem>(&self, a: &[T], b: &[T]) -> Vec<T> {
+        let (m, n, k) = (self.m, self.n, self.k);
+        let size = m * n;
+        let mut out = vec![T::put(0.0); self.batch * size];
+        if size == 0 {
+            return out;
+        }
+        let one = |i: usize, out: &mut [T], parallel: bool| {
+            let a = MatRef {
+                data: a,
+                offset: self.a_starts[i],
+                rs: self.a_strides.0,
+                cs: self.a_strides.1,
+            };
+            let b = MatRef {
+                data: b,
+                offset: self.b_starts[i],
+                rs: self.b_strides.0,
+                cs: self.b_strides.1,
+            };
+            gemm(m, n, k, a, b, out, false, parallel);
+        };
+        if self.batch > 1 && m * n * k < SMALL_GEMM {
+            out.par_chunks_mut(size)
+                .enumerate()
+                .for_each(|(i, o)| one(i, o, false));
+        } else {
+            for (i, o) in out.chunks_mut(size).enumerate() {
+                one(i, o, true);
+            }
+        }
+        out
+    }
+}
+
+/// `x * w^T (+ b)`: see [`linear`].
+struct HalfLinear;
+
+impl HalfLinear {
+    /// The product into rows prefilled with the bias, if any.
+    fn run<T: GemmElem>(
+        (x, lx): (&[T], &Layout),
+        (w, lw): (&[T], &Layout),
+        bias: Option<(&[T], &Layout)>,
+    ) -> Result<Vec<T>> {
+        let (rows, inner) = (lx.dims()[0], lx.dims()[1]);
+        let out = lw.dims()[0];
+        let mut y = vec![T::put(0.0); rows * out];
+        if let Some((b, lb)) = bias {
+            let b = strided_vec(b, lb);
+            for row in y.chunks_mut(out.max(1)) {
+                row.copy_from_slice(&b);
+            }
+        }
+        let a = MatRef {
+            data: x,
+            offset: lx.start_offset(),
+            rs: lx.stride()[0],
+            cs: lx.stride()[1],
+        };
+        // w^T: element (i, j) of the (in, out) view is w[j, i].
+        let wt = MatRef {
+            data: w,
+            offset: lw.start_offset(),
+            rs: lw.stride()[1],
+            cs: lw.stride()[0],
+        };
+        gemm(rows, out, inner, a, wt, &mut y, bias.is_some(), true);
+        Ok(y)
+    }
+
+    fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((matmul(grad, w)?, matmul(&grad.t()?, x)?))
+    }
+}
+
+/// The elements of a strided 1-D view, in order.
+fn strided_vec<T: Copy>(data: &[T], layout: &Layout) -> Vec<T> {
+    super::strided_offsets(layout).map(|i| data[i]).collect()
+}
+
+impl CustomOp2 for HalfLinear {
+    fn name(&self) -> &'static str {
+        "amp-half-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let y = match (s1, s2) {
+            (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
+                CpuStorage::BF16(Self::run((x, l1), (w, l2), None)?)
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(w)) => {
+                CpuStorage::F16(Self::run((x, l1), (w, l2), None)?)
+            }
+            (a, b) => candle_core::bail!(
+                "half linear kernel: expected f16 or bf16 operands, got {:?} and {:?}",
+                a.dtype(),
+                b.dtype()
+            ),
+        };
+        Ok((y, Shape::from((l1.dims()[0], l2.dims()[0]))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (gx, gw) = Self::grads(x, w, grad)?;
+        Ok((Some(gx), Some(gw)))
+    }
+}
+
+impl CustomOp3 for HalfLinear {
+    fn name(&self) -> &'static str {
+        "amp-half-linear-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let y = match (s1, s2, s3) {
+            (CpuStorage::BF16(x), CpuStorage::BF16(w), CpuStorage::BF16(b)) => {
+                CpuStorage::BF16(Self::run((x, l1), (w, l2), Some((b, l3)))?)
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(w), CpuStorage::F16(b)) => {
+                CpuStorage::F16(Self::run((x, l1), (w, l2), Some((b, l3)))?)
+            }
+            (a, b, c) => candle_core::bail!(
+                "half linear kernel: expected f16 or bf16 operands, got {:?}, {:?} and {:?}",
+                a.dtype(),
+                b.dtype(),
+                c.dtype()
+            ),
+        };
+        Ok((y, Shape::from((l1.dims()[0], l2.dims()[0]))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (gx, gw) = Self::grads(x, w, grad)?;
+        let gb = grad.apply_op1_no_bwd(&ColumnSums)?;
+        Ok((Some(gx), Some(gw), Some(gb)))
+    }
+}
+
+/// `(rows, cols) -> (cols)`: sums down each column in f32, rounded once.
+struct ColumnSums;
+
+impl CustomOp1 for ColumnSums {
+    fn name(&self) -> &'static str {
+        "amp-column-sums"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        fn sums<T: Real + Send + Sync>(g: &[T], l: &Layout) -> Vec<T> {
+            let (rows, cols) = (l.dims()[0], l.dims()[1]);
+            let (rs, cs) = (l.stride()[0], l.stride()[1]);
+            let start = l.start_offset();
+            (0..cols)
+                .into_par_iter()
+                .with_min_len(64)
+                .map(|j| {
+                    let total: f32 = (0..rows).map(|i| g[start + i * rs + j * cs].get()).sum();
+                    T::put(total)
+                })
+                .collect()
+        }
+        let out = match s {
+            CpuStorage::BF16(g) => CpuStorage::BF16(sums(g, l)),
+            CpuStorage::F16(g) => CpuStorage::F16(sums(g, l)),
+            CpuStorage::F32(g) => CpuStorage::F32(sums(g, l)),
+            other => candle_core::bail!("column sums: unexpected dtype {:?}", other.dtype()),
+        };
+        Ok((out, Shape::from(l.dims()[1])))
+    }
+}
+
+impl CustomOp2 for HalfMatmul {
+    fn name(&self) -> &'static str {
+        "amp-half-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let geometry = Batched::new(l1, l2);
+        let out = match (s1, s2) {
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => CpuStorage::BF16(geometry.run(a, b)),
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => CpuStorage::F16(geometry.run(a, b)),
+            _ => candle_core::bail!(
+                "half matmul kernel: expected two f16 or two bf16 operands, got {:?} and {:?}",
+                s1.dtype(),
+                s2.dtype()
+            ),
+        };
+        Ok((out, geometry.out_shape(l1)))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad_a = matmul(grad, &b.t()?)?;
+        let grad_b = matmul(&a.t()?, grad)?;
+        Ok((Some(grad_a), Some(grad_b)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var};
+
+    use super::*;
+
+    fn max_rel_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        let diff = (a.to_dtype(DType::F32)? - b)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?;
+        let scale = b.abs()?.flatten_all()?.max(0)?;
+        Ok(diff.to_scalar::<f32>()? / scale.to_scalar::<f32>()?.max(1e-30))
+    }
+
+    /// Forward and both gradients against candle's f32 matmul on the same rounded values,
+    /// batched, transposed and broadcast.
+    #[test]
+    fn half_matmul_and_its_gradients_match_f32() -> Result<()> {
+        let dev = Device::Cpu;
+        for (dtype, tol) in [(DType::BF16, 1e-2), (DType::F16, 2e-3)] {
+            for (a_dims, b_dims, transpose_b) in [
+                (vec![7, 17], vec![17, 5], false),
+                (vec![3, 33, 70], vec![3, 70, 40], false),
+                (vec![2, 3, 9, 16], vec![2, 3, 11, 16], true),
+            ] {
+                let a = Tensor::randn(0f32, 1., a_dims.as_slice(), &dev)?.to_dtype(dtype)?;
+                let b = Tensor::randn(0f32, 1., b_dims.as_slice(), &dev)?.to_dtype(dtype)?;
+                let (av, bv) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?);
+                let b_op = if transpose_b {
+                    bv.t()?
+                } else {
+                    bv.as_tensor().clone()
+                };
+                let y = matmul(&av, &b_op)?;
+                assert_eq!(y.dtype(), dtype);
+                let grads = y.to_dtype(DType::F32)?.sqr()?.sum_all()?.backward()?;
+
+                let (a32, b32) = (
+                    Var::from_tensor(&a.to_dtype(DType::F32)?)?,
+                    Var::from_tensor(&b.to_dtype(DType::F32)?)?,
+                );
+                let b32_op = if transpose_b {
+                    b32.t()?
+                } else {
+                    b32.as_tensor().clone()
+                };
+                let y32 = a32.matmul(&b32_op)?;
+                let grads32 = y32.sqr()?.sum_all()?.backward()?;
+                assert!(
+                    max_rel_diff(&y, &y32)? <= tol,
+                    "{dtype:?} {a_dims:?} forward"
+                );
+                let ga = grads.get(&av).unwrap();
+                assert_eq!(ga.dtype(), dtype);
+                assert!(
+                    max_rel_diff(ga, grads32.get(&a32).unwrap())? <= 3.0 * tol,
+                    "{dtype:?} {a_dims:?} grad a"
+                );
+                assert!(
+                    max_rel_diff(grads.get(&bv).unwrap(), grads32.get(&b32).unwrap())? <= 3.0 * tol,
+                    "{dtype:?} {a_dims:?} grad b"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The fused linear (with and without bias, contiguous and transposed input) against the
+    /// f32 composition, values and every gradient.
+    #[test]
+    fn half_linear_matches_f32_composition() -> Result<()> {
+        let dev = Device::Cpu;
+        for (dtype, tol) in [(DType::BF16, 1e-2), (DType::F16, 2e-3)] {
+            for (with_bias, transposed) in [(false, false), (true, false), (true, true)] {
+                let x = Tensor::randn(0f32, 1., (37, 70), &dev)?.to_dtype(dtype)?;
+                let w = Tensor::randn(0f32, 1., (19, 70), &dev)?.to_dtype(dtype)?;
+                let b = Tensor::randn(0f32, 1., 19, &dev)?.to_dtype(dtype)?;
+                let (xv, wv, bv) = (
+                    Var::from_tensor(&x)?,
+                    Var::from_tensor(&w)?,
+                    Var::from_tensor(&b)?,
+                );
+                // A transposed input: the (37, 70) view of a (70, 37) tensor.
+                let xin = if transposed {
+                    Var::from_tensor(&x.t()?.contiguous()?)?
+                } else {
+                    xv.clone()
+                };
+                let x_op = if transposed {
+                    xin.t()?
+                } else {
+                    xin.as_tensor().clone()
+                };
+                let y = linear(&x_op, &wv, with_bias.then_some(bv.as_tensor()))?;
+                assert_eq!(y.dtype(), dtype);
+                let grads = y.to_dtype(DType::F32)?.sqr()?.sum_all()?.backward()?;
+
+                let up = |t: &Tensor| Var::from_tensor(&t.to_dtype(DType::F32)?);
+                let (x32, w32, b32) = (up(&x)?, up(&w)?, up(&b)?);
+                let mut y32 = x32.matmul(&w32.t()?)?;
+                if with_bias {
+                    y32 = y32.broadcast_add(&b32)?;
+                }
+                let grads32 = y32.sqr()?.sum_all()?.backward()?;
+                let what = format!("{dtype:?} bias={with_bias} transposed={transposed}");
+                assert!(max_rel_diff(&y, &y32)? <= tol, "{what} forward");
+                let gx = grads.get(&xin).unwrap();
+                let gx = if transposed { gx.t()? } else { gx.clone() };
+                assert!(
+                    max_rel_diff(&gx, grads32.get(&x32).unwrap())? <= 3.0 * tol,
+                    "{what} grad x"
+                );
+                assert!(
+                    max_rel_diff(grads.get(&wv).unwrap(), grads32.get(&w32).unwrap())? <= 3.0 * tol,
+                    "{what} grad w"
+                );
+                if with_bias {
+                    let gb = grads.get(&bv).unwrap();
+                    assert_eq!(gb.dtype(), dtype);
+                    assert!(
+                        max_rel_diff(gb, grads32.get(&b32).unwrap())? <= 3.0 * tol,
+                        "{what} grad b"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn shapes_candle_rejects_get_candles_error() {
+        let dev = Device::Cpu;
+        let a = Tensor::zeros((2, 3), DType::BF16, &dev).unwrap();
+        let b = Tensor::zeros((4, 5), DType::BF16, &dev).unwrap();
+        let err = matmul(&a, &b).unwrap_err().to_string();
+        assert!(err.contains("shape mismatch"), "{err}");
+    }
+}
