@@ -1091,8 +1091,10 @@ fn skips_and_scale_changes_emit_tracing_events() -> Result<()> {
 // ---- Checkpoints: a resumed run continues bit for bit. ----
 
 /// `steps` iterations of fp16 autocast training. The scaler of the test below starts high
-/// enough to skip and back off, and grows every 3 steps; its checkpoint after 9 steps has a
-/// growth tracker of 2, one step before a growth.
+/// enough (2^24) that the fp16 activation gradients overflow, so it skips and backs off (the
+/// layers' master gradients are f32 and would not overflow), and grows every 3 steps; its
+/// checkpoint after 9 steps (4 skipped, scale 2^21) has a growth tracker of 2, one step before
+/// a growth.
 fn train(model: &Mlp, scaler: &mut GradScaler, steps: std::ops::Range<u64>) -> Result<()> {
     let mut opt = SGD::new(model.vars.clone(), 0.05)?;
     for i in steps {
@@ -1110,7 +1112,7 @@ fn a_resumed_run_continues_bit_for_bit() -> Result<()> {
     let (n, m) = (9, 9);
     let scaler = || {
         GradScaler::builder()
-            .init_scale(2.0f64.powi(17))
+            .init_scale(2.0f64.powi(24))
             .growth_interval(3)
             .build()
     };

@@ -45,6 +45,12 @@ pub fn cast_count() -> u64 {
     STATE.with(|s| s.borrow().casts)
 }
 
+/// Counts `n` conversions that a fused op performs inside itself (a layer rounding its f32
+/// masters while computing), so that [`cast_count`] tells the same story either way.
+pub(crate) fn count_casts(n: u64) {
+    STATE.with(|s| s.borrow_mut().casts += n);
+}
+
 /// Drops every cached weight cast on this thread: called after anything in candle-amp that
 /// writes master weights (the scaler's optimizer step).
 pub(crate) fn invalidate_weight_casts() {
@@ -94,7 +100,7 @@ pub(crate) fn convert(t: &Tensor, dtype: DType) -> Result<Tensor> {
             return Ok(hit);
         }
     }
-    let converted = t.to_dtype(dtype)?;
+    let converted = crate::kernels::to_dtype(t, dtype)?;
     STATE.with(|s| {
         let mut s = s.borrow_mut();
         s.casts += 1;

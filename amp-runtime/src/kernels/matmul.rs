@@ -26,7 +26,7 @@ const SMALL_GEMM: usize = 1 << 18;
 /// candle would reject go to candle too, for its error message.
 pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if handles(a, b) {
-        a.apply_op2(b, HalfMatmul)
+        a.apply_op2(b, HalfMatmul(None))
     } else {
         a.matmul(b)
     }
@@ -55,22 +55,31 @@ pub(crate) fn broadcast_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     )
 }
 
-/// A linear layer on a 2-D input: `x (rows, in) * w (out, in)^T + b (out)`. For half operands
-/// on CPU one op whose bias is added before the output's one rounding and whose backward is
-/// three products' worth of work: `grad_x = grad * w`, `grad_w = grad^T * x` (both on this
-/// GEMM) and `grad_b` the column sums of `grad` (f32 sums). Elsewhere candle's matmul and a
-/// broadcast add.
+/// A linear layer on a 2-D input: `x (rows, in) * w (out, in)^T + b (out)`, with `w` and `b`
+/// the layer's f32 masters. For a half `x` on CPU, one op: the master is rounded to `x`'s dtype
+/// inside it (the cast an autocast region would insert, bit for bit), the bias is added before
+/// the output's one rounding, and the backward returns the masters' gradients in f32 straight
+/// from the f32 accumulators: `grad_w = grad^T * x` and `grad_b` the column sums of `grad`,
+/// never rounded to half (PyTorch rounds them to half, then widens), with `grad_x = grad * w`.
+/// No half copy of the weight joins the autograd graph, so candle's backward does not allocate
+/// and add a half gradient for one. Elsewhere: the masters cast to `x`'s dtype, candle's
+/// matmul and a broadcast add.
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let bias_fits = b.is_none_or(|b| b.dtype() == x.dtype() && b.dims() == [w.dim(0).unwrap_or(0)]);
-    if x.rank() == 2 && w.rank() == 2 && handles(x, &w.t()?) && bias_fits {
+    let masters = w.dtype() == DType::F32 && b.is_none_or(|b| b.dtype() == DType::F32);
+    let shapes = match (x.dims(), w.dims()) {
+        (&[_, k], &[out, k_w]) => k == k_w && b.is_none_or(|b| b.dims() == [out]),
+        _ => false,
+    };
+    let half = matches!(x.dtype(), DType::BF16 | DType::F16);
+    if x.device().is_cpu() && half && masters && shapes {
         match b {
             Some(b) => x.apply_op3(w, b, HalfLinear),
             None => x.apply_op2(w, HalfLinear),
         }
     } else {
-        let y = x.matmul(&w.t()?)?;
+        let y = x.matmul(&super::to_dtype(w, x.dtype())?.t()?)?;
         match b {
-            Some(b) => y.broadcast_add(b),
+            Some(b) => y.broadcast_add(&super::to_dtype(b, x.dtype())?),
             None => Ok(y),
         }
     }
@@ -89,7 +98,9 @@ fn handles(a: &Tensor, b: &Tensor) -> bool {
         && da[rank - 1] == db[rank - 2]
 }
 
-struct HalfMatmul;
+/// The product of two half tensors, in their dtype, or in f32 with `Some(DType::F32)` (a
+/// gradient for an f32 master).
+struct HalfMatmul(Option<DType>);
 
 /// The geometry of a batched matmul read off its two layouts.
 struct Batched {
@@ -145,14 +156,14 @@ impl Batched {
     }
 
     /// Every product into a contiguous `(batch, m, n)` output of `T`.
-    fn run<T: GemmElem>(&self, a: &[T], b: &[T]) -> Vec<T> {
+    fn run<T: GemmElem, O: Real + Send + Sync>(&self, a: &[T], b: &[T]) -> Vec<O> {
         let (m, n, k) = (self.m, self.n, self.k);
         let size = m * n;
-        let mut out = vec![T::put(0.0); self.batch * size];
+        let mut out = vec![O::put(0.0); self.batch * size];
         if size == 0 {
             return out;
         }
-        let one = |i: usize, out: &mut [T], parallel: bool| {
+        let one = |i: usize, out: &mut [O], parallel: bool| {
             let a = MatRef {
                 data: a,
                 offset: self.a_starts[i],
@@ -180,25 +191,27 @@ impl Batched {
     }
 }
 
-/// `x * w^T (+ b)`: see [`linear`].
+/// `x * w^T (+ b)` with f32 masters `w`, `b`: see [`linear`].
 struct HalfLinear;
 
 impl HalfLinear {
-    /// The product into rows prefilled with the bias, if any.
+    /// The product into rows prefilled with the bias (rounded to `T`), if any.
     fn run<T: GemmElem>(
         (x, lx): (&[T], &Layout),
-        (w, lw): (&[T], &Layout),
-        bias: Option<(&[T], &Layout)>,
+        (w, lw): (&[f32], &Layout),
+        bias: Option<(&[f32], &Layout)>,
     ) -> Vec<T> {
         let (rows, inner) = (lx.dims()[0], lx.dims()[1]);
         let out = lw.dims()[0];
         let mut y = vec![T::put(0.0); rows * out];
         if let Some((b, lb)) = bias {
-            let b = strided_vec(b, lb);
+            let b: Vec<T> = strided_vec(b, lb).into_iter().map(T::put).collect();
             for row in y.chunks_mut(out.max(1)) {
                 row.copy_from_slice(&b);
             }
         }
+        // The master rounded to T, contiguous `(out, in)`.
+        let w: Vec<T> = super::convert::convert_slice(&strided_vec(w, lw));
         let a = MatRef {
             data: x,
             offset: lx.start_offset(),
@@ -207,17 +220,23 @@ impl HalfLinear {
         };
         // w^T: element (i, j) of the (in, out) view is w[j, i].
         let wt = MatRef {
-            data: w,
-            offset: lw.start_offset(),
-            rs: lw.stride()[1],
-            cs: lw.stride()[0],
+            data: &w,
+            offset: 0,
+            rs: 1,
+            cs: inner,
         };
         gemm(rows, out, inner, a, wt, &mut y, bias.is_some(), true);
         y
     }
 
+    /// `grad_x` in `x`'s dtype and the master's `grad_w` in f32.
     fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
-        Ok((matmul(grad, w)?, matmul(&grad.t()?, x)?))
+        let w_half = w.apply_op1_no_bwd(&super::convert::Convert(x.dtype()))?;
+        let grad_x = matmul(grad, &w_half)?;
+        let grad_w = grad
+            .t()?
+            .apply_op2_no_bwd(x, &HalfMatmul(Some(DType::F32)))?;
+        Ok((grad_x, grad_w))
     }
 }
 
@@ -239,14 +258,14 @@ impl CustomOp2 for HalfLinear {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let y = match (s1, s2) {
-            (CpuStorage::BF16(x), CpuStorage::BF16(w)) => {
+            (CpuStorage::BF16(x), CpuStorage::F32(w)) => {
                 CpuStorage::BF16(Self::run((x, l1), (w, l2), None))
             }
-            (CpuStorage::F16(x), CpuStorage::F16(w)) => {
+            (CpuStorage::F16(x), CpuStorage::F32(w)) => {
                 CpuStorage::F16(Self::run((x, l1), (w, l2), None))
             }
             (a, b) => candle_core::bail!(
-                "half linear kernel: expected f16 or bf16 operands, got {:?} and {:?}",
+                "half linear kernel: expected a f16 or bf16 input and an f32 weight, got {:?} and {:?}",
                 a.dtype(),
                 b.dtype()
             ),
@@ -281,14 +300,15 @@ impl CustomOp3 for HalfLinear {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let y = match (s1, s2, s3) {
-            (CpuStorage::BF16(x), CpuStorage::BF16(w), CpuStorage::BF16(b)) => {
+            (CpuStorage::BF16(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
                 CpuStorage::BF16(Self::run((x, l1), (w, l2), Some((b, l3))))
             }
-            (CpuStorage::F16(x), CpuStorage::F16(w), CpuStorage::F16(b)) => {
+            (CpuStorage::F16(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
                 CpuStorage::F16(Self::run((x, l1), (w, l2), Some((b, l3))))
             }
             (a, b, c) => candle_core::bail!(
-                "half linear kernel: expected f16 or bf16 operands, got {:?}, {:?} and {:?}",
+                "half linear kernel: expected a f16 or bf16 input and f32 weight and bias, got {:?}, {:?} \
+                 and {:?}",
                 a.dtype(),
                 b.dtype(),
                 c.dtype()
@@ -311,7 +331,7 @@ impl CustomOp3 for HalfLinear {
     }
 }
 
-/// `(rows, cols) -> (cols)`: sums down each column in f32, rounded once.
+/// `(rows, cols) -> (cols)` in f32: sums down each column (the bias gradient of an f32 master).
 struct ColumnSums;
 
 impl CustomOp1 for ColumnSums {
@@ -320,7 +340,7 @@ impl CustomOp1 for ColumnSums {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        fn sums<T: Real + Send + Sync>(g: &[T], l: &Layout) -> Vec<T> {
+        fn sums<T: Real + Send + Sync>(g: &[T], l: &Layout) -> Vec<f32> {
             let (rows, cols) = (l.dims()[0], l.dims()[1]);
             let (rs, cs) = (l.stride()[0], l.stride()[1]);
             let start = l.start_offset();
@@ -328,14 +348,15 @@ impl CustomOp1 for ColumnSums {
                 .into_par_iter()
                 .with_min_len(64)
                 .map(|j| {
-                    let total: f32 = (0..rows).map(|i| g[start + i * rs + j * cs].get()).sum();
-                    T::put(total)
+                    (0..rows)
+                        .map(|i| g[start + i * rs + j * cs].get())
+                        .sum::<f32>()
                 })
                 .collect()
         }
         let out = match s {
-            CpuStorage::BF16(g) => CpuStorage::BF16(sums(g, l)),
-            CpuStorage::F16(g) => CpuStorage::F16(sums(g, l)),
+            CpuStorage::BF16(g) => CpuStorage::F32(sums(g, l)),
+            CpuStorage::F16(g) => CpuStorage::F32(sums(g, l)),
             CpuStorage::F32(g) => CpuStorage::F32(sums(g, l)),
             other => candle_core::bail!("column sums: unexpected dtype {:?}", other.dtype()),
         };
@@ -357,8 +378,14 @@ impl CustomOp2 for HalfMatmul {
     ) -> Result<(CpuStorage, Shape)> {
         let geometry = Batched::new(l1, l2);
         let out = match (s1, s2) {
-            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => CpuStorage::BF16(geometry.run(a, b)),
-            (CpuStorage::F16(a), CpuStorage::F16(b)) => CpuStorage::F16(geometry.run(a, b)),
+            (CpuStorage::BF16(a), CpuStorage::BF16(b)) => match self.0 {
+                Some(DType::F32) => CpuStorage::F32(geometry.run(a, b)),
+                _ => CpuStorage::BF16(geometry.run(a, b)),
+            },
+            (CpuStorage::F16(a), CpuStorage::F16(b)) => match self.0 {
+                Some(DType::F32) => CpuStorage::F32(geometry.run(a, b)),
+                _ => CpuStorage::F16(geometry.run(a, b)),
+            },
             _ => candle_core::bail!(
                 "half matmul kernel: expected two f16 or two bf16 operands, got {:?} and {:?}",
                 s1.dtype(),
@@ -449,38 +476,37 @@ mod tests {
         Ok(())
     }
 
-    /// The fused linear (with and without bias, contiguous and transposed input) against the
-    /// f32 composition, values and every gradient.
+    /// The fused linear on f32 masters (with and without bias, contiguous and transposed
+    /// input) against the composition PyTorch's autocast runs (masters cast to half, half
+    /// matmul, half bias add), in f32 on the same rounded values: the output and every
+    /// gradient, the masters' gradients in f32.
     #[test]
-    fn half_linear_matches_f32_composition() -> Result<()> {
+    fn half_linear_on_f32_masters_matches_the_composition() -> Result<()> {
         let dev = Device::Cpu;
         for (dtype, tol) in [(DType::BF16, 1e-2), (DType::F16, 2e-3)] {
             for (with_bias, transposed) in [(false, false), (true, false), (true, true)] {
                 let x = Tensor::randn(0f32, 1., (37, 70), &dev)?.to_dtype(dtype)?;
-                let w = Tensor::randn(0f32, 1., (19, 70), &dev)?.to_dtype(dtype)?;
-                let b = Tensor::randn(0f32, 1., 19, &dev)?.to_dtype(dtype)?;
-                let (xv, wv, bv) = (
-                    Var::from_tensor(&x)?,
-                    Var::from_tensor(&w)?,
-                    Var::from_tensor(&b)?,
-                );
+                let w = Var::randn(0f32, 1., (19, 70), &dev)?;
+                let b = Var::randn(0f32, 1., 19, &dev)?;
                 // A transposed input: the (37, 70) view of a (70, 37) tensor.
                 let xin = if transposed {
                     Var::from_tensor(&x.t()?.contiguous()?)?
                 } else {
-                    xv.clone()
+                    Var::from_tensor(&x)?
                 };
                 let x_op = if transposed {
                     xin.t()?
                 } else {
                     xin.as_tensor().clone()
                 };
-                let y = linear(&x_op, &wv, with_bias.then_some(bv.as_tensor()))?;
+                let y = linear(&x_op, &w, with_bias.then_some(b.as_tensor()))?;
                 assert_eq!(y.dtype(), dtype);
                 let grads = y.to_dtype(DType::F32)?.sqr()?.sum_all()?.backward()?;
 
-                let up = |t: &Tensor| Var::from_tensor(&t.to_dtype(DType::F32)?);
-                let (x32, w32, b32) = (up(&x)?, up(&w)?, up(&b)?);
+                // The reference: f32 math on the half-rounded values.
+                let x32 = Var::from_tensor(&x.to_dtype(DType::F32)?)?;
+                let w32 = Var::from_tensor(&w.to_dtype(dtype)?.to_dtype(DType::F32)?)?;
+                let b32 = Var::from_tensor(&b.to_dtype(dtype)?.to_dtype(DType::F32)?)?;
                 let mut y32 = x32.matmul(&w32.t()?)?;
                 if with_bias {
                     y32 = y32.broadcast_add(&b32)?;
@@ -490,21 +516,22 @@ mod tests {
                 assert!(max_rel_diff(&y, &y32)? <= tol, "{what} forward");
                 let gx = grads.get(&xin).unwrap();
                 let gx = if transposed { gx.t()? } else { gx.clone() };
-                assert!(
-                    max_rel_diff(&gx, grads32.get(&x32).unwrap())? <= 3.0 * tol,
-                    "{what} grad x"
+                assert_eq!(gx.dtype(), dtype);
+                let close = |g: &Tensor, g32: &Tensor| -> Result<bool> {
+                    Ok(max_rel_diff(g, g32)? <= 3.0 * tol)
+                };
+                assert!(close(&gx, grads32.get(&x32).unwrap())?, "{what} grad x");
+                let gw = grads.get(&w).unwrap();
+                assert_eq!(
+                    gw.dtype(),
+                    DType::F32,
+                    "{what}: the master's gradient is f32"
                 );
-                assert!(
-                    max_rel_diff(grads.get(&wv).unwrap(), grads32.get(&w32).unwrap())? <= 3.0 * tol,
-                    "{what} grad w"
-                );
+                assert!(close(gw, grads32.get(&w32).unwrap())?, "{what} grad w");
                 if with_bias {
-                    let gb = grads.get(&bv).unwrap();
-                    assert_eq!(gb.dtype(), dtype);
-                    assert!(
-                        max_rel_diff(gb, grads32.get(&b32).unwrap())? <= 3.0 * tol,
-                        "{what} grad b"
-                    );
+                    let gb = grads.get(&b).unwrap();
+                    assert_eq!(gb.dtype(), DType::F32);
+                    assert!(close(gb, grads32.get(&b32).unwrap())?, "{what} grad b");
                 }
             }
         }

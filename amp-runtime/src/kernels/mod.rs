@@ -12,6 +12,7 @@
 
 pub(crate) mod batch_norm;
 mod conv2d;
+mod convert;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub(crate) mod gemm;
@@ -22,6 +23,7 @@ pub(crate) mod simd;
 pub mod unscale;
 
 pub(crate) use conv2d::{conv2d, Conv2dParams};
+pub(crate) use convert::to_dtype;
 pub(crate) use matmul::{broadcast_matmul, linear, matmul};
 pub(crate) use relu::relu;
 
