@@ -12,7 +12,7 @@ use candle_core::{
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::Real;
+use super::{elements, Real};
 
 /// `t` converted to `dtype` (differentiable): this op for f32/bf16/f16 on CPU, candle's
 /// `to_dtype` otherwise.
@@ -30,14 +30,6 @@ pub(crate) struct Convert(pub DType);
 
 /// Elements per task.
 const CHUNK: usize = 1 << 15;
-
-/// The input as a contiguous slice, or gathered into one when strided.
-fn elements<'a, T: Copy>(data: &'a [T], layout: &Layout) -> std::borrow::Cow<'a, [T]> {
-    match layout.contiguous_offsets() {
-        Some((start, end)) => std::borrow::Cow::Borrowed(&data[start..end]),
-        None => std::borrow::Cow::Owned(super::strided_offsets(layout).map(|i| data[i]).collect()),
-    }
-}
 
 /// `src` converted into `dst`, chunk by chunk in parallel; each chunk runs `simd` when it
 /// handles the pair (16 elements at a time) and scalar code for what is left.

@@ -205,13 +205,13 @@ impl HalfLinear {
         let out = lw.dims()[0];
         let mut y = vec![T::put(0.0); rows * out];
         if let Some((b, lb)) = bias {
-            let b: Vec<T> = strided_vec(b, lb).into_iter().map(T::put).collect();
+            let b: Vec<T> = super::elements(b, lb).iter().map(|&v| T::put(v)).collect();
             for row in y.chunks_mut(out.max(1)) {
                 row.copy_from_slice(&b);
             }
         }
         // The master rounded to T, contiguous `(out, in)`.
-        let w: Vec<T> = super::convert::convert_slice(&strided_vec(w, lw));
+        let w: Vec<T> = super::convert::convert_slice(&super::elements(w, lw));
         let a = MatRef {
             data: x,
             offset: lx.start_offset(),
@@ -238,11 +238,6 @@ impl HalfLinear {
             .apply_op2_no_bwd(x, &HalfMatmul(Some(DType::F32)))?;
         Ok((grad_x, grad_w))
     }
-}
-
-/// The elements of a strided 1-D view, in order.
-fn strided_vec<T: Copy>(data: &[T], layout: &Layout) -> Vec<T> {
-    super::strided_offsets(layout).map(|i| data[i]).collect()
 }
 
 impl CustomOp2 for HalfLinear {
@@ -340,19 +335,27 @@ impl CustomOp1 for ColumnSums {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        // Blocks of rows summed in parallel, each into its own row of f32 sums (reading the
+        // gradient row by row, as it lies in memory), then the blocks' rows added.
         fn sums<T: Real + Send + Sync>(g: &[T], l: &Layout) -> Vec<f32> {
             let (rows, cols) = (l.dims()[0], l.dims()[1]);
-            let (rs, cs) = (l.stride()[0], l.stride()[1]);
-            let start = l.start_offset();
-            (0..cols)
-                .into_par_iter()
-                .with_min_len(64)
-                .map(|j| {
-                    (0..rows)
-                        .map(|i| g[start + i * rs + j * cs].get())
-                        .sum::<f32>()
+            let g = super::elements(g, l);
+            let block = rows.div_ceil(rayon::current_num_threads()).max(16);
+            g.par_chunks(block * cols.max(1))
+                .map(|chunk| {
+                    let mut acc = vec![0f32; cols];
+                    for row in chunk.chunks(cols.max(1)) {
+                        acc.iter_mut().zip(row).for_each(|(a, v)| *a += v.get());
+                    }
+                    acc
                 })
-                .collect()
+                .reduce(
+                    || vec![0f32; cols],
+                    |mut a, b| {
+                        a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+                        a
+                    },
+                )
         }
         let out = match s {
             CpuStorage::BF16(g) => CpuStorage::F32(sums(g, l)),

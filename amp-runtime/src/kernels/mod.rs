@@ -90,6 +90,15 @@ pub(crate) fn strided_offsets(layout: &Layout) -> impl Iterator<Item = usize> + 
     })
 }
 
+/// The elements a layout addresses, in row-major order of its shape: the storage itself when
+/// contiguous, gathered into a new vector otherwise.
+pub(crate) fn elements<'a, T: Copy>(data: &'a [T], layout: &Layout) -> std::borrow::Cow<'a, [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => std::borrow::Cow::Borrowed(&data[start..end]),
+        None => std::borrow::Cow::Owned(strided_offsets(layout).map(|i| data[i]).collect()),
+    }
+}
+
 /// Whether every element of `layout` has its own storage slot (no broadcast or overlapping
 /// strides), so that an in-place update touches each element exactly once.
 pub(crate) fn is_non_overlapping(layout: &Layout) -> bool {
