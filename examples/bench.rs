@@ -6,9 +6,9 @@
 //!
 //! - `macro_vs_handwritten` (target <= 1.02): the forward of a 3-layer MLP (width 512, batch 64,
 //!   the model of `benches/autocast_overhead.rs`) annotated `#[autocast(fp16)]`, over the same
-//!   forward hand-written in raw candle as careful mixed precision (cast the input, each weight
-//!   and bias to f16 once, f16 matmuls, cast back). Both do the same 8 casts, so this is the cost
-//!   of the macro itself and means the same thing on any device.
+//!   forward hand-written as careful mixed precision with the typed tensors and the same layers
+//!   (cast the input to f16 once, f16 layers, cast back). Both do the same 8 casts on the same
+//!   kernels, so this is the cost of the macro itself and means the same thing on any device.
 //! - `fused_unscale_gbps`, `memcpy_gbps`, `fused_unscale_vs_memcpy` (target >= 0.7): the fused
 //!   gradient unscale `kernels::unscale::unscale_in_place` over the gradient set of
 //!   `benches/unscale.rs` (35 tensors, 31.7M f32 values: 127 MB), against `copy_from_slice` of
@@ -17,21 +17,24 @@
 //!   reads and writes every byte in place; memcpy reads one buffer and writes another.
 //! - `naive_unscale_vs_fused` (target >= 3): `kernels::unscale::naive_unscale` (per-tensor candle
 //!   ops, one host sync per gradient) over the fused pass, on copies of the same gradients.
-//! - `amp_vs_f32_step` (no target on CPU): one training step of the PyTorch AMP recipe MLP
+//! - `amp_vs_f32_step` (target < 1): one training step of the PyTorch AMP recipe MLP
 //!   (Linear+ReLU, Linear+ReLU, Linear, MSE, SGD lr 1e-3; `--width` 1024, `--batch` 256 by
-//!   default) with `#[autocast(fp16)]` and `GradScaler`, over the same step in plain f32 (the same
-//!   function with `enabled = false`, `backward` and `opt.step`). Only on a GPU with f16 tensor
-//!   cores is this expected below 1. candle's f16 gemm on CPU converts to f32 and back, so on CPU
-//!   it is expected >= 1 and is reported as measured: it shows what the casts and f16 kernels
-//!   cost there, not what AMP buys.
+//!   default) under autocast in the device's default precision (bf16 without loss scaling on
+//!   CPU, fp16 with a `GradScaler` on CUDA, as PyTorch's defaults), over the same step in plain
+//!   f32 (the same function with `enabled = false`, `backward` and `opt.step`).
+//! - `bf16_matmul_vs_candle_f32` (target >= 1.8): GFLOP/s of a 1024^3 matmul of two
+//!   `Tensor<BF16>` (candle-amp's GEMM, `vdpbf16ps` where the CPU has AVX512-BF16) over candle's
+//!   f32 matmul of the same shape.
+//! - `conv1x1_train_step_vs_candle` (target <= 0.5): forward and backward of candle-amp's f32
+//!   `Conv2d` (1x1, 256 -> 256 channels on 128 x 128, batch 1: `quantized_sine`'s hidden layer
+//!   at `--size 128 --hidden 256`) over `candle_nn::Conv2d` with the same weights.
 //!
 //! - `linear3d_vs_candle_nn` (target <= 1.05): forward and backward of candle-amp's `Linear` on
 //!   a rank-3 f32 input `(8, 128, 768)` to 768 features (a transformer's projection), over
 //!   `candle_nn::Linear` with the same weights: both flatten to one 2-D GEMM.
 //!
-//! `--device cpu` (default) or `cuda` (a `--features cuda` build). On CPU the first three
-//! figures are what this crate promises and the fourth is reported as measured; on a GPU the
-//! memcpy reference is a device-to-device copy, and every timed run ends with a device sync.
+//! `--device cpu` (default) or `cuda` (a `--features cuda` build). On a GPU the memcpy
+//! reference is a device-to-device copy, and every timed run ends with a device sync.
 //!
 //! Timing: every side is warmed up (`--warmup` rounds), then the sides take turns (A, B, A, B,
 //! the starting side rotating each round) so that drift and other tenants' noise hit all of them

@@ -18,7 +18,8 @@
 //!
 //! [`GradScaler::step`]: crate::scaler::GradScaler::step
 //!
-//! Depends on candle only: everything above (typed tensors, regions, layers) converts through it.
+//! Converts with `kernels::to_dtype` (vectorised on CPU, candle's `to_dtype` elsewhere); everything
+//! above (typed tensors, regions, layers) converts through it.
 
 use std::cell::RefCell;
 use std::collections::HashMap;

@@ -1,10 +1,16 @@
-//! Kernels: the half-precision paths candle 0.11 lacks, and the gradient scaler's fused pass.
+//! Kernels: the CPU compute of the lower-precision ops, the half-precision paths candle 0.11
+//! lacks, and the gradient scaler's fused pass.
 //!
+//! - `gemm`: a packed, cache-blocked GEMM with f32 accumulation for f32, bf16 and f16
+//!   (`vdpbf16ps` for bf16 on AVX512-BF16, AVX-512 FMA or portable f32 otherwise).
+//! - `matmul`: half `matmul`/`broadcast_matmul` and `Linear`'s half product on f32 masters, on
+//!   that GEMM, forward and backward.
+//! - `conv2d`: conv2d on CPU as GEMMs (im2col/col2im, none for 1x1), bias fused, every dtype.
+//! - `convert`, `relu`: vectorised f32 <-> half conversions; relu with a one-pass backward.
+//! - `simd`: the AVX-512 f32 <-> bf16/f16 conversions, bit-identical to `half`.
 //! - `batch_norm`: batch norm as one op with its own backward on CPU, keeping only its input and
 //!   per-channel statistics for the backward pass (a composition of candle ops keeps six f32
 //!   intermediates per layer).
-//! - `conv2d`: half-precision `conv2d` on CPU computed in f32 (candle fails on bf16 with
-//!   "unsupported dtype BF16 for op matmul", and its f16 backward is slow).
 //! - `cuda` (feature `cuda`): the CUDA backend of the unscale pass, compiled at run time by
 //!   NVRTC.
 //! - [`unscale`]: the multi-tensor "multiply by inv_scale in place and record non-finite values"
