@@ -29,17 +29,21 @@
 //! build).
 
 mod common;
+#[path = "models/sine.rs"]
+mod sine;
 
 use std::f64::consts::PI;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use candle_amp::nn::{self, loss};
-use candle_amp::{autocast, Bf16Policy, Fp16Policy, GradScaler, Policy, Tensor, F32};
+use candle_amp::nn::loss;
+use candle_amp::report::{self, PrecisionReport};
+use candle_amp::{Bf16Policy, Fp16Policy, GradScaler, Policy, Tensor, F32};
 use candle_core::{DType, Device, Result};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use clap::Parser;
 use common::{AmpPrecision, ModeResult};
+use sine::Model;
 
 #[derive(Parser, Debug)]
 #[command(about = "The ROCm blog's quantized-sine AMP experiment: f32 vs AMP, side by side")]
@@ -61,6 +65,10 @@ struct Args {
     /// table.
     #[arg(long)]
     json: bool,
+    /// Print the precision report of the AMP run's first training step: each op call site, the
+    /// precision it ran in, the casts inserted (to stderr with `--json`).
+    #[arg(long)]
+    precision_report: bool,
     /// Where the PNGs go.
     #[arg(long, default_value = "target/quantized_sine")]
     out: PathBuf,
@@ -95,43 +103,14 @@ fn data(size: usize, dev: &Device) -> Result<(Tensor<F32>, Tensor<F32>)> {
     ))
 }
 
-/// Conv(2, h) + BN + ReLU, two hidden Conv(h, h) + BN + ReLU, Conv(h, 1): all 1x1.
-struct Model {
-    convs: Vec<nn::Conv2d>,
-    norms: Vec<nn::BatchNorm2d>,
-}
-
-impl Model {
-    fn new(hidden: usize, vb: &VarBuilder) -> Result<Self> {
-        let cfg = nn::Conv2dConfig::default();
-        let widths = [2, hidden, hidden, hidden, 1];
-        let convs = (0..4)
-            .map(|i| nn::conv2d(widths[i], widths[i + 1], 1, cfg, vb.pp(format!("conv{i}"))))
-            .collect::<Result<Vec<_>>>()?;
-        let norms = (0..3)
-            .map(|i| nn::batch_norm2d(hidden, 1e-5, vb.pp(format!("bn{i}"))))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self { convs, norms })
-    }
-
-    /// The forward pass; `amp` switches autocast under the policy `Pol` on (`Bf16Policy`:
-    /// bf16, `Fp16Policy`: f16), nothing else changes.
-    #[autocast(policy = Pol, enabled = amp)]
-    fn forward<Pol: Policy>(&self, x: &Tensor<F32>, train: bool, amp: bool) -> Result<Tensor<F32>> {
-        let mut h = x.clone();
-        for (conv, norm) in self.convs.iter().zip(&self.norms) {
-            h = norm.forward_t(&conv.forward(&h)?, train)?.relu()?;
-        }
-        self.convs[3].forward(&h)
-    }
-}
-
 /// What one mode produced besides its figures.
 struct Run {
     result: ModeResult,
     losses: Vec<f32>,
     output: Vec<f32>,
     inference_ms: f64,
+    /// With `--precision-report`, the AMP run's first step.
+    report: Option<PrecisionReport>,
 }
 
 /// Trains a fresh model from the `init` weights in one mode (with `amp`, under the policy
@@ -165,13 +144,23 @@ fn run<Pol: Policy>(
     let label = if amp { Pol::NAME } else { "f32" };
     let bar = common::progress(args.epochs as u64, label, args.json);
     let mut losses = Vec::with_capacity(args.epochs);
-    let start = Instant::now();
-    for _ in 0..args.epochs {
+    let mut step = |opt: &mut AdamW| -> Result<f32> {
         let l = loss::mse(&model.forward::<Pol>(x, true, amp)?, target)?;
         let grads = scaler.scale(&l)?.backward()?;
-        let _ = scaler.step(&mut opt, grads)?;
+        let _ = scaler.step(opt, grads)?;
         scaler.update()?;
-        let value = l.to_scalar::<f32>()?;
+        l.to_scalar::<f32>()
+    };
+    let mut first_step_report = None;
+    let start = Instant::now();
+    for epoch in 0..args.epochs {
+        let value = if amp && args.precision_report && epoch == 0 {
+            let (value, rep) = report::record(|| step(&mut opt));
+            first_step_report = Some(rep);
+            value?
+        } else {
+            step(&mut opt)?
+        };
         losses.push(value);
         bar.set_message(format!("loss {value:.5}"));
         bar.inc(1);
@@ -196,6 +185,7 @@ fn run<Pol: Policy>(
         losses,
         output,
         inference_ms,
+        report: first_step_report,
     })
 }
 
@@ -261,6 +251,13 @@ fn main() -> Result<()> {
             precision.label(),
             amp_run.inference_ms
         );
+    }
+    if let Some(rep) = &amp_run.report {
+        if args.json {
+            eprintln!("{rep}");
+        } else {
+            println!("\n{rep}");
+        }
     }
     match written {
         Ok(files) if !args.json => {

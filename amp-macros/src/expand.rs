@@ -193,7 +193,12 @@ fn region_body(
     let scope = syn::Ident::new("__amp_policy", Span::mixed_site());
     let policy_scope = Rt::PolicyScope;
     let rewrite = |policy: TokenStream| -> TokenStream {
-        let body = rewrite::body(part.block, policy.clone(), exit.clone());
+        let body = rewrite::body(
+            part.block,
+            policy.clone(),
+            exit.clone(),
+            &part.sig.ident.to_string(),
+        );
         let run = match &exit {
             Some(exit) => quote!(#exit(#body)),
             None => body.into_token_stream(),

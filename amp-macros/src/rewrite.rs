@@ -60,13 +60,19 @@ pub(crate) fn expr_macro_args(mac: &Macro) -> Option<Punctuated<Expr, Token![,]>
 
 /// Input:  a region body `{ stmts; tail }`, the policy it runs under, how a returned value leaves
 /// Output: the body with its op calls, module calls, free ops and `return`s routed
-pub(crate) fn body(block: &Block, policy: TokenStream, exit: Option<TokenStream>) -> Block {
+pub(crate) fn body(
+    block: &Block,
+    policy: TokenStream,
+    exit: Option<TokenStream>,
+    function: &str,
+) -> Block {
     let mut body = block.clone();
     Rewriter {
         policy,
         kept_fp32: 0,
         exit,
         closures: 0,
+        function: function.to_string(),
     }
     .visit_block_mut(&mut body);
     body
@@ -82,6 +88,8 @@ struct Rewriter {
     /// exit closure).
     exit: Option<TokenStream>,
     closures: usize,
+    /// The region part's name, for the sites of its op calls.
+    function: String,
 }
 
 impl Rewriter {
@@ -100,6 +108,35 @@ impl Rewriter {
         f(self);
         self.kept_fp32 -= usize::from(keep);
         keep
+    }
+
+    /// Input:  a routed call written at `span`
+    /// Output: `{ static SITE: Site = Site { file: file!(), line, column, function };
+    ///          let _s = SiteGuard::enter(&SITE); call }`: while the call runs, the precision
+    ///         report and the overflow locator know where it is written (its arguments' own
+    ///         calls, evaluated inside, mark their own sites and restore this one)
+    fn at_site(&self, span: proc_macro2::Span, call: TokenStream) -> TokenStream {
+        let (site, guard) = (Rt::Site, Rt::SiteGuard);
+        let start = span.start();
+        let (line, column) = (
+            u32::try_from(start.line).unwrap_or(0),
+            u32::try_from(start.column + 1).unwrap_or(0),
+        );
+        let function = &self.function;
+        let (stat, local) = (
+            syn::Ident::new("__AMP_SITE", proc_macro2::Span::mixed_site()),
+            syn::Ident::new("__amp_site", proc_macro2::Span::mixed_site()),
+        );
+        quote_spanned!(span=> {
+            static #stat: #site = #site {
+                file: ::core::file!(),
+                line: #line,
+                column: #column,
+                function: #function,
+            };
+            let #local = #guard::enter(&#stat);
+            #call
+        })
     }
 
     /// Input:  `vec![x.relu()?, y]`
@@ -272,8 +309,12 @@ impl VisitMut for Rewriter {
         visit_mut::visit_expr_mut(self, expr);
         let policy = self.policy();
         let rewritten = match expr {
-            Expr::MethodCall(call) => Self::method_call(call, &policy),
-            Expr::Call(call) => free_op_call(call, &policy),
+            Expr::MethodCall(call) => Self::method_call(call, &policy)
+                .map(|routed| self.at_site(call.method.span(), routed)),
+            Expr::Call(call) => {
+                let span = call.func.span();
+                free_op_call(call, &policy).map(|routed| self.at_site(span, routed))
+            }
             Expr::Return(ret) if self.closures == 0 => {
                 // `return Err(e)` has the signature's type already, and `exit` could not infer
                 // the value type of an `Err` alone.

@@ -56,12 +56,16 @@ pub(crate) enum Rt {
     Unrouted,
     /// `candle_core::Tensor::cat`/`stack` under the names of candle-amp's routed ones.
     ForeignJoin,
+    /// An op call's place in the source, for the precision report.
+    Site,
+    /// Marks the op call site running while it lives.
+    SiteGuard,
 }
 
 impl Rt {
     /// Every name, for the test that pins the contract with the facade.
     #[cfg(test)]
-    pub(crate) const ALL: [Self; 32] = [
+    pub(crate) const ALL: [Self; 34] = [
         Self::Fp16Policy,
         Self::Bf16Policy,
         Self::Fp32Policy,
@@ -94,6 +98,8 @@ impl Rt {
         Self::CandleCore,
         Self::Unrouted,
         Self::ForeignJoin,
+        Self::Site,
+        Self::SiteGuard,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -130,6 +136,8 @@ impl Rt {
             Self::CandleCore => "candle_core",
             Self::Unrouted => "Unrouted",
             Self::ForeignJoin => "ForeignJoin",
+            Self::Site => "Site",
+            Self::SiteGuard => "SiteGuard",
         }
     }
 

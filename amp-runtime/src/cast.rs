@@ -33,7 +33,35 @@ struct CastState {
     depth: usize,
     /// Cached casts of leaf variables, each with the depth of the guard it belongs to.
     cache: HashMap<(TensorId, DType), (usize, Tensor)>,
-    casts: u64,
+    stats: CastStats,
+}
+
+/// What this thread's conversions have done so far; differences of two readings say what one
+/// op's casts did (the precision report's columns).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct CastStats {
+    /// Conversions performed (elided and cached ones excluded).
+    pub casts: u64,
+    /// Bytes those conversions wrote.
+    pub bytes: u64,
+    /// Casts of a master weight answered from the region's cache.
+    pub cache_hits: u64,
+}
+
+impl std::ops::Sub for CastStats {
+    type Output = Self;
+    fn sub(self, before: Self) -> Self {
+        Self {
+            casts: self.casts - before.casts,
+            bytes: self.bytes - before.bytes,
+            cache_hits: self.cache_hits - before.cache_hits,
+        }
+    }
+}
+
+/// This thread's conversion counters.
+pub(crate) fn stats() -> CastStats {
+    STATE.with(|s| s.borrow().stats)
 }
 
 thread_local! {
@@ -43,13 +71,18 @@ thread_local! {
 /// The number of dtype conversions performed on this thread so far, by typed casts and by
 /// autocast regions (elided and cached casts do not count). For tests and benchmarks.
 pub fn cast_count() -> u64 {
-    STATE.with(|s| s.borrow().casts)
+    STATE.with(|s| s.borrow().stats.casts)
 }
 
-/// Counts `n` conversions that a fused op performs inside itself (a layer rounding its f32
-/// masters while computing), so that [`cast_count`] tells the same story either way.
-pub(crate) fn count_casts(n: u64) {
-    STATE.with(|s| s.borrow_mut().casts += n);
+/// Counts conversions that a fused op performs inside itself (a layer rounding its f32 masters
+/// while computing), `elements` values into `dtype` in all, so that [`cast_count`] and the
+/// precision report tell the same story either way.
+pub(crate) fn count_casts(n: u64, elements: usize, dtype: DType) {
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        s.stats.casts += n;
+        s.stats.bytes += (elements * dtype.size_in_bytes()) as u64;
+    });
 }
 
 /// Drops every cached weight cast on this thread: called after anything in candle-amp that
@@ -97,14 +130,29 @@ pub(crate) fn convert(t: &Tensor, dtype: DType) -> Result<Tensor> {
     let key = (t.id(), dtype);
     let cacheable = t.is_variable() && STATE.with(|s| s.borrow().depth > 0);
     if cacheable {
-        if let Some(hit) = STATE.with(|s| s.borrow().cache.get(&key).map(|(_, t)| t.clone())) {
+        let hit = STATE.with(|s| {
+            let mut s = s.borrow_mut();
+            let hit = s.cache.get(&key).map(|(_, t)| t.clone());
+            s.stats.cache_hits += u64::from(hit.is_some());
+            hit
+        });
+        if let Some(hit) = hit {
             return Ok(hit);
         }
     }
     let converted = crate::kernels::to_dtype(t, dtype)?;
+    tracing::trace!(
+        target: "candle_amp::cast",
+        from = ?t.dtype(),
+        to = ?dtype,
+        shape = ?t.dims(),
+        cached = cacheable,
+        "cast"
+    );
     STATE.with(|s| {
         let mut s = s.borrow_mut();
-        s.casts += 1;
+        s.stats.casts += 1;
+        s.stats.bytes += (t.elem_count() * dtype.size_in_bytes()) as u64;
         if cacheable {
             let owner = s.depth;
             s.cache.insert(key, (owner, converted.clone()));

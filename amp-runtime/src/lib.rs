@@ -14,6 +14,7 @@ pub mod op;
 pub mod ops;
 mod precision;
 pub mod region;
+pub mod report;
 pub mod scaler;
 mod tensor;
 

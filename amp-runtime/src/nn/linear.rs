@@ -87,7 +87,9 @@ impl Linear {
             // One 2-D product on the f32 masters; in half precision on CPU, one op that rounds
             // them inside (counted as the two casts it stands for).
             if P::DTYPE != DType::F32 {
-                crate::cast::count_casts(1 + u64::from(self.bias.is_some()));
+                let bias = self.bias.as_ref().map_or(0, |b| b.elem_count());
+                let elements = self.weight.elem_count() + bias;
+                crate::cast::count_casts(1 + u64::from(self.bias.is_some()), elements, P::DTYPE);
             }
             let rows = lead.iter().product::<usize>();
             let y = crate::kernels::linear(

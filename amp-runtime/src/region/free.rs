@@ -17,7 +17,7 @@ use candle_core::shape::Dim;
 use candle_core::{Result, Tensor as Candle};
 
 use super::policy::Policy;
-use super::route::{at, target};
+use super::route::{at, routed};
 use super::value::{AmpTensor, AsAmp};
 use crate::composite;
 use crate::op::{self, Op};
@@ -39,14 +39,15 @@ impl<O: Op, F: FnOnce(&[Candle]) -> Result<Candle>> Deferred<O, F> {
     /// Runs the op under `Pol`: its inputs cast to the op's target, as every routed op.
     #[doc(hidden)]
     pub fn __amp_policy<Pol: Policy>(self) -> Result<AmpTensor> {
-        let dtypes: Vec<_> = self.inputs.iter().map(AmpTensor::dtype).collect();
-        let t = target::<Pol, O>(&dtypes)?;
-        let cast = self
-            .inputs
-            .iter()
-            .map(|v| at(v, t))
-            .collect::<Result<Vec<_>>>()?;
-        AmpTensor::new((self.run)(&cast)?)
+        let inputs: Vec<&AmpTensor> = self.inputs.iter().collect();
+        let out = routed::<Pol, O>(&inputs, |t| {
+            let cast = inputs
+                .iter()
+                .map(|v| at(v, t))
+                .collect::<Result<Vec<_>>>()?;
+            (self.run)(&cast)
+        })?;
+        AmpTensor::new(out)
     }
 }
 

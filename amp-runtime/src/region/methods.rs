@@ -10,7 +10,7 @@ use std::borrow::Borrow;
 use candle_core::Result;
 
 use super::policy::Policy;
-use super::route::{at, binary, target, unary, Routed};
+use super::route::{at, binary, routed, unary, Routed};
 use super::value::{AmpTensor, AsAmp, Operand};
 use crate::op;
 
@@ -142,8 +142,8 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         dim: D,
     ) -> Result<Vec<AmpTensor>> {
         let x = self.amp();
-        let t = target::<Pol, op::chunk>(&[x.dtype()])?;
-        at(&x, t)?
+        // Routed (and reported) as the cast of the whole; the chunks are views of it.
+        routed::<Pol, op::chunk>(&[&x], |t| at(&x, t))?
             .chunk(chunks, dim)?
             .into_iter()
             .map(AmpTensor::new)

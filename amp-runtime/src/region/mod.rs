@@ -50,5 +50,6 @@ pub mod __private {
     pub use crate::cast::RegionGuard;
     pub use crate::op;
     pub use crate::precision::{BF16, F16, F32};
+    pub use crate::report::{Site, SiteGuard};
     pub use candle_core;
 }

@@ -10,8 +10,9 @@ use candle_core::{DType, Result};
 
 use super::policy::Policy;
 use super::value::{AmpTensor, AsAmp};
-use crate::cast::convert;
+use crate::cast::{self, convert};
 use crate::op::{Op, OpClass};
+use crate::report;
 
 /// The dtype op `O` runs in under `Pol`, given its inputs' dtypes (`None`: no cast).
 pub(crate) fn target<Pol: Policy, O: Op>(inputs: &[DType]) -> Result<Option<DType>> {
@@ -43,13 +44,45 @@ pub(crate) fn at(x: &AmpTensor, dtype: Option<DType>) -> Result<candle_core::Ten
     }
 }
 
+/// Routes one op: `run` gets the target `target` chose for the inputs' dtypes and returns the
+/// op's output (having cast the inputs with [`at`]). While a precision report records or the
+/// finite check is on, the op is reported with the casts it made ([`crate::report`]).
+pub(crate) fn routed<Pol: Policy, O: Op>(
+    inputs: &[&AmpTensor],
+    run: impl FnOnce(Option<DType>) -> Result<candle_core::Tensor>,
+) -> Result<candle_core::Tensor> {
+    let mut dtypes = [DType::F32; 4];
+    let n = inputs.len().min(dtypes.len());
+    for (d, x) in dtypes.iter_mut().zip(inputs) {
+        *d = x.dtype();
+    }
+    let t = if inputs.len() <= dtypes.len() {
+        target::<Pol, O>(&dtypes[..n])?
+    } else {
+        target::<Pol, O>(&inputs.iter().map(|x| x.dtype()).collect::<Vec<_>>())?
+    };
+    if !report::active() {
+        return run(t);
+    }
+    let before = cast::stats();
+    let out = run(t)?;
+    let inputs: Vec<_> = inputs.iter().map(|x| x.as_candle()).collect();
+    report::observe(
+        O::NAME,
+        Pol::class::<O>(),
+        &inputs,
+        &out,
+        cast::stats() - before,
+    )?;
+    Ok(out)
+}
+
 /// Routes a one-input op: its input cast to the op's target, the op run, the result wrapped.
 pub(crate) fn unary<Pol: Policy, O: Op>(
     x: &AmpTensor,
     f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
 ) -> Result<AmpTensor> {
-    let t = target::<Pol, O>(&[x.dtype()])?;
-    AmpTensor::new(f(&at(x, t)?)?)
+    AmpTensor::new(routed::<Pol, O>(&[x], |t| f(&at(x, t)?))?)
 }
 
 /// Routes a two-input op.
@@ -58,8 +91,7 @@ pub(crate) fn binary<Pol: Policy, O: Op>(
     b: &AmpTensor,
     f: impl FnOnce(&candle_core::Tensor, &candle_core::Tensor) -> Result<candle_core::Tensor>,
 ) -> Result<AmpTensor> {
-    let t = target::<Pol, O>(&[a.dtype(), b.dtype()])?;
-    AmpTensor::new(f(&at(a, t)?, &at(b, t)?)?)
+    AmpTensor::new(routed::<Pol, O>(&[a, b], |t| f(&at(a, t)?, &at(b, t)?))?)
 }
 
 /// Runs `body` with `$P` bound to the precision marker of `dtype`: how a region value, whose

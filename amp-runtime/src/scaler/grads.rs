@@ -189,6 +189,11 @@ impl UnscaledGrads {
         !self.nonfinite.is_empty()
     }
 
+    /// The ids of the variables whose gradients held inf or NaN.
+    pub(super) fn nonfinite_ids(&self) -> Vec<candle_core::TensorId> {
+        self.nonfinite.iter().copied().collect()
+    }
+
     /// The gradients as candle's store, e.g. for an optimizer driven by hand.
     pub fn grad_store(&self) -> &GradStore {
         &self.set.store

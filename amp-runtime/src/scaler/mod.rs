@@ -53,6 +53,8 @@ pub struct GradScaler {
     found_inf: Option<bool>,
     /// Updates in a row that found inf/NaN (not checkpointed: it only words an error).
     consecutive_skips: u64,
+    /// The variables whose gradients were non-finite at the last skipped step.
+    last_nonfinite: Vec<candle_core::TensorId>,
 }
 
 impl Default for GradScaler {
@@ -157,6 +159,24 @@ impl GradScaler {
         }
     }
 
+    /// The names, in `vars`, of the parameters whose gradients held inf or NaN at the last
+    /// skipped [`step`](Self::step) (sorted; empty before any skip). With the finite check on
+    /// ([`crate::report::set_check_finite`]), [`crate::report::first_nonfinite`] says which op
+    /// of the forward made the first one.
+    pub fn nonfinite_params(&self, vars: &candle_nn::VarMap) -> Vec<String> {
+        let data = vars
+            .data()
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut names: Vec<String> = data
+            .iter()
+            .filter(|(_, v)| self.last_nonfinite.contains(&v.as_tensor().id()))
+            .map(|(name, _)| name.clone())
+            .collect();
+        names.sort();
+        names
+    }
+
     /// Steps skipped because of non-finite gradients since the scaler was built (or the count
     /// stored in a loaded state).
     pub fn skipped_steps(&self) -> u64 {
@@ -207,6 +227,7 @@ impl GradScaler {
     ) -> Result<StepOutcome> {
         let grads = grads.into_unscaled(self)?;
         if grads.found_inf() {
+            self.last_nonfinite = grads.nonfinite_ids();
             self.state.skipped_steps += 1;
             tracing::warn!(
                 target: TRACING_TARGET,
@@ -389,6 +410,7 @@ impl GradScalerBuilder {
             enabled: self.enabled,
             found_inf: None,
             consecutive_skips: 0,
+            last_nonfinite: Vec::new(),
         })
     }
 }

@@ -1,0 +1,43 @@
+//! The model of the `quantized_sine` example (the ROCm blog's 1x1-conv net), shared with
+//! `tests/report.rs`, which checks its precision report.
+
+use candle_amp::nn;
+use candle_amp::{autocast, Policy, Tensor, F32};
+use candle_core::Result;
+use candle_nn::VarBuilder;
+
+/// Conv(2, h) + BN + ReLU, two hidden Conv(h, h) + BN + ReLU, Conv(h, 1): all 1x1.
+pub struct Model {
+    convs: Vec<nn::Conv2d>,
+    norms: Vec<nn::BatchNorm2d>,
+}
+
+impl Model {
+    pub fn new(hidden: usize, vb: &VarBuilder) -> Result<Self> {
+        let cfg = nn::Conv2dConfig::default();
+        let widths = [2, hidden, hidden, hidden, 1];
+        let convs = (0..4)
+            .map(|i| nn::conv2d(widths[i], widths[i + 1], 1, cfg, vb.pp(format!("conv{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let norms = (0..3)
+            .map(|i| nn::batch_norm2d(hidden, 1e-5, vb.pp(format!("bn{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { convs, norms })
+    }
+
+    /// The forward pass; `amp` switches autocast under the policy `Pol` on (`Bf16Policy`:
+    /// bf16, `Fp16Policy`: f16), nothing else changes.
+    #[autocast(policy = Pol, enabled = amp)]
+    pub fn forward<Pol: Policy>(
+        &self,
+        x: &Tensor<F32>,
+        train: bool,
+        amp: bool,
+    ) -> Result<Tensor<F32>> {
+        let mut h = x.clone();
+        for (conv, norm) in self.convs.iter().zip(&self.norms) {
+            h = norm.forward_t(&conv.forward(&h)?, train)?.relu()?;
+        }
+        self.convs[3].forward(&h)
+    }
+}

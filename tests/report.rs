@@ -1,0 +1,183 @@
+//! The precision report and the overflow locator: sites are the user's lines, classes and
+//! dtypes are the policy's, and the first inf is pinned to the op that made it.
+
+use candle_amp::nn::{self, loss};
+use candle_amp::report::{self, PrecisionReport};
+use candle_amp::{autocast, ops, GradScaler, Tensor, F32};
+use candle_core::{DType, Device, Result};
+use candle_nn::{VarBuilder, VarMap};
+
+fn dev() -> Device {
+    Device::Cpu
+}
+
+/// The 1-based line of this file holding `marker`.
+fn line_of(marker: &str) -> u32 {
+    let src = include_str!("report.rs");
+    let line = src
+        .lines()
+        .position(|l| l.contains(marker) && !l.contains("line_of("))
+        .expect("marker in this file");
+    u32::try_from(line + 1).unwrap()
+}
+
+struct Mlp {
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+#[autocast(fp16)]
+impl Mlp {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let h = self.fc1.forward(x)?.relu()?; // site: fc1
+        let s = ops::softmax(&h, 1)?; // site: softmax
+        Ok(self.fc2.forward(&(s * 1000.0)?)?) // site: fc2
+    }
+}
+
+fn mlp(vb: &VarBuilder) -> Result<Mlp> {
+    Ok(Mlp {
+        fc1: nn::linear(8, 16, vb.pp("fc1"))?,
+        fc2: nn::linear(16, 4, vb.pp("fc2"))?,
+    })
+}
+
+#[test]
+fn the_report_names_each_op_site_with_its_class_and_dtypes() -> Result<()> {
+    let map = VarMap::new();
+    let model = mlp(&VarBuilder::from_varmap(&map, DType::F32, &dev()))?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (4, 8), &dev())?;
+    let ((), rep): ((), PrecisionReport) = report::record(|| {
+        for _ in 0..3 {
+            model.forward(&x).unwrap();
+        }
+    });
+    let linears: Vec<_> = rep.op("linear").collect();
+    assert_eq!(linears.len(), 2, "{rep}");
+    let sites: Vec<u32> = linears.iter().map(|e| e.site.unwrap().line).collect();
+    assert_eq!(
+        sites,
+        [line_of("// site: fc1"), line_of("// site: fc2")],
+        "{rep}"
+    );
+    for e in &linears {
+        assert_eq!((e.output, e.calls), (DType::F16, 3), "{rep}");
+        assert_eq!(e.site.unwrap().function, "forward");
+        assert!(e.site.unwrap().file.ends_with("report.rs"));
+    }
+    // fc1 takes the f32 input: one input cast plus the layer's weight and bias, per call.
+    assert_eq!(linears[0].inputs, [DType::F32]);
+    assert_eq!(linears[0].casts, 3 * 3, "{rep}");
+    let softmax = rep.op("softmax").next().expect("softmax reported");
+    assert_eq!(
+        (softmax.output, softmax.inputs.as_slice()),
+        (DType::F32, &[DType::F16][..])
+    );
+    assert_eq!(softmax.site.unwrap().line, line_of("// site: softmax"));
+    assert_eq!(softmax.casts, 3, "the f16 input widened once per call");
+    let table = rep.to_string();
+    assert!(
+        table.contains("forward") && table.contains("softmax") && table.contains("lower"),
+        "{table}"
+    );
+    // Not recording: nothing is kept.
+    let ((), empty) = report::record(|| ());
+    assert!(empty.entries.is_empty());
+    Ok(())
+}
+
+/// A layer whose fp16 activations pass 65504 on one line.
+struct Planted {
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+#[autocast(fp16)]
+impl Planted {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let h = self.fc1.forward(x)?.relu()?;
+        let big = h.matmul(&h.t()?)?; // planted overflow
+        let h = (big.sum_keepdim(1)? * 0.0)?.broadcast_add(&h)?;
+        Ok(self.fc2.forward(&h)?)
+    }
+}
+
+#[test]
+fn the_locator_names_the_line_and_op_of_a_planted_overflow_and_the_params_it_reached() -> Result<()>
+{
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &dev());
+    let model = Planted {
+        fc1: nn::linear(8, 64, vb.pp("fc1"))?,
+        fc2: nn::linear(64, 4, vb.pp("fc2"))?,
+    };
+    // Inputs large enough that h h^T passes 65504 in f16, while h itself stays finite.
+    let x = (Tensor::<F32>::ones((4, 8), &dev())? * 100.0)?;
+    let y = Tensor::<F32>::zeros((4, 4), &dev())?;
+    report::set_check_finite(true);
+    report::take_first_nonfinite();
+    let mut opt = <candle_nn::SGD as candle_nn::Optimizer>::new(map.all_vars(), 0.1)?;
+    let mut scaler = GradScaler::new();
+    let l = loss::mse(&model.forward(&x)?, &y)?;
+    let outcome = scaler.step(&mut opt, scaler.scale(l.as_candle())?.backward()?)?;
+    scaler.update()?;
+    report::set_check_finite(false);
+    assert!(outcome.is_skipped());
+    let found = report::take_first_nonfinite().expect("an overflow located");
+    let site = found.site.expect("a site");
+    assert_eq!(
+        (site.line, found.op, found.dtype),
+        (line_of("// planted overflow"), "matmul", DType::F16),
+        "{found}"
+    );
+    assert!(found.input_absmax.is_finite() && found.input_absmax > 0.0);
+    let names = scaler.nonfinite_params(&map);
+    assert!(!names.is_empty(), "some gradient was non-finite");
+    assert!(names.iter().all(|n| n.starts_with("fc")), "{names:?}");
+    Ok(())
+}
+
+#[path = "../examples/models/sine.rs"]
+mod sine;
+
+/// The `quantized_sine` model's report of one bf16 training step: each conv call site runs in
+/// bf16 (lower precision) and each batch norm keeps its bf16 input (PyTorch's autocast lists
+/// batch norm in no class; the kernel computes in f32 and rounds once), with the casts the step
+/// needs: the input once, each conv's weight and bias once.
+#[test]
+fn the_quantized_sine_report_lists_convs_in_bf16_norms_as_their_input_and_casts_per_step(
+) -> Result<()> {
+    let map = VarMap::new();
+    let model = sine::Model::new(8, &VarBuilder::from_varmap(&map, DType::F32, &dev()))?;
+    let x = Tensor::<F32>::rand(0.0, 1.0, (1, 2, 6, 6), &dev())?;
+    let target = Tensor::<F32>::rand(0.0, 1.0, (1, 1, 6, 6), &dev())?;
+    let (grads, rep) = report::record(|| -> Result<_> {
+        let y = model.forward::<candle_amp::Bf16Policy>(&x, true, true)?;
+        loss::mse(&y, &target)?.as_candle().backward()
+    });
+    grads?;
+    let convs: Vec<_> = rep.op("conv2d").collect();
+    let calls: u64 = convs.iter().map(|e| e.calls).sum();
+    assert_eq!(calls, 4, "four convs\n{rep}");
+    assert!(
+        convs
+            .iter()
+            .all(|e| e.output == DType::BF16 && e.class == candle_amp::OpClass::LowerPrecision),
+        "{rep}"
+    );
+    let norms: Vec<_> = rep.op("batch_norm").collect();
+    assert_eq!(norms.iter().map(|e| e.calls).sum::<u64>(), 3, "{rep}");
+    assert!(
+        norms
+            .iter()
+            .all(|e| e.output == DType::BF16 && e.inputs == [DType::BF16]),
+        "{rep}"
+    );
+    // 1 input cast + 4 weights + 4 biases.
+    assert_eq!(rep.casts().0, 9, "{rep}");
+    // The same step with autocast off: every op in f32, no cast.
+    let (_, off) = report::record(|| model.forward::<candle_amp::Bf16Policy>(&x, true, false));
+    assert_eq!(off.casts().0, 0, "{off}");
+    assert!(off.entries.iter().all(|e| e.output == DType::F32), "{off}");
+    Ok(())
+}
