@@ -56,6 +56,66 @@ impl Scorer {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let run = train(args.steps, args.precision_report)?;
+    if args.json {
+        println!("{}", run.json());
+        return Ok(());
+    }
+    println!(
+        "{} steps, {} skipped by the GradScaler (scale now {})",
+        args.steps, run.skipped_steps, run.final_scale
+    );
+    match &run.found {
+        Some(f) => println!("{f}"),
+        None => println!("no op produced inf/NaN from finite inputs"),
+    }
+    println!(
+        "parameters with non-finite gradients: {:?}",
+        run.nonfinite_grads
+    );
+    if let Some(rep) = &run.report {
+        println!("\n{rep}");
+    }
+    Ok(())
+}
+
+/// What a run found.
+#[derive(Debug)]
+pub struct Run {
+    pub found: Option<report::NonFinite>,
+    pub nonfinite_grads: Vec<String>,
+    pub skipped_steps: u64,
+    pub final_scale: f32,
+    /// With `precision_report`, the report of one more training step.
+    pub report: Option<report::PrecisionReport>,
+}
+
+impl Run {
+    /// The `--json` line.
+    pub fn json(&self) -> serde_json::Value {
+        let first = self.found.as_ref().map(|f| {
+            let site = f.site;
+            serde_json::json!({
+                "file": site.map(|s| s.file),
+                "line": site.map(|s| s.line),
+                "column": site.map(|s| s.column),
+                "function": site.map(|s| s.function),
+                "op": f.op,
+                "dtype": format!("{:?}", f.dtype).to_lowercase(),
+                "input_absmax": f.input_absmax,
+                "output_absmax": f.output_absmax,
+            })
+        });
+        serde_json::json!({
+            "first_nonfinite": first,
+            "nonfinite_grads": self.nonfinite_grads,
+            "skipped_steps": self.skipped_steps,
+        })
+    }
+}
+
+/// Trains `steps` fp16 steps with the finite check on.
+pub fn train(steps: usize, precision_report: bool) -> Result<Run> {
     let dev = Device::Cpu;
     let vars = VarMap::new();
     let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
@@ -71,6 +131,7 @@ fn main() -> Result<()> {
     let y = Tensor::<F32>::zeros((32, 4), &dev)?;
 
     report::set_check_finite(true);
+    report::take_first_nonfinite();
     let step = |opt: &mut SGD, scaler: &mut GradScaler| -> Result<bool> {
         let l = loss::mse(&model.forward(&x)?, &y)?;
         let outcome = scaler.step(opt, scaler.scale(l.as_candle())?.backward()?)?;
@@ -78,54 +139,26 @@ fn main() -> Result<()> {
         Ok(outcome.is_skipped())
     };
     let mut nonfinite_grads = Vec::new();
-    for _ in 0..args.steps {
+    for _ in 0..steps {
         if step(&mut opt, &mut scaler)? && nonfinite_grads.is_empty() {
             nonfinite_grads = scaler.nonfinite_params(&vars);
         }
     }
     let found = report::first_nonfinite();
-    let skipped_steps = scaler.skipped_steps();
-    let precision = if args.precision_report {
-        Some(report::record(|| step(&mut opt, &mut scaler)).1)
+    let (skipped_steps, final_scale) = (scaler.skipped_steps(), scaler.scale_value());
+    let report = if precision_report {
+        let (ran, rep) = report::record(|| step(&mut opt, &mut scaler));
+        ran?;
+        Some(rep)
     } else {
         None
     };
     report::set_check_finite(false);
-
-    if args.json {
-        let first = found.as_ref().map(|f| {
-            let site = f.site;
-            serde_json::json!({
-                "file": site.map(|s| s.file),
-                "line": site.map(|s| s.line),
-                "column": site.map(|s| s.column),
-                "function": site.map(|s| s.function),
-                "op": f.op,
-                "dtype": format!("{:?}", f.dtype).to_lowercase(),
-                "input_absmax": f.input_absmax,
-                "output_absmax": f.output_absmax,
-            })
-        });
-        let line = serde_json::json!({
-            "first_nonfinite": first,
-            "nonfinite_grads": nonfinite_grads,
-            "skipped_steps": skipped_steps,
-        });
-        println!("{line}");
-        return Ok(());
-    }
-    println!(
-        "{} steps, {skipped_steps} skipped by the GradScaler (scale now {})",
-        args.steps,
-        scaler.scale_value()
-    );
-    match &found {
-        Some(f) => println!("{f}"),
-        None => println!("no op produced inf/NaN from finite inputs"),
-    }
-    println!("parameters with non-finite gradients: {nonfinite_grads:?}");
-    if let Some(rep) = precision {
-        println!("\n{rep}");
-    }
-    Ok(())
+    Ok(Run {
+        found,
+        nonfinite_grads,
+        skipped_steps,
+        final_scale,
+        report,
+    })
 }

@@ -11,6 +11,9 @@ fn dev() -> Device {
     Device::Cpu
 }
 
+/// The finite check is process-wide: the tests that turn it on and off take turns.
+static CHECK_FINITE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// The 1-based line of this file holding `marker`.
 fn line_of(marker: &str) -> u32 {
     let src = include_str!("report.rs");
@@ -114,6 +117,9 @@ fn the_locator_names_the_line_and_op_of_a_planted_overflow_and_the_params_it_rea
     // Inputs large enough that h h^T passes 65504 in f16, while h itself stays finite.
     let x = (Tensor::<F32>::ones((4, 8), &dev())? * 100.0)?;
     let y = Tensor::<F32>::zeros((4, 4), &dev())?;
+    let _check = CHECK_FINITE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     report::set_check_finite(true);
     report::take_first_nonfinite();
     let mut opt = <candle_nn::SGD as candle_nn::Optimizer>::new(map.all_vars(), 0.1)?;
@@ -179,5 +185,43 @@ fn the_quantized_sine_report_lists_convs_in_bf16_norms_as_their_input_and_casts_
     let (_, off) = report::record(|| model.forward::<candle_amp::Bf16Policy>(&x, true, false));
     assert_eq!(off.casts().0, 0, "{off}");
     assert!(off.entries.iter().all(|e| e.output == DType::F32), "{off}");
+    Ok(())
+}
+
+#[path = "../examples/overflow.rs"]
+#[allow(dead_code)] // its `main` and flags
+mod overflow_example;
+
+/// `examples/overflow.rs --json` names the line of its `// planted overflow` comment.
+#[test]
+fn the_overflow_example_names_its_planted_line_in_json() -> Result<()> {
+    let _check = CHECK_FINITE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let run = overflow_example::train(3, false)?;
+    let json = run.json();
+    let src = include_str!("../examples/overflow.rs");
+    let planted = src
+        .lines()
+        .position(|l| l.trim_end().ends_with("// planted overflow"))
+        .expect("the marker");
+    let first = &json["first_nonfinite"];
+    assert_eq!(first["line"], planted + 1, "{json}");
+    assert!(
+        first["file"]
+            .as_str()
+            .unwrap()
+            .ends_with("examples/overflow.rs"),
+        "{json}"
+    );
+    assert_eq!(
+        (first["op"].as_str(), first["dtype"].as_str()),
+        (Some("matmul"), Some("f16"))
+    );
+    assert_eq!(json["skipped_steps"], 3);
+    assert!(
+        !json["nonfinite_grads"].as_array().unwrap().is_empty(),
+        "{json}"
+    );
     Ok(())
 }
