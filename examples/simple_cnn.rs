@@ -100,6 +100,10 @@ struct Args {
     /// Print one JSON line (`{"precision": .., "f32": {...}, "amp": {...}}`) instead of the table.
     #[arg(long)]
     json: bool,
+    /// Print the precision report of the AMP run's first (untimed) step: each op call site,
+    /// the precision it ran in, the casts inserted (to stderr with `--json`).
+    #[arg(long)]
+    precision_report: bool,
     /// Device to train on: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
@@ -175,6 +179,7 @@ fn run_mode<Pol: Policy>(
         // has f32's range and, as in PyTorch, none.
         loss_scaling: amp && Pol::lower() == DType::F16,
         steps,
+        precision_report: args.precision_report,
     };
     let params = ParamsAdamW {
         lr: 1e-3,

@@ -256,6 +256,9 @@ pub struct Mode<'a> {
     pub amp: bool,
     pub loss_scaling: bool,
     pub steps: usize,
+    /// Print the precision report of the AMP run's first (untimed) step: to stdout, or to
+    /// stderr when `quiet`.
+    pub precision_report: bool,
 }
 
 /// Trains a fresh model in one mode and measures it: `build` makes the model on a new f32
@@ -291,11 +294,24 @@ pub fn run_mode<M, O: Optimizer>(
         if step == 1 {
             start = Instant::now(); // step 0 is the untimed warm-up
         }
-        let l = loss(&model, step, mode.amp)?;
-        let grads = scaler.scale(&l)?.backward()?;
-        let _ = scaler.step(&mut opt, grads)?; // skips are counted by the scaler
-        scaler.update()?;
-        final_loss = l.to_scalar::<f32>()?;
+        let mut one_step = || -> Result<f32> {
+            let l = loss(&model, step, mode.amp)?;
+            let grads = scaler.scale(&l)?.backward()?;
+            let _ = scaler.step(&mut opt, grads)?; // skips are counted by the scaler
+            scaler.update()?;
+            l.to_scalar::<f32>()
+        };
+        final_loss = if step == 0 && mode.amp && mode.precision_report && mode.label.is_some() {
+            let (value, rep) = candle_amp::report::record(one_step);
+            if mode.quiet {
+                eprintln!("{rep}");
+            } else {
+                println!("{rep}");
+            }
+            value?
+        } else {
+            one_step()?
+        };
         bar.set_message(format!("loss {final_loss:.5}"));
         bar.inc(1);
     }
