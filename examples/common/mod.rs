@@ -250,6 +250,7 @@ pub fn snapshot(map: &VarMap) -> Result<Init> {
 /// How one mode runs: AMP on or off, loss scaling on or off (a `GradScaler` enabled or not),
 /// the number of steps, and the progress bar's label (`None` hides it, as for the warm-up;
 /// `quiet` hides it too, for `--json`).
+#[allow(clippy::struct_excessive_bools)] // independent switches of one run, not a state
 pub struct Mode<'a> {
     pub label: Option<&'a str>,
     pub quiet: bool,
