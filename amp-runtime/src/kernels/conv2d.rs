@@ -20,6 +20,8 @@ use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result,
     Shape, Tensor,
 };
+use std::ops::Range;
+
 use rayon::prelude::*;
 
 use super::gemm::{gemm, GemmElem, MatRef};
@@ -139,47 +141,71 @@ impl Geometry {
     fn pointwise(&self) -> bool {
         self.kh == 1 && self.kw == 1 && self.p.stride == 1 && self.p.padding == 0
     }
-    /// Whether images run in parallel (each GEMM serial) rather than one at a time.
-    fn per_image_tasks(&self) -> bool {
-        const SMALL: usize = 1 << 22;
-        self.batch > 1 && self.c_out_g() * self.col_rows() * self.pixels() < SMALL
+    /// Images per GEMM: enough that each product has at least `MIN_COLUMNS` columns (late
+    /// ResNet stages have 1-16 pixels an image; one image per GEMM would repack the weight for
+    /// a handful of columns), few enough that the chunk's im2col and gradient buffers stay small.
+    fn chunk(&self) -> usize {
+        const MIN_COLUMNS: usize = 512;
+        MIN_COLUMNS
+            .div_ceil(self.pixels().max(1))
+            .clamp(1, self.batch.max(1))
     }
 
-    /// The im2col matrix `(col_rows, pixels)` of group `g` of `image` (`c_in * h * w`).
-    fn im2col<T: Copy>(&self, image: &[T], g: usize, zero: T, col: &mut [T]) {
-        let (pw, ow, stride) = (self.pixels(), self.out_w, self.p.stride);
+    /// The im2col matrix of group `g` for `images`: `(col_rows, n)` with `n = images * pixels`,
+    /// image `b`'s columns at `(b - images.start) * pixels`. Rows are filled in parallel.
+    fn columns<T: Copy + Send + Sync>(
+        &self,
+        x: &[T],
+        g: usize,
+        images: Range<usize>,
+        zero: T,
+    ) -> Vec<T> {
+        let (pw, n) = (self.pixels(), images.len() * self.pixels());
+        let mut col = vec![zero; self.col_rows() * n];
         let plane = self.h * self.w;
-        for c in 0..self.c_in_g() {
-            let src = &image[(g * self.c_in_g() + c) * plane..][..plane];
-            for i in 0..self.kh {
-                for j in 0..self.kw {
-                    let row = &mut col[((c * self.kh + i) * self.kw + j) * pw..][..pw];
-                    for oy in 0..self.out_h {
-                        let dst = &mut row[oy * ow..][..ow];
-                        let Some(iy) = self.source(oy, i) else {
-                            dst.fill(zero);
-                            continue;
-                        };
-                        let line = &src[iy * self.w..][..self.w];
-                        for (ox, d) in dst.iter_mut().enumerate() {
-                            *d = self.source_x(ox, j).map_or(zero, |ix| line[ix]);
-                        }
-                        let _ = stride;
+        let per_channel = self.kh * self.kw;
+        col.par_chunks_mut(per_channel * n.max(1))
+            .enumerate()
+            .for_each(|(c, rows)| {
+                for (k, row) in rows.chunks_mut(n.max(1)).enumerate() {
+                    let (i, j) = (k / self.kw, k % self.kw);
+                    for (slot, b) in images.clone().enumerate() {
+                        let src =
+                            &x[b * self.image_in() + (g * self.c_in_g() + c) * plane..][..plane];
+                        let dst = &mut row[slot * pw..][..pw];
+                        self.im2col_row(src, (i, j), zero, dst);
                     }
                 }
+            });
+        col
+    }
+
+    /// One im2col row of one image: kernel tap `(i, j)` over every output pixel.
+    fn im2col_row<T: Copy>(&self, src: &[T], (i, j): (usize, usize), zero: T, dst: &mut [T]) {
+        let ow = self.out_w;
+        for oy in 0..self.out_h {
+            let out = &mut dst[oy * ow..][..ow];
+            let Some(iy) = self.source(oy, i) else {
+                out.fill(zero);
+                continue;
+            };
+            let line = &src[iy * self.w..][..self.w];
+            for (ox, d) in out.iter_mut().enumerate() {
+                *d = self.source_x(ox, j).map_or(zero, |ix| line[ix]);
             }
         }
     }
 
-    /// Adds the im2col-shaped gradient `col` of group `g` back into `image`'s gradient.
-    fn col2im(&self, col: &[f32], g: usize, image: &mut [f32]) {
+    /// Adds the im2col-shaped gradient `col` (`(col_rows, n)`, image `slot`'s columns at
+    /// `slot * pixels`) of group `g` into `image`'s f32 gradient.
+    fn col2im(&self, col: &[f32], n: usize, slot: usize, g: usize, image: &mut [f32]) {
         let (pw, ow) = (self.pixels(), self.out_w);
         let plane = self.h * self.w;
         for c in 0..self.c_in_g() {
             let dst = &mut image[(g * self.c_in_g() + c) * plane..][..plane];
             for i in 0..self.kh {
                 for j in 0..self.kw {
-                    let row = &col[((c * self.kh + i) * self.kw + j) * pw..][..pw];
+                    let row = &col[((c * self.kh + i) * self.kw + j) * n + slot * pw..][..pw];
                     for oy in 0..self.out_h {
                         let Some(iy) = self.source(oy, i) else {
                             continue;
@@ -211,176 +237,190 @@ impl Geometry {
             .filter(|&x| x < self.w)
     }
 
-    /// Runs `f(image)` for every image, in parallel or not as [`Self::per_image_tasks`] says;
-    /// `f` gets whether its own GEMMs should be parallel.
-    fn for_images<O: Send>(
-        &self,
-        out: &mut [O],
-        per_image: usize,
-        f: impl Fn(usize, &mut [O], bool) + Sync,
-    ) {
-        if self.per_image_tasks() {
-            out.par_chunks_mut(per_image)
-                .enumerate()
-                .for_each(|(b, o)| f(b, o, false));
-        } else {
-            for (b, o) in out.chunks_mut(per_image).enumerate() {
-                f(b, o, true);
+    /// Group `g`'s rows of `images` of an output-shaped tensor (`grad_y`), side by side:
+    /// `(c_out_g, n)`.
+    fn gather_out<T: Copy>(&self, y: &[T], g: usize, images: Range<usize>) -> Vec<T> {
+        let (pw, cog) = (self.pixels(), self.c_out_g());
+        let mut out = Vec::with_capacity(cog * images.len() * pw);
+        for co in 0..cog {
+            for b in images.clone() {
+                out.extend_from_slice(&y[b * self.image_out() + (g * cog + co) * pw..][..pw]);
             }
+        }
+        out
+    }
+
+    /// [`Self::gather_out`] as a view: for one image, its own rows (nothing copied).
+    fn out_view<'a, T: Copy>(
+        &self,
+        y: &'a [T],
+        g: usize,
+        images: Range<usize>,
+        buf: &'a mut Vec<T>,
+    ) -> MatRef<'a, T> {
+        let n = images.len() * self.pixels();
+        if images.len() == 1 {
+            let offset = images.start * self.image_out() + g * self.c_out_g() * n;
+            return MatRef {
+                data: y,
+                offset,
+                rs: n,
+                cs: 1,
+            };
+        }
+        *buf = self.gather_out(y, g, images);
+        MatRef {
+            data: &buf[..],
+            offset: 0,
+            rs: n,
+            cs: 1,
+        }
+    }
+
+    /// Group `g`'s weight `(c_out_g, col_rows)`, a view of the contiguous kernel.
+    fn weight<'a, T>(&self, w: &'a [T], g: usize) -> MatRef<'a, T> {
+        let rows = self.col_rows();
+        MatRef {
+            data: w,
+            offset: g * self.c_out_g() * rows,
+            rs: rows,
+            cs: 1,
+        }
+    }
+
+    /// The im2col matrix of group `g` for `images` as a view: the image itself for a 1x1,
+    /// stride-1, unpadded conv of one image (nothing copied), else [`Self::columns`] in `buf`.
+    fn column_view<'a, T: Copy + Send + Sync>(
+        &self,
+        x: &'a [T],
+        g: usize,
+        images: Range<usize>,
+        buf: &'a mut Vec<T>,
+        zero: T,
+    ) -> MatRef<'a, T> {
+        let n = images.len() * self.pixels();
+        if self.pointwise() && images.len() == 1 {
+            let offset = images.start * self.image_in() + g * self.col_rows() * n;
+            return MatRef {
+                data: x,
+                offset,
+                rs: n,
+                cs: 1,
+            };
+        }
+        *buf = self.columns(x, g, images, zero);
+        MatRef {
+            data: &buf[..],
+            offset: 0,
+            rs: n,
+            cs: 1,
         }
     }
 
     /// `y = conv(x, w) + bias`, `(batch, c_out, out_h, out_w)` in `T`.
     fn forward<T: GemmElem>(&self, x: &[T], w: &[T], bias: Option<&[T]>) -> Vec<T> {
         let zero = T::put(0.0);
-        let (rows, pw) = (self.col_rows(), self.pixels());
+        let (rows, pw, cog) = (self.col_rows(), self.pixels(), self.c_out_g());
         let mut y = vec![zero; self.batch * self.image_out()];
-        self.for_images(&mut y, self.image_out(), |b, out, parallel| {
-            let image = &x[b * self.image_in()..][..self.image_in()];
-            let mut col = Vec::new();
+        for start in (0..self.batch).step_by(self.chunk()) {
+            let images = start..(start + self.chunk()).min(self.batch);
+            let n = images.len() * pw;
             for g in 0..self.p.groups {
-                let cols: &[T] = if self.pointwise() {
-                    &image[g * rows * pw..][..rows * pw]
+                let mut buf = Vec::new();
+                let cm = self.column_view(x, g, images.clone(), &mut buf, zero);
+                // One image: its group's output rows are the product's rows; several: the
+                // product goes to a buffer and is scattered per image.
+                let single = images.len() == 1;
+                let mut scratch = Vec::new();
+                let out: &mut [T] = if single {
+                    &mut y[start * self.image_out() + g * cog * pw..][..cog * n]
                 } else {
-                    col.resize(rows * pw, zero);
-                    self.im2col(image, g, zero, &mut col);
-                    &col
+                    scratch.resize(cog * n, zero);
+                    &mut scratch
                 };
-                let wg = MatRef {
-                    data: w,
-                    offset: g * self.c_out_g() * rows,
-                    rs: rows,
-                    cs: 1,
-                };
-                let cm = MatRef {
-                    data: cols,
-                    offset: 0,
-                    rs: pw,
-                    cs: 1,
-                };
-                let og = &mut out[g * self.c_out_g() * pw..][..self.c_out_g() * pw];
                 // With a bias, each output row starts at its channel's bias and the product is
                 // accumulated onto it in f32: one rounding.
                 if let Some(bias) = bias {
-                    let bg = &bias[g * self.c_out_g()..][..self.c_out_g()];
-                    for (row, &b) in og.chunks_mut(pw).zip(bg) {
+                    for (row, &b) in out.chunks_mut(n.max(1)).zip(&bias[g * cog..][..cog]) {
                         row.fill(b);
                     }
                 }
-                gemm(
-                    self.c_out_g(),
-                    pw,
-                    rows,
-                    wg,
-                    cm,
-                    og,
-                    bias.is_some(),
-                    parallel,
-                );
+                let wg = self.weight(w, g);
+                gemm(cog, n, rows, wg, cm, out, bias.is_some(), true);
+                if single {
+                    continue;
+                }
+                for (co, row) in scratch.chunks(n.max(1)).enumerate() {
+                    for (slot, b) in images.clone().enumerate() {
+                        y[b * self.image_out() + (g * cog + co) * pw..][..pw]
+                            .copy_from_slice(&row[slot * pw..][..pw]);
+                    }
+                }
             }
-        });
+        }
         y
     }
 
     /// The input gradient `w^T * grad_y` through col2im, in `T`.
     fn grad_input<T: GemmElem>(&self, w: &[T], gy: &[T]) -> Vec<T> {
-        let (rows, pw) = (self.col_rows(), self.pixels());
+        let (rows, pw, cog) = (self.col_rows(), self.pixels(), self.c_out_g());
         let mut gx = vec![T::put(0.0); self.batch * self.image_in()];
-        self.for_images(&mut gx, self.image_in(), |b, out, parallel| {
-            let gimg = &gy[b * self.image_out()..][..self.image_out()];
-            let mut col = Vec::new();
-            let mut sum = Vec::new();
-            if !self.pointwise() {
-                sum.resize(self.image_in(), 0f32);
-            }
+        for start in (0..self.batch).step_by(self.chunk()) {
+            let images = start..(start + self.chunk()).min(self.batch);
+            let n = images.len() * pw;
+            let mut sums = vec![0f32; images.len() * self.image_in()];
             for g in 0..self.p.groups {
+                let mut grad_buf = Vec::new();
+                let gm = self.out_view(gy, g, images.clone(), &mut grad_buf);
                 // w_g^T: (rows, c_out_g), a transposed view of the (c_out_g, rows) block.
                 let wt = MatRef {
-                    data: w,
-                    offset: g * self.c_out_g() * rows,
                     rs: 1,
                     cs: rows,
+                    ..self.weight(w, g)
                 };
-                let gg = MatRef {
-                    data: gimg,
-                    offset: g * self.c_out_g() * pw,
-                    rs: pw,
-                    cs: 1,
-                };
-                if self.pointwise() {
-                    let og = &mut out[g * rows * pw..][..rows * pw];
-                    gemm(rows, pw, self.c_out_g(), wt, gg, og, false, parallel);
-                } else {
-                    col.resize(rows * pw, 0f32);
-                    gemm(rows, pw, self.c_out_g(), wt, gg, &mut col, false, parallel);
-                    self.col2im(&col, g, &mut sum);
+                if self.pointwise() && images.len() == 1 {
+                    // The product is this group's rows of the image's gradient already.
+                    let rows_g = &mut sums[g * rows * n..][..rows * n];
+                    gemm(rows, n, cog, wt, gm, rows_g, false, true);
+                    continue;
                 }
+                let mut col = vec![0f32; rows * n];
+                gemm(rows, n, cog, wt, gm, &mut col, false, true);
+                sums.par_chunks_mut(self.image_in())
+                    .enumerate()
+                    .for_each(|(slot, image)| self.col2im(&col, n, slot, g, image));
             }
-            if !self.pointwise() {
-                out.iter_mut().zip(&sum).for_each(|(o, &v)| *o = T::put(v));
-            }
-        });
+            gx[start * self.image_in()..][..sums.len()]
+                .par_iter_mut()
+                .zip(&sums)
+                .for_each(|(o, &v)| *o = T::put(v));
+        }
         gx
     }
 
-    /// The weight gradient `sum over images of grad_y * col^T`, accumulated in f32 and rounded
-    /// once to `T`.
+    /// The weight gradient `sum over images of grad_y * col^T`, accumulated in f32 over the
+    /// whole batch and rounded once to `T`.
     fn grad_weight<T: GemmElem>(&self, x: &[T], gy: &[T]) -> Vec<T> {
-        let (rows, pw) = (self.col_rows(), self.pixels());
-        let size = self.c_out * rows;
+        let (rows, pw, cog) = (self.col_rows(), self.pixels(), self.c_out_g());
         let zero = T::put(0.0);
-        // Sums of the images `images`, into `acc`.
-        let partial = |images: std::ops::Range<usize>, acc: &mut [f32], parallel: bool| {
-            let mut col = Vec::new();
-            for (n, b) in images.enumerate() {
-                let image = &x[b * self.image_in()..][..self.image_in()];
-                let gimg = &gy[b * self.image_out()..][..self.image_out()];
-                for g in 0..self.p.groups {
-                    let cols: &[T] = if self.pointwise() {
-                        &image[g * rows * pw..][..rows * pw]
-                    } else {
-                        col.resize(rows * pw, zero);
-                        self.im2col(image, g, zero, &mut col);
-                        &col
-                    };
-                    let gg = MatRef {
-                        data: gimg,
-                        offset: g * self.c_out_g() * pw,
-                        rs: pw,
-                        cs: 1,
-                    };
-                    // col^T: (pixels, rows).
-                    let ct = MatRef {
-                        data: cols,
-                        offset: 0,
-                        rs: 1,
-                        cs: pw,
-                    };
-                    let ag = &mut acc[g * self.c_out_g() * rows..][..self.c_out_g() * rows];
-                    gemm(self.c_out_g(), rows, pw, gg, ct, ag, n > 0, parallel);
-                }
+        let mut sums = vec![0f32; self.c_out * rows];
+        for (chunk, start) in (0..self.batch).step_by(self.chunk()).enumerate() {
+            let images = start..(start + self.chunk()).min(self.batch);
+            let n = images.len() * pw;
+            for g in 0..self.p.groups {
+                let mut grad_buf = Vec::new();
+                let gm = self.out_view(gy, g, images.clone(), &mut grad_buf);
+                let mut buf = Vec::new();
+                let cm = self.column_view(x, g, images.clone(), &mut buf, zero);
+                // col^T: (n, rows).
+                let ct = MatRef {
+                    rs: cm.cs,
+                    cs: cm.rs,
+                    ..cm
+                };
+                let acc = &mut sums[g * cog * rows..][..cog * rows];
+                gemm(cog, rows, n, gm, ct, acc, chunk > 0, true);
             }
-        };
-        let mut sums = vec![0f32; size];
-        if self.per_image_tasks() {
-            let threads = rayon::current_num_threads().min(self.batch);
-            let chunk = self.batch.div_ceil(threads);
-            let parts: Vec<Vec<f32>> = (0..threads)
-                .into_par_iter()
-                .map(|t| {
-                    let mut acc = vec![0f32; size];
-                    let images = t * chunk..((t + 1) * chunk).min(self.batch);
-                    if !images.is_empty() {
-                        partial(images, &mut acc, false);
-                    }
-                    acc
-                })
-                .collect();
-            for part in parts {
-                sums.iter_mut().zip(part).for_each(|(s, v)| *s += v);
-            }
-        } else {
-            partial(0..self.batch, &mut sums, true);
         }
         sums.into_iter().map(T::put).collect()
     }
@@ -678,6 +718,12 @@ mod tests {
         ] {
             conv_case(dtype, tol, p, c_in, c_out, 3)?;
         }
+        // 40 images of 4x4 (16 pixels): several images per GEMM, in two chunks.
+        let padded = Conv2dParams {
+            padding: 1,
+            ..pointwise
+        };
+        conv_case_sized(dtype, tol, padded, (3, 5, 3), (40, 4))?;
         Ok(())
     }
 
@@ -690,9 +736,20 @@ mod tests {
         c_out: usize,
         ks: usize,
     ) -> Result<()> {
+        conv_case_sized(dtype, tol, p, (c_in, c_out, ks), (3, 9))
+    }
+
+    /// `batch` images of `side x side`.
+    fn conv_case_sized(
+        dtype: DType,
+        tol: f32,
+        p: Conv2dParams,
+        (c_in, c_out, ks): (usize, usize, usize),
+        (batch, side): (usize, usize),
+    ) -> Result<()> {
         let dev = Device::Cpu;
         let var = |t: &Tensor| candle_core::Var::from_tensor(t);
-        let x = Tensor::randn(0f32, 1., (3, c_in, 9, 9), &dev)?.to_dtype(dtype)?;
+        let x = Tensor::randn(0f32, 1., (batch, c_in, side, side), &dev)?.to_dtype(dtype)?;
         let k = Tensor::randn(0f32, 1., (c_out, c_in / p.groups, ks, ks), &dev)?.to_dtype(dtype)?;
         let b = Tensor::randn(0f32, 1., c_out, &dev)?.to_dtype(dtype)?;
         let scale =

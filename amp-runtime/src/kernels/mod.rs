@@ -7,6 +7,7 @@
 //!   that GEMM, forward and backward.
 //! - `conv2d`: conv2d on CPU as GEMMs (im2col/col2im, none for 1x1), bias fused, every dtype.
 //! - `convert`, `relu`: vectorised f32 <-> half conversions; relu with a one-pass backward.
+//! - `pool`: max pooling with any window, stride and padding, and its backward.
 //! - `simd`: the AVX-512 f32 <-> bf16/f16 conversions, bit-identical to `half`.
 //! - `batch_norm`: batch norm as one op with its own backward on CPU, keeping only its input and
 //!   per-channel statistics for the backward pass (a composition of candle ops keeps six f32
@@ -23,6 +24,7 @@ mod convert;
 mod cuda;
 pub(crate) mod gemm;
 mod matmul;
+mod pool;
 mod relu;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod simd;
@@ -31,6 +33,7 @@ pub mod unscale;
 pub(crate) use conv2d::{conv2d, Conv2dParams};
 pub(crate) use convert::to_dtype;
 pub(crate) use matmul::{broadcast_matmul, linear, matmul};
+pub(crate) use pool::{max_pool2d, Pool2d};
 pub(crate) use relu::relu;
 
 use candle_core::Layout;

@@ -84,12 +84,55 @@ macro_rules! pool_layer {
     };
 }
 
-pool_layer!(
-    /// 2-D max pooling, precision-preserving.
-    MaxPool2d,
-    max_pool2d,
-    max_pool2d_with_stride
-);
+/// 2-D max pooling, precision-preserving, with optional -inf padding (PyTorch's `MaxPool2d`):
+/// ResNet's stem is `MaxPool2d::with_stride(3, 2).with_padding(1)`. On CPU it trains with any
+/// stride, each output's gradient going whole to its window's maximum (candle's own backward
+/// needs stride = window and divides the gradient by the window's area).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaxPool2d {
+    kernel: usize,
+    stride: usize,
+    padding: usize,
+}
+
+impl MaxPool2d {
+    /// A square window of `kernel`, stride = kernel (PyTorch's default).
+    pub fn new(kernel: usize) -> Self {
+        Self::with_stride(kernel, kernel)
+    }
+
+    /// A square window of `kernel` moved by `stride`.
+    pub fn with_stride(kernel: usize, stride: usize) -> Self {
+        Self {
+            kernel,
+            stride,
+            padding: 0,
+        }
+    }
+
+    /// The same pool with `padding` -inf rows and columns on each side.
+    pub fn with_padding(self, padding: usize) -> Self {
+        Self { padding, ..self }
+    }
+
+    /// Pools the last two dimensions of `(batch, channels, h, w)`, in `x`'s precision.
+    pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
+        if self.kernel == 0 || self.stride == 0 {
+            candle_core::bail!("MaxPool2d: kernel and stride must be positive")
+        }
+        let pool = crate::kernels::Pool2d {
+            kernel: (self.kernel, self.kernel),
+            stride: (self.stride, self.stride),
+            padding: self.padding,
+        };
+        crate::kernels::max_pool2d(x.as_candle(), pool).map(Tensor::wrap)
+    }
+}
+
+impl AmpLayer for MaxPool2d {
+    type Op = op::max_pool2d;
+}
+region_forward!(MaxPool2d);
 pool_layer!(
     /// 2-D average pooling, precision-preserving.
     ///

@@ -204,18 +204,23 @@ impl<P: Precision> Tensor<P> {
 
     /// 2-D max pooling over the last two dimensions, stride = kernel size.
     pub fn max_pool2d<T: candle_core::ToUsize2>(&self, kernel: T) -> Result<Self> {
-        Ok(Self::wrap(self.inner.max_pool2d(kernel)?))
+        let kernel = kernel.to_usize2();
+        self.max_pool2d_with_stride(kernel, kernel)
     }
 
-    /// 2-D max pooling with an explicit stride.
+    /// 2-D max pooling with an explicit stride (on CPU with a backward for any stride, where
+    /// candle's has none unless stride = window, and each gradient whole on its maximum).
     pub fn max_pool2d_with_stride<T: candle_core::ToUsize2>(
         &self,
         kernel: T,
         stride: T,
     ) -> Result<Self> {
-        Ok(Self::wrap(
-            self.inner.max_pool2d_with_stride(kernel, stride)?,
-        ))
+        let pool = crate::kernels::Pool2d {
+            kernel: kernel.to_usize2(),
+            stride: stride.to_usize2(),
+            padding: 0,
+        };
+        crate::kernels::max_pool2d(&self.inner, pool).map(Self::wrap)
     }
 
     /// 2-D average pooling, stride = kernel size. Averages a few values only, so it stays in

@@ -1,0 +1,213 @@
+//! ResNet 18, 34 and 50 from candle-amp layers, built as candle-transformers' `resnet.rs`
+//! builds them (torchvision's structure and variable names: `conv1`, `bn1`,
+//! `layer1.0.conv1`, .., `layer1.0.downsample.0`, `fc`), so that a backbone saved from one
+//! loads into the other. Shared by `examples/resnet.rs` and `tests/resnet.rs`.
+//!
+//! The methods carry `#[autocast]` without a policy: they run under their caller's (the
+//! training step's `#[autocast(policy = Pol, enabled = amp)]`), convolutions and the head in
+//! the lower precision, batch norm on its input's precision with f32 statistics, the global
+//! average pool (a mean) in f32.
+
+use candle_amp::nn::{self, BatchNorm2d, Conv2d, Conv2dConfig, Linear, MaxPool2d};
+use candle_amp::{autocast, AmpTensor, Tensor, F32};
+use candle_core::Result;
+use candle_nn::VarBuilder;
+
+/// Which ResNet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+pub enum Depth {
+    #[value(name = "18")]
+    R18,
+    #[value(name = "34")]
+    R34,
+    #[value(name = "50")]
+    R50,
+}
+
+impl Depth {
+    /// Blocks per stage.
+    fn blocks(self) -> [usize; 4] {
+        match self {
+            Self::R18 => [2, 2, 2, 2],
+            Self::R34 | Self::R50 => [3, 4, 6, 3],
+        }
+    }
+
+    fn bottleneck(self) -> bool {
+        self == Self::R50
+    }
+
+    /// Channels of the backbone's output (the head's input).
+    pub fn features(self) -> usize {
+        if self.bottleneck() {
+            2048
+        } else {
+            512
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::R18 => "ResNet-18",
+            Self::R34 => "ResNet-34",
+            Self::R50 => "ResNet-50",
+        }
+    }
+}
+
+fn conv(c_in: usize, c_out: usize, k: usize, stride: usize, vb: VarBuilder) -> Result<Conv2d> {
+    let cfg = Conv2dConfig {
+        stride,
+        padding: k / 2,
+        ..Conv2dConfig::default()
+    };
+    nn::conv2d_no_bias(c_in, c_out, k, cfg, vb)
+}
+
+fn bn(c: usize, vb: VarBuilder) -> Result<BatchNorm2d> {
+    nn::batch_norm2d(c, 1e-5, vb)
+}
+
+/// A basic block (two 3x3 convs) or a bottleneck (1x1, 3x3, 1x1 with 4x expansion), with a
+/// 1x1 projection on the shortcut where the shape changes.
+struct Block {
+    convs: Vec<(Conv2d, BatchNorm2d)>,
+    downsample: Option<(Conv2d, BatchNorm2d)>,
+}
+
+impl Block {
+    fn new(
+        depth: Depth,
+        c_in: usize,
+        planes: usize,
+        stride: usize,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let (shapes, c_out): (Vec<(usize, usize, usize, usize)>, usize) = if depth.bottleneck() {
+            let out = planes * 4;
+            (
+                vec![
+                    (c_in, planes, 1, 1),
+                    (planes, planes, 3, stride),
+                    (planes, out, 1, 1),
+                ],
+                out,
+            )
+        } else {
+            (
+                vec![(c_in, planes, 3, stride), (planes, planes, 3, 1)],
+                planes,
+            )
+        };
+        let convs = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(ci, co, k, s))| {
+                Ok((
+                    conv(ci, co, k, s, vb.pp(format!("conv{}", i + 1)))?,
+                    bn(co, vb.pp(format!("bn{}", i + 1)))?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        let downsample = if stride != 1 || c_in != c_out {
+            let d = vb.pp("downsample");
+            Some((
+                conv(c_in, c_out, 1, stride, d.pp("0"))?,
+                bn(c_out, d.pp("1"))?,
+            ))
+        } else {
+            None
+        };
+        Ok(Self { convs, downsample })
+    }
+}
+
+#[autocast]
+impl Block {
+    fn forward(&self, x: &Tensor<F32>, train: bool) -> Result<Tensor<F32>> {
+        let mut h = x.clone();
+        let last = self.convs.len() - 1;
+        for (i, (conv, norm)) in self.convs.iter().enumerate() {
+            h = norm.forward_t(&conv.forward(&h)?, train)?;
+            if i < last {
+                h = h.relu()?;
+            }
+        }
+        let shortcut = match &self.downsample {
+            Some((conv, norm)) => norm.forward_t(&conv.forward(x)?, train)?,
+            None => x.clone(),
+        };
+        Ok((h + shortcut)?.relu()?)
+    }
+}
+
+/// The ResNet: a backbone (stem and four stages) and a linear head of `classes` outputs.
+pub struct ResNet {
+    conv1: Conv2d,
+    bn1: BatchNorm2d,
+    pool: MaxPool2d,
+    layers: Vec<Vec<Block>>,
+    pub fc: Linear,
+}
+
+impl ResNet {
+    pub fn new(depth: Depth, classes: usize, vb: &VarBuilder) -> Result<Self> {
+        let mut c_in = 64;
+        let layers = depth
+            .blocks()
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let planes = 64 << i;
+                let stage = vb.pp(format!("layer{}", i + 1));
+                (0..n)
+                    .map(|b| {
+                        let stride = if b == 0 && i > 0 { 2 } else { 1 };
+                        let block =
+                            Block::new(depth, c_in, planes, stride, stage.pp(b.to_string()))?;
+                        c_in = if depth.bottleneck() {
+                            planes * 4
+                        } else {
+                            planes
+                        };
+                        Ok(block)
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            conv1: conv(3, 64, 7, 2, vb.pp("conv1"))?,
+            bn1: bn(64, vb.pp("bn1"))?,
+            pool: MaxPool2d::with_stride(3, 2).with_padding(1),
+            layers,
+            fc: nn::linear(depth.features(), classes, vb.pp("fc"))?,
+        })
+    }
+}
+
+#[autocast]
+impl ResNet {
+    /// The backbone: `(batch, 3, h, w)` images to `(batch, features)`, globally average-pooled
+    /// (a helper: it takes and returns region values, under its caller's policy).
+    fn backbone(&self, x: &AmpTensor, train: bool) -> Result<AmpTensor> {
+        let h = self.bn1.forward_t(&self.conv1.forward(x)?, train)?.relu()?;
+        let mut h = self.pool.forward(&h)?;
+        for stage in &self.layers {
+            for block in stage {
+                h = block.forward(&h, train)?;
+            }
+        }
+        h.mean((2, 3))
+    }
+
+    /// Class logits. With `frozen`, the backbone runs in eval mode (running statistics) and is
+    /// cut from the graph: only the head trains, and the backbone's parameters get no gradient.
+    pub fn forward(&self, x: &Tensor<F32>, train: bool, frozen: bool) -> Result<Tensor<F32>> {
+        let f = if frozen {
+            self.backbone(x, false)?.detach()
+        } else {
+            self.backbone(x, train)?
+        };
+        Ok(self.fc.forward(&f)?)
+    }
+}
