@@ -15,8 +15,8 @@
 //! included: `torch.cuda.max_memory_allocated`'s analogue.
 //!
 //! Data, made in code (no download): `--classes` kinds of 3-channel images, each class a
-//! grating at its own orientation and frequency, with a random phase, a random colour tint and
-//! noise per image; a training and a validation split. Training: SGD (lr `--lr`), cross-entropy,
+//! grating at its own orientation (jittered), with a random frequency, phase and colour tint and
+//! strong noise per image; a training and a validation split. Training: SGD (lr `--lr`), cross-entropy,
 //! `--epochs` passes over the training split, validation accuracy after each. With `--frozen`
 //! only the head trains: the backbone runs in eval mode and gets no gradient (the transfer-
 //! learning setup, useful with `--weights`, a backbone in candle-transformers' / torchvision's
@@ -55,10 +55,10 @@ struct Args {
     #[arg(long, default_value_t = 32, value_parser = common::positive)]
     image_size: usize,
     /// Classes of the synthetic set.
-    #[arg(long, default_value_t = 6, value_parser = common::positive)]
+    #[arg(long, default_value_t = 8, value_parser = common::positive)]
     classes: usize,
     /// Training images per class.
-    #[arg(long, default_value_t = 96, value_parser = common::positive)]
+    #[arg(long, default_value_t = 64, value_parser = common::positive)]
     train_per_class: usize,
     /// Validation images per class.
     #[arg(long, default_value_t = 32, value_parser = common::positive)]
@@ -119,8 +119,10 @@ fn images(args: &Args, n: usize, seed: u64) -> Result<(Tensor<F32>, candle_core:
     let mut labels = Vec::with_capacity(args.classes * n);
     for i in 0..args.classes * n {
         let class = i % args.classes;
-        let angle = PI * class as f32 / args.classes as f32;
-        let freq = 2.0 + (class % 3) as f32;
+        // Orientation by class, jittered by up to a quarter of the gap to the next class;
+        // frequency random: the class is in the angle alone.
+        let angle = PI * (class as f32 + 0.5 * (rng.next_f32() - 0.5)) / args.classes as f32;
+        let freq = 2.0 + 2.0 * rng.next_f32();
         let phase = 2.0 * PI * rng.next_f32();
         let tint: Vec<f32> = (0..3).map(|_| 0.5 + 0.5 * rng.next_f32()).collect();
         for t in &tint {
@@ -129,7 +131,7 @@ fn images(args: &Args, n: usize, seed: u64) -> Result<(Tensor<F32>, candle_core:
                     let (u, v) = (x as f32 / s as f32, y as f32 / s as f32);
                     let wave =
                         (2.0 * PI * freq * (u * angle.cos() + v * angle.sin()) + phase).sin();
-                    pixels.push(t * wave + 0.3 * (rng.next_f32() - 0.5));
+                    pixels.push(t * wave + 2.0 * (rng.next_f32() - 0.5));
                 }
             }
         }

@@ -36,9 +36,12 @@ pub(crate) struct Conv2dParams {
     pub groups: usize,
 }
 
-/// `conv2d` with candle's semantics plus an optional per-channel `bias` `(c_out)` of the same
-/// dtype; on CPU as GEMMs with the bias added before the one rounding of each output (see the
-/// module docs), elsewhere candle's conv and a broadcast add.
+/// `conv2d` with candle's semantics plus an optional per-channel `bias` `(c_out)` of the
+/// kernel's dtype; on CPU as GEMMs with the bias added before the one rounding of each output
+/// (see the module docs), elsewhere candle's conv and a broadcast add. The kernel and bias may
+/// be f32 masters of a half `x`: they are rounded to `x`'s dtype inside the op (the cast a
+/// region inserts, bit for bit) and get f32 gradients, never rounded to half; no half copy of
+/// the weight joins the autograd graph.
 pub(crate) fn conv2d(
     x: &Tensor,
     k: &Tensor,
@@ -46,7 +49,7 @@ pub(crate) fn conv2d(
     p: Conv2dParams,
 ) -> Result<Tensor> {
     let bias_fits =
-        bias.is_none_or(|b| b.dims() == [k.dim(0).unwrap_or(0)] && b.dtype() == x.dtype());
+        bias.is_none_or(|b| b.dims() == [k.dim(0).unwrap_or(0)] && b.dtype() == k.dtype());
     if handles(x, k, p) && bias_fits {
         let (x, k) = (x.contiguous()?, k.contiguous()?);
         match bias {
@@ -54,9 +57,10 @@ pub(crate) fn conv2d(
             None => x.apply_op2(&k, GemmConv2d(p)),
         }
     } else {
-        let y = x.conv2d(k, p.padding, p.stride, p.dilation, p.groups)?;
+        let k = super::to_dtype(k, x.dtype())?;
+        let y = x.conv2d(&k, p.padding, p.stride, p.dilation, p.groups)?;
         match bias {
-            Some(b) => y.broadcast_add(&b.reshape((1, (), 1, 1))?),
+            Some(b) => y.broadcast_add(&super::to_dtype(b, x.dtype())?.reshape((1, (), 1, 1))?),
             None => Ok(y),
         }
     }
@@ -67,9 +71,10 @@ fn handles(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
     let (&[_, c_in, h, w], &[c_out, c_in_g, kh, kw]) = (x.dims(), k.dims()) else {
         return false;
     };
+    let masters = k.dtype() == DType::F32 && matches!(x.dtype(), DType::F16 | DType::BF16);
     x.device().is_cpu()
         && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
-        && x.dtype() == k.dtype()
+        && (x.dtype() == k.dtype() || masters)
         && p.groups > 0
         && p.stride > 0
         && p.dilation > 0
@@ -399,8 +404,8 @@ impl Geometry {
     }
 
     /// The weight gradient `sum over images of grad_y * col^T`, accumulated in f32 over the
-    /// whole batch and rounded once to `T`.
-    fn grad_weight<T: GemmElem>(&self, x: &[T], gy: &[T]) -> Vec<T> {
+    /// whole batch (rounded once by the caller, or kept for an f32 master).
+    fn grad_weight<T: GemmElem>(&self, x: &[T], gy: &[T]) -> Vec<f32> {
         let (rows, pw, cog) = (self.col_rows(), self.pixels(), self.c_out_g());
         let zero = T::put(0.0);
         let mut sums = vec![0f32; self.c_out * rows];
@@ -422,7 +427,7 @@ impl Geometry {
                 gemm(cog, rows, n, gm, ct, acc, chunk > 0, true);
             }
         }
-        sums.into_iter().map(T::put).collect()
+        sums
     }
 }
 
@@ -446,6 +451,38 @@ macro_rules! same_float {
     };
 }
 
+/// `s` (contiguous, `layout`) in the dtype of `like`, with its layout: itself, or an f32
+/// master rounded to the half dtype of `like` (contiguous from 0).
+fn in_dtype_of<'a>(
+    s: &'a CpuStorage,
+    layout: &Layout,
+    like: &CpuStorage,
+) -> Result<(std::borrow::Cow<'a, CpuStorage>, Layout)> {
+    use super::convert::convert_slice;
+    use std::borrow::Cow;
+    let fresh = || Layout::contiguous(layout.shape());
+    Ok(match (s, like) {
+        (CpuStorage::F32(w), CpuStorage::BF16(_)) => (
+            Cow::Owned(CpuStorage::BF16(convert_slice(contiguous(w, layout)?))),
+            fresh(),
+        ),
+        (CpuStorage::F32(w), CpuStorage::F16(_)) => (
+            Cow::Owned(CpuStorage::F16(convert_slice(contiguous(w, layout)?))),
+            fresh(),
+        ),
+        _ => (Cow::Borrowed(s), layout.clone()),
+    })
+}
+
+/// Sums `f32` stored in `dtype` (an f32 master's gradient stays f32).
+fn stored(sums: Vec<f32>, dtype: DType) -> CpuStorage {
+    match dtype {
+        DType::BF16 => CpuStorage::BF16(sums.into_iter().map(half::bf16::from_f32).collect()),
+        DType::F16 => CpuStorage::F16(sums.into_iter().map(half::f16::from_f32).collect()),
+        _ => CpuStorage::F32(sums),
+    }
+}
+
 /// A contiguous slice of a contiguous layout (the op makes its operands contiguous).
 fn contiguous<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
     match layout.contiguous_offsets() {
@@ -467,9 +504,10 @@ impl CustomOp2 for GemmConv2d {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let geo = Geometry::new(l1.dims(), l2.dims(), self.0);
-        let y = same_float!(s1, s2, |x, w| geo.forward(
+        let (w, l2) = in_dtype_of(s2, l2, s1)?;
+        let y = same_float!(s1, &*w, |x, w| geo.forward(
             contiguous(x, l1)?,
-            contiguous(w, l2)?,
+            contiguous(w, &l2)?,
             None
         ));
         Ok((y, geo.out_shape()))
@@ -484,8 +522,14 @@ impl CustomOp2 for GemmConv2d {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let geo = Geometry::new(x.dims(), k.dims(), self.0);
         let grad = grad.contiguous()?;
-        let grad_x = k.apply_op2_no_bwd(&grad, &GradInput(geo))?;
-        let grad_k = x.apply_op2_no_bwd(&grad, &GradWeight(geo))?;
+        // An f32 master kernel: the input gradient uses it rounded as the forward did.
+        let k_used = if k.dtype() == x.dtype() {
+            k.clone()
+        } else {
+            k.apply_op1_no_bwd(&super::convert::Convert(x.dtype()))?
+        };
+        let grad_x = k_used.apply_op2_no_bwd(&grad, &GradInput(geo))?;
+        let grad_k = x.apply_op2_no_bwd(&grad, &GradWeight(geo, k.dtype()))?;
         Ok((Some(grad_x), Some(grad_k)))
     }
 }
@@ -505,7 +549,9 @@ impl CustomOp3 for GemmConv2d {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let geo = Geometry::new(l1.dims(), l2.dims(), self.0);
-        let y = match (s1, s2, s3) {
+        let ((w, l2), (b, l3)) = (in_dtype_of(s2, l2, s1)?, in_dtype_of(s3, l3, s1)?);
+        let (l2, l3) = (&l2, &l3);
+        let y = match (s1, &*w, &*b) {
             (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
                 CpuStorage::F32(geo.forward(
                     contiguous(x, l1)?,
@@ -546,13 +592,14 @@ impl CustomOp3 for GemmConv2d {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (grad_x, grad_k) = CustomOp2::bwd(self, x, k, res, grad)?;
-        let grad_b = grad.contiguous()?.apply_op1_no_bwd(&GradBias)?;
+        let grad_b = grad.contiguous()?.apply_op1_no_bwd(&GradBias(k.dtype()))?;
         Ok((grad_x, grad_k, Some(grad_b)))
     }
 }
 
-/// `grad_y (batch, c_out, h, w) -> grad_bias (c_out)`: per-channel sums in f32, rounded once.
-struct GradBias;
+/// `grad_y (batch, c_out, h, w) -> grad_bias (c_out)`: per-channel sums in f32, stored in the
+/// bias's dtype (rounded once, or f32 for an f32 master).
+struct GradBias(DType);
 
 impl CustomOp1 for GradBias {
     fn name(&self) -> &'static str {
@@ -560,33 +607,32 @@ impl CustomOp1 for GradBias {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        fn sums<T: Real + Send + Sync>(g: &[T], batch: usize, channels: usize) -> Vec<T> {
+        fn sums<T: Real + Send + Sync>(g: &[T], batch: usize, channels: usize) -> Vec<f32> {
             let plane = g.len() / (batch * channels).max(1);
             (0..channels)
                 .into_par_iter()
                 .map(|c| {
-                    let total: f32 = (0..batch)
+                    (0..batch)
                         .map(|b| {
                             g[(b * channels + c) * plane..][..plane]
                                 .iter()
                                 .map(|v| v.get())
                                 .sum::<f32>()
                         })
-                        .sum();
-                    T::put(total)
+                        .sum()
                 })
                 .collect()
         }
         let (batch, channels) = (l.dims()[0], l.dims()[1]);
-        let out = match s {
-            CpuStorage::F32(g) => CpuStorage::F32(sums(contiguous(g, l)?, batch, channels)),
-            CpuStorage::F16(g) => CpuStorage::F16(sums(contiguous(g, l)?, batch, channels)),
-            CpuStorage::BF16(g) => CpuStorage::BF16(sums(contiguous(g, l)?, batch, channels)),
+        let sums = match s {
+            CpuStorage::F32(g) => sums(contiguous(g, l)?, batch, channels),
+            CpuStorage::F16(g) => sums(contiguous(g, l)?, batch, channels),
+            CpuStorage::BF16(g) => sums(contiguous(g, l)?, batch, channels),
             other => {
                 candle_core::bail!("conv2d bias gradient: unexpected dtype {:?}", other.dtype())
             }
         };
-        Ok((out, Shape::from(channels)))
+        Ok((stored(sums, self.0), Shape::from(channels)))
     }
 }
 
@@ -612,8 +658,8 @@ impl CustomOp2 for GradInput {
     }
 }
 
-/// `(x, grad_y) -> grad_kernel`.
-struct GradWeight(Geometry);
+/// `(x, grad_y) -> grad_kernel`, stored in the kernel's dtype (f32 for an f32 master).
+struct GradWeight(Geometry, DType);
 
 impl CustomOp2 for GradWeight {
     fn name(&self) -> &'static str {
@@ -628,9 +674,24 @@ impl CustomOp2 for GradWeight {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let geo = self.0;
-        let gk = same_float!(s1, s2, |x, g| geo
-            .grad_weight(contiguous(x, l1)?, contiguous(g, l2)?));
-        Ok((gk, Shape::from((geo.c_out, geo.c_in_g(), geo.kh, geo.kw))))
+        let sums = match (s1, s2) {
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
+                geo.grad_weight(contiguous(x, l1)?, contiguous(g, l2)?)
+            }
+            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
+                geo.grad_weight(contiguous(x, l1)?, contiguous(g, l2)?)
+            }
+            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
+                geo.grad_weight(contiguous(x, l1)?, contiguous(g, l2)?)
+            }
+            (a, b) => candle_core::bail!(
+                "conv2d weight gradient: expected two f32, f16 or bf16 operands, got {:?} and {:?}",
+                a.dtype(),
+                b.dtype()
+            ),
+        };
+        let shape = Shape::from((geo.c_out, geo.c_in_g(), geo.kh, geo.kw));
+        Ok((stored(sums, self.1), shape))
     }
 }
 
@@ -784,6 +845,57 @@ mod tests {
                 assert!(
                     max_abs_diff(g, g32)? <= tol * scale(g32)?,
                     "{what} grad {name}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// A half input with f32 master kernel and bias: the forward equals the conv of the masters
+    /// rounded to half, the input gradient is half, the masters' gradients are f32 and match the
+    /// f32 reference on the rounded values.
+    #[test]
+    #[allow(clippy::float_cmp)] // the same rounded operands, the same kernel: bit for bit
+    fn f32_masters_round_inside_and_get_f32_gradients() -> Result<()> {
+        let dev = Device::Cpu;
+        let p = Conv2dParams {
+            padding: 1,
+            stride: 2,
+            dilation: 1,
+            groups: 1,
+        };
+        for (dtype, tol) in [(DType::BF16, 2e-2), (DType::F16, 4e-3)] {
+            let x = candle_core::Var::from_tensor(
+                &Tensor::randn(0f32, 1., (3, 4, 7, 7), &dev)?.to_dtype(dtype)?,
+            )?;
+            let k = candle_core::Var::randn(0f32, 1., (5, 4, 3, 3), &dev)?;
+            let b = candle_core::Var::randn(0f32, 1., 5, &dev)?;
+            let y = conv2d(&x, &k, Some(&b), p)?;
+            assert_eq!(y.dtype(), dtype);
+            let rounded = conv2d(&x, &k.to_dtype(dtype)?, Some(&b.to_dtype(dtype)?), p)?;
+            assert_eq!(
+                max_abs_diff(&y, &rounded)?,
+                0.0,
+                "{dtype:?}: the cast a region inserts"
+            );
+            let grads = y.to_dtype(DType::F32)?.sqr()?.sum_all()?.backward()?;
+            let up = |t: &Tensor| {
+                candle_core::Var::from_tensor(&t.to_dtype(dtype)?.to_dtype(DType::F32)?)
+            };
+            let (x32, k32, b32) = (up(&x)?, up(&k)?, up(&b)?);
+            let y32 = x32
+                .conv2d(&k32, p.padding, p.stride, p.dilation, p.groups)?
+                .broadcast_add(&b32.reshape((1, (), 1, 1))?)?;
+            let grads32 = y32.sqr()?.sum_all()?.backward()?;
+            let scale =
+                |t: &Tensor| -> Result<f32> { t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>() };
+            assert_eq!(grads.get(&x).unwrap().dtype(), dtype);
+            for (v, v32, name) in [(&k, &k32, "kernel"), (&b, &b32, "bias")] {
+                let (g, g32) = (grads.get(v).unwrap(), grads32.get(v32).unwrap());
+                assert_eq!(g.dtype(), DType::F32, "{name}: an f32 master's gradient");
+                assert!(
+                    max_abs_diff(g, g32)? <= tol * scale(g32)?,
+                    "{dtype:?} {name}"
                 );
             }
         }

@@ -77,28 +77,35 @@ fn conv_params(
 }
 
 impl Conv1d {
-    /// The convolution, then the bias added per channel.
+    /// The convolution on the masters cast to `P`, then the bias added per channel.
     fn apply<P: Precision>(
         x: &Tensor<P>,
-        w: &Tensor<P>,
-        bias: Option<Tensor<P>>,
+        w: &Var,
+        bias: Option<&Var>,
         c: &Conv1dConfig,
     ) -> Result<Tensor<P>> {
-        let y = x.conv1d(w, c.padding, c.stride, c.dilation, c.groups)?;
+        let y = x.conv1d(
+            &weight_as::<P>(w)?,
+            c.padding,
+            c.stride,
+            c.dilation,
+            c.groups,
+        )?;
         match bias {
-            Some(b) => y.broadcast_add(&b.reshape((1, (), 1))?),
+            Some(b) => y.broadcast_add(&weight_as::<P>(b)?.reshape((1, (), 1))?),
             None => Ok(y),
         }
     }
 }
 
 impl Conv2d {
-    /// The convolution with its bias in one op (on CPU: added before the output's one rounding,
-    /// and its gradient a per-channel sum inside the op).
+    /// The convolution with its bias in one op on the f32 masters (on CPU: rounded to `P`
+    /// inside the op, counted as the casts they stand for; the bias added before the output's
+    /// one rounding; the masters' gradients f32 from the accumulators).
     fn apply<P: Precision>(
         x: &Tensor<P>,
-        w: &Tensor<P>,
-        bias: Option<Tensor<P>>,
+        w: &Var,
+        bias: Option<&Var>,
         c: &Conv2dConfig,
     ) -> Result<Tensor<P>> {
         let params = crate::kernels::Conv2dParams {
@@ -107,10 +114,14 @@ impl Conv2d {
             dilation: c.dilation,
             groups: c.groups,
         };
+        if P::DTYPE != candle_core::DType::F32 {
+            let elements = w.elem_count() + bias.map_or(0, |b| b.elem_count());
+            crate::cast::count_casts(1 + u64::from(bias.is_some()), elements, P::DTYPE);
+        }
         crate::kernels::conv2d(
             x.as_candle(),
-            w.as_candle(),
-            bias.as_ref().map(Tensor::as_candle),
+            w.as_tensor(),
+            bias.map(Var::as_tensor),
             params,
         )
         .map(Tensor::wrap)
@@ -155,8 +166,7 @@ macro_rules! conv_layer {
 
             /// Applies the convolution in `x`'s precision.
             pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
-                let bias = self.bias.as_ref().map(weight_as::<P>).transpose()?;
-                Self::apply(x, &weight_as::<P>(&self.weight)?, bias, &self.config)
+                Self::apply(x, &self.weight, self.bias.as_ref(), &self.config)
             }
         }
 
