@@ -319,8 +319,10 @@ fn max_batch<Pol: Policy>(
         }
         Ok(peak)
     };
-    let (mut good, mut good_peak) = (0, 0);
-    let mut bad = 1;
+    // From 2: batch norm in training needs two values per channel (at 32x32 the last stage
+    // is 1x1), as in PyTorch.
+    let (mut good, mut good_peak) = (1, 0);
+    let mut bad = 2;
     loop {
         let peak = probe(bad)?;
         if peak > budget {
