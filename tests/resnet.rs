@@ -22,9 +22,11 @@ fn logits<Pol: Policy>(
     model.forward(x, true, frozen)
 }
 
-/// Gradients of every variable after one cross-entropy backward: `(name, finite)` for those
-/// that got one, and the names that did not.
-fn gradients(depth: Depth, frozen: bool, amp: bool) -> Result<(Vec<(String, bool)>, Vec<String>)> {
+/// `(name, finite)` for the variables that got a gradient, and the names of those that did not.
+type Gradients = (Vec<(String, bool)>, Vec<String>);
+
+/// Gradients of every variable after one cross-entropy backward.
+fn gradients(depth: Depth, frozen: bool, amp: bool) -> Result<Gradients> {
     let dev = Device::Cpu;
     let vars = VarMap::new();
     let model = ResNet::new(depth, 3, &VarBuilder::from_varmap(&vars, DType::F32, &dev))?;
