@@ -356,7 +356,7 @@ fn main() -> Result<()> {
         &VarBuilder::from_varmap(&init_map, DType::F32, &args.device),
     )?;
     if let Some(path) = &args.weights {
-        let loaded = load_backbone(&init_map, path, &args.device)?;
+        let loaded = resnet::load_backbone(&init_map, path, &args.device)?;
         if !args.json {
             println!("loaded {loaded} backbone tensors from {}", path.display());
         }
@@ -367,34 +367,6 @@ fn main() -> Result<()> {
         AmpPrecision::Bf16 => run::<Bf16Policy>(&args, precision, &init),
         AmpPrecision::Fp16 => run::<Fp16Policy>(&args, precision, &init),
     }
-}
-
-/// Sets every backbone variable that `path` holds under the same name and shape; the head
-/// (`fc.*`) stays new. Returns how many were loaded; a shape mismatch is an error.
-fn load_backbone(vars: &VarMap, path: &PathBuf, dev: &Device) -> Result<usize> {
-    let tensors = candle_core::safetensors::load(path, dev)?;
-    let data = vars
-        .data()
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let mut loaded = 0;
-    for (name, var) in data.iter().filter(|(n, _)| !n.starts_with("fc.")) {
-        if let Some(t) = tensors.get(name) {
-            if t.dims() != var.dims() {
-                candle_core::bail!(
-                    "{name}: the file has {:?}, the model {:?}",
-                    t.dims(),
-                    var.dims()
-                );
-            }
-            var.set(&t.to_dtype(DType::F32)?)?;
-            loaded += 1;
-        }
-    }
-    if loaded == 0 {
-        candle_core::bail!("{}: no backbone tensor under the model's names (conv1.weight, layer1.0.conv1.weight, ..)", path.display());
-    }
-    Ok(loaded)
 }
 
 fn run<Pol: Policy>(args: &Args, precision: AmpPrecision, init: &common::Init) -> Result<()> {

@@ -90,3 +90,63 @@ fn a_frozen_backbone_gets_no_gradient_and_the_head_trains() -> Result<()> {
     assert!(with.iter().all(|(_, finite)| *finite));
     Ok(())
 }
+
+/// `--weights`: a backbone saved under torchvision's names loads into a fresh model, the head
+/// stays new; a file without those names is an error.
+#[test]
+fn a_saved_backbone_loads_by_name_and_the_head_stays_new() -> Result<()> {
+    let dev = Device::Cpu;
+    let (saved, fresh) = (VarMap::new(), VarMap::new());
+    ResNet::new(
+        Depth::R18,
+        10,
+        &VarBuilder::from_varmap(&saved, DType::F32, &dev),
+    )?;
+    ResNet::new(
+        Depth::R18,
+        3,
+        &VarBuilder::from_varmap(&fresh, DType::F32, &dev),
+    )?;
+    let path = std::env::temp_dir().join(format!(
+        "candle-amp-resnet-{}.safetensors",
+        std::process::id()
+    ));
+    saved.save(&path)?;
+    let loaded = resnet::load_backbone(&fresh, &path, &dev);
+    std::fs::remove_file(&path).ok();
+    let (s, f) = (saved.data().lock().unwrap(), fresh.data().lock().unwrap());
+    assert_eq!(
+        loaded?,
+        s.len() - 2,
+        "every backbone tensor, not fc.weight and fc.bias"
+    );
+    let same = |name: &str| -> Result<bool> {
+        let diff = (s[name].as_tensor() - f[name].as_tensor())?
+            .abs()?
+            .sum_all()?
+            .to_scalar::<f32>()?;
+        Ok(diff == 0.0)
+    };
+    assert!(same("layer3.1.conv2.weight")? && same("bn1.running_var")?);
+    assert_eq!(
+        f["fc.weight"].dims(),
+        [3, 512],
+        "the new head keeps its own shape"
+    );
+    drop((s, f));
+    let empty = std::env::temp_dir().join(format!(
+        "candle-amp-empty-{}.safetensors",
+        std::process::id()
+    ));
+    candle_core::safetensors::save(
+        &std::collections::HashMap::from([(
+            "x".to_string(),
+            candle_core::Tensor::zeros(1, DType::F32, &dev)?,
+        )]),
+        &empty,
+    )?;
+    let err = resnet::load_backbone(&fresh, &empty, &dev);
+    std::fs::remove_file(&empty).ok();
+    assert!(err.unwrap_err().to_string().contains("no backbone tensor"));
+    Ok(())
+}

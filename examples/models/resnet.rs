@@ -211,3 +211,35 @@ impl ResNet {
         Ok(self.fc.forward(&f)?)
     }
 }
+
+/// Sets every backbone variable that `path` holds under the same name and shape; the head
+/// (`fc.*`) stays new. Returns how many were loaded; a shape mismatch is an error.
+pub fn load_backbone(
+    vars: &candle_nn::VarMap,
+    path: &std::path::Path,
+    dev: &candle_core::Device,
+) -> Result<usize> {
+    let tensors = candle_core::safetensors::load(path, dev)?;
+    let data = vars
+        .data()
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut loaded = 0;
+    for (name, var) in data.iter().filter(|(n, _)| !n.starts_with("fc.")) {
+        if let Some(t) = tensors.get(name) {
+            if t.dims() != var.dims() {
+                candle_core::bail!(
+                    "{name}: the file has {:?}, the model {:?}",
+                    t.dims(),
+                    var.dims()
+                );
+            }
+            var.set(&t.to_dtype(candle_core::DType::F32)?)?;
+            loaded += 1;
+        }
+    }
+    if loaded == 0 {
+        candle_core::bail!("{}: no backbone tensor under the model's names (conv1.weight, layer1.0.conv1.weight, ..)", path.display());
+    }
+    Ok(loaded)
+}
