@@ -86,29 +86,21 @@ impl Geometry {
     }
 }
 
-/// The elements a contiguous layout addresses.
-fn contiguous<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
-    match layout.contiguous_offsets() {
-        Some((start, end)) => Ok(&data[start..end]),
-        None => candle_core::bail!("batch norm kernel: input must be contiguous"),
-    }
-}
-
 /// Runs `$body` with `$xs` bound to the contiguous elements of an f32, f16 or bf16 storage
 /// (and `$dys` to those of a second storage of the same dtype).
 macro_rules! with_floats {
     ($storage:expr, $layout:expr, |$xs:ident| $body:expr) => {
         match $storage {
             CpuStorage::F32(v) => {
-                let $xs = contiguous(v, $layout)?;
+                let $xs = super::contiguous(v, $layout, "batch norm")?;
                 $body
             }
             CpuStorage::F16(v) => {
-                let $xs = contiguous(v, $layout)?;
+                let $xs = super::contiguous(v, $layout, "batch norm")?;
                 $body
             }
             CpuStorage::BF16(v) => {
-                let $xs = contiguous(v, $layout)?;
+                let $xs = super::contiguous(v, $layout, "batch norm")?;
                 $body
             }
             other => candle_core::bail!(
@@ -120,15 +112,24 @@ macro_rules! with_floats {
     ($x:expr, $lx:expr, $dy:expr, $ldy:expr, |$xs:ident, $dys:ident| $body:expr) => {
         match ($x, $dy) {
             (CpuStorage::F32(x), CpuStorage::F32(dy)) => {
-                let ($xs, $dys) = (contiguous(x, $lx)?, contiguous(dy, $ldy)?);
+                let ($xs, $dys) = (
+                    super::contiguous(x, $lx, "batch norm")?,
+                    super::contiguous(dy, $ldy, "batch norm")?,
+                );
                 $body
             }
             (CpuStorage::F16(x), CpuStorage::F16(dy)) => {
-                let ($xs, $dys) = (contiguous(x, $lx)?, contiguous(dy, $ldy)?);
+                let ($xs, $dys) = (
+                    super::contiguous(x, $lx, "batch norm")?,
+                    super::contiguous(dy, $ldy, "batch norm")?,
+                );
                 $body
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(dy)) => {
-                let ($xs, $dys) = (contiguous(x, $lx)?, contiguous(dy, $ldy)?);
+                let ($xs, $dys) = (
+                    super::contiguous(x, $lx, "batch norm")?,
+                    super::contiguous(dy, $ldy, "batch norm")?,
+                );
                 $body
             }
             _ => candle_core::bail!("batch norm kernel: x and dy must share a float dtype"),
@@ -182,7 +183,10 @@ impl CustomOp3 for Normalisation {
         let (CpuStorage::F32(w), CpuStorage::F32(b)) = (weight, bias) else {
             candle_core::bail!("batch norm kernel: weight and bias must be f32")
         };
-        let (w, b) = (contiguous(w, lw)?, contiguous(b, lb)?);
+        let (w, b) = (
+            super::contiguous(w, lw, "batch norm")?,
+            super::contiguous(b, lb, "batch norm")?,
+        );
         if [w.len(), b.len(), self.mean.len(), self.invstd.len()] != [g.c; 4] {
             candle_core::bail!(
                 "batch norm kernel: per-channel values do not match {} channels",

@@ -463,11 +463,15 @@ fn in_dtype_of<'a>(
     let fresh = || Layout::contiguous(layout.shape());
     Ok(match (s, like) {
         (CpuStorage::F32(w), CpuStorage::BF16(_)) => (
-            Cow::Owned(CpuStorage::BF16(convert_slice(contiguous(w, layout)?))),
+            Cow::Owned(CpuStorage::BF16(convert_slice(super::contiguous(
+                w, layout, "conv2d",
+            )?))),
             fresh(),
         ),
         (CpuStorage::F32(w), CpuStorage::F16(_)) => (
-            Cow::Owned(CpuStorage::F16(convert_slice(contiguous(w, layout)?))),
+            Cow::Owned(CpuStorage::F16(convert_slice(super::contiguous(
+                w, layout, "conv2d",
+            )?))),
             fresh(),
         ),
         _ => (Cow::Borrowed(s), layout.clone()),
@@ -480,14 +484,6 @@ fn stored(sums: Vec<f32>, dtype: DType) -> CpuStorage {
         DType::BF16 => CpuStorage::BF16(sums.into_iter().map(half::bf16::from_f32).collect()),
         DType::F16 => CpuStorage::F16(sums.into_iter().map(half::f16::from_f32).collect()),
         _ => CpuStorage::F32(sums),
-    }
-}
-
-/// A contiguous slice of a contiguous layout (the op makes its operands contiguous).
-fn contiguous<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
-    match layout.contiguous_offsets() {
-        Some((start, end)) => Ok(&data[start..end]),
-        None => candle_core::bail!("conv2d kernel: operand not contiguous"),
     }
 }
 
@@ -506,8 +502,8 @@ impl CustomOp2 for GemmConv2d {
         let geo = Geometry::new(l1.dims(), l2.dims(), self.0);
         let (w, l2) = in_dtype_of(s2, l2, s1)?;
         let y = same_float!(s1, &*w, |x, w| geo.forward(
-            contiguous(x, l1)?,
-            contiguous(w, &l2)?,
+            super::contiguous(x, l1, "conv2d")?,
+            super::contiguous(w, &l2, "conv2d")?,
             None
         ));
         Ok((y, geo.out_shape()))
@@ -554,23 +550,23 @@ impl CustomOp3 for GemmConv2d {
         let y = match (s1, &*w, &*b) {
             (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
                 CpuStorage::F32(geo.forward(
-                    contiguous(x, l1)?,
-                    contiguous(w, l2)?,
-                    Some(contiguous(b, l3)?),
+                    super::contiguous(x, l1, "conv2d")?,
+                    super::contiguous(w, l2, "conv2d")?,
+                    Some(super::contiguous(b, l3, "conv2d")?),
                 ))
             }
             (CpuStorage::BF16(x), CpuStorage::BF16(w), CpuStorage::BF16(b)) => {
                 CpuStorage::BF16(geo.forward(
-                    contiguous(x, l1)?,
-                    contiguous(w, l2)?,
-                    Some(contiguous(b, l3)?),
+                    super::contiguous(x, l1, "conv2d")?,
+                    super::contiguous(w, l2, "conv2d")?,
+                    Some(super::contiguous(b, l3, "conv2d")?),
                 ))
             }
             (CpuStorage::F16(x), CpuStorage::F16(w), CpuStorage::F16(b)) => {
                 CpuStorage::F16(geo.forward(
-                    contiguous(x, l1)?,
-                    contiguous(w, l2)?,
-                    Some(contiguous(b, l3)?),
+                    super::contiguous(x, l1, "conv2d")?,
+                    super::contiguous(w, l2, "conv2d")?,
+                    Some(super::contiguous(b, l3, "conv2d")?),
                 ))
             }
             (a, b, c) => candle_core::bail!(
@@ -625,9 +621,9 @@ impl CustomOp1 for GradBias {
         }
         let (batch, channels) = (l.dims()[0], l.dims()[1]);
         let sums = match s {
-            CpuStorage::F32(g) => sums(contiguous(g, l)?, batch, channels),
-            CpuStorage::F16(g) => sums(contiguous(g, l)?, batch, channels),
-            CpuStorage::BF16(g) => sums(contiguous(g, l)?, batch, channels),
+            CpuStorage::F32(g) => sums(super::contiguous(g, l, "conv2d")?, batch, channels),
+            CpuStorage::F16(g) => sums(super::contiguous(g, l, "conv2d")?, batch, channels),
+            CpuStorage::BF16(g) => sums(super::contiguous(g, l, "conv2d")?, batch, channels),
             other => {
                 candle_core::bail!("conv2d bias gradient: unexpected dtype {:?}", other.dtype())
             }
@@ -652,8 +648,10 @@ impl CustomOp2 for GradInput {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let geo = self.0;
-        let gx = same_float!(s1, s2, |w, g| geo
-            .grad_input(contiguous(w, l1)?, contiguous(g, l2)?));
+        let gx = same_float!(s1, s2, |w, g| geo.grad_input(
+            super::contiguous(w, l1, "conv2d")?,
+            super::contiguous(g, l2, "conv2d")?
+        ));
         Ok((gx, Shape::from((geo.batch, geo.c_in, geo.h, geo.w))))
     }
 }
@@ -675,15 +673,18 @@ impl CustomOp2 for GradWeight {
     ) -> Result<(CpuStorage, Shape)> {
         let geo = self.0;
         let sums = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
-                geo.grad_weight(contiguous(x, l1)?, contiguous(g, l2)?)
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
-                geo.grad_weight(contiguous(x, l1)?, contiguous(g, l2)?)
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
-                geo.grad_weight(contiguous(x, l1)?, contiguous(g, l2)?)
-            }
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => geo.grad_weight(
+                super::contiguous(x, l1, "conv2d")?,
+                super::contiguous(g, l2, "conv2d")?,
+            ),
+            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => geo.grad_weight(
+                super::contiguous(x, l1, "conv2d")?,
+                super::contiguous(g, l2, "conv2d")?,
+            ),
+            (CpuStorage::F16(x), CpuStorage::F16(g)) => geo.grad_weight(
+                super::contiguous(x, l1, "conv2d")?,
+                super::contiguous(g, l2, "conv2d")?,
+            ),
             (a, b) => candle_core::bail!(
                 "conv2d weight gradient: expected two f32, f16 or bf16 operands, got {:?} and {:?}",
                 a.dtype(),

@@ -99,6 +99,19 @@ pub(crate) fn strided_offsets(layout: &Layout) -> impl Iterator<Item = usize> + 
     })
 }
 
+/// The elements of a contiguous layout: the ops make their operands contiguous before they
+/// reach a kernel, so anything else is a bug in the op, reported as an error naming `op`.
+pub(crate) fn contiguous<'a, T>(
+    data: &'a [T],
+    layout: &Layout,
+    op: &str,
+) -> candle_core::Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&data[start..end]),
+        None => candle_core::bail!("{op} kernel: operand not contiguous"),
+    }
+}
+
 /// The elements a layout addresses, in row-major order of its shape: the storage itself when
 /// contiguous, gathered into a new vector otherwise.
 pub(crate) fn elements<'a, T: Copy>(data: &'a [T], layout: &Layout) -> std::borrow::Cow<'a, [T]> {

@@ -102,13 +102,6 @@ fn planes(l: &Layout) -> (usize, usize, usize) {
     (d[0] * d[1], d[2], d[3])
 }
 
-fn slice<'a, T>(data: &'a [T], l: &Layout) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("max pool kernel: operand not contiguous"),
-    }
-}
-
 impl MaxPool {
     fn forward<T: Real + Send + Sync>(&self, x: &[T], l: &Layout) -> Vec<T> {
         let p = self.0;
@@ -138,9 +131,15 @@ impl CustomOp1 for MaxPool {
         let p = self.0;
         let d = l.dims();
         let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(self.forward(slice(x, l)?, l)),
-            CpuStorage::F16(x) => CpuStorage::F16(self.forward(slice(x, l)?, l)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(self.forward(slice(x, l)?, l)),
+            CpuStorage::F32(x) => {
+                CpuStorage::F32(self.forward(super::contiguous(x, l, "max pool")?, l))
+            }
+            CpuStorage::F16(x) => {
+                CpuStorage::F16(self.forward(super::contiguous(x, l, "max pool")?, l))
+            }
+            CpuStorage::BF16(x) => {
+                CpuStorage::BF16(self.forward(super::contiguous(x, l, "max pool")?, l))
+            }
             other => candle_core::bail!("max pool kernel: unexpected dtype {:?}", other.dtype()),
         };
         let (oh, ow) = p.out((d[2], d[3]));
@@ -196,15 +195,21 @@ impl CustomOp2 for MaxPoolGrad {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
-                CpuStorage::F32(self.run(slice(x, l1)?, l1, slice(g, l2)?))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
-                CpuStorage::F16(self.run(slice(x, l1)?, l1, slice(g, l2)?))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
-                CpuStorage::BF16(self.run(slice(x, l1)?, l1, slice(g, l2)?))
-            }
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(self.run(
+                super::contiguous(x, l1, "max pool")?,
+                l1,
+                super::contiguous(g, l2, "max pool")?,
+            )),
+            (CpuStorage::F16(x), CpuStorage::F16(g)) => CpuStorage::F16(self.run(
+                super::contiguous(x, l1, "max pool")?,
+                l1,
+                super::contiguous(g, l2, "max pool")?,
+            )),
+            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => CpuStorage::BF16(self.run(
+                super::contiguous(x, l1, "max pool")?,
+                l1,
+                super::contiguous(g, l2, "max pool")?,
+            )),
             (a, b) => {
                 candle_core::bail!("max pool grad: dtypes {:?} and {:?}", a.dtype(), b.dtype())
             }

@@ -25,13 +25,6 @@ pub(crate) fn relu(x: &Tensor) -> Result<Tensor> {
 /// Elements per parallel chunk.
 const CHUNK: usize = 1 << 14;
 
-fn slice<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
-    match layout.contiguous_offsets() {
-        Some((start, end)) => Ok(&data[start..end]),
-        None => candle_core::bail!("relu kernel: operand not contiguous"),
-    }
-}
-
 /// `f` over zipped chunks of `a` and `b` into a new vector, in parallel.
 fn zip_map<T: Real + Send + Sync>(a: &[T], b: &[T], f: impl Fn(T, T) -> T + Sync) -> Vec<T> {
     let mut out = vec![T::put(0.0); a.len()];
@@ -63,9 +56,9 @@ impl CustomOp1 for Relu {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(relu_of(slice(x, l)?)),
-            CpuStorage::F16(x) => CpuStorage::F16(relu_of(slice(x, l)?)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(relu_of(slice(x, l)?)),
+            CpuStorage::F32(x) => CpuStorage::F32(relu_of(super::contiguous(x, l, "relu")?)),
+            CpuStorage::F16(x) => CpuStorage::F16(relu_of(super::contiguous(x, l, "relu")?)),
+            CpuStorage::BF16(x) => CpuStorage::BF16(relu_of(super::contiguous(x, l, "relu")?)),
             other => candle_core::bail!("relu kernel: unexpected dtype {:?}", other.dtype()),
         };
         Ok((out, l.shape().clone()))
@@ -92,15 +85,18 @@ impl CustomOp2 for ReluGrad {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let out = match (s1, s2) {
-            (CpuStorage::F32(y), CpuStorage::F32(g)) => {
-                CpuStorage::F32(relu_grad(slice(y, l1)?, slice(g, l2)?))
-            }
-            (CpuStorage::F16(y), CpuStorage::F16(g)) => {
-                CpuStorage::F16(relu_grad(slice(y, l1)?, slice(g, l2)?))
-            }
-            (CpuStorage::BF16(y), CpuStorage::BF16(g)) => {
-                CpuStorage::BF16(relu_grad(slice(y, l1)?, slice(g, l2)?))
-            }
+            (CpuStorage::F32(y), CpuStorage::F32(g)) => CpuStorage::F32(relu_grad(
+                super::contiguous(y, l1, "relu")?,
+                super::contiguous(g, l2, "relu")?,
+            )),
+            (CpuStorage::F16(y), CpuStorage::F16(g)) => CpuStorage::F16(relu_grad(
+                super::contiguous(y, l1, "relu")?,
+                super::contiguous(g, l2, "relu")?,
+            )),
+            (CpuStorage::BF16(y), CpuStorage::BF16(g)) => CpuStorage::BF16(relu_grad(
+                super::contiguous(y, l1, "relu")?,
+                super::contiguous(g, l2, "relu")?,
+            )),
             (a, b) => candle_core::bail!(
                 "relu grad kernel: dtypes {:?} and {:?}",
                 a.dtype(),
