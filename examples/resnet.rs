@@ -376,6 +376,11 @@ fn main() -> Result<()> {
 
 fn run<Pol: Policy>(args: &Args, precision: AmpPrecision, init: &common::Init) -> Result<()> {
     if args.max_batch {
+        if !args.device.is_cpu() {
+            // The budget is the host heap this example's allocator counts; device memory would
+            // need the device's own allocator statistics, which candle does not expose.
+            candle_core::bail!("--max-batch measures host memory: run it with --device cpu");
+        }
         let budget = args.budget_mb << 20;
         if !args.json {
             eprintln!(
