@@ -26,14 +26,13 @@ mod bert_model;
 mod common;
 
 use std::path::PathBuf;
-use std::time::Instant;
 
 use bert_model::{BertForMaskedLM, Config, MaskedCounting, MlmBatch};
-use candle_amp::{GradScaler, Tensor, F32};
+use candle_amp::{Tensor, F32};
 use candle_core::{DType, Device, Result};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use clap::Parser;
-use serde::Serialize;
+use common::modes::{self, Mode, ModeResult};
 
 /// Trains a small BERT on masked-LM in f32, fp16 and bf16.
 #[derive(Parser, Debug, Clone)]
@@ -74,54 +73,27 @@ struct Args {
     out: PathBuf,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
-    F32,
-    Fp16,
-    Bf16,
-}
-
-impl Mode {
-    const ALL: [Self; 3] = [Self::F32, Self::Fp16, Self::Bf16];
-
-    fn name(self) -> &'static str {
-        match self {
-            Self::F32 => "f32",
-            Self::Fp16 => "fp16",
-            Self::Bf16 => "bf16",
-        }
-    }
-
-    fn loss(self, m: &BertForMaskedLM, batch: &MlmBatch) -> Result<Tensor<F32>> {
-        match self {
-            Self::F32 => bert_model::loss_f32(m, batch),
-            Self::Fp16 => bert_model::loss_fp16(m, batch),
-            Self::Bf16 => bert_model::loss_bf16(m, batch),
-        }
+/// The loss of one batch in `mode`.
+fn loss(mode: Mode, m: &BertForMaskedLM, batch: &MlmBatch) -> Result<Tensor<F32>> {
+    match mode {
+        Mode::F32 => bert_model::loss_f32(m, batch),
+        Mode::Fp16 => bert_model::loss_fp16(m, batch),
+        Mode::Bf16 => bert_model::loss_bf16(m, batch),
     }
 }
 
-#[derive(Serialize, Debug)]
-struct ModeResult {
-    ms_per_step: f64,
-    final_loss: f32,
-    peak_bytes: usize,
-    skipped_steps: u64,
-    #[serde(skip)]
-    losses: Vec<f32>,
-    /// The dtypes of the attention scores and probabilities in the last step.
-    #[serde(skip)]
-    attention: Option<(DType, DType)>,
-}
+/// The dtypes of the attention scores and probabilities in a mode's last step.
+type AttentionDtypes = Option<(DType, DType)>;
 
-/// Trains a fresh model from `init` in `mode`; returns the figures and the trained model.
+/// Trains a fresh model from `init` in `mode`; returns the figures, the attention's dtypes in
+/// the last step and the trained model.
 fn train(
     args: &Args,
     cfg: &Config,
     init: &common::Init,
     mode: Mode,
     label: bool,
-) -> Result<(ModeResult, BertForMaskedLM)> {
+) -> Result<(ModeResult, AttentionDtypes, BertForMaskedLM)> {
     let dev = Device::Cpu;
     let base = common::live_bytes();
     common::reset_peak();
@@ -134,36 +106,15 @@ fn train(
         ..ParamsAdamW::default()
     };
     let mut opt = AdamW::new(vars.all_vars(), params)?;
-    // fp16 needs loss scaling; bf16 has f32's range and, as in PyTorch, none.
-    let mut scaler = GradScaler::builder().enabled(mode == Mode::Fp16).build()?;
     let mut data = MaskedCounting::new(args.letters, 7);
-    let bar = common::progress(args.steps as u64, mode.name(), args.json || !label);
-    let (mut losses, mut start) = (Vec::with_capacity(args.steps), Instant::now());
-    for step in 0..args.steps {
-        if step == 1 {
-            start = Instant::now(); // the first step is the untimed warm-up
-        }
+    let quiet = args.json || !label;
+    let result = modes::run_steps(mode, args.steps, quiet, base, &mut opt, |opt, step| {
         opt.set_learning_rate(learning_rate(args, step));
         let batch = data.batch(args.batch, args.seq, &dev)?;
-        let l = mode.loss(&model, &batch)?;
-        let grads = scaler.scale(&l)?.backward()?;
-        let _ = scaler.step(&mut opt, grads)?;
-        scaler.update()?;
-        losses.push(l.to_scalar::<f32>()?);
-        bar.set_message(format!("loss {:.4}", losses[step]));
-        bar.inc(1);
-    }
-    bar.finish();
-    let timed = args.steps.saturating_sub(1).max(1);
-    let result = ModeResult {
-        ms_per_step: start.elapsed().as_secs_f64() * 1e3 / timed as f64,
-        final_loss: mean_tail(&losses),
-        peak_bytes: common::peak_since(base),
-        skipped_steps: scaler.skipped_steps(),
-        losses,
-        attention: model.attention_dtypes()[0],
-    };
-    Ok((result, model))
+        loss(mode, &model, &batch)
+    })?;
+    let attention = model.attention_dtypes()[0];
+    Ok((result, attention, model))
 }
 
 /// BERT's schedule: linear warm-up to `--lr`, then linear decay to 0 at the last step.
@@ -173,13 +124,6 @@ fn learning_rate(args: &Args, step: usize) -> f64 {
     } else {
         args.lr * (args.steps - step) as f64 / (args.steps - args.warmup) as f64
     }
-}
-
-/// The mean of the last tenth of the losses (at least one): the final loss, less one batch's
-/// noise.
-fn mean_tail(losses: &[f32]) -> f32 {
-    let n = (losses.len() / 10).max(1);
-    losses[losses.len() - n..].iter().sum::<f32>() / n as f32
 }
 
 /// Tokens as text: letters, and the special tokens by name.
@@ -211,7 +155,12 @@ fn fill_in(data: &MaskedCounting, model: &BertForMaskedLM) -> Result<(Vec<u32>, 
 }
 
 /// The comparison table, with the run's settings above and the attention's dtypes below.
-fn print_table(args: &Args, cfg: &Config, results: &[(Mode, ModeResult)]) {
+fn print_table(
+    args: &Args,
+    cfg: &Config,
+    results: &[(Mode, ModeResult)],
+    attention: &[AttentionDtypes],
+) {
     println!(
         "BERT ({} layer(s), hidden {}, {} heads, dropout {}), {} steps of batch {} x up to {} \
          tokens, AdamW lr {} ({} warm-up steps, linear decay)",
@@ -225,21 +174,11 @@ fn print_table(args: &Args, cfg: &Config, results: &[(Mode, ModeResult)]) {
         args.lr,
         args.warmup
     );
-    println!("| mode | ms per step | final loss | peak heap MiB | skipped steps |");
-    println!("|------|-------------|------------|---------------|---------------|");
-    for (mode, r) in results {
-        println!(
-            "| {:<4} | {:>11.2} | {:>10.4} | {:>13.1} | {:>13} |",
-            mode.name(),
-            r.ms_per_step,
-            r.final_loss,
-            r.peak_bytes as f64 / (1024.0 * 1024.0),
-            r.skipped_steps
-        );
-    }
+    modes::print_table(results);
     let dtypes: Vec<String> = results
         .iter()
-        .map(|(mode, r)| match r.attention {
+        .zip(attention)
+        .map(|((mode, _), attention)| match attention {
             Some((scores, probs)) => format!("{} {scores:?}/{probs:?}", mode.name()),
             None => format!("{} -", mode.name()),
         })
@@ -287,43 +226,31 @@ fn main() -> Result<()> {
     }
     let mut results = Vec::new();
     let mut f32_model = None;
+    let mut attention = Vec::new();
     for mode in Mode::ALL {
-        let (r, model) = train(&args, &cfg, &init, mode, true)?;
+        let (r, dtypes, model) = train(&args, &cfg, &init, mode, true)?;
         if mode == Mode::F32 {
             f32_model = Some(model);
         }
         results.push((mode, r));
+        attention.push(dtypes);
     }
 
     if args.json {
-        let mut json = serde_json::Map::new();
-        for (mode, r) in &results {
-            json.insert(
-                mode.name().into(),
-                serde_json::to_value(r).map_err(candle_core::Error::wrap)?,
-            );
-        }
-        println!("{}", serde_json::Value::Object(json));
+        println!("{}", modes::json(&results, &[])?);
         return Ok(());
     }
-    print_table(&args, &cfg, &results);
+    print_table(&args, &cfg, &results, &attention);
     let (masked, truth, guesses) = fill_in(&data, &f32_model.expect("f32 ran"))?;
     println!(
         "\ninput: {}\nmasked letters: {truth}\nf32 model's guesses: {guesses}",
         text(&data, &masked)
     );
-    std::fs::create_dir_all(&args.out).map_err(candle_core::Error::wrap)?;
-    let png = args.out.join("bert_loss.png");
-    let curves: Vec<(&str, &[f32])> = results
-        .iter()
-        .map(|(m, r)| (m.name(), r.losses.as_slice()))
-        .collect();
-    common::curves::draw_losses(
-        &png,
+    modes::draw(
+        &args.out,
+        "bert_loss.png",
         "bert: training loss (masked-LM cross-entropy)",
-        &curves,
-    )
-    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-    println!("wrote {}", png.display());
+        &results,
+    )?;
     Ok(())
 }

@@ -18,14 +18,13 @@ mod common;
 mod gpt_model;
 
 use std::path::PathBuf;
-use std::time::Instant;
 
-use candle_amp::{GradScaler, Tensor, F32};
+use candle_amp::{Tensor, F32};
 use candle_core::{DType, Device, Result};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use clap::Parser;
+use common::modes::{self, Mode, ModeResult};
 use gpt_model::{Config, Counting, Gpt};
-use serde::Serialize;
 
 /// Trains a small GPT in f32, fp16 and bf16 and generates with its KV cache.
 #[derive(Parser, Debug, Clone)]
@@ -57,41 +56,13 @@ struct Args {
     out: PathBuf,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
-    F32,
-    Fp16,
-    Bf16,
-}
-
-impl Mode {
-    const ALL: [Self; 3] = [Self::F32, Self::Fp16, Self::Bf16];
-
-    fn name(self) -> &'static str {
-        match self {
-            Self::F32 => "f32",
-            Self::Fp16 => "fp16",
-            Self::Bf16 => "bf16",
-        }
+/// The loss of one batch in `mode`.
+fn loss(mode: Mode, m: &mut Gpt, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
+    match mode {
+        Mode::F32 => gpt_model::loss_f32(m, ids),
+        Mode::Fp16 => gpt_model::loss_fp16(m, ids),
+        Mode::Bf16 => gpt_model::loss_bf16(m, ids),
     }
-
-    fn loss(self, m: &mut Gpt, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
-        match self {
-            Self::F32 => gpt_model::loss_f32(m, ids),
-            Self::Fp16 => gpt_model::loss_fp16(m, ids),
-            Self::Bf16 => gpt_model::loss_bf16(m, ids),
-        }
-    }
-}
-
-#[derive(Serialize, Debug)]
-struct ModeResult {
-    ms_per_step: f64,
-    final_loss: f32,
-    peak_bytes: usize,
-    skipped_steps: u64,
-    #[serde(skip)]
-    losses: Vec<f32>,
 }
 
 /// Trains a fresh model from `init` in `mode`; returns the figures and the trained model.
@@ -114,41 +85,13 @@ fn train(
         ..ParamsAdamW::default()
     };
     let mut opt = AdamW::new(vars.all_vars(), params)?;
-    // fp16 needs loss scaling; bf16 has f32's range and, as in PyTorch, none.
-    let mut scaler = GradScaler::builder().enabled(mode == Mode::Fp16).build()?;
     let mut data = Counting::new(args.vocab, 7);
-    let bar = common::progress(args.steps as u64, mode.name(), args.json || !label);
-    let (mut losses, mut start) = (Vec::with_capacity(args.steps), Instant::now());
-    for step in 0..args.steps {
-        if step == 1 {
-            start = Instant::now(); // the first step is the untimed warm-up
-        }
+    let quiet = args.json || !label;
+    let result = modes::run_steps(mode, args.steps, quiet, base, &mut opt, |_, _| {
         let ids = data.batch(args.batch, args.seq + 1, &dev)?;
-        let l = mode.loss(&mut model, &ids)?;
-        let grads = scaler.scale(&l)?.backward()?;
-        let _ = scaler.step(&mut opt, grads)?;
-        scaler.update()?;
-        losses.push(l.to_scalar::<f32>()?);
-        bar.set_message(format!("loss {:.4}", losses[step]));
-        bar.inc(1);
-    }
-    bar.finish();
-    let timed = args.steps.saturating_sub(1).max(1);
-    let result = ModeResult {
-        ms_per_step: start.elapsed().as_secs_f64() * 1e3 / timed as f64,
-        final_loss: mean_tail(&losses),
-        peak_bytes: common::peak_since(base),
-        skipped_steps: scaler.skipped_steps(),
-        losses,
-    };
+        loss(mode, &mut model, &ids)
+    })?;
     Ok((result, model))
-}
-
-/// The mean of the last tenth of the losses (at least one): the final loss, less one batch's
-/// noise.
-fn mean_tail(losses: &[f32]) -> f32 {
-    let n = (losses.len() / 10).max(1);
-    losses[losses.len() - n..].iter().sum::<f32>() / n as f32
 }
 
 fn letters(tokens: &[u32]) -> String {
@@ -202,51 +145,26 @@ fn main() -> Result<()> {
     let kv_diff = gpt_model::max_abs_diff(&cached, &full);
 
     if args.json {
-        let mut json = serde_json::Map::new();
-        for (mode, r) in &results {
-            json.insert(
-                mode.name().into(),
-                serde_json::to_value(r).map_err(candle_core::Error::wrap)?,
-            );
-        }
-        json.insert("kv_cache_max_abs_diff".into(), f64::from(kv_diff).into());
-        println!("{}", serde_json::Value::Object(json));
+        let kv = ("kv_cache_max_abs_diff", f64::from(kv_diff).into());
+        println!("{}", modes::json(&results, &[kv])?);
         return Ok(());
     }
     println!(
         "GPT ({} layers, width {}, {} heads), {} steps of batch {} x {} tokens, AdamW lr {}",
         cfg.n_layer, cfg.n_embd, cfg.n_head, args.steps, args.batch, args.seq, args.lr
     );
-    println!("| mode | ms per step | final loss | peak heap MiB | skipped steps |");
-    println!("|------|-------------|------------|---------------|---------------|");
-    for (mode, r) in &results {
-        println!(
-            "| {:<4} | {:>11.2} | {:>10.4} | {:>13.1} | {:>13} |",
-            mode.name(),
-            r.ms_per_step,
-            r.final_loss,
-            r.peak_bytes as f64 / (1024.0 * 1024.0),
-            r.skipped_steps
-        );
-    }
+    modes::print_table(&results);
     println!(
         "\nprompt: {}\ngenerated (f32 model, KV cache): {}\nKV-cached logits vs full recompute: \
          max |diff| {kv_diff:.2e}",
         letters(&prompt),
         letters(&tokens)
     );
-    std::fs::create_dir_all(&args.out).map_err(candle_core::Error::wrap)?;
-    let png = args.out.join("gpt_loss.png");
-    let curves: Vec<(&str, &[f32])> = results
-        .iter()
-        .map(|(m, r)| (m.name(), r.losses.as_slice()))
-        .collect();
-    common::curves::draw_losses(
-        &png,
+    modes::draw(
+        &args.out,
+        "gpt_loss.png",
         "gpt: training loss (next-token cross-entropy)",
-        &curves,
-    )
-    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-    println!("wrote {}", png.display());
+        &results,
+    )?;
     Ok(())
 }

@@ -243,17 +243,11 @@ fn train<Pol: Policy>(
     Ok(ModeResult {
         ms_per_step: timed.as_secs_f64() * 1e3 / losses.len().max(1) as f64,
         peak_bytes: common::peak_since(base),
-        final_loss: tail_mean(&losses),
+        final_loss: common::mean_tail(&losses),
         val_accuracy,
         skipped_steps: scaler.skipped_steps(),
         losses,
     })
-}
-
-/// The mean of the last tenth of `losses` (one batch's loss is noisy).
-fn tail_mean(losses: &[f32]) -> f32 {
-    let tail = &losses[losses.len() - (losses.len() / 10).max(1)..];
-    tail.iter().sum::<f32>() / tail.len() as f32
 }
 
 /// Validation accuracy in percent, in eval mode.

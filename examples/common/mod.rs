@@ -15,6 +15,7 @@ use serde::Serialize;
 
 pub mod curves;
 mod device;
+pub mod modes;
 #[allow(unused_imports)] // not every example takes `--device`
 pub use device::parse_device;
 
@@ -355,3 +356,9 @@ pub fn register_font() {
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;
+/// The mean of the last tenth of the losses (at least one): the final loss, less one batch's
+/// noise.
+pub fn mean_tail(losses: &[f32]) -> f32 {
+    let n = (losses.len() / 10).max(1);
+    losses[losses.len() - n..].iter().sum::<f32>() / n as f32
+}

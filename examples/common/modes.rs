@@ -1,0 +1,124 @@
+//! The transformer examples' three training modes (f32, fp16 with a GradScaler, bf16 without)
+//! from the same initial weights: the step loop, the table, the JSON and the loss curves.
+
+use std::path::Path;
+use std::time::Instant;
+
+use candle_amp::{GradScaler, Tensor, F32};
+use candle_core::Result;
+use candle_nn::Optimizer;
+use serde::Serialize;
+
+/// One training mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    F32,
+    Fp16,
+    Bf16,
+}
+
+impl Mode {
+    pub const ALL: [Self; 3] = [Self::F32, Self::Fp16, Self::Bf16];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Fp16 => "fp16",
+            Self::Bf16 => "bf16",
+        }
+    }
+}
+
+/// One mode's figures, the fields of its `--json` object.
+#[derive(Serialize, Debug)]
+pub struct ModeResult {
+    pub ms_per_step: f64,
+    pub final_loss: f32,
+    pub peak_bytes: usize,
+    pub skipped_steps: u64,
+    #[serde(skip)]
+    pub losses: Vec<f32>,
+}
+
+/// `steps` steps of `loss(opt, step)` in `mode`, with the GradScaler loop (enabled for fp16
+/// only: bf16 has f32's range and, as in PyTorch, no loss scaling); `loss` may set the
+/// optimizer's rate first. The first step is the untimed warm-up; the peak counts from `base`
+/// (read before the model was made). `quiet` hides the progress bar.
+pub fn run_steps<O: Optimizer>(
+    mode: Mode,
+    steps: usize,
+    quiet: bool,
+    base: usize,
+    opt: &mut O,
+    mut loss: impl FnMut(&mut O, usize) -> Result<Tensor<F32>>,
+) -> Result<ModeResult> {
+    let mut scaler = GradScaler::builder().enabled(mode == Mode::Fp16).build()?;
+    let bar = super::progress(steps as u64, mode.name(), quiet);
+    let (mut losses, mut start) = (Vec::with_capacity(steps), Instant::now());
+    for step in 0..steps {
+        if step == 1 {
+            start = Instant::now(); // the first step is the untimed warm-up
+        }
+        let l = loss(opt, step)?;
+        let grads = scaler.scale(&l)?.backward()?;
+        let _ = scaler.step(opt, grads)?;
+        scaler.update()?;
+        losses.push(l.to_scalar::<f32>()?);
+        bar.set_message(format!("loss {:.4}", losses[step]));
+        bar.inc(1);
+    }
+    bar.finish();
+    let timed = steps.saturating_sub(1).max(1);
+    Ok(ModeResult {
+        ms_per_step: start.elapsed().as_secs_f64() * 1e3 / timed as f64,
+        final_loss: super::mean_tail(&losses),
+        peak_bytes: super::peak_since(base),
+        skipped_steps: scaler.skipped_steps(),
+        losses,
+    })
+}
+
+/// The comparison table, one row per mode.
+pub fn print_table(results: &[(Mode, ModeResult)]) {
+    println!("| mode | ms per step | final loss | peak heap MiB | skipped steps |");
+    println!("|------|-------------|------------|---------------|---------------|");
+    for (mode, r) in results {
+        println!(
+            "| {:<4} | {:>11.2} | {:>10.4} | {:>13.1} | {:>13} |",
+            mode.name(),
+            r.ms_per_step,
+            r.final_loss,
+            r.peak_bytes as f64 / (1024.0 * 1024.0),
+            r.skipped_steps
+        );
+    }
+}
+
+/// `{"f32": {..}, "fp16": {..}, "bf16": {..}}` plus the `extra` fields, on one line.
+pub fn json(results: &[(Mode, ModeResult)], extra: &[(&str, serde_json::Value)]) -> Result<String> {
+    let mut json = serde_json::Map::new();
+    for (mode, r) in results {
+        json.insert(
+            mode.name().into(),
+            serde_json::to_value(r).map_err(candle_core::Error::wrap)?,
+        );
+    }
+    for (key, value) in extra {
+        json.insert((*key).into(), value.clone());
+    }
+    Ok(serde_json::Value::Object(json).to_string())
+}
+
+/// The loss curves of every mode in `out/file`; prints where they went.
+pub fn draw(out: &Path, file: &str, title: &str, results: &[(Mode, ModeResult)]) -> Result<()> {
+    std::fs::create_dir_all(out).map_err(candle_core::Error::wrap)?;
+    let png = out.join(file);
+    let curves: Vec<(&str, &[f32])> = results
+        .iter()
+        .map(|(m, r)| (m.name(), r.losses.as_slice()))
+        .collect();
+    super::curves::draw_losses(&png, title, &curves)
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    println!("wrote {}", png.display());
+    Ok(())
+}
