@@ -86,57 +86,6 @@ impl Geometry {
     }
 }
 
-/// Runs `$body` with `$xs` bound to the contiguous elements of an f32, f16 or bf16 storage
-/// (and `$dys` to those of a second storage of the same dtype).
-macro_rules! with_floats {
-    ($storage:expr, $layout:expr, |$xs:ident| $body:expr) => {
-        match $storage {
-            CpuStorage::F32(v) => {
-                let $xs = super::contiguous(v, $layout, "batch norm")?;
-                $body
-            }
-            CpuStorage::F16(v) => {
-                let $xs = super::contiguous(v, $layout, "batch norm")?;
-                $body
-            }
-            CpuStorage::BF16(v) => {
-                let $xs = super::contiguous(v, $layout, "batch norm")?;
-                $body
-            }
-            other => candle_core::bail!(
-                "batch norm kernel: expected f32, f16 or bf16, got {:?}",
-                candle_core::backend::BackendStorage::dtype(other)
-            ),
-        }
-    };
-    ($x:expr, $lx:expr, $dy:expr, $ldy:expr, |$xs:ident, $dys:ident| $body:expr) => {
-        match ($x, $dy) {
-            (CpuStorage::F32(x), CpuStorage::F32(dy)) => {
-                let ($xs, $dys) = (
-                    super::contiguous(x, $lx, "batch norm")?,
-                    super::contiguous(dy, $ldy, "batch norm")?,
-                );
-                $body
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(dy)) => {
-                let ($xs, $dys) = (
-                    super::contiguous(x, $lx, "batch norm")?,
-                    super::contiguous(dy, $ldy, "batch norm")?,
-                );
-                $body
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(dy)) => {
-                let ($xs, $dys) = (
-                    super::contiguous(x, $lx, "batch norm")?,
-                    super::contiguous(dy, $ldy, "batch norm")?,
-                );
-                $body
-            }
-            _ => candle_core::bail!("batch norm kernel: x and dy must share a float dtype"),
-        }
-    };
-}
-
 /// Two f64 values per channel from `x` alone: mean and biased variance.
 struct ChannelStats;
 
@@ -147,7 +96,8 @@ impl CustomOp1 for ChannelStats {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::of(layout)?;
-        let (mean, var): (Vec<f64>, Vec<f64>) = with_floats!(storage, layout, |xs| stats(xs, g));
+        let (mean, var): (Vec<f64>, Vec<f64>) =
+            with_floats!("batch norm", storage, layout, |xs| stats(xs, g));
         Ok((CpuStorage::F64([mean, var].concat()), Shape::from((2, g.c))))
     }
 }
@@ -201,7 +151,7 @@ impl CustomOp3 for Normalisation {
             scale: &scale,
             shift: b,
         };
-        let y = with_floats!(x, lx, |xs| WithDType::to_cpu_storage_owned(
+        let y = with_floats!("batch norm", x, lx, |xs| WithDType::to_cpu_storage_owned(
             affine.apply(xs, None, g)
         ));
         Ok((y, lx.shape().clone()))
@@ -313,7 +263,9 @@ impl CustomOp2 for GradSums {
     ) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::of(lx)?;
         let (sum_dy, sum_dy_xhat) =
-            with_floats!(x, lx, dy, ldy, |xs, dys| grad_sums(xs, dys, &self.0, g));
+            with_floats!("batch norm", x, lx, dy, ldy, |xs, dys| grad_sums(
+                xs, dys, &self.0, g
+            ));
         Ok((
             CpuStorage::F64([sum_dy, sum_dy_xhat].concat()),
             Shape::from((2, g.c)),
@@ -370,9 +322,9 @@ impl CustomOp2 for InputGrad {
             scale: &self.p,
             shift: &self.q,
         };
-        let dx = with_floats!(x, lx, dy, ldy, |xs, dys| WithDType::to_cpu_storage_owned(
-            affine.apply(xs, Some((dys, &self.k)), g)
-        ));
+        let dx = with_floats!("batch norm", x, lx, dy, ldy, |xs, dys| {
+            WithDType::to_cpu_storage_owned(affine.apply(xs, Some((dys, &self.k)), g))
+        });
         Ok((dx, lx.shape().clone()))
     }
 }

@@ -17,8 +17,7 @@
 //! parallel when each image's product is small, otherwise one at a time with the GEMM parallel.
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result,
-    Shape, Tensor,
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
 };
 use std::ops::Range;
 
@@ -434,23 +433,6 @@ impl Geometry {
 /// The conv op with its backward (see the module docs).
 struct GemmConv2d(Conv2dParams);
 
-/// Runs `$body` with `$x`, `$y` bound to the slices of two CPU storages of one float dtype,
-/// wrapping the `Vec` it returns in that dtype's storage.
-macro_rules! same_float {
-    ($s1:expr, $s2:expr, |$x:ident, $y:ident| $body:expr) => {
-        match ($s1, $s2) {
-            (CpuStorage::F32($x), CpuStorage::F32($y)) => CpuStorage::F32($body),
-            (CpuStorage::BF16($x), CpuStorage::BF16($y)) => CpuStorage::BF16($body),
-            (CpuStorage::F16($x), CpuStorage::F16($y)) => CpuStorage::F16($body),
-            (a, b) => candle_core::bail!(
-                "conv2d kernel: expected two f32, f16 or bf16 operands, got {:?} and {:?}",
-                a.dtype(),
-                b.dtype()
-            ),
-        }
-    };
-}
-
 /// `s` (contiguous, `layout`) in the dtype of `like`, with its layout: itself, or an f32
 /// master rounded to the half dtype of `like` (contiguous from 0).
 fn in_dtype_of<'a>(
@@ -487,6 +469,22 @@ fn stored(sums: Vec<f32>, dtype: DType) -> CpuStorage {
     }
 }
 
+/// The conv's forward on storages of one float dtype (the kernel and bias already in `x`'s).
+fn forward_storage(
+    geo: &Geometry,
+    (x, lx): (&CpuStorage, &Layout),
+    (w, lw): (&CpuStorage, &Layout),
+    bias: Option<(&CpuStorage, &Layout)>,
+) -> Result<CpuStorage> {
+    Ok(with_floats!("conv2d", x, lx, w, lw, |x, w| {
+        let b = match bias {
+            Some((s, l)) => Some(super::contiguous(s.as_slice()?, l, "conv2d")?),
+            None => None,
+        };
+        WithDType::to_cpu_storage_owned(geo.forward(x, w, b))
+    }))
+}
+
 impl CustomOp2 for GemmConv2d {
     fn name(&self) -> &'static str {
         "amp-gemm-conv2d"
@@ -501,11 +499,7 @@ impl CustomOp2 for GemmConv2d {
     ) -> Result<(CpuStorage, Shape)> {
         let geo = Geometry::new(l1.dims(), l2.dims(), self.0);
         let (w, l2) = in_dtype_of(s2, l2, s1)?;
-        let y = same_float!(s1, &*w, |x, w| geo.forward(
-            super::contiguous(x, l1, "conv2d")?,
-            super::contiguous(w, &l2, "conv2d")?,
-            None
-        ));
+        let y = forward_storage(&geo, (s1, l1), (&w, &l2), None)?;
         Ok((y, geo.out_shape()))
     }
 
@@ -546,36 +540,7 @@ impl CustomOp3 for GemmConv2d {
     ) -> Result<(CpuStorage, Shape)> {
         let geo = Geometry::new(l1.dims(), l2.dims(), self.0);
         let ((w, l2), (b, l3)) = (in_dtype_of(s2, l2, s1)?, in_dtype_of(s3, l3, s1)?);
-        let (l2, l3) = (&l2, &l3);
-        let y = match (s1, &*w, &*b) {
-            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
-                CpuStorage::F32(geo.forward(
-                    super::contiguous(x, l1, "conv2d")?,
-                    super::contiguous(w, l2, "conv2d")?,
-                    Some(super::contiguous(b, l3, "conv2d")?),
-                ))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(w), CpuStorage::BF16(b)) => {
-                CpuStorage::BF16(geo.forward(
-                    super::contiguous(x, l1, "conv2d")?,
-                    super::contiguous(w, l2, "conv2d")?,
-                    Some(super::contiguous(b, l3, "conv2d")?),
-                ))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(w), CpuStorage::F16(b)) => {
-                CpuStorage::F16(geo.forward(
-                    super::contiguous(x, l1, "conv2d")?,
-                    super::contiguous(w, l2, "conv2d")?,
-                    Some(super::contiguous(b, l3, "conv2d")?),
-                ))
-            }
-            (a, b, c) => candle_core::bail!(
-                "conv2d kernel: expected three f32, f16 or bf16 operands, got {:?}, {:?} and {:?}",
-                a.dtype(),
-                b.dtype(),
-                c.dtype()
-            ),
-        };
+        let y = forward_storage(&geo, (s1, l1), (&w, &l2), Some((&b, &l3)))?;
         Ok((y, geo.out_shape()))
     }
 
@@ -620,14 +585,7 @@ impl CustomOp1 for GradBias {
                 .collect()
         }
         let (batch, channels) = (l.dims()[0], l.dims()[1]);
-        let sums = match s {
-            CpuStorage::F32(g) => sums(super::contiguous(g, l, "conv2d")?, batch, channels),
-            CpuStorage::F16(g) => sums(super::contiguous(g, l, "conv2d")?, batch, channels),
-            CpuStorage::BF16(g) => sums(super::contiguous(g, l, "conv2d")?, batch, channels),
-            other => {
-                candle_core::bail!("conv2d bias gradient: unexpected dtype {:?}", other.dtype())
-            }
-        };
+        let sums = with_floats!("conv2d bias gradient", s, l, |g| sums(g, batch, channels));
         Ok((stored(sums, self.0), Shape::from(channels)))
     }
 }
@@ -648,10 +606,9 @@ impl CustomOp2 for GradInput {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let geo = self.0;
-        let gx = same_float!(s1, s2, |w, g| geo.grad_input(
-            super::contiguous(w, l1, "conv2d")?,
-            super::contiguous(g, l2, "conv2d")?
-        ));
+        let gx = with_floats!("conv2d input gradient", s1, l1, s2, l2, |w, g| {
+            WithDType::to_cpu_storage_owned(geo.grad_input(w, g))
+        });
         Ok((gx, Shape::from((geo.batch, geo.c_in, geo.h, geo.w))))
     }
 }
@@ -672,25 +629,9 @@ impl CustomOp2 for GradWeight {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let geo = self.0;
-        let sums = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => geo.grad_weight(
-                super::contiguous(x, l1, "conv2d")?,
-                super::contiguous(g, l2, "conv2d")?,
-            ),
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => geo.grad_weight(
-                super::contiguous(x, l1, "conv2d")?,
-                super::contiguous(g, l2, "conv2d")?,
-            ),
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => geo.grad_weight(
-                super::contiguous(x, l1, "conv2d")?,
-                super::contiguous(g, l2, "conv2d")?,
-            ),
-            (a, b) => candle_core::bail!(
-                "conv2d weight gradient: expected two f32, f16 or bf16 operands, got {:?} and {:?}",
-                a.dtype(),
-                b.dtype()
-            ),
-        };
+        let sums = with_floats!("conv2d weight gradient", s1, l1, s2, l2, |x, g| {
+            geo.grad_weight(x, g)
+        });
         let shape = Shape::from((geo.c_out, geo.c_in_g(), geo.kh, geo.kw));
         Ok((stored(sums, self.1), shape))
     }

@@ -17,6 +17,65 @@
 //! - [`unscale`]: the multi-tensor "multiply by inv_scale in place and record non-finite values"
 //!   pass behind `GradScaler`, one pass over every gradient.
 
+/// Runs `$body` with `$xs` bound to the contiguous elements of an f32, f16 or bf16 CPU storage
+/// (and `$dys` to those of a second storage of the same dtype), whatever the dtype: the one
+/// dtype dispatch of the kernels. `$op` names the kernel in the errors. A body producing a
+/// `Vec<T>` in the same dtype wraps it with `WithDType::to_cpu_storage_owned`.
+macro_rules! with_floats {
+    ($op:expr, $storage:expr, $layout:expr, |$xs:ident| $body:expr) => {
+        match $storage {
+            candle_core::CpuStorage::F32(v) => {
+                let $xs = $crate::kernels::contiguous(v, $layout, $op)?;
+                $body
+            }
+            candle_core::CpuStorage::F16(v) => {
+                let $xs = $crate::kernels::contiguous(v, $layout, $op)?;
+                $body
+            }
+            candle_core::CpuStorage::BF16(v) => {
+                let $xs = $crate::kernels::contiguous(v, $layout, $op)?;
+                $body
+            }
+            other => candle_core::bail!(
+                "{} kernel: expected f32, f16 or bf16, got {:?}",
+                $op,
+                candle_core::backend::BackendStorage::dtype(other)
+            ),
+        }
+    };
+    ($op:expr, $x:expr, $lx:expr, $dy:expr, $ldy:expr, |$xs:ident, $dys:ident| $body:expr) => {
+        match ($x, $dy) {
+            (candle_core::CpuStorage::F32(x), candle_core::CpuStorage::F32(dy)) => {
+                let ($xs, $dys) = (
+                    $crate::kernels::contiguous(x, $lx, $op)?,
+                    $crate::kernels::contiguous(dy, $ldy, $op)?,
+                );
+                $body
+            }
+            (candle_core::CpuStorage::F16(x), candle_core::CpuStorage::F16(dy)) => {
+                let ($xs, $dys) = (
+                    $crate::kernels::contiguous(x, $lx, $op)?,
+                    $crate::kernels::contiguous(dy, $ldy, $op)?,
+                );
+                $body
+            }
+            (candle_core::CpuStorage::BF16(x), candle_core::CpuStorage::BF16(dy)) => {
+                let ($xs, $dys) = (
+                    $crate::kernels::contiguous(x, $lx, $op)?,
+                    $crate::kernels::contiguous(dy, $ldy, $op)?,
+                );
+                $body
+            }
+            (a, b) => candle_core::bail!(
+                "{} kernel: expected two operands of one float dtype, got {:?} and {:?}",
+                $op,
+                candle_core::backend::BackendStorage::dtype(a),
+                candle_core::backend::BackendStorage::dtype(b)
+            ),
+        }
+    };
+}
+
 pub(crate) mod batch_norm;
 mod conv2d;
 mod convert;

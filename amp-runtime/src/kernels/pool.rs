@@ -7,7 +7,7 @@
 //! overlap.
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor,
+    CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType,
 };
 use rayon::prelude::*;
 
@@ -130,18 +130,9 @@ impl CustomOp1 for MaxPool {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let p = self.0;
         let d = l.dims();
-        let out = match s {
-            CpuStorage::F32(x) => {
-                CpuStorage::F32(self.forward(super::contiguous(x, l, "max pool")?, l))
-            }
-            CpuStorage::F16(x) => {
-                CpuStorage::F16(self.forward(super::contiguous(x, l, "max pool")?, l))
-            }
-            CpuStorage::BF16(x) => {
-                CpuStorage::BF16(self.forward(super::contiguous(x, l, "max pool")?, l))
-            }
-            other => candle_core::bail!("max pool kernel: unexpected dtype {:?}", other.dtype()),
-        };
+        let out = with_floats!("max pool", s, l, |x| WithDType::to_cpu_storage_owned(
+            self.forward(x, l)
+        ));
         let (oh, ow) = p.out((d[2], d[3]));
         Ok((out, Shape::from((d[0], d[1], oh, ow))))
     }
@@ -194,26 +185,9 @@ impl CustomOp2 for MaxPoolGrad {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(self.run(
-                super::contiguous(x, l1, "max pool")?,
-                l1,
-                super::contiguous(g, l2, "max pool")?,
-            )),
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => CpuStorage::F16(self.run(
-                super::contiguous(x, l1, "max pool")?,
-                l1,
-                super::contiguous(g, l2, "max pool")?,
-            )),
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => CpuStorage::BF16(self.run(
-                super::contiguous(x, l1, "max pool")?,
-                l1,
-                super::contiguous(g, l2, "max pool")?,
-            )),
-            (a, b) => {
-                candle_core::bail!("max pool grad: dtypes {:?} and {:?}", a.dtype(), b.dtype())
-            }
-        };
+        let out = with_floats!("max pool grad", s1, l1, s2, l2, |x, g| {
+            WithDType::to_cpu_storage_owned(self.run(x, l1, g))
+        });
         Ok((out, l1.shape().clone()))
     }
 }

@@ -7,7 +7,7 @@
 //! maps it to 0, which would hide an overflow from the GradScaler and the overflow locator).
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor,
+    CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType,
 };
 use rayon::prelude::*;
 
@@ -55,12 +55,9 @@ impl CustomOp1 for Relu {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(relu_of(super::contiguous(x, l, "relu")?)),
-            CpuStorage::F16(x) => CpuStorage::F16(relu_of(super::contiguous(x, l, "relu")?)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(relu_of(super::contiguous(x, l, "relu")?)),
-            other => candle_core::bail!("relu kernel: unexpected dtype {:?}", other.dtype()),
-        };
+        let out = with_floats!("relu", s, l, |x| WithDType::to_cpu_storage_owned(relu_of(
+            x
+        )));
         Ok((out, l.shape().clone()))
     }
 
@@ -84,25 +81,9 @@ impl CustomOp2 for ReluGrad {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match (s1, s2) {
-            (CpuStorage::F32(y), CpuStorage::F32(g)) => CpuStorage::F32(relu_grad(
-                super::contiguous(y, l1, "relu")?,
-                super::contiguous(g, l2, "relu")?,
-            )),
-            (CpuStorage::F16(y), CpuStorage::F16(g)) => CpuStorage::F16(relu_grad(
-                super::contiguous(y, l1, "relu")?,
-                super::contiguous(g, l2, "relu")?,
-            )),
-            (CpuStorage::BF16(y), CpuStorage::BF16(g)) => CpuStorage::BF16(relu_grad(
-                super::contiguous(y, l1, "relu")?,
-                super::contiguous(g, l2, "relu")?,
-            )),
-            (a, b) => candle_core::bail!(
-                "relu grad kernel: dtypes {:?} and {:?}",
-                a.dtype(),
-                b.dtype()
-            ),
-        };
+        let out = with_floats!("relu grad", s1, l1, s2, l2, |y, g| {
+            WithDType::to_cpu_storage_owned(relu_grad(y, g))
+        });
         Ok((out, l1.shape().clone()))
     }
 }
