@@ -265,31 +265,16 @@ impl Geometry {
         let n = images.len() * self.pixels();
         if images.len() == 1 {
             let offset = images.start * self.image_out() + g * self.c_out_g() * n;
-            return MatRef {
-                data: y,
-                offset,
-                rs: n,
-                cs: 1,
-            };
+            return MatRef::row_major(y, offset, n);
         }
         *buf = self.gather_out(y, g, images);
-        MatRef {
-            data: &buf[..],
-            offset: 0,
-            rs: n,
-            cs: 1,
-        }
+        MatRef::row_major(&buf[..], 0, n)
     }
 
     /// Group `g`'s weight `(c_out_g, col_rows)`, a view of the contiguous kernel.
     fn weight<'a, T>(&self, w: &'a [T], g: usize) -> MatRef<'a, T> {
         let rows = self.col_rows();
-        MatRef {
-            data: w,
-            offset: g * self.c_out_g() * rows,
-            rs: rows,
-            cs: 1,
-        }
+        MatRef::row_major(w, g * self.c_out_g() * rows, rows)
     }
 
     /// The im2col matrix of group `g` for `images` as a view: the image itself for a 1x1,
@@ -305,20 +290,10 @@ impl Geometry {
         let n = images.len() * self.pixels();
         if self.pointwise() && images.len() == 1 {
             let offset = images.start * self.image_in() + g * self.col_rows() * n;
-            return MatRef {
-                data: x,
-                offset,
-                rs: n,
-                cs: 1,
-            };
+            return MatRef::row_major(x, offset, n);
         }
         *buf = self.columns(x, g, images, zero);
-        MatRef {
-            data: &buf[..],
-            offset: 0,
-            rs: n,
-            cs: 1,
-        }
+        MatRef::row_major(&buf[..], 0, n)
     }
 
     /// `y = conv(x, w) + bias`, `(batch, c_out, out_h, out_w)` in `T`.

@@ -32,6 +32,18 @@ pub(crate) struct MatRef<'a, T> {
     pub cs: usize,
 }
 
+impl<'a, T> MatRef<'a, T> {
+    /// A row-major matrix of `row_len` columns starting at `offset`.
+    pub fn row_major(data: &'a [T], offset: usize, row_len: usize) -> Self {
+        Self {
+            data,
+            offset,
+            rs: row_len,
+            cs: 1,
+        }
+    }
+}
+
 #[cfg(test)]
 impl<T: Copy> MatRef<'_, T> {
     fn at(&self, i: usize, j: usize) -> T {
