@@ -45,7 +45,7 @@
 use candle_core::{Result, Var};
 use candle_nn::{Conv1dConfig, Conv2dConfig, VarBuilder};
 
-use super::{master_weight_and_bias, region_forward, weight_as, AmpLayer};
+use super::{count_master_casts, master_weight_and_bias, region_forward, weight_as, AmpLayer};
 use crate::op;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
@@ -114,10 +114,7 @@ impl Conv2d {
             dilation: c.dilation,
             groups: c.groups,
         };
-        if P::DTYPE != candle_core::DType::F32 {
-            let elements = w.elem_count() + bias.map_or(0, |b| b.elem_count());
-            crate::cast::count_casts(1 + u64::from(bias.is_some()), elements, P::DTYPE);
-        }
+        count_master_casts::<P>(w, bias);
         crate::kernels::conv2d(
             x.as_candle(),
             w.as_tensor(),

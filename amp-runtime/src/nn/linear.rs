@@ -38,10 +38,10 @@
 //! # Ok(()) }
 //! ```
 
-use candle_core::{DType, Result, Var};
+use candle_core::{Result, Var};
 use candle_nn::VarBuilder;
 
-use super::{master_weight_and_bias, region_forward, weight_as, AmpLayer};
+use super::{count_master_casts, master_weight_and_bias, region_forward, weight_as, AmpLayer};
 use crate::op;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
@@ -86,11 +86,7 @@ impl Linear {
         if x.rank() <= 2 || x.is_contiguous() {
             // One 2-D product on the f32 masters; in half precision on CPU, one op that rounds
             // them inside (counted as the two casts it stands for).
-            if P::DTYPE != DType::F32 {
-                let bias = self.bias.as_ref().map_or(0, |b| b.elem_count());
-                let elements = self.weight.elem_count() + bias;
-                crate::cast::count_casts(1 + u64::from(self.bias.is_some()), elements, P::DTYPE);
-            }
+            count_master_casts::<P>(&self.weight, self.bias.as_ref());
             let rows = lead.iter().product::<usize>();
             let y = crate::kernels::linear(
                 x.reshape((rows, k))?.as_candle(),

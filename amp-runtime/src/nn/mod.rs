@@ -133,6 +133,16 @@ fn master(var: Var, what: &str) -> Result<Var> {
     }
 }
 
+/// Counts, for a layer whose op rounds its f32 master weight (and bias) to `P` inside itself,
+/// the casts that rounding stands for (none in f32), so that `cast_count` and the precision
+/// report see the same casts as for a layer that casts first.
+fn count_master_casts<P: Precision>(weight: &Var, bias: Option<&Var>) {
+    if P::DTYPE != candle_core::DType::F32 {
+        let elements = weight.elem_count() + bias.map_or(0, |b| b.elem_count());
+        crate::cast::count_casts(1 + u64::from(bias.is_some()), elements, P::DTYPE);
+    }
+}
+
 /// A master weight cast to the precision `P` the layer runs in (a handle clone for `F32`).
 fn weight_as<P: Precision>(var: &Var) -> Result<Tensor<P>> {
     Tensor::<F32>::wrap(var.as_tensor().clone()).cast()
