@@ -730,6 +730,125 @@ fn candle_style_attention_runs_in_each_ops_class() -> Result<()> {
     Ok(())
 }
 
+/// Candle's tensor methods on region values, each in its class: (name, dtype, values as f32).
+#[autocast(fp16)]
+fn candle_methods(
+    x: &Tensor<F32>,
+    y: &Tensor<F32>,
+) -> Result<Vec<(&'static str, DType, Vec<f32>)>> {
+    fn row(name: &'static str, t: &candle_core::Tensor) -> Result<(&'static str, DType, Vec<f32>)> {
+        Ok((
+            name,
+            t.dtype(),
+            t.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?,
+        ))
+    }
+    // `x` (2, 3) enters as f32; `h` is an f16 region value, `col` an f32 one (3, 1)->(2,1) column.
+    let h = x.matmul(&y.t()?)?.narrow(1, 0, 3)?;
+    let col = y.narrow(0, 0, 2)?.narrow(1, 0, 1)?;
+    assert_eq!((h.rank(), h.elem_count(), h.dims2()?), (2, 6, (2, 3)));
+    assert_eq!(
+        h.unsqueeze(0)?.unsqueeze(3)?.unsqueeze(4)?.dims5()?,
+        (1, 2, 3, 1, 1)
+    );
+    assert_eq!(h.flatten_all()?.dims1()?, 6);
+    let chunks = h.chunk(3, 1)?;
+    let stacked = Tensor::stack(&[&chunks[0], &chunks[2]], 0)?;
+    let high = h.broadcast_gt(&col)?;
+    Ok(vec![
+        row("h", h.as_candle())?,
+        row(
+            "permute+squeeze",
+            h.unsqueeze(0)?.permute((0, 2, 1))?.squeeze(0)?.as_candle(),
+        )?,
+        row("stack", stacked.as_candle())?,
+        row("ones_like", h.ones_like()?.as_candle())?,
+        row("maximum", h.maximum(&h.neg()?)?.as_candle())?,
+        row("broadcast_maximum", h.broadcast_maximum(&col)?.as_candle())?,
+        row("broadcast_minimum", h.broadcast_minimum(&col)?.as_candle())?,
+        row("broadcast_gt", &high)?,
+        row("broadcast_eq", &h.broadcast_eq(&h)?)?,
+        row(
+            "where_cond",
+            high.where_cond(&h, &col.broadcast_as((2, 3))?)?.as_candle(),
+        )?,
+        row("clamp", h.clamp(-0.5, 0.5)?.as_candle())?,
+        row("gelu", h.gelu()?.as_candle())?,
+        row("silu", h.silu()?.as_candle())?,
+        row("tanh", h.tanh()?.as_candle())?,
+        row("powf", h.abs()?.powf(1.5)?.as_candle())?,
+        row(
+            "broadcast_pow",
+            h.abs()?.broadcast_pow(&col.abs()?)?.as_candle(),
+        )?,
+    ])
+}
+
+#[test]
+fn region_values_have_candles_tensor_methods_in_their_classes() -> Result<()> {
+    let x = Tensor::<F32>::new(&[[0.5f32, -1.0, 2.0], [1.5, 0.25, -0.75]], &dev())?;
+    let y = Tensor::<F32>::new(
+        &[[1.0f32, 0.5, -0.5], [-1.0, 2.0, 0.25], [0.75, -0.25, 1.0]],
+        &dev(),
+    )?;
+    let rows = candle_methods(&x, &y)?;
+    // The same computation in plain candle f32, op by op: the reference values.
+    let (xc, yc) = (x.as_candle(), y.as_candle());
+    let h = xc.matmul(&yc.t()?)?;
+    let col = yc.narrow(0, 0, 2)?.narrow(1, 0, 1)?;
+    let high = h.broadcast_gt(&col)?;
+    let expected: Vec<(&str, DType, candle_core::Tensor)> = vec![
+        ("h", DType::F16, h.clone()),
+        ("permute+squeeze", DType::F16, h.t()?),
+        (
+            "stack",
+            DType::F16,
+            candle_core::Tensor::stack(&[h.narrow(1, 0, 1)?, h.narrow(1, 2, 1)?], 0)?,
+        ),
+        ("ones_like", DType::F16, h.ones_like()?),
+        ("maximum", DType::F16, h.abs()?),
+        // Promote: an f16 and an f32 operand meet in f32.
+        ("broadcast_maximum", DType::F32, h.broadcast_maximum(&col)?),
+        ("broadcast_minimum", DType::F32, h.broadcast_minimum(&col)?),
+        ("broadcast_gt", DType::U8, high.clone()),
+        (
+            "broadcast_eq",
+            DType::U8,
+            h.ones_like()?.to_dtype(DType::U8)?,
+        ),
+        (
+            "where_cond",
+            DType::F32,
+            high.where_cond(&h, &col.broadcast_as((2, 3))?)?,
+        ),
+        ("clamp", DType::F16, h.clamp(-0.5, 0.5)?),
+        ("gelu", DType::F16, h.gelu()?),
+        ("silu", DType::F16, h.silu()?),
+        ("tanh", DType::F16, h.tanh()?),
+        // fp32-class: pow and its broadcasting form run in f32.
+        ("powf", DType::F32, h.abs()?.powf(1.5)?),
+        (
+            "broadcast_pow",
+            DType::F32,
+            h.abs()?.broadcast_pow(&col.abs()?)?,
+        ),
+    ];
+    assert_eq!(rows.len(), expected.len());
+    for ((name, dtype, got), (want_name, want_dtype, want)) in rows.iter().zip(&expected) {
+        assert_eq!((name, dtype), (want_name, want_dtype));
+        let want: Vec<f32> = want.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+        assert_eq!(got.len(), want.len(), "{name}");
+        for (g, w) in got.iter().zip(&want) {
+            // The half results carry f16 rounding of the matmul (|h| <= 4: 2e-3) and the op's own.
+            assert!(
+                (g - w).abs() <= 4e-3 * w.abs().max(1.0),
+                "{name}: {got:?} vs {want:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
 // ---- Boundaries as candle code writes them: candle tensors passed through, references kept. ----
 
 struct Lookup {

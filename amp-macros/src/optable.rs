@@ -36,6 +36,8 @@ pub(crate) enum Method {
     Binary,
     /// `x.op(f)`, a candle function run as an op of the row's class (a foreign op).
     Closure,
+    /// `x.op(&rhs)`, a comparison: a tensor operand, a u8 candle mask as the result.
+    Compare,
     /// Any other signature, with its argument count: the routed method is written by hand.
     Custom(usize),
 }
@@ -44,7 +46,7 @@ impl Method {
     fn arity(self) -> usize {
         match self {
             Self::Unary => 0,
-            Self::Dim | Self::Dims | Self::Binary | Self::Closure => 1,
+            Self::Dim | Self::Dims | Self::Binary | Self::Closure | Self::Compare => 1,
             Self::Custom(n) => n,
         }
     }
@@ -56,6 +58,7 @@ impl Method {
             Self::Dims => "dims",
             Self::Binary => "binary",
             Self::Closure => "closure",
+            Self::Compare => "compare",
             Self::Custom(_) => "custom",
         }
     }
@@ -124,6 +127,7 @@ pub(crate) const OPS: &[Row] = rows! {
     log: Fp32, method Unary;
     powf: Fp32, method Custom(1);
     pow: Fp32, method Binary;
+    broadcast_pow: Fp32, method Binary;
     recip: Fp32, method Unary;
     log_sum_exp: Fp32, method Dims;
     cumsum: Fp32, method Dim;
@@ -152,6 +156,15 @@ pub(crate) const OPS: &[Row] = rows! {
     broadcast_div: Promote, method Binary;
     maximum: Promote, method Binary;
     minimum: Promote, method Binary;
+    broadcast_maximum: Promote, method Binary;
+    broadcast_minimum: Promote, method Binary;
+    // Comparisons (PyTorch: in the inputs' promoted dtype); the result is a u8 candle mask.
+    broadcast_eq: Promote, method Compare;
+    broadcast_ne: Promote, method Compare;
+    broadcast_lt: Promote, method Compare;
+    broadcast_le: Promote, method Compare;
+    broadcast_gt: Promote, method Compare;
+    broadcast_ge: Promote, method Compare;
     cat: Promote, free Tensor;
     stack: Promote, free Tensor;
     where_cond: Promote, method Custom(2);

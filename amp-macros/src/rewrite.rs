@@ -347,13 +347,17 @@ impl VisitMut for Rewriter {
 /// `ops`/`loss` included:
 /// Input:  `ops::softmax(&h, 1)`
 /// Output: `match (&h, 1,) { (a0, a1,) => {
-///              use ops as __amp_routed;
+///              use ops as __amp_routed; use ::candle_amp::__private::foreign_arg as __amp_arg;
 ///              { use ops::*; use ::candle_amp::__private::Unrouted as _;
-///                __amp_routed::softmax(a0, a1).__amp_policy::<Pol>() } } }`
+///                __amp_routed::softmax(__amp_arg(a0), a1).__amp_policy::<Pol>() } } }`
 /// candle-amp's `ops` carries a hidden `__amp_routed` module, which the inner glob brings in and
 /// which shadows the outer alias: the routed op runs, deferred until `__amp_policy` applies the
 /// region's policy. Any other `ops` (candle-nn's, the user's) has none: `__amp_routed` is that
 /// module itself, its function is called as written, and `__amp_policy` is the identity. The
+/// same shadowing picks the first argument's pass: `__amp_arg` is candle-amp's identity for its
+/// own modules and `foreign_arg` for any other, which passes the argument on when it has the
+/// type the function takes and otherwise fails naming candle-amp's op (a region value given to
+/// candle-nn's `softmax`). The
 /// arguments are evaluated outside the glob's block, so the glob never shadows a name in them,
 /// and are passed to the real function, so coercions (`&vec` to a slice) still apply.
 ///
@@ -413,16 +417,25 @@ fn free_op_call(call: &syn::ExprCall, policy: &TokenStream) -> Option<TokenStrea
         if !module_like || !owner.arguments.is_none() {
             return None;
         }
-        let alias = syn::Ident::new("__amp_routed", span);
+        let (alias, arg) = (
+            syn::Ident::new("__amp_routed", span),
+            syn::Ident::new("__amp_arg", span),
+        );
+        let foreign_arg = Rt::ForeignArg.at(span);
+        let (first, rest) = binds.split_first()?;
+        // Located at the user's argument: a mismatch is reported there.
+        let first = quote_spanned!(args[0].span()=> #arg(#first));
         quote_spanned!(span=> {
             #[allow(unused_imports)]
             use #prefix as #alias;
+            #[allow(unused_imports)]
+            use #foreign_arg as #arg;
             {
                 #[allow(unused_imports, clippy::wildcard_imports)]
                 use #prefix::*;
                 #[allow(unused_imports)]
                 use #unrouted as _;
-                #alias::#ident(#(#binds),*).__amp_policy::<#policy>()
+                #alias::#ident(#first #(, #rest)*).__amp_policy::<#policy>()
             }
         })
     };

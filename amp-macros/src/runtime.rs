@@ -56,6 +56,8 @@ pub(crate) enum Rt {
     Unrouted,
     /// `candle_core::Tensor::cat`/`stack` under the names of candle-amp's routed ones.
     ForeignJoin,
+    /// The check on the first argument of another crate's function named like an op.
+    ForeignArg,
     /// An op call's place in the source, for the precision report.
     Site,
     /// Marks the op call site running while it lives.
@@ -65,7 +67,7 @@ pub(crate) enum Rt {
 impl Rt {
     /// Every name, for the test that pins the contract with the facade.
     #[cfg(test)]
-    pub(crate) const ALL: [Self; 34] = [
+    pub(crate) const ALL: [Self; 35] = [
         Self::Fp16Policy,
         Self::Bf16Policy,
         Self::Fp32Policy,
@@ -98,6 +100,7 @@ impl Rt {
         Self::CandleCore,
         Self::Unrouted,
         Self::ForeignJoin,
+        Self::ForeignArg,
         Self::Site,
         Self::SiteGuard,
     ];
@@ -136,6 +139,7 @@ impl Rt {
             Self::CandleCore => "candle_core",
             Self::Unrouted => "Unrouted",
             Self::ForeignJoin => "ForeignJoin",
+            Self::ForeignArg => "foreign_arg",
             Self::Site => "Site",
             Self::SiteGuard => "SiteGuard",
         }

@@ -84,6 +84,14 @@ pub fn pow<P: Precision, Q: Precision>(x: &Tensor<P>, rhs: &Tensor<Q>) -> Result
     up(x)?.pow(&up(rhs)?).map(out)
 }
 
+/// `x ^ rhs` elementwise with broadcasting.
+pub fn broadcast_pow<P: Precision, Q: Precision>(
+    x: &Tensor<P>,
+    rhs: &Tensor<Q>,
+) -> Result<Tensor<F32>> {
+    up(x)?.broadcast_pow(&up(rhs)?).map(out)
+}
+
 /// `1 / x`.
 pub fn recip<P: Precision>(x: &Tensor<P>) -> Result<Tensor<F32>> {
     up(x)?.recip().map(out)
@@ -219,6 +227,8 @@ impl<P: Precision> Tensor<P> {
         powf(e: f64);
         /// `x ^ rhs` elementwise.
         pow(rhs: &Tensor<F32>);
+        /// `x ^ rhs` elementwise with broadcasting.
+        broadcast_pow(rhs: &Tensor<F32>);
         /// `1 / x`.
         recip();
         /// `log(sum(exp(x)))` over `dims`, computed stably.

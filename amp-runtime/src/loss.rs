@@ -67,6 +67,9 @@ pub fn binary_cross_entropy_with_logit<P: Fp32Input<op::binary_cross_entropy_wit
 
 /// The same losses routed through an autocast policy (see `ops::__amp_routed`).
 #[doc(hidden)]
+pub use crate::region::free::routed_arg as __amp_arg;
+
+#[doc(hidden)]
 pub mod __amp_routed {
     pub use crate::region::free::{
         binary_cross_entropy_with_logit, binary_cross_entropy_with_logits, cross_entropy, l1, mse,

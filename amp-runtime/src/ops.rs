@@ -77,6 +77,9 @@ pub fn sigmoid<P: Precision>(xs: &Tensor<P>) -> Result<Tensor<P>> {
 /// `__amp_routed::softmax(..)` where this module is glob-imported, so the routed form is found
 /// exactly when the user's `ops` is this module (see `region/free.rs`).
 #[doc(hidden)]
+pub use crate::region::free::routed_arg as __amp_arg;
+
+#[doc(hidden)]
 pub mod __amp_routed {
     pub use crate::region::free::{
         layer_norm, log_softmax, rms_norm, sigmoid, softmax, softmax_last_dim,

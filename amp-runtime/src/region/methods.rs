@@ -15,7 +15,7 @@ use super::value::{AmpTensor, AsAmp, Operand};
 use crate::op;
 
 /// The routed method of each `method` row of the op table: generated for the common shapes
-/// (no argument, one dim, dims, one tensor operand, a candle function); `custom` rows are
+/// (no argument, one dim, dims, one tensor operand, a comparison, a candle function); `custom` rows are
 /// written below by hand.
 macro_rules! routed {
     ($($shape:ident $arity:literal $name:ident;)*) => {$(
@@ -48,6 +48,14 @@ macro_rules! routed {
             f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
         ) -> Result<AmpTensor> {
             unary::<Pol, op::$name>(&self.amp(), f)
+        }
+    };
+    (@compare $name:ident) => {
+        #[doc = concat!("Routed `", stringify!($name), "`: the operands meet in their promoted \
+            dtype, as PyTorch compares; the result is a u8 candle mask, never cast.")]
+        pub fn $name(&self, rhs: impl Operand) -> Result<candle_core::Tensor> {
+            let (a, b) = (self.amp(), rhs.operand());
+            routed::<Pol, op::$name>(&[&a, &b], |t| at(&a, t)?.$name(&at(&b, t)?))
         }
     };
     (@binary $name:ident) => {

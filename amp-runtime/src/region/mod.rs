@@ -41,7 +41,7 @@ pub mod __private {
         grad_like, EnterAs, GradsLike, RegionOutput, RegionParam,
     };
     pub use super::call::{calls, module_call, RegionCall, RegionCallMut};
-    pub use super::free::{ForeignJoin, Unrouted};
+    pub use super::free::{foreign_arg, ForeignJoin, Unrouted};
     pub use super::policy::{
         Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy, PolicyScope,
     };

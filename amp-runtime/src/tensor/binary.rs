@@ -19,6 +19,19 @@ macro_rules! binary {
     )*};
 }
 
+/// Comparisons: operands of one precision, the result a candle mask (integer, never cast).
+macro_rules! compare {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {$(
+        $(#[$doc])*
+        pub fn $name<Q>(&self, rhs: &Tensor<Q>) -> Result<candle_core::Tensor>
+        where
+            Q: SamePrecision<P, op::$name>,
+        {
+            self.inner.$name(&rhs.inner)
+        }
+    )*};
+}
+
 impl<P: Precision> Tensor<P> {
     binary!(
         /// Elementwise sum (same shapes).
@@ -41,6 +54,25 @@ impl<P: Precision> Tensor<P> {
         maximum,
         /// Elementwise minimum.
         minimum,
+        /// Elementwise maximum with broadcasting.
+        broadcast_maximum,
+        /// Elementwise minimum with broadcasting.
+        broadcast_minimum,
+    );
+
+    compare!(
+        /// `self == rhs` with broadcasting, as a u8 candle mask (for `where_cond`).
+        broadcast_eq,
+        /// `self != rhs` with broadcasting, as a u8 candle mask.
+        broadcast_ne,
+        /// `self < rhs` with broadcasting, as a u8 candle mask.
+        broadcast_lt,
+        /// `self <= rhs` with broadcasting, as a u8 candle mask.
+        broadcast_le,
+        /// `self > rhs` with broadcasting, as a u8 candle mask.
+        broadcast_gt,
+        /// `self >= rhs` with broadcasting, as a u8 candle mask.
+        broadcast_ge,
     );
 
     /// Matrix product over the last two dimensions (a lower-precision op under autocast); bf16
