@@ -101,6 +101,7 @@ impl<T> ForeignArg<T> for T {
 /// function); `Target` comes from the function's parameter, and a mismatch is reported as
 /// [`ForeignArg`]'s message.
 #[doc(hidden)]
+#[derive(Debug)]
 pub struct NotAnArgument<T>(PhantomData<T>);
 impl<T> ForeignArg<NotAnArgument<T>> for T {
     fn __amp_arg(self) -> NotAnArgument<T> {
