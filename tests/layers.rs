@@ -575,6 +575,51 @@ fn an_autocast_candle_module_drops_into_candle_code() -> Result<()> {
     Ok(())
 }
 
+/// `#[autocast(fp16)] impl candle_nn::Module`: the matmuls run in f16; the result leaves in the
+/// input's dtype (f32 or bf16 in, the same out), or in the one `output = ..` names.
+#[test]
+fn an_fp16_candle_module_returns_the_inputs_dtype_or_the_output_it_names() -> Result<()> {
+    use candle_amp::autocast;
+    use std::cell::Cell;
+    struct Proj {
+        fc: nn::Linear,
+        seen: Cell<Option<DType>>,
+    }
+    #[autocast(fp16)]
+    impl candle_nn::Module for Proj {
+        fn forward(&self, xs: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+            let h = self.fc.forward(xs)?;
+            self.seen.set(Some(h.dtype()));
+            Ok(h)
+        }
+    }
+    struct Half(Proj);
+    #[autocast(fp16, output = f16)]
+    impl candle_nn::Module for Half {
+        fn forward(&self, xs: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+            self.0.fc.forward(xs)
+        }
+    }
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let proj = Proj {
+        fc: nn::linear(4, 3, vb.pp("fc"))?,
+        seen: Cell::new(None),
+    };
+    let xs = candle_core::Tensor::randn(0f32, 1., (2, 4), &Device::Cpu)?;
+    let reference = xs.apply(&proj.fc)?;
+    for input in [DType::F32, DType::BF16] {
+        let ys = xs.to_dtype(input)?.apply(&proj)?;
+        assert_eq!((ys.dtype(), proj.seen.get()), (input, Some(DType::F16)));
+    }
+    let half = Half(proj);
+    let ys = xs.apply(&half)?;
+    assert_eq!(ys.dtype(), DType::F16);
+    let diff = (ys.to_dtype(DType::F32)? - &reference)?.abs()?.max_all()?;
+    assert!(diff.to_scalar::<f32>()? < 1e-2, "{diff}");
+    Ok(())
+}
+
 /// candle-nn's own layers in a region run in their op class, and train: gradients reach their
 /// weights, the layer norm's too (candle-nn's fused `layer_norm` has no backward).
 #[test]

@@ -86,7 +86,7 @@ fn region_block(part: &Part, region_args: &AutocastArgs) -> Block {
     let exit = part
         .exits_as_tensor(args)
         .then(|| Rt::Exit.into_token_stream());
-    verbatim_block(region_body(part, &policy, args.enabled(), exit))
+    verbatim_block(region_body(part, &policy, args, exit))
 }
 
 /// The policy a part runs under; `inherited` where it takes its caller's.
@@ -100,6 +100,37 @@ fn policy(args: &AutocastArgs, mode: &Mode, inherited: impl ToTokens) -> TokenSt
     }
 }
 
+/// A candle module's exit: `xs` (its first tensor parameter) is the activation; the result
+/// leaves in `xs`'s dtype, or in the one `output = f32|f16|bf16` names.
+/// Input:  `fn forward(&self, xs: &Tensor) -> Result<Tensor>`
+/// Output: `let __amp_exit = { let dtype = xs.dtype(); move |r| exit_like(r, dtype) };` and the
+///         closure's name, which the body's returns go through
+fn candle_module_exit(part: &Part, args: &AutocastArgs) -> Option<(TokenStream, TokenStream)> {
+    if !part.candle_module {
+        return None;
+    }
+    let first = part
+        .tensor_params
+        .iter()
+        .find(|p| p.kind == ParamKind::Tensor)?;
+    let (name, exit_like, candle) = (first.name, Rt::ExitLike, Rt::CandleCore);
+    let closure = syn::Ident::new("__amp_exit", Span::mixed_site());
+    let dtype = match args.output().map(ToString::to_string) {
+        Some(p) if p != "input" => {
+            let variant = format_ident!("{}", p.to_uppercase());
+            quote!(#candle::DType::#variant)
+        }
+        _ => quote!(#name.dtype()),
+    };
+    let exit = quote! {
+        let #closure = {
+            let dtype = #dtype;
+            move |r| #exit_like(r, dtype)
+        };
+    };
+    Some((exit, closure.into_token_stream()))
+}
+
 /// The statements of one region part:
 /// Input:  `{ stmts; tail }` with tensor params `x`
 /// Output: `let _g = RegionGuard::enter(); let x = enter(&x);
@@ -108,9 +139,10 @@ fn policy(args: &AutocastArgs, mode: &Mode, inherited: impl ToTokens) -> TokenSt
 fn region_body(
     part: &Part,
     policy: &TokenStream,
-    enabled: Option<&Expr>,
+    args: &AutocastArgs,
     exit: Option<TokenStream>,
 ) -> TokenStream {
+    let enabled = args.enabled();
     // Mixed-site: the guard must not shadow or be reachable from the user's names.
     let guard = syn::Ident::new("__amp_region", Span::mixed_site());
     let (region_guard, enter, enter_fp32) = (Rt::RegionGuard, Rt::Enter, Rt::EnterFp32);
@@ -118,26 +150,9 @@ fn region_body(
     // Input:  `x: &Tensor<F32>`, `ids: &candle_core::Tensor`, `y: Tensor<F16>`
     // Output: `let x = &enter::<Tensor<F32>, _>(&x);` (a region value), `let ids = &enter::<
     //         candle_core::Tensor, _>(&ids);` (passed through), `let y = enter::<..>(&y);`
-    // A candle module: `xs` is the activation; the result leaves in `xs`'s dtype.
-    // Input:  `fn forward(&self, xs: &Tensor) -> Result<Tensor>`
-    // Output: `let __amp_exit = |r| exit_like(r, xs.dtype()); let xs = &enter_activation(xs)?;`
     let (mut candle_exit, mut exit) = (TokenStream::new(), exit);
-    if part.candle_module {
-        if let Some(first) = part
-            .tensor_params
-            .iter()
-            .find(|p| p.kind == ParamKind::Tensor)
-        {
-            let (name, exit_like) = (first.name, Rt::ExitLike);
-            let closure = syn::Ident::new("__amp_exit", Span::mixed_site());
-            candle_exit = quote! {
-                let #closure = {
-                    let dtype = #name.dtype();
-                    move |r| #exit_like(r, dtype)
-                };
-            };
-            exit = Some(closure.into_token_stream());
-        }
+    if let Some((closure, exit_closure)) = candle_module_exit(part, args) {
+        (candle_exit, exit) = (closure, Some(exit_closure));
     }
     let enter = part.tensor_params.iter().map(|p| {
         let (name, declared) = (p.name, p.declared);
@@ -463,7 +478,7 @@ fn region_call_impl(
     } else {
         let policy = policy(args, &part.mode, &header.pol);
         let exit = Some(exit_to_region.into_token_stream());
-        let stmts = region_body(part, &policy, args.enabled(), exit);
+        let stmts = region_body(part, &policy, args, exit);
         quote!({ #stmts })
     };
     header.to_impl(true, &body)

@@ -262,11 +262,16 @@ fn region_part(part: &Part, region_args: &AutocastArgs, errors: &mut Errors) {
 
 /// `output = ..` asserts what the signature already decides: the precision of the returned
 /// `Tensor<X>` (`input`: the first tensor parameter's). A contradiction is a compile error on
-/// the argument, so the signature stays the one source of truth.
+/// the argument, so the signature stays the one source of truth. A candle `Module`'s forward
+/// returns a candle tensor, whose dtype `output` sets (the input's by default).
 fn check_output(args: &AutocastArgs, part: &Part, errors: &mut Errors) {
     let Some(output) = args.output() else {
         return;
     };
+    if part.candle_module {
+        // `-> Result<Tensor>` names no precision: `output` chooses the result's dtype.
+        return;
+    }
     let Some(wanted) = output_precision(output) else {
         return; // reported by `autocast_args`
     };

@@ -15,6 +15,11 @@ use super::value::{AmpTensor, AsAmp};
 /// bounded by `AmpModule` alone is called with `h.apply(&m)`: `m.forward(..)` needs the module's
 /// own `RegionCall`, which the bound does not carry.
 ///
+/// Three layers are not `AmpModule`s, as in candle-nn they are not plain `Module`s of an
+/// activation: `BatchNorm2d` and `Dropout` behave differently in training and evaluation (call
+/// `forward_t(x, train)`; they are `candle_nn::ModuleT`), and `Embedding` takes token ids, not an
+/// activation.
+///
 /// ```
 /// # extern crate amp_runtime as candle_amp;
 /// # use amp_macros::autocast;

@@ -53,6 +53,40 @@ region_operator!(Sub, sub, sub);
 region_operator!(Mul, mul, mul);
 region_operator!(Div, div, div);
 
+/// A `Result` on either side, as candle allows: `(a + b + c)?`, `(x * (y + z))?`.
+macro_rules! result_operator {
+    ($trait:ident, $fn:ident) => {
+        impl std::ops::$trait<&AmpTensor> for Result<AmpTensor> {
+            type Output = Result<AmpTensor>;
+            fn $fn(self, rhs: &AmpTensor) -> Result<AmpTensor> {
+                (&self?).$fn(rhs)
+            }
+        }
+        impl std::ops::$trait<AmpTensor> for Result<AmpTensor> {
+            type Output = Result<AmpTensor>;
+            fn $fn(self, rhs: AmpTensor) -> Result<AmpTensor> {
+                (&self?).$fn(&rhs)
+            }
+        }
+        impl std::ops::$trait<Result<AmpTensor>> for &AmpTensor {
+            type Output = Result<AmpTensor>;
+            fn $fn(self, rhs: Result<AmpTensor>) -> Result<AmpTensor> {
+                self.$fn(&rhs?)
+            }
+        }
+        impl std::ops::$trait<Result<AmpTensor>> for AmpTensor {
+            type Output = Result<AmpTensor>;
+            fn $fn(self, rhs: Result<AmpTensor>) -> Result<AmpTensor> {
+                (&self).$fn(&rhs?)
+            }
+        }
+    };
+}
+result_operator!(Add, add);
+result_operator!(Sub, sub);
+result_operator!(Mul, mul);
+result_operator!(Div, div);
+
 /// `x op s` and `s op x` with an `f64` scalar: affine maps in `x`'s dtype (PyTorch runs a
 /// tensor-scalar op in the tensor's dtype), except `s / x`, which is PyTorch's fp32-class
 /// `rdiv`: computed in f32.
@@ -138,5 +172,20 @@ mod tests {
         assert_eq!(values(0.5 + &x), (DType::F16, vec![1.5, 2.5, 4.5]));
         // `s / x` is fp32-class (PyTorch's rdiv): an f32 result.
         assert_eq!(values(4.0 / &x), (DType::F32, vec![4., 2., 1.]));
+    }
+
+    #[test]
+    fn results_chain_as_in_candle() {
+        let (h, f) = (value(DType::F16), value(DType::F32));
+        // (h + h) + f promotes to f32; f16 stays f16 without an f32 operand.
+        assert_eq!(values((&h + &h) + &f), (DType::F32, vec![3., 6., 12.]));
+        assert_eq!(
+            values(h.clone() * (&h - &h)),
+            (DType::F16, vec![0., 0., 0.])
+        );
+        assert_eq!(
+            values((&h / &h) - h.clone()),
+            (DType::F16, vec![0., -1., -3.])
+        );
     }
 }
