@@ -67,7 +67,7 @@ pub fn binary_cross_entropy_with_logit<P: Fp32Input<op::binary_cross_entropy_wit
 
 /// The same losses routed through an autocast policy (see `ops::__amp_routed`).
 #[doc(hidden)]
-pub use crate::region::free::routed_arg as __amp_arg;
+pub use crate::region::foreign::routed_arg as __amp_arg;
 
 #[doc(hidden)]
 pub mod __amp_routed {

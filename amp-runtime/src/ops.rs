@@ -77,7 +77,7 @@ pub fn sigmoid<P: Precision>(xs: &Tensor<P>) -> Result<Tensor<P>> {
 /// `__amp_routed::softmax(..)` where this module is glob-imported, so the routed form is found
 /// exactly when the user's `ops` is this module (see `region/free.rs`).
 #[doc(hidden)]
-pub use crate::region::free::routed_arg as __amp_arg;
+pub use crate::region::foreign::routed_arg as __amp_arg;
 
 #[doc(hidden)]
 pub mod __amp_routed {

@@ -16,6 +16,7 @@
 
 mod boundary;
 mod call;
+pub(crate) mod foreign;
 pub(crate) mod free;
 mod methods;
 mod module;
@@ -41,7 +42,8 @@ pub mod __private {
         grad_like, EnterAs, GradsLike, RegionOutput, RegionParam,
     };
     pub use super::call::{calls, module_call, RegionCall, RegionCallMut};
-    pub use super::free::{foreign_arg, ForeignJoin, Unrouted};
+    pub use super::foreign::foreign_arg;
+    pub use super::free::{ForeignJoin, Unrouted};
     pub use super::policy::{
         Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy, PolicyScope,
     };
