@@ -597,7 +597,7 @@ fn an_fp16_candle_module_returns_the_inputs_dtype_or_the_output_it_names() -> Re
     #[autocast(fp16, output = f16)]
     impl candle_nn::Module for Half {
         fn forward(&self, xs: &candle_core::Tensor) -> Result<candle_core::Tensor> {
-            self.0.fc.forward(xs)
+            self.0.forward(xs)
         }
     }
     let map = VarMap::new();
@@ -612,11 +612,72 @@ fn an_fp16_candle_module_returns_the_inputs_dtype_or_the_output_it_names() -> Re
         let ys = xs.to_dtype(input)?.apply(&proj)?;
         assert_eq!((ys.dtype(), proj.seen.get()), (input, Some(DType::F16)));
     }
+    // Called from a region (`Half`'s), `Proj` gives its f16 result back uncast.
     let half = Half(proj);
     let ys = xs.apply(&half)?;
-    assert_eq!(ys.dtype(), DType::F16);
+    assert_eq!(
+        (ys.dtype(), half.0.seen.get()),
+        (DType::F16, Some(DType::F16))
+    );
     let diff = (ys.to_dtype(DType::F32)? - &reference)?.abs()?.max_all()?;
     assert!(diff.to_scalar::<f32>()? < 1e-2, "{diff}");
+    Ok(())
+}
+
+/// An `#[autocast] impl candle_nn::Module` called from a region (as candle-transformers' blocks
+/// call each other) runs under that region's policy, and its result stays what its body made:
+/// the softmax's f32, not recast to the f16 input's dtype as it is for candle callers.
+#[test]
+fn a_candle_module_called_from_a_region_keeps_its_bodys_precision() -> Result<()> {
+    use candle_amp::{autocast, ops, Tensor, F32};
+    struct Head {
+        fc: nn::Linear,
+    }
+    #[autocast]
+    impl candle_nn::Module for Head {
+        fn forward(&self, xs: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+            let h = self.fc.forward(xs)?;
+            ops::softmax_last_dim(&h)
+        }
+    }
+    struct Model {
+        head: Head,
+    }
+    #[autocast(fp16)]
+    impl Model {
+        fn run(&self, x: &Tensor<F32>) -> Result<(Tensor<F32>, Vec<DType>)> {
+            let h = x.relu()?.matmul(&x.t()?)?; // f16
+            let p = self.head.forward(&h)?;
+            let q = h.apply(&self.head)?;
+            Ok((p.cast::<F32>()?, vec![h.dtype(), p.dtype(), q.dtype()]))
+        }
+    }
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let m = Model {
+        head: Head {
+            fc: nn::linear(3, 3, vb.pp("fc"))?,
+        },
+    };
+    let x = Tensor::<F32>::new(
+        &[[0.5f32, -1.0, 2.0], [1.0, 0.25, 0.75], [0.1, 0.2, 0.3]],
+        &Device::Cpu,
+    )?;
+    let (p, dtypes) = m.run(&x)?;
+    assert_eq!(dtypes, [DType::F16, DType::F32, DType::F32]);
+    // Rows of a softmax sum to one; and the same module from candle code, fed f16, returns f16
+    // (its input's dtype) with its linear run in f32, the caller's (no region's) policy.
+    let sums = p.as_candle().sum(1)?.to_vec1::<f32>()?;
+    assert!(sums.iter().all(|s| (s - 1.0).abs() < 1e-5), "{sums:?}");
+    let h = x.as_candle().relu()?.matmul(&x.as_candle().t()?)?;
+    let plain = h.to_dtype(DType::F16)?.apply(&m.head)?;
+    assert_eq!(plain.dtype(), DType::F16);
+    let reference = candle_nn::ops::softmax_last_dim(&h.apply(&m.head.fc)?)?;
+    let diff = (p.as_candle() - &reference)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+    assert!(diff < 5e-3, "{diff}");
     Ok(())
 }
 

@@ -101,10 +101,12 @@ fn policy(args: &AutocastArgs, mode: &Mode, inherited: impl ToTokens) -> TokenSt
 }
 
 /// A candle module's exit: `xs` (its first tensor parameter) is the activation; the result
-/// leaves in `xs`'s dtype, or in the one `output = f32|f16|bf16` names.
+/// leaves in `xs`'s dtype, or in the one `output = f32|f16|bf16` names, or uncast when a region
+/// called the module (`candle_module_call`), all decided at entry.
 /// Input:  `fn forward(&self, xs: &Tensor) -> Result<Tensor>`
-/// Output: `let __amp_exit = { let dtype = xs.dtype(); move |r| exit_like(r, dtype) };` and the
-///         closure's name, which the body's returns go through
+/// Output: `let __amp_exit = { let dtype = candle_exit_dtype(xs.dtype(), None);
+///         move |r| exit_like(r, dtype) };` and the closure's name, which the body's returns go
+///         through
 fn candle_module_exit(part: &Part, args: &AutocastArgs) -> Option<(TokenStream, TokenStream)> {
     if !part.candle_module {
         return None;
@@ -114,17 +116,18 @@ fn candle_module_exit(part: &Part, args: &AutocastArgs) -> Option<(TokenStream, 
         .iter()
         .find(|p| p.kind == ParamKind::Tensor)?;
     let (name, exit_like, candle) = (first.name, Rt::ExitLike, Rt::CandleCore);
+    let exit_dtype = Rt::CandleExitDtype;
     let closure = syn::Ident::new("__amp_exit", Span::mixed_site());
-    let dtype = match args.output().map(ToString::to_string) {
+    let declared = match args.output().map(ToString::to_string) {
         Some(p) if p != "input" => {
             let variant = format_ident!("{}", p.to_uppercase());
-            quote!(#candle::DType::#variant)
+            quote!(::core::option::Option::Some(#candle::DType::#variant))
         }
-        _ => quote!(#name.dtype()),
+        _ => quote!(::core::option::Option::None),
     };
     let exit = quote! {
         let #closure = {
-            let dtype = #dtype;
+            let dtype = #exit_dtype(#name.dtype(), #declared);
             move |r| #exit_like(r, dtype)
         };
     };
@@ -255,6 +258,9 @@ fn region_impl(imp: &Impl, region_args: &AutocastArgs) -> TokenStream {
         if let Some(sig) = &method.region_call {
             region_calls.push(region_call_impl(imp.item, &method.part, sig, region_args));
         }
+        if method.part.candle_module {
+            region_calls.extend(candle_module_region_call(imp.item, &method.part));
+        }
         // A cast_inputs op called with typed tensors outside a region runs exactly as written.
         if method.part.is_rewritten() {
             f.block = region_block(&method.part, region_args);
@@ -262,6 +268,54 @@ fn region_impl(imp: &Impl, region_args: &AutocastArgs) -> TokenStream {
         }
     }
     quote!(#item #(#region_calls)*)
+}
+
+/// An `#[autocast] impl candle_nn::Module` (or `ModuleT`) called from a region: the trait's
+/// method runs on the region value's tensor under the caller's policy, and its result stays the
+/// region value the body made.
+/// Input:  `impl candle_nn::Module for M { fn forward(&self, xs: &Tensor) -> Result<Tensor> }`
+/// Output: `impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for M {
+///              type Output = AmpTensor;
+///              fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
+///                  candle_module_call::<Pol>(&x.to_amp(), |xs| <M as candle_nn::Module>::forward(self, xs))
+///              } }`
+///         (`forward_t`: the arguments `(A, bool)`, and `train` passed on)
+fn candle_module_region_call(imp: &ItemImpl, part: &Part) -> Option<TokenStream> {
+    let (_, trait_path, _) = imp.trait_.as_ref()?;
+    let method = &part.sig.ident;
+    let train = (method == "forward_t").then(|| syn::Ident::new("__amp_train", Span::mixed_site()));
+    let (pol, a, x) = (
+        syn::Ident::new("__AmpPol", Span::mixed_site()),
+        syn::Ident::new("__AmpA", Span::mixed_site()),
+        syn::Ident::new("__amp_x", Span::mixed_site()),
+    );
+    let mut generics = imp.generics.clone();
+    generics.params.push(bounded(&pol, Rt::Policy));
+    generics.params.push(bounded(&a, Rt::AsAmp));
+    let (impl_generics, _, where_clause) = generics.split_for_impl();
+    let self_ty = &imp.self_ty;
+    let (region_call, calls, amp, as_amp, call) = (
+        Rt::RegionCall,
+        Rt::Calls,
+        Rt::AmpTensor,
+        Rt::AsAmp,
+        Rt::CandleModuleCall,
+    );
+    let candle_core = Rt::CandleCore;
+    let (types, pats) = match &train {
+        Some(t) => (quote!((#a, bool)), quote!((#x, #t))),
+        None => (quote!((#a,)), quote!((#x,))),
+    };
+    let extra = train.as_ref().map(|t| quote!(, #t));
+    Some(quote! {
+        impl #impl_generics #region_call<#pol, #calls::#method, #types> for #self_ty #where_clause {
+            type Output = #amp;
+            fn region_call(&self, #pats: #types) -> #candle_core::Result<#amp> {
+                let #x = <#a as #as_amp>::to_amp(&#x);
+                #call::<#pol>(&#x, |xs| <#self_ty as #trait_path>::#method(self, xs #extra))
+            }
+        }
+    })
 }
 
 /// The header of a module method's `RegionCall` impl: generic over the caller's policy and over

@@ -44,6 +44,12 @@ pub(crate) enum Rt {
     EnterActivation,
     /// A candle module's result leaving as a candle tensor in the input's dtype.
     ExitLike,
+    /// The dtype a candle module's result leaves in, decided at its entry.
+    CandleExitDtype,
+    /// A candle module called from a region.
+    CandleModuleCall,
+    /// A region value.
+    AmpTensor,
     GradLike,
     GradsLike,
     F32,
@@ -67,7 +73,7 @@ pub(crate) enum Rt {
 impl Rt {
     /// Every name, for the test that pins the contract with the facade.
     #[cfg(test)]
-    pub(crate) const ALL: [Self; 35] = [
+    pub(crate) const ALL: [Self; 38] = [
         Self::Fp16Policy,
         Self::Bf16Policy,
         Self::Fp32Policy,
@@ -91,6 +97,9 @@ impl Rt {
         Self::RegionOutput,
         Self::EnterActivation,
         Self::ExitLike,
+        Self::CandleExitDtype,
+        Self::CandleModuleCall,
+        Self::AmpTensor,
         Self::GradLike,
         Self::GradsLike,
         Self::F32,
@@ -130,6 +139,9 @@ impl Rt {
             Self::RegionOutput => "RegionOutput",
             Self::EnterActivation => "enter_activation",
             Self::ExitLike => "exit_like",
+            Self::CandleExitDtype => "candle_exit_dtype",
+            Self::CandleModuleCall => "candle_module_call",
+            Self::AmpTensor => "AmpTensor",
             Self::GradLike => "grad_like",
             Self::GradsLike => "GradsLike",
             Self::F32 => "F32",

@@ -1,8 +1,11 @@
 //! Region boundaries, called by generated code: parameters entering a region, results leaving
 //! it, and the dtype plumbing of `#[custom_fwd]`/`#[custom_bwd]`.
 
+use std::cell::Cell;
+
 use candle_core::{DType, Result};
 
+use super::policy::{Policy, PolicyScope};
 use super::value::{AmpTensor, AsAmp, Operand};
 use crate::cast::convert;
 use crate::precision::Precision;
@@ -284,11 +287,47 @@ pub fn enter_activation(xs: &candle_core::Tensor) -> Result<AmpTensor> {
     AmpTensor::from_candle_value(xs)
 }
 
-/// The result of an `#[autocast] impl candle_nn::Module`: a candle tensor in `dtype`, the input's,
-/// so that the module drops into candle code of that dtype.
+thread_local! {
+    /// Set by [`candle_module_call`] for the `#[autocast] impl candle_nn::Module` it calls, and
+    /// taken by that module's entry ([`candle_exit_dtype`]) before its body runs: only the module
+    /// a region calls (not the candle modules it calls in turn) keeps its result a region value.
+    static CALLED_FROM_REGION: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The dtype an `#[autocast] impl candle_nn::Module`'s result leaves in, decided at its entry:
+/// `declared` (`output = ..`), else the input's, so that the module drops into candle code of
+/// that dtype; `None` (no cast, the body's result as it is, as PyTorch returns it) when a region
+/// called it.
+pub fn candle_exit_dtype(input: DType, declared: Option<DType>) -> Option<DType> {
+    let from_region = CALLED_FROM_REGION.replace(false);
+    declared.or((!from_region).then_some(input))
+}
+
+/// The result of an `#[autocast] impl candle_nn::Module`: a candle tensor in `dtype` (see
+/// [`candle_exit_dtype`]).
 pub fn exit_like<A: Operand, E: From<candle_core::Error>>(
     r: std::result::Result<A, E>,
-    dtype: DType,
+    dtype: Option<DType>,
 ) -> std::result::Result<candle_core::Tensor, E> {
-    r.and_then(|a| convert(a.operand().as_candle(), dtype).map_err(E::from))
+    r.and_then(|a| {
+        let t = a.operand();
+        match dtype {
+            Some(d) => convert(t.as_candle(), d).map_err(E::from),
+            None => Ok(t.as_candle().clone()),
+        }
+    })
+}
+
+/// An `#[autocast] impl candle_nn::Module` called from a region: `forward` (the trait's method)
+/// gets the region value's tensor, runs under the calling region's policy (or the module's own),
+/// and its result comes back as the region value its body made, uncast.
+pub fn candle_module_call<Pol: Policy>(
+    x: &AmpTensor,
+    forward: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
+) -> Result<AmpTensor> {
+    let _policy = PolicyScope::enter::<Pol>();
+    CALLED_FROM_REGION.set(true);
+    let out = forward(x.as_candle());
+    CALLED_FROM_REGION.set(false);
+    AmpTensor::new(out?)
 }

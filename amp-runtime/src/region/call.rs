@@ -106,9 +106,6 @@ pub struct ViaMut;
     note = "a module whose `forward` takes `&mut self` (a KV cache) needs a mutable reference \
             at the call, as in plain Rust: `&mut self` in the caller, `iter_mut()` over a stack",
     note = "a type parameter bounded by `AmpModule` is called as `x.apply(&m)`",
-    note = "an `#[autocast] impl candle_nn::Module` is for candle code (candle tensors in and \
-            out): to call it from a region, give the type an inherent `#[autocast] fn \
-            forward(&self, x: &Tensor<F32>)`, which the trait's `forward` can call",
     note = "a layer of another crate (candle-nn's `BatchNorm`, `GroupNorm`, `ConvTranspose2d`, \
             `Sequential`, ...) cannot take `#[autocast]`: use candle-amp's layer where there is \
             one (`candle_amp::nn::BatchNorm2d`, `Conv2d`, `Linear`, `LayerNorm`, `RmsNorm`, \

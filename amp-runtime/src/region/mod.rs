@@ -38,8 +38,8 @@ pub(crate) use route::{unary, with_precision};
 #[doc(hidden)]
 pub mod __private {
     pub use super::boundary::{
-        enter, enter_activation, enter_cast, enter_fp32, exit, exit_like, exit_to_region,
-        grad_like, EnterAs, GradsLike, RegionOutput, RegionParam,
+        candle_exit_dtype, candle_module_call, enter, enter_activation, enter_cast, enter_fp32,
+        exit, exit_like, exit_to_region, grad_like, EnterAs, GradsLike, RegionOutput, RegionParam,
     };
     pub use super::call::{calls, module_call, RegionCall, RegionCallMut};
     pub use super::foreign::foreign_arg;
@@ -48,7 +48,7 @@ pub mod __private {
         Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy, PolicyScope,
     };
     pub use super::route::Routed;
-    pub use super::value::AsAmp;
+    pub use super::value::{AmpTensor, AsAmp};
     pub use crate::cast::RegionGuard;
     pub use crate::op;
     pub use crate::precision::{BF16, F16, F32};
