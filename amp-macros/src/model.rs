@@ -476,11 +476,29 @@ fn returns_tensor_result(output: &ReturnType) -> bool {
     matches!(args.args.first(), Some(syn::GenericArgument::Type(t)) if is_tensor_or_tuple(t))
 }
 
-/// `Tensor<P>`, or a tuple of them (`(k, v)`).
+/// `Tensor<P>`, or a tuple of tensors (`(k, v)`) and plain values (`(h, n)`) with a tensor.
 fn is_tensor_or_tuple(ty: &Type) -> bool {
     match ty {
-        Type::Tuple(t) => !t.elems.is_empty() && t.elems.iter().all(is_tensor_type),
+        Type::Tuple(t) => {
+            t.elems.iter().any(is_tensor_type)
+                && t.elems
+                    .iter()
+                    .all(|e| is_tensor_type(e) || is_plain_type(e))
+        }
         other => is_tensor_type(other),
+    }
+}
+
+/// The plain values a region's result carries beside tensors, unchanged (the runtime's
+/// `plain_results!` list).
+fn is_plain_type(ty: &Type) -> bool {
+    const PLAIN: &[&str] = &["bool", "usize", "u32", "i64", "f32", "f64", "DType"];
+    match ty {
+        Type::Path(p) => p.path.segments.last().is_some_and(|s| {
+            s.arguments.is_none() && PLAIN.contains(&s.ident.to_string().as_str())
+        }),
+        Type::Tuple(t) => t.elems.is_empty(),
+        _ => false,
     }
 }
 

@@ -1,6 +1,7 @@
 //! What module calls from a region take and return, as candle code writes them: ids and an
 //! additive mask as candle tensors, an optional typed tensor (`None` needs no annotation), a
-//! slice of tensors, plain `usize`/`bool`/`f64`, a parameter used twice, a tuple result.
+//! slice of tensors, plain `usize`/`bool`/`f64`, a parameter used twice, a tuple result, plain
+//! values as results beside a tensor or alone.
 use candle_amp::nn::{self, Linear};
 use candle_amp::{autocast, Tensor, F32};
 use candle_core::{DType, Device, Result};
@@ -40,6 +41,34 @@ impl Block {
     }
 }
 
+struct Width;
+
+#[autocast]
+impl Width {
+    fn forward(&self, x: &Tensor<F32>) -> Result<(Tensor<F32>, usize, DType)> {
+        let h = x.relu()?;
+        let dtype = h.dtype();
+        Ok((h, x.dim(1)?, dtype))
+    }
+}
+
+struct Wide;
+
+#[autocast]
+impl Wide {
+    fn forward(&self, x: &Tensor<F32>) -> Result<bool> {
+        Ok(x.dim(1)? > 1)
+    }
+}
+
+#[autocast(fp16)]
+fn widths(x: &Tensor<F32>) -> Result<(usize, bool)> {
+    let h = x.matmul(&x.t()?)?;
+    let (_, n, dtype) = Width.forward(&h)?;
+    assert_eq!(dtype, DType::F16);
+    Ok((n, Wide.forward(&h)?))
+}
+
 #[autocast(fp16)]
 fn run(b: &Block, x: &Tensor<F32>, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
     let mask = candle_core::Tensor::zeros((1, 2), DType::F32, &Device::Cpu)?;
@@ -56,5 +85,7 @@ fn main() -> Result<()> {
     let x = Tensor::<F32>::ones((1, 2), &Device::Cpu)?;
     let ids = candle_core::Tensor::new(&[[1u32, 2]], &Device::Cpu)?;
     assert_eq!(run(&b, &x, &ids)?.dims(), &[1, 1]);
+    assert_eq!(widths(&x)?, (1, false));
+    assert_eq!(Width.forward(&x)?.1, 2);
     Ok(())
 }

@@ -196,6 +196,26 @@ impl RegionResult for candle_core::Tensor {
     type Region = AmpTensor;
 }
 
+/// Plain values a module method returns beside (or instead of) tensors: passed back as they are.
+macro_rules! plain_results {
+    ($($t:ty),*) => {$(
+        impl RegionResult for $t {
+            type Region = $t;
+        }
+        impl IntoRegion<$t> for $t {
+            fn into_region(self) -> $t {
+                self
+            }
+        }
+        impl ExitAs<$t> for $t {
+            fn exit_as(self) -> Result<$t> {
+                Ok(self)
+            }
+        }
+    )*};
+}
+plain_results!((), bool, usize, u32, i64, f32, f64, DType);
+
 /// The `Ok` type of a module method's declared `Result`, whatever spells it (an alias too).
 pub trait RegionReturn {
     /// The declared `Ok` type.
@@ -214,7 +234,8 @@ pub type RegionOutput<R> = <<R as RegionReturn>::Ok as RegionResult>::Region;
     message = "a module called from a region cannot return `{Self}` as `{D}`",
     label = "this value goes back to the calling region as `{D}`",
     note = "a module method returns tensors (region values, typed or candle tensors) declared \
-            as `AmpTensor`, `Tensor<P>` or `candle_core::Tensor`, or a tuple of them"
+            as `AmpTensor`, `Tensor<P>` or `candle_core::Tensor`, plain values (`usize`, `bool`, \
+            `f32`, `f64`, `DType`, ...), or a tuple of them"
 )]
 pub trait IntoRegion<D: RegionResult> {
     /// The value in region form.
