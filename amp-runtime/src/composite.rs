@@ -7,6 +7,17 @@ use candle_core::{Result, Tensor, D};
 use crate::cast::convert;
 
 /// `(x - mean) / sqrt(var + eps) * alpha + beta` over the last dimension (biased variance).
+/// Softmax along `dim`, in f32 from an f32, f16 or bf16 input: over the last dimension one
+/// fused op (`kernels::softmax_last_dim`, which reads half inputs as they are), otherwise
+/// candle-nn's max-shifted composition on an f32 copy.
+pub(crate) fn softmax_f32<Di: candle_core::shape::Dim>(x: &Tensor, dim: Di) -> Result<Tensor> {
+    if dim.to_index(x.shape(), "softmax")? + 1 == x.rank() {
+        crate::kernels::softmax_last_dim(x)
+    } else {
+        candle_nn::ops::softmax(&convert(x, candle_core::DType::F32)?, dim)
+    }
+}
+
 pub(crate) fn layer_norm(
     x: &Tensor,
     alpha: &Tensor,

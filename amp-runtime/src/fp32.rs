@@ -107,9 +107,10 @@ pub fn cumsum<P: Precision, D: Dim>(x: &Tensor<P>, dim: D) -> Result<Tensor<F32>
     up(x)?.cumsum(dim).map(out)
 }
 
-/// Softmax along `dim` (max-shifted composition, differentiable).
+/// Softmax along `dim` (differentiable; over the last dimension one fused op that reads a half
+/// input as it is).
 pub fn softmax<P: Precision, D: Dim>(x: &Tensor<P>, dim: D) -> Result<Tensor<F32>> {
-    candle_nn::ops::softmax(&up(x)?, dim).map(out)
+    crate::composite::softmax_f32(x.as_candle(), dim).map(out)
 }
 
 /// Log-softmax along `dim` (differentiable).

@@ -87,6 +87,7 @@ mod pool;
 mod relu;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod simd;
+mod softmax;
 pub mod unscale;
 
 pub(crate) use conv2d::{conv2d, Conv2dParams};
@@ -94,6 +95,7 @@ pub(crate) use convert::to_dtype;
 pub(crate) use matmul::{broadcast_matmul, linear, matmul};
 pub(crate) use pool::{max_pool2d, Pool2d};
 pub(crate) use relu::relu;
+pub(crate) use softmax::softmax_last_dim;
 
 use candle_core::Layout;
 use half::{bf16, f16};

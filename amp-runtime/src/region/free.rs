@@ -26,21 +26,38 @@ use crate::tensor::Tensor;
 
 /// A routed free op's call, its inputs taken as region values, waiting for the policy of the
 /// region that runs it.
-#[derive(Debug)]
 #[must_use = "a routed op runs when the region's policy is applied with `.__amp_policy::<Pol>()`"]
 pub struct Deferred<O, F> {
     /// The inputs the op's class casts (others, like class ids or a norm's scale, live in `run`).
     inputs: Vec<AmpTensor>,
     run: F,
+    /// For an f32 target, a fused kernel that reads the inputs in any float dtype and computes
+    /// in f32: it gets them uncast, and no f32 copy is made (`run` serves the other targets).
+    widening: Option<Widening>,
     op: PhantomData<O>,
 }
 
+impl<O: Op, F> std::fmt::Debug for Deferred<O, F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Deferred")
+            .field("op", &O::NAME)
+            .field("inputs", &self.inputs)
+            .field("widening", &self.widening.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 impl<O: Op, F: FnOnce(&[Candle]) -> Result<Candle>> Deferred<O, F> {
-    /// Runs the op under `Pol`: its inputs cast to the op's target, as every routed op.
+    /// Runs the op under `Pol`: its inputs cast to the op's target, as every routed op (or, for
+    /// a widening kernel with an f32 target, as they are).
     #[doc(hidden)]
     pub fn __amp_policy<Pol: Policy>(self) -> Result<AmpTensor> {
         let inputs: Vec<&AmpTensor> = self.inputs.iter().collect();
         let out = routed::<Pol, O>(&inputs, |t| {
+            if let (Some(candle_core::DType::F32), Some(widening)) = (t, self.widening) {
+                let uncast: Vec<Candle> = inputs.iter().map(|v| v.as_candle().clone()).collect();
+                return widening(&uncast);
+            }
             let cast = inputs
                 .iter()
                 .map(|v| at(v, t))
@@ -93,6 +110,9 @@ impl ForeignJoin for Candle {
 pub trait CandleJoined: AsRef<Candle> {}
 impl<T: AsRef<Candle>> CandleJoined for T {}
 
+/// A fused kernel reading f32, f16 or bf16 inputs, computing in f32.
+type Widening = Box<dyn FnOnce(&[Candle]) -> Result<Candle>>;
+
 /// The type of a routed call of op `O`.
 type Call<O> = Deferred<O, Box<dyn FnOnce(&[Candle]) -> Result<Candle>>>;
 
@@ -104,23 +124,37 @@ fn call<O: Op>(
     Deferred {
         inputs,
         run: Box::new(run),
+        widening: None,
         op: PhantomData,
     }
 }
 
+/// A call of `O` that runs `widening` on its uncast inputs under an f32 target (the op's class
+/// under every built-in policy) and `run` on cast inputs under another.
+fn widening_call<O: Op>(
+    inputs: Vec<AmpTensor>,
+    widening: impl FnOnce(&[Candle]) -> Result<Candle> + 'static,
+    run: impl FnOnce(&[Candle]) -> Result<Candle> + 'static,
+) -> Call<O> {
+    Deferred {
+        widening: Some(Box::new(widening)),
+        ..call(inputs, run)
+    }
+}
+
 /// Routed `ops::softmax`.
-pub fn softmax<D: Dim + 'static>(xs: impl AsAmp, dim: D) -> Call<op::softmax> {
-    call(vec![xs.to_amp()], move |x| {
-        candle_nn::ops::softmax(&x[0], dim)
-    })
+pub fn softmax<D: Dim + Copy + 'static>(xs: impl AsAmp, dim: D) -> Call<op::softmax> {
+    widening_call(
+        vec![xs.to_amp()],
+        move |x| composite::softmax_f32(&x[0], dim),
+        move |x| candle_nn::ops::softmax(&x[0], dim),
+    )
 }
 
 /// Routed `ops::softmax_last_dim`: softmax over the last dimension, in f32 and differentiable
 /// (candle-nn's fused kernel has no backward).
 pub fn softmax_last_dim(xs: impl AsAmp) -> Call<op::softmax> {
-    call(vec![xs.to_amp()], |x| {
-        candle_nn::ops::softmax(&x[0], candle_core::D::Minus1)
-    })
+    softmax(xs, candle_core::D::Minus1)
 }
 
 /// Routed `ops::log_softmax`.

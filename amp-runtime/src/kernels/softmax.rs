@@ -1,0 +1,136 @@
+//! Softmax over the last dimension on CPU as one fp32-class op that reads f32, f16 or bf16.
+//!
+//! candle-nn's differentiable `softmax` is five graph nodes (max, subtract, exp, sum, divide),
+//! each a full pass and a fresh buffer, and under autocast a half input first becomes an f32
+//! copy (a sixth). This op widens each row while it reads it, computes `exp(x - max) / sum` in
+//! f32 and writes the f32 result: one node, one pass. Backward, `dx = y * (dy - sum(dy * y))`
+//! in f32 (the softmax Jacobian applied to `dy`), rounded once to the input's dtype, which is
+//! what the cast node's backward would do.
+
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
+use rayon::prelude::*;
+
+use super::Real;
+
+/// Softmax of `x` over its last dimension, in f32: through this op for a float tensor on CPU,
+/// candle-nn's composition (after an f32 cast) elsewhere.
+pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        x.contiguous()?.apply_op1(SoftmaxLastDim)
+    } else {
+        candle_nn::ops::softmax(&x.to_dtype(DType::F32)?, D::Minus1)
+    }
+}
+
+/// Rows per parallel task: about 64K elements each.
+fn rows_per_task(n: usize) -> usize {
+    ((1 << 16) / n.max(1)).max(1)
+}
+
+/// `exp(x - max) / sum` of each row of length `n`, widened to f32 as it is read.
+fn softmax_rows<T: Real + Sync>(x: &[T], n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    if n == 0 {
+        return out;
+    }
+    let chunk = rows_per_task(n) * n;
+    out.par_chunks_mut(chunk)
+        .zip(x.par_chunks(chunk))
+        .for_each(|(out, x)| {
+            for (y, x) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+                for (y, &v) in y.iter_mut().zip(x) {
+                    *y = v.get();
+                }
+                let max = y.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                // Eight partial sums: a long row's rounding error grows with its length over
+                // eight, not its whole length.
+                let mut lanes = [0f32; 8];
+                for (i, v) in y.iter_mut().enumerate() {
+                    *v = (*v - max).exp();
+                    lanes[i % 8] += *v;
+                }
+                let sum: f32 = lanes.iter().sum();
+                for v in y.iter_mut() {
+                    *v /= sum;
+                }
+            }
+        });
+    out
+}
+
+struct SoftmaxLastDim;
+
+impl CustomOp1 for SoftmaxLastDim {
+    fn name(&self) -> &'static str {
+        "amp-softmax-last-dim"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let n = l.shape().dims().last().copied().unwrap_or(1);
+        let y = with_floats!("softmax", s, l, |x| softmax_rows(x, n));
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let gy = (grad * res)?;
+        let dx = (&gy - res.broadcast_mul(&gy.sum_keepdim(D::Minus1)?)?)?;
+        Ok(Some(super::to_dtype(&dx, arg.dtype())?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    /// Forward and gradient against candle-nn's composition in f32, for every input dtype, a
+    /// row longer than a task's share and a strided (transposed) input; the half cases against
+    /// the f32 reference of the same (rounded) input, so only the gradient's final rounding
+    /// differs.
+    #[test]
+    fn matches_candle_nns_composition_forward_and_backward() -> Result<()> {
+        let dev = Device::Cpu;
+        for (shape, transpose) in [((3, 5), false), ((4, 70_000), false), ((6, 9), true)] {
+            let x = (Tensor::randn(0f32, 3.0, shape, &dev)? + 1.0)?;
+            let x = if transpose { x.t()? } else { x };
+            let w = Tensor::randn(0f32, 1.0, x.dims(), &dev)?;
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let input = Var::from_tensor(&x.to_dtype(dtype)?)?;
+                let y = softmax_last_dim(input.as_tensor())?;
+                assert_eq!(y.dtype(), DType::F32);
+                let grads = (&y * &w)?.sum_all()?.backward()?;
+                let dx = grads.get(input.as_tensor()).expect("a gradient");
+                assert_eq!(dx.dtype(), dtype);
+
+                let reference = Var::from_tensor(&input.as_tensor().to_dtype(DType::F32)?)?;
+                let ry = candle_nn::ops::softmax(reference.as_tensor(), D::Minus1)?;
+                let rgrads = (&ry * &w)?.sum_all()?.backward()?;
+                let rdx = rgrads.get(reference.as_tensor()).expect("a gradient");
+                // Sums in another order: rounding relative to the largest probability.
+                let top = ry.max_all()?.to_scalar::<f32>()?;
+                let d = max_diff(&y, &ry);
+                assert!(d <= 1e-5 * top, "{dtype:?} {shape:?}: forward off by {d}");
+                let tol = match dtype {
+                    DType::F32 => 1e-5,
+                    DType::F16 => 2e-3,
+                    _ => 1.6e-2,
+                };
+                let scale = rdx.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-3);
+                let d = max_diff(dx, rdx);
+                assert!(d <= tol * scale, "{dtype:?} {shape:?}: gradient off by {d}");
+            }
+        }
+        Ok(())
+    }
+}
