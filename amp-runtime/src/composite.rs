@@ -6,7 +6,8 @@ use candle_core::{Result, Tensor, D};
 
 use crate::cast::convert;
 
-/// `(x - mean) / sqrt(var + eps) * alpha + beta` over the last dimension (biased variance).
+/// `(x - mean) / sqrt(var + eps) * alpha + beta` over the last dimension (biased variance): in
+/// f32 on CPU one fused op (`kernels::layer_norm`), otherwise composed.
 /// Softmax along `dim`, in f32 from an f32, f16 or bf16 input: over the last dimension one
 /// fused op (`kernels::softmax_last_dim`, which reads half inputs as they are), otherwise
 /// candle-nn's max-shifted composition on an f32 copy.
@@ -19,6 +20,19 @@ pub(crate) fn softmax_f32<Di: candle_core::shape::Dim>(x: &Tensor, dim: Di) -> R
 }
 
 pub(crate) fn layer_norm(
+    x: &Tensor,
+    alpha: &Tensor,
+    beta: Option<&Tensor>,
+    eps: f64,
+) -> Result<Tensor> {
+    match crate::kernels::layer_norm(x, alpha, beta, eps)? {
+        Some(y) => Ok(y),
+        None => layer_norm_composed(x, alpha, beta, eps),
+    }
+}
+
+/// [`layer_norm`] from candle ops, in `x`'s dtype.
+pub(crate) fn layer_norm_composed(
     x: &Tensor,
     alpha: &Tensor,
     beta: Option<&Tensor>,

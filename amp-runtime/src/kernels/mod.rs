@@ -82,6 +82,7 @@ mod convert;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub(crate) mod gemm;
+mod layer_norm;
 mod matmul;
 mod pool;
 mod relu;
@@ -92,6 +93,7 @@ pub mod unscale;
 
 pub(crate) use conv2d::{conv2d, Conv2dParams};
 pub(crate) use convert::to_dtype;
+pub(crate) use layer_norm::layer_norm;
 pub(crate) use matmul::{broadcast_matmul, linear, matmul};
 pub(crate) use pool::{max_pool2d, Pool2d};
 pub(crate) use relu::relu;

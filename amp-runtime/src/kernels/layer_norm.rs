@@ -1,0 +1,262 @@
+//! Layer norm over the last dimension on CPU in f32 as one op with its own backward.
+//!
+//! The differentiable composition (`composite::layer_norm`) is nine graph nodes (two means, a
+//! subtraction, a square, an add, a square root, a division, the scale and the shift), each a
+//! full pass and a buffer the backward keeps. This op is one node: forward, per row,
+//! `y = (x - mean) / sqrt(var + eps) * w + b` (biased variance); backward, with
+//! `xhat = (x - mean) * rstd` and `g = dy * w`,
+//! `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`, `dw = sum over rows of dy * xhat`,
+//! `db = sum over rows of dy` (PyTorch's `native_layer_norm_backward`), in one pass over the
+//! rows.
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+/// `layer_norm(x, w, b)` through this op when it applies (f32 input, scale and shift on CPU,
+/// the scale and shift of the last dimension's length); `None` otherwise.
+pub(crate) fn layer_norm(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    eps: f64,
+) -> Result<Option<Tensor>> {
+    let n = x.dims().last().copied().unwrap_or(0);
+    let fits = |t: &Tensor| t.dtype() == DType::F32 && t.dims() == [n] && t.device().is_cpu();
+    if !(x.device().is_cpu() && x.dtype() == DType::F32 && fits(w) && b.is_none_or(fits)) || n == 0
+    {
+        return Ok(None);
+    }
+    let b = match b {
+        Some(b) => b.clone(),
+        None => w.zeros_like()?,
+    };
+    #[allow(clippy::cast_possible_truncation)] // an epsilon, well inside f32
+    let op = LayerNorm { eps: eps as f32 };
+    x.contiguous()?
+        .apply_op3(&w.contiguous()?, &b.contiguous()?, op)
+        .map(Some)
+}
+
+/// Rows per parallel task: about 32K elements each.
+fn rows_per_task(n: usize) -> usize {
+    ((1 << 15) / n.max(1)).max(1)
+}
+
+/// Mean and `1 / sqrt(var + eps)` of a row, eight partial sums per pass.
+fn moments(x: &[f32], eps: f32) -> (f32, f32) {
+    #[allow(clippy::cast_precision_loss)] // a row length
+    let n = x.len() as f32;
+    let sum = |f: &dyn Fn(f32) -> f32| {
+        let mut lanes = [0f32; 8];
+        for (i, &v) in x.iter().enumerate() {
+            lanes[i % 8] += f(v);
+        }
+        lanes.iter().sum::<f32>()
+    };
+    let mean = sum(&|v| v) / n;
+    let var = sum(&|v| (v - mean) * (v - mean)) / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+fn f32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
+    match s {
+        CpuStorage::F32(v) => super::contiguous(v, l, what),
+        _ => candle_core::bail!("{what} kernel: expected f32"),
+    }
+}
+
+struct LayerNorm {
+    eps: f32,
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "amp-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w, b) = (
+            f32s(sx, lx, "layer norm")?,
+            f32s(sw, lw, "layer norm")?,
+            f32s(sb, lb, "layer norm")?,
+        );
+        let n = w.len();
+        let mut y = vec![0f32; x.len()];
+        let chunk = rows_per_task(n) * n;
+        y.par_chunks_mut(chunk)
+            .zip(x.par_chunks(chunk))
+            .for_each(|(y, x)| {
+                for (y, x) in y.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+                    let (mean, rstd) = moments(x, self.eps);
+                    for (((y, &x), &w), &b) in y.iter_mut().zip(x).zip(w).zip(b) {
+                        *y = (x - mean) * rstd * w + b;
+                    }
+                }
+            });
+        Ok((CpuStorage::F32(y), lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let n = w.elem_count();
+        let rows = x.elem_count() / n;
+        let grads = x.apply_op3_no_bwd(w, &dy.contiguous()?, &LayerNormGrad { eps: self.eps })?;
+        let dx = grads.narrow(0, 0, rows * n)?.reshape(x.shape())?;
+        let dw = grads.narrow(0, rows * n, n)?;
+        let db = grads.narrow(0, rows * n + n, n)?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// `(x, w, dy) -> [dx, dw, db]`, flat.
+struct LayerNormGrad {
+    eps: f32,
+}
+
+impl CustomOp3 for LayerNormGrad {
+    fn name(&self) -> &'static str {
+        "amp-layer-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sdy: &CpuStorage,
+        ldy: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w, dy) = (
+            f32s(sx, lx, "layer norm backward")?,
+            f32s(sw, lw, "layer norm backward")?,
+            f32s(sdy, ldy, "layer norm backward")?,
+        );
+        let n = w.len();
+        let mut dx = vec![0f32; x.len()];
+        let chunk = rows_per_task(n) * n;
+        // Each task: its rows' dx, and its partial dw and db.
+        let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
+            .par_chunks_mut(chunk)
+            .zip(x.par_chunks(chunk).zip(dy.par_chunks(chunk)))
+            .map(|(dx, (x, dy))| {
+                let (mut dw, mut db) = (vec![0f32; n], vec![0f32; n]);
+                let mut xhat = vec![0f32; n];
+                #[allow(clippy::cast_precision_loss)] // a row length
+                let nf = n as f32;
+                for ((dx, x), dy) in dx
+                    .chunks_exact_mut(n)
+                    .zip(x.chunks_exact(n))
+                    .zip(dy.chunks_exact(n))
+                {
+                    let (mean, rstd) = moments(x, self.eps);
+                    let (mut mean_g, mut mean_gx) = (0f32, 0f32);
+                    for j in 0..n {
+                        xhat[j] = (x[j] - mean) * rstd;
+                        let g = dy[j] * w[j];
+                        mean_g += g;
+                        mean_gx += g * xhat[j];
+                        dw[j] += dy[j] * xhat[j];
+                        db[j] += dy[j];
+                    }
+                    let (mean_g, mean_gx) = (mean_g / nf, mean_gx / nf);
+                    for j in 0..n {
+                        dx[j] = rstd * (dy[j] * w[j] - mean_g - xhat[j] * mean_gx);
+                    }
+                }
+                (dw, db)
+            })
+            .collect();
+        let mut out = dx;
+        let (mut dw, mut db) = (vec![0f32; n], vec![0f32; n]);
+        for (pw, pb) in partials {
+            for j in 0..n {
+                dw[j] += pw[j];
+                db[j] += pb[j];
+            }
+        }
+        out.extend(dw);
+        out.extend(db);
+        let len = out.len();
+        Ok((CpuStorage::F32(out), Shape::from(len)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    /// Output and the three gradients against the differentiable composition (candle autograd),
+    /// with and without a shift, for rows shorter and longer than a task's share, from a
+    /// strided input.
+    #[test]
+    fn matches_the_composition_forward_and_backward() -> Result<()> {
+        let dev = Device::Cpu;
+        for (rows, n, shifted) in [(3, 5, true), (70, 700, true), (4, 9, false)] {
+            let x = (Tensor::randn(0f32, 2.0, (n, rows), &dev)?.t()? + 0.5)?;
+            let w = Var::from_tensor(&Tensor::randn(1f32, 0.3, n, &dev)?)?;
+            let b = Var::from_tensor(&Tensor::randn(0f32, 0.3, n, &dev)?)?;
+            let up = Tensor::randn(0f32, 1.0, (rows, n), &dev)?;
+            let bias = shifted.then(|| b.as_tensor());
+            let run = |fused: bool| -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
+                let xv = Var::from_tensor(&x)?;
+                let y = if fused {
+                    layer_norm(xv.as_tensor(), w.as_tensor(), bias, 1e-5)?.expect("applies")
+                } else {
+                    crate::composite::layer_norm_composed(
+                        xv.as_tensor(),
+                        w.as_tensor(),
+                        bias,
+                        1e-5,
+                    )?
+                };
+                let grads = (&y * &up)?.sum_all()?.backward()?;
+                let g = |t: &Tensor| grads.get(t).cloned();
+                Ok((
+                    y,
+                    g(xv.as_tensor()).expect("dx"),
+                    g(w.as_tensor()).expect("dw"),
+                    g(b.as_tensor()),
+                ))
+            };
+            let (y, dx, dw, db) = run(true)?;
+            let (ry, rdx, rdw, rdb) = run(false)?;
+            assert!(max_diff(&y, &ry) < 1e-5, "({rows}, {n}): y");
+            assert!(max_diff(&dx, &rdx) < 1e-4, "({rows}, {n}): dx");
+            let scale = rdw.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+            assert!(max_diff(&dw, &rdw) < 1e-4 * scale, "({rows}, {n}): dw");
+            if shifted {
+                let (db, rdb) = (db.expect("db"), rdb.expect("db"));
+                let scale = rdb.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+                assert!(max_diff(&db, &rdb) < 1e-4 * scale, "({rows}, {n}): db");
+            }
+        }
+        Ok(())
+    }
+}
