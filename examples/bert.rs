@@ -190,6 +190,7 @@ fn print_table(
 }
 
 fn main() -> Result<()> {
+    common::keep_freed_memory();
     let args = Args::parse();
     if args.letters > 26 {
         candle_core::bail!("--letters is at most 26 (the tokens print as letters)");

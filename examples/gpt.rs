@@ -103,6 +103,7 @@ fn letters(tokens: &[u32]) -> String {
 }
 
 fn main() -> Result<()> {
+    common::keep_freed_memory();
     let args = Args::parse();
     if args.vocab > 26 {
         candle_core::bail!("--vocab is at most 26 (the tokens print as letters)");

@@ -202,6 +202,7 @@ fn train<Pol: Policy>(
 }
 
 fn main() -> Result<()> {
+    common::keep_freed_memory();
     let args = Args::parse();
     let dev = args.device.clone();
     let precision = args

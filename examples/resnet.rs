@@ -343,6 +343,7 @@ fn max_batch<Pol: Policy>(
 }
 
 fn main() -> Result<()> {
+    common::keep_freed_memory();
     let args = Args::parse();
     let precision = args
         .precision

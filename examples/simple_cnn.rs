@@ -212,6 +212,7 @@ fn train<Pol: Policy>(
 }
 
 fn main() -> Result<()> {
+    common::keep_freed_memory();
     let args = Args::parse();
     let precision = args
         .precision
