@@ -617,13 +617,7 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-        (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
-            .abs()?
-            .flatten_all()?
-            .max(0)?
-            .to_scalar()
-    }
+    use crate::kernels::max_abs_diff;
 
     /// Forward and both gradients of every dtype against candle's f32 conv2d on the same
     /// (half-representable) values, for 1x1, strided, padded, dilated and grouped shapes.

@@ -204,3 +204,17 @@ pub(crate) fn is_non_overlapping(layout: &Layout) -> bool {
     }
     true
 }
+
+/// The largest `|a - b|`, both read as f32: the kernels' tests compare against candle's ops.
+#[cfg(test)]
+pub(crate) fn max_abs_diff(
+    a: &candle_core::Tensor,
+    b: &candle_core::Tensor,
+) -> candle_core::Result<f32> {
+    use candle_core::DType;
+    (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar()
+}

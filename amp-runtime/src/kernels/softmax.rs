@@ -84,14 +84,7 @@ mod tests {
     use candle_core::{Device, Var};
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar()
-            .unwrap()
+        crate::kernels::max_abs_diff(a, b).expect("comparable tensors")
     }
 
     /// Forward and gradient against candle-nn's composition in f32, for every input dtype, a
