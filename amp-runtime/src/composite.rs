@@ -32,7 +32,7 @@ pub(crate) fn layer_norm(
 }
 
 /// [`layer_norm`] from candle ops, in `x`'s dtype.
-pub(crate) fn layer_norm_composed(
+fn layer_norm_composed(
     x: &Tensor,
     alpha: &Tensor,
     beta: Option<&Tensor>,
