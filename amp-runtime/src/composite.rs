@@ -2,7 +2,7 @@
 //! to it). `fp32::*` calls them on f32 inputs; an autocast region calls them in whatever dtype
 //! its policy assigns (f32 unless a policy moves the op). All are differentiable.
 
-use candle_core::{Result, Tensor, D};
+use candle_core::{DType, Result, Tensor, D};
 
 use crate::cast::convert;
 
@@ -15,7 +15,7 @@ pub(crate) fn softmax_f32<Di: candle_core::shape::Dim>(x: &Tensor, dim: Di) -> R
     if dim.to_index(x.shape(), "softmax")? + 1 == x.rank() {
         crate::kernels::softmax_last_dim(x)
     } else {
-        candle_nn::ops::softmax(&convert(x, candle_core::DType::F32)?, dim)
+        candle_nn::ops::softmax(&convert(x, DType::F32)?, dim)
     }
 }
 
@@ -25,9 +25,25 @@ pub(crate) fn layer_norm(
     beta: Option<&Tensor>,
     eps: f64,
 ) -> Result<Tensor> {
+    if x.dtype() == DType::F32 {
+        if let Some(y) = crate::kernels::layer_norm(x, alpha, beta, eps)? {
+            return Ok(y);
+        }
+    }
+    layer_norm_composed(x, alpha, beta, eps)
+}
+
+/// [`layer_norm`] in f32 from an f32, f16 or bf16 input: the fused op reads a half input as it
+/// is (no f32 copy); elsewhere the composition on an f32 copy.
+pub(crate) fn layer_norm_f32(
+    x: &Tensor,
+    alpha: &Tensor,
+    beta: Option<&Tensor>,
+    eps: f64,
+) -> Result<Tensor> {
     match crate::kernels::layer_norm(x, alpha, beta, eps)? {
         Some(y) => Ok(y),
-        None => layer_norm_composed(x, alpha, beta, eps),
+        None => layer_norm(&convert(x, DType::F32)?, alpha, beta, eps),
     }
 }
 

@@ -12,8 +12,10 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-/// `layer_norm(x, w, b)` through this op when it applies (f32 input, scale and shift on CPU,
-/// the scale and shift of the last dimension's length); `None` otherwise.
+use super::Real;
+
+/// `layer_norm(x, w, b)` in f32 through this op when it applies (an f32, f16 or bf16 input on
+/// CPU, read as it is; f32 scale and shift of the last dimension's length); `None` otherwise.
 pub(crate) fn layer_norm(
     x: &Tensor,
     w: &Tensor,
@@ -22,8 +24,8 @@ pub(crate) fn layer_norm(
 ) -> Result<Option<Tensor>> {
     let n = x.dims().last().copied().unwrap_or(0);
     let fits = |t: &Tensor| t.dtype() == DType::F32 && t.dims() == [n] && t.device().is_cpu();
-    if !(x.device().is_cpu() && x.dtype() == DType::F32 && fits(w) && b.is_none_or(fits)) || n == 0
-    {
+    let float = matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    if !(x.device().is_cpu() && float && fits(w) && b.is_none_or(fits)) || n == 0 {
         return Ok(None);
     }
     let b = match b {
@@ -40,6 +42,13 @@ pub(crate) fn layer_norm(
 /// Rows per parallel task: about 32K elements each.
 fn rows_per_task(n: usize) -> usize {
     ((1 << 15) / n.max(1)).max(1)
+}
+
+/// Row `x` widened into `row`.
+fn widen<T: Real>(x: &[T], row: &mut [f32]) {
+    for (r, &v) in row.iter_mut().zip(x) {
+        *r = v.get();
+    }
 }
 
 /// Mean and `1 / sqrt(var + eps)` of a row, eight partial sums per pass.
@@ -69,6 +78,28 @@ struct LayerNorm {
     eps: f32,
 }
 
+impl LayerNorm {
+    /// `y = (x - mean) * rstd * w + b` per row of `x` (any float dtype), in f32.
+    fn forward<T: Real + Sync>(&self, x: &[T], w: &[f32], b: &[f32]) -> Vec<f32> {
+        let n = w.len();
+        let mut y = vec![0f32; x.len()];
+        let chunk = rows_per_task(n) * n;
+        y.par_chunks_mut(chunk)
+            .zip(x.par_chunks(chunk))
+            .for_each(|(y, x)| {
+                let mut row = vec![0f32; n];
+                for (y, x) in y.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+                    widen(x, &mut row);
+                    let (mean, rstd) = moments(&row, self.eps);
+                    for (((y, &x), &w), &b) in y.iter_mut().zip(&row).zip(w).zip(b) {
+                        *y = (x - mean) * rstd * w + b;
+                    }
+                }
+            });
+        y
+    }
+}
+
 impl CustomOp3 for LayerNorm {
     fn name(&self) -> &'static str {
         "amp-layer-norm"
@@ -83,24 +114,8 @@ impl CustomOp3 for LayerNorm {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, w, b) = (
-            f32s(sx, lx, "layer norm")?,
-            f32s(sw, lw, "layer norm")?,
-            f32s(sb, lb, "layer norm")?,
-        );
-        let n = w.len();
-        let mut y = vec![0f32; x.len()];
-        let chunk = rows_per_task(n) * n;
-        y.par_chunks_mut(chunk)
-            .zip(x.par_chunks(chunk))
-            .for_each(|(y, x)| {
-                for (y, x) in y.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
-                    let (mean, rstd) = moments(x, self.eps);
-                    for (((y, &x), &w), &b) in y.iter_mut().zip(x).zip(w).zip(b) {
-                        *y = (x - mean) * rstd * w + b;
-                    }
-                }
-            });
+        let (w, b) = (f32s(sw, lw, "layer norm")?, f32s(sb, lb, "layer norm")?);
+        let y = with_floats!("layer norm", sx, lx, |x| self.forward(x, w, b));
         Ok((CpuStorage::F32(y), lx.shape().clone()))
     }
 
@@ -115,16 +130,70 @@ impl CustomOp3 for LayerNorm {
         let n = w.elem_count();
         let rows = x.elem_count() / n;
         let grads = x.apply_op3_no_bwd(w, &dy.contiguous()?, &LayerNormGrad { eps: self.eps })?;
-        let dx = grads.narrow(0, 0, rows * n)?.reshape(x.shape())?;
+        let dx = super::to_dtype(
+            &grads.narrow(0, 0, rows * n)?.reshape(x.shape())?,
+            x.dtype(),
+        )?;
         let dw = grads.narrow(0, rows * n, n)?;
         let db = grads.narrow(0, rows * n + n, n)?;
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }
 
-/// `(x, w, dy) -> [dx, dw, db]`, flat.
+/// `(x, w, dy) -> [dx, dw, db]`, flat, in f32 (`x` in any float dtype).
 struct LayerNormGrad {
     eps: f32,
+}
+
+impl LayerNormGrad {
+    fn backward<T: Real + Sync>(&self, x: &[T], w: &[f32], dy: &[f32]) -> Vec<f32> {
+        let n = w.len();
+        let mut dx = vec![0f32; x.len()];
+        let chunk = rows_per_task(n) * n;
+        // Each task: its rows' dx, and its partial dw and db.
+        let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
+            .par_chunks_mut(chunk)
+            .zip(x.par_chunks(chunk).zip(dy.par_chunks(chunk)))
+            .map(|(dx, (x, dy))| {
+                let (mut dw, mut db) = (vec![0f32; n], vec![0f32; n]);
+                let (mut row, mut xhat) = (vec![0f32; n], vec![0f32; n]);
+                #[allow(clippy::cast_precision_loss)] // a row length
+                let nf = n as f32;
+                for ((dx, x), dy) in dx
+                    .chunks_exact_mut(n)
+                    .zip(x.chunks_exact(n))
+                    .zip(dy.chunks_exact(n))
+                {
+                    widen(x, &mut row);
+                    let (mean, rstd) = moments(&row, self.eps);
+                    let (mut mean_g, mut mean_gx) = (0f32, 0f32);
+                    for j in 0..n {
+                        xhat[j] = (row[j] - mean) * rstd;
+                        let g = dy[j] * w[j];
+                        mean_g += g;
+                        mean_gx += g * xhat[j];
+                        dw[j] += dy[j] * xhat[j];
+                        db[j] += dy[j];
+                    }
+                    let (mean_g, mean_gx) = (mean_g / nf, mean_gx / nf);
+                    for j in 0..n {
+                        dx[j] = rstd * (dy[j] * w[j] - mean_g - xhat[j] * mean_gx);
+                    }
+                }
+                (dw, db)
+            })
+            .collect();
+        let (mut dw, mut db) = (vec![0f32; n], vec![0f32; n]);
+        for (pw, pb) in partials {
+            for j in 0..n {
+                dw[j] += pw[j];
+                db[j] += pb[j];
+            }
+        }
+        dx.extend(dw);
+        dx.extend(db);
+        dx
+    }
 }
 
 impl CustomOp3 for LayerNormGrad {
@@ -141,56 +210,11 @@ impl CustomOp3 for LayerNormGrad {
         sdy: &CpuStorage,
         ldy: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, w, dy) = (
-            f32s(sx, lx, "layer norm backward")?,
+        let (w, dy) = (
             f32s(sw, lw, "layer norm backward")?,
             f32s(sdy, ldy, "layer norm backward")?,
         );
-        let n = w.len();
-        let mut dx = vec![0f32; x.len()];
-        let chunk = rows_per_task(n) * n;
-        // Each task: its rows' dx, and its partial dw and db.
-        let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
-            .par_chunks_mut(chunk)
-            .zip(x.par_chunks(chunk).zip(dy.par_chunks(chunk)))
-            .map(|(dx, (x, dy))| {
-                let (mut dw, mut db) = (vec![0f32; n], vec![0f32; n]);
-                let mut xhat = vec![0f32; n];
-                #[allow(clippy::cast_precision_loss)] // a row length
-                let nf = n as f32;
-                for ((dx, x), dy) in dx
-                    .chunks_exact_mut(n)
-                    .zip(x.chunks_exact(n))
-                    .zip(dy.chunks_exact(n))
-                {
-                    let (mean, rstd) = moments(x, self.eps);
-                    let (mut mean_g, mut mean_gx) = (0f32, 0f32);
-                    for j in 0..n {
-                        xhat[j] = (x[j] - mean) * rstd;
-                        let g = dy[j] * w[j];
-                        mean_g += g;
-                        mean_gx += g * xhat[j];
-                        dw[j] += dy[j] * xhat[j];
-                        db[j] += dy[j];
-                    }
-                    let (mean_g, mean_gx) = (mean_g / nf, mean_gx / nf);
-                    for j in 0..n {
-                        dx[j] = rstd * (dy[j] * w[j] - mean_g - xhat[j] * mean_gx);
-                    }
-                }
-                (dw, db)
-            })
-            .collect();
-        let mut out = dx;
-        let (mut dw, mut db) = (vec![0f32; n], vec![0f32; n]);
-        for (pw, pb) in partials {
-            for j in 0..n {
-                dw[j] += pw[j];
-                db[j] += pb[j];
-            }
-        }
-        out.extend(dw);
-        out.extend(db);
+        let out = with_floats!("layer norm backward", sx, lx, |x| self.backward(x, w, dy));
         let len = out.len();
         Ok((CpuStorage::F32(out), Shape::from(len)))
     }
@@ -224,8 +248,14 @@ mod tests {
     #[test]
     fn matches_the_composition_forward_and_backward() -> Result<()> {
         let dev = Device::Cpu;
-        for (rows, n, shifted) in [(3, 5, true), (70, 700, true), (4, 9, false)] {
-            let x = (Tensor::randn(0f32, 2.0, (n, rows), &dev)?.t()? + 0.5)?;
+        let cases = [(3, 5, true), (70, 700, true), (4, 9, false)];
+        for ((rows, n, shifted), dtype) in cases
+            .into_iter()
+            .flat_map(|c| [DType::F32, DType::F16, DType::BF16].map(|d| (c, d)))
+        {
+            // The half input's values, also as the f32 reference's input: only the fused op's
+            // reading differs, and the rounding of dx to the input's dtype.
+            let x = (Tensor::randn(0f32, 2.0, (n, rows), &dev)?.t()? + 0.5)?.to_dtype(dtype)?;
             let w = Var::from_tensor(&Tensor::randn(1f32, 0.3, n, &dev)?)?;
             let b = Var::from_tensor(&Tensor::randn(0f32, 0.3, n, &dev)?)?;
             let up = Tensor::randn(0f32, 1.0, (rows, n), &dev)?;
@@ -235,7 +265,7 @@ mod tests {
                 let y = if fused {
                     layer_norm(xv.as_tensor(), w.as_tensor(), bias, 1e-5)?.expect("applies")
                 } else {
-                    composed(xv.as_tensor(), w.as_tensor(), bias)?
+                    composed(&xv.as_tensor().to_dtype(DType::F32)?, w.as_tensor(), bias)?
                 };
                 let grads = (&y * &up)?.sum_all()?.backward()?;
                 let g = |t: &Tensor| grads.get(t).cloned();
@@ -248,14 +278,22 @@ mod tests {
             };
             let (y, dx, dw, db) = run(true)?;
             let (ry, rdx, rdw, rdb) = run(false)?;
-            assert!(max_diff(&y, &ry) < 1e-5, "({rows}, {n}): y");
-            assert!(max_diff(&dx, &rdx) < 1e-4, "({rows}, {n}): dx");
+            let case = format!("({rows}, {n}) {dtype:?}");
+            assert_eq!((y.dtype(), dx.dtype()), (DType::F32, dtype), "{case}");
+            assert!(max_diff(&y, &ry) < 1e-5, "{case}: y");
+            // dx is rounded to the input's dtype once (|dx| of a few units here).
+            let tol = match dtype {
+                DType::F32 => 1e-4,
+                DType::F16 => 1e-2,
+                _ => 8e-2,
+            };
+            assert!(max_diff(&dx, &rdx) < tol, "{case}: dx");
             let scale = rdw.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
-            assert!(max_diff(&dw, &rdw) < 1e-4 * scale, "({rows}, {n}): dw");
+            assert!(max_diff(&dw, &rdw) < 1e-4 * scale, "{case}: dw");
             if shifted {
                 let (db, rdb) = (db.expect("db"), rdb.expect("db"));
                 let scale = rdb.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
-                assert!(max_diff(&db, &rdb) < 1e-4 * scale, "({rows}, {n}): db");
+                assert!(max_diff(&db, &rdb) < 1e-4 * scale, "{case}: db");
             }
         }
         Ok(())

@@ -10,7 +10,7 @@ use candle_nn::Module;
 use crate::cast::convert;
 use crate::composite;
 use crate::op;
-use crate::region::{calls, unary, AmpTensor, AsAmp, Policy, RegionCall};
+use crate::region::{calls, unary, unary_widening, AmpTensor, AsAmp, Policy, RegionCall};
 
 /// A weight (and bias) at the dtype the op runs in.
 fn at_dtype(w: &Tensor, like: &Tensor) -> Result<Tensor> {
@@ -67,9 +67,11 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
     type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         if self.remove_mean() {
-            unary::<Pol, op::layer_norm>(&x.to_amp(), |x| {
-                composite::layer_norm(x, self.weight(), self.bias(), self.eps())
-            })
+            unary_widening::<Pol, op::layer_norm>(
+                &x.to_amp(),
+                |x| composite::layer_norm_f32(x, self.weight(), self.bias(), self.eps()),
+                |x| composite::layer_norm(x, self.weight(), self.bias(), self.eps()),
+            )
         } else {
             unary::<Pol, op::rms_norm>(&x.to_amp(), |x| {
                 composite::rms_norm(x, self.weight(), self.eps())

@@ -51,7 +51,9 @@ use candle_nn::{BatchNormConfig, VarBuilder};
 use super::{expect_dims, master, weight_as, AmpLayer};
 use crate::op::{self, Fp32Input};
 use crate::precision::{Precision, F32};
-use crate::region::{calls, unary, with_precision, AmpTensor, AsAmp, Policy, RegionCall};
+use crate::region::{
+    calls, unary, unary_widening, with_precision, AmpTensor, AsAmp, Policy, RegionCall,
+};
 use crate::tensor::Tensor;
 use crate::{composite, fp32, kernels};
 
@@ -103,9 +105,11 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for LayerNorm 
     type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         let bias = self.bias().map(Var::as_tensor);
-        unary::<Pol, op::layer_norm>(&x.to_amp(), |x| {
-            composite::layer_norm(x, self.weight(), bias, self.eps())
-        })
+        unary_widening::<Pol, op::layer_norm>(
+            &x.to_amp(),
+            |x| composite::layer_norm_f32(x, self.weight(), bias, self.eps()),
+            |x| composite::layer_norm(x, self.weight(), bias, self.eps()),
+        )
     }
 }
 

@@ -177,14 +177,18 @@ pub fn layer_norm(
     eps: f32,
 ) -> Call<op::layer_norm> {
     let (alpha, beta) = (alpha.to_amp(), beta.to_amp());
-    call(vec![xs.to_amp()], move |x| {
-        composite::layer_norm(
-            &x[0],
-            alpha.as_candle(),
-            Some(beta.as_candle()),
-            f64::from(eps),
-        )
-    })
+    let (a, b) = (alpha.clone(), beta.clone());
+    widening_call(
+        vec![xs.to_amp()],
+        move |x| {
+            let (a, b) = (a.as_candle(), b.as_candle());
+            composite::layer_norm_f32(&x[0], a, Some(b), f64::from(eps))
+        },
+        move |x| {
+            let (a, b) = (alpha.as_candle(), beta.as_candle());
+            composite::layer_norm(&x[0], a, Some(b), f64::from(eps))
+        },
+    )
 }
 
 /// Routed `ops::rms_norm`.

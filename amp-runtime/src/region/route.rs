@@ -85,6 +85,20 @@ pub(crate) fn unary<Pol: Policy, O: Op>(
     AmpTensor::new(routed::<Pol, O>(&[x], |t| f(&at(x, t)?))?)
 }
 
+/// Routes a one-input fp32-class op with a fused kernel: under an f32 target (the op's class
+/// under every built-in policy) `widening` reads the input as it is, with no f32 copy; under
+/// another target (a `policy!` that moves the op) `f` runs on the cast input.
+pub(crate) fn unary_widening<Pol: Policy, O: Op>(
+    x: &AmpTensor,
+    widening: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
+    f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
+) -> Result<AmpTensor> {
+    AmpTensor::new(routed::<Pol, O>(&[x], |t| match t {
+        Some(DType::F32) => widening(x.as_candle()),
+        _ => f(&at(x, t)?),
+    })?)
+}
+
 /// Routes a two-input op.
 pub(crate) fn binary<Pol: Policy, O: Op>(
     a: &AmpTensor,
