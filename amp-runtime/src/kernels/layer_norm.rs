@@ -253,19 +253,28 @@ mod tests {
             .into_iter()
             .flat_map(|c| [DType::F32, DType::F16, DType::BF16].map(|d| (c, d)))
         {
-            // The half input's values, also as the f32 reference's input: only the fused op's
-            // reading differs, and the rounding of dx to the input's dtype.
-            let x = (Tensor::randn(0f32, 2.0, (n, rows), &dev)?.t()? + 0.5)?.to_dtype(dtype)?;
-            let w = Var::from_tensor(&Tensor::randn(1f32, 0.3, n, &dev)?)?;
-            let b = Var::from_tensor(&Tensor::randn(0f32, 0.3, n, &dev)?)?;
-            let up = Tensor::randn(0f32, 1.0, (rows, n), &dev)?;
+            // The half input's values, also as the f64 reference's input: only the fused op's
+            // f32 arithmetic differs, and the rounding of dx to the input's dtype.
+            // Fixed inputs (candle's CPU generator cannot be seeded).
+            #[allow(clippy::cast_precision_loss)] // indices well inside f32's exact range
+            let wave = |len: usize, f: f32, a: f32, b: f32| -> Result<Tensor> {
+                let v: Vec<f32> = (0..len).map(|i| a * (i as f32 * f).sin() + b).collect();
+                Tensor::from_vec(v, len, &dev)
+            };
+            let x = (wave(rows * n, 0.37, 2.0, 0.5)?.reshape((n, rows))?.t()?).to_dtype(dtype)?;
+            let w = Var::from_tensor(&wave(n, 0.7, 0.3, 1.0)?)?;
+            let b = Var::from_tensor(&wave(n, 0.9, 0.3, 0.0)?)?;
+            let up = wave(rows * n, 0.11, 1.0, 0.0)?.reshape((rows, n))?;
             let bias = shifted.then(|| b.as_tensor());
             let run = |fused: bool| -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
                 let xv = Var::from_tensor(&x)?;
                 let y = if fused {
                     layer_norm(xv.as_tensor(), w.as_tensor(), bias, 1e-5)?.expect("applies")
                 } else {
-                    composed(&xv.as_tensor().to_dtype(DType::F32)?, w.as_tensor(), bias)?
+                    let f64s = |t: &Tensor| t.to_dtype(DType::F64);
+                    let bias = bias.map(f64s).transpose()?;
+                    let x = f64s(xv.as_tensor())?;
+                    composed(&x, &f64s(w.as_tensor())?, bias.as_ref())?.to_dtype(DType::F32)?
                 };
                 let grads = (&y * &up)?.sum_all()?.backward()?;
                 let g = |t: &Tensor| grads.get(t).cloned();
