@@ -43,7 +43,7 @@ pub(crate) fn layer_norm_f32(
 ) -> Result<Tensor> {
     match crate::kernels::layer_norm(x, alpha, beta, eps)? {
         Some(y) => Ok(y),
-        None => layer_norm(&convert(x, DType::F32)?, alpha, beta, eps),
+        None => layer_norm_composed(&convert(x, DType::F32)?, alpha, beta, eps),
     }
 }
 
