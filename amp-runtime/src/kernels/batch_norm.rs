@@ -107,12 +107,23 @@ fn stats<T: Real>(xs: &[T], g: Geometry) -> (Vec<f64>, Vec<f64>) {
     (0..g.c)
         .into_par_iter()
         .map(|c| {
-            let values = || g.rows(xs, c).flatten().map(|x| f64::from(x.get()));
-            let mean = values().sum::<f64>() / m;
-            let var = values().map(|x| (x - mean) * (x - mean)).sum::<f64>() / m;
-            (mean, var)
+            let mean = channel_sum(xs, g, c, |x| x) / m;
+            let center = mean as f32;
+            let shift = f64::from(center) - mean;
+            // Centred on the f32 mean; the (tiny) offset of that mean is corrected exactly.
+            let var = channel_sum(xs, g, c, |x| (x - center) * (x - center)) / m - shift * shift;
+            (mean, var.max(0.0))
         })
         .unzip()
+}
+
+/// The sum of `f(x)` over channel `c` of `xs`.
+fn channel_sum<T: Real>(xs: &[T], g: Geometry, c: usize, f: impl Fn(f32) -> f32) -> f64 {
+    let mut total = 0f64;
+    for row in g.rows(xs, c) {
+        super::widened(row, |x| total += lane_sums(x, |x, _| (f(x), 0.0)).0);
+    }
+    total
 }
 
 impl CustomOp3 for Normalisation {
@@ -229,16 +240,18 @@ impl Affine<'_> {
                 let (center, scale, shift) = (self.center[c], self.scale[c], self.shift[c]);
                 let xs = &xs[row * g.hw..][..g.hw];
                 match extra {
-                    None => {
+                    None => super::map_widened(xs, out, |xs, out| {
                         for (o, x) in out.iter_mut().zip(xs) {
-                            *o = T::put((x.get() - center) * scale + shift);
+                            *o = (x - center) * scale + shift;
                         }
-                    }
+                    }),
                     Some((dys, k)) => {
                         let (dys, k) = (&dys[row * g.hw..][..g.hw], k[c]);
-                        for ((o, x), dy) in out.iter_mut().zip(xs).zip(dys) {
-                            *o = T::put(k * dy.get() + (x.get() - center) * scale + shift);
-                        }
+                        super::map_widened2(xs, dys, out, |xs, dys, out| {
+                            for ((o, x), dy) in out.iter_mut().zip(xs).zip(dys) {
+                                *o = k * dy + (x - center) * scale + shift;
+                            }
+                        });
                     }
                 }
             });
@@ -281,19 +294,48 @@ fn grad_sums<T: Real>(xs: &[T], dys: &[T], n: &Normalisation, g: Geometry) -> (V
             let mut sum_dy = 0f64;
             let mut sum_dy_xhat = 0f64;
             for (x, dy) in g.rows(xs, c).zip(g.rows(dys, c)) {
-                // f32 within a row, f64 across rows.
-                let (mut a, mut b) = (0f32, 0f32);
-                for (x, dy) in x.iter().zip(dy) {
-                    let dy = dy.get();
-                    a += dy;
-                    b += dy * (x.get() - mean) * invstd;
-                }
-                sum_dy += f64::from(a);
-                sum_dy_xhat += f64::from(b);
+                super::widened2(x, dy, |x, dy| {
+                    let (a, b) = lane_sums2(x, dy, |x, dy| (dy, dy * (x - mean) * invstd));
+                    sum_dy += a;
+                    sum_dy_xhat += b;
+                });
             }
             (sum_dy, sum_dy_xhat)
         })
         .unzip()
+}
+
+/// Elements summed in f32 before a partial sum joins the f64 total.
+const RUN: usize = 256;
+
+/// The sums of both values of `f(x, y)` over `x` and `y` (equal lengths): sixteen f32 lanes
+/// over each run of [`RUN`] elements (so the compiler vectorises), the runs added in f64.
+fn lane_sums2(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> (f32, f32)) -> (f64, f64) {
+    let (mut ta, mut tb) = (0f64, 0f64);
+    for (x, y) in x.chunks(RUN).zip(y.chunks(RUN)) {
+        let (mut a, mut b) = ([0f32; 16], [0f32; 16]);
+        let mut add = |lanes: &[f32], ys: &[f32]| {
+            for (l, (&x, &y)) in lanes.iter().zip(ys).enumerate() {
+                let (u, v) = f(x, y);
+                a[l] += u;
+                b[l] += v;
+            }
+        };
+        let (xs, ys) = (x.chunks_exact(16), y.chunks_exact(16));
+        let (xr, yr) = (xs.remainder(), ys.remainder());
+        for (x, y) in xs.zip(ys) {
+            add(x, y);
+        }
+        add(xr, yr);
+        ta += f64::from(a.iter().sum::<f32>());
+        tb += f64::from(b.iter().sum::<f32>());
+    }
+    (ta, tb)
+}
+
+/// [`lane_sums2`] of one slice.
+fn lane_sums(x: &[f32], f: impl Fn(f32, f32) -> (f32, f32)) -> (f64, f64) {
+    lane_sums2(x, x, f)
 }
 
 /// The input gradient `dx = k * dy + p * (x - mean) + q` per channel, in `x`'s dtype.
@@ -326,5 +368,25 @@ impl CustomOp2 for InputGrad {
             WithDType::to_cpu_storage_owned(affine.apply(xs, Some((dys, &self.k)), g))
         });
         Ok((dx, lx.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lane_sums2;
+
+    /// The f32 lane sums of long runs stay within f32 rounding of the exact (f64) sums.
+    #[test]
+    fn lane_sums_track_f64_sums() {
+        let x: Vec<f32> = (0..100_003)
+            .map(|i| (i as f32 * 0.013).sin() + 0.25)
+            .collect();
+        let y: Vec<f32> = (0..100_003).map(|i| (i as f32 * 0.007).cos()).collect();
+        let (a, b) = lane_sums2(&x, &y, |x, y| (x, x * y));
+        let exact_a: f64 = x.iter().map(|&v| f64::from(v)).sum();
+        let exact_b: f64 = x.iter().zip(&y).map(|(&u, &v)| f64::from(u * v)).sum();
+        let scale: f64 = x.iter().map(|&v| f64::from(v.abs())).sum();
+        assert!((a - exact_a).abs() < 1e-6 * scale, "{a} vs {exact_a}");
+        assert!((b - exact_b).abs() < 1e-6 * scale, "{b} vs {exact_b}");
     }
 }

@@ -31,17 +31,20 @@ pub(crate) struct Convert(pub DType);
 /// Elements per task.
 const CHUNK: usize = 1 << 15;
 
-/// `src` converted into `dst`, chunk by chunk in parallel; each chunk runs `simd` when it
-/// handles the pair (16 elements at a time) and scalar code for what is left.
+/// `src` converted into `dst`, chunk by chunk in parallel.
 fn convert_into<S: Real + Sync, D: Real + Send>(src: &[S], dst: &mut [D]) {
     dst.par_chunks_mut(CHUNK)
         .zip(src.par_chunks(CHUNK))
-        .for_each(|(d, s)| {
-            let done = vector::convert(s, d);
-            for (o, &v) in d[done..].iter_mut().zip(&s[done..]) {
-                *o = D::put(v.get());
-            }
-        });
+        .for_each(|(d, s)| convert_block(s, d));
+}
+
+/// `src` converted into `dst` (equal lengths) on this thread: 16 elements at a time where
+/// `vector` handles the pair, scalar code for what is left.
+pub(crate) fn convert_block<S: Real, D: Real>(src: &[S], dst: &mut [D]) {
+    let done = vector::convert(src, dst);
+    for (o, &v) in dst[done..].iter_mut().zip(&src[done..]) {
+        *o = D::put(v.get());
+    }
 }
 
 /// `src` converted to `D`.

@@ -278,11 +278,12 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(p: &Problem<T>, c: &m
         let panels_n = nc.div_ceil(K::NR);
         packed_b.clear();
         packed_b.resize(panels_n * units * K::NR, K::Unit::default());
-        let pack_b = |(jp, panel): (usize, &mut [K::Unit])| {
-            let cols = K::NR.min(nc - jp * K::NR);
-            pack::<T, K>(b_lanes, j0 + jp * K::NR, cols, K::NR, k, panel);
+        let lanes = PACK_TASK_PANELS * K::NR;
+        let pack_b = |(t, panels): (usize, &mut [K::Unit])| {
+            let first = t * lanes;
+            pack_panels::<T, K>(b_lanes, j0 + first, lanes.min(nc - first), k, panels);
         };
-        let chunk = units * K::NR;
+        let chunk = PACK_TASK_PANELS * units * K::NR;
         if threads > 1 && panels_n > 1 {
             packed_b.par_chunks_mut(chunk).enumerate().for_each(pack_b);
         } else {
@@ -339,6 +340,43 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(p: &Problem<T>, c: &m
             (0..tasks).into_par_iter().for_each(task);
         } else {
             (0..tasks).for_each(task);
+        }
+    }
+}
+
+/// B micro-panels packed per task.
+const PACK_TASK_PANELS: usize = 8;
+
+/// Packs `count` lanes from `first` into consecutive `NR`-lane micro-panels of B (`out` holds
+/// them all, zeroed). When the lanes at each `k` are contiguous (a row-major B), every panel
+/// is filled in one walk along B's rows, which reads memory in order; a panel at a time would
+/// stride across all `k` rows for every 32 lanes.
+fn pack_panels<T: GemmElem, K: Kernel>(
+    v: MatRef<T>,
+    first: usize,
+    count: usize,
+    kc: usize,
+    out: &mut [K::Unit],
+) {
+    let units = kc.div_ceil(K::KSTEP);
+    let panel = units * K::NR;
+    if v.rs != 1 || v.cs == 1 || !kc.is_multiple_of(K::KSTEP) {
+        for (p, out) in out.chunks_mut(panel).enumerate() {
+            let l0 = p * K::NR;
+            pack::<T, K>(v, first + l0, K::NR.min(count - l0), K::NR, kc, out);
+        }
+        return;
+    }
+    let base = v.offset + first;
+    for u in 0..units {
+        let k0 = u * K::KSTEP;
+        let lo = &v.data[base + k0 * v.cs..][..count];
+        let hi = &v.data[base + (k0 + K::KSTEP - 1) * v.cs..][..count];
+        for (p, (lo, hi)) in lo.chunks(K::NR).zip(hi.chunks(K::NR)).enumerate() {
+            let dst = &mut out[p * panel + u * K::NR..][..lo.len()];
+            for ((unit, &x), &y) in dst.iter_mut().zip(lo).zip(hi) {
+                *unit = K::unit(x, y);
+            }
         }
     }
 }

@@ -44,13 +44,6 @@ fn rows_per_task(n: usize) -> usize {
     ((1 << 15) / n.max(1)).max(1)
 }
 
-/// Row `x` widened into `row`.
-fn widen<T: Real>(x: &[T], row: &mut [f32]) {
-    for (r, &v) in row.iter_mut().zip(x) {
-        *r = v.get();
-    }
-}
-
 /// Mean and `1 / sqrt(var + eps)` of a row, eight partial sums per pass.
 fn moments(x: &[f32], eps: f32) -> (f32, f32) {
     #[allow(clippy::cast_precision_loss)] // a row length
@@ -89,7 +82,7 @@ impl LayerNorm {
             .for_each(|(y, x)| {
                 let mut row = vec![0f32; n];
                 for (y, x) in y.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
-                    widen(x, &mut row);
+                    T::widen(x, &mut row);
                     let (mean, rstd) = moments(&row, self.eps);
                     for (((y, &x), &w), &b) in y.iter_mut().zip(&row).zip(w).zip(b) {
                         *y = (x - mean) * rstd * w + b;
@@ -164,7 +157,7 @@ impl LayerNormGrad {
                     .zip(x.chunks_exact(n))
                     .zip(dy.chunks_exact(n))
                 {
-                    widen(x, &mut row);
+                    T::widen(x, &mut row);
                     let (mean, rstd) = moments(&row, self.eps);
                     let (mut mean_g, mut mean_gx) = (0f32, 0f32);
                     for j in 0..n {

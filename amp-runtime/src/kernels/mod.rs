@@ -106,6 +106,17 @@ use half::{bf16, f16};
 pub(crate) trait Real: candle_core::WithDType {
     fn get(self) -> f32;
     fn put(v: f32) -> Self;
+
+    /// `dst[i] = src[i].get()` over equal lengths, 16 at a time with AVX-512 for the 16-bit
+    /// types (the scalar conversions of `half` cost more than the arithmetic they feed).
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        convert::convert_block(src, dst);
+    }
+
+    /// `dst[i] = Self::put(src[i])` over equal lengths, vectorised as [`Real::widen`].
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        convert::convert_block(src, dst);
+    }
 }
 
 impl Real for f32 {
@@ -117,6 +128,75 @@ impl Real for f32 {
     fn put(v: f32) -> Self {
         v
     }
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    fn narrow(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+/// Elements per block of a widened pass: f32 scratch on the stack, in L1.
+const BLOCK: usize = 512;
+
+/// `xs` read as f32 slice when `T` is f32 (no copy), `None` for the 16-bit types.
+fn as_f32<T: Real>(xs: &[T]) -> Option<&[f32]> {
+    // SAFETY: `T` is f32 (its dtype says so), so the cast is the identity.
+    (T::DTYPE == candle_core::DType::F32)
+        .then(|| unsafe { std::slice::from_raw_parts(xs.as_ptr().cast(), xs.len()) })
+}
+
+/// `xs` as a mutable f32 slice when `T` is f32.
+fn as_f32_mut<T: Real>(xs: &mut [T]) -> Option<&mut [f32]> {
+    // SAFETY: as `as_f32`.
+    (T::DTYPE == candle_core::DType::F32)
+        .then(|| unsafe { std::slice::from_raw_parts_mut(xs.as_mut_ptr().cast(), xs.len()) })
+}
+
+/// Calls `f` on consecutive runs of `a` and `b` (equal lengths) as f32: the slices themselves
+/// when f32, blocks widened on the stack otherwise. The elementwise kernels' reading side.
+pub(crate) fn widened2<T: Real>(a: &[T], b: &[T], mut f: impl FnMut(&[f32], &[f32])) {
+    if let (Some(a), Some(b)) = (as_f32(a), as_f32(b)) {
+        return f(a, b);
+    }
+    let (mut wa, mut wb) = ([0f32; BLOCK], [0f32; BLOCK]);
+    for (a, b) in a.chunks(BLOCK).zip(b.chunks(BLOCK)) {
+        let (wa, wb) = (&mut wa[..a.len()], &mut wb[..a.len()]);
+        T::widen(a, wa);
+        T::widen(b, wb);
+        f(wa, wb);
+    }
+}
+
+/// Calls `f` on consecutive runs of `xs` as f32 (see [`widened2`]).
+pub(crate) fn widened<T: Real>(xs: &[T], mut f: impl FnMut(&[f32])) {
+    widened2(xs, xs, |x, _| f(x));
+}
+
+/// `out = f(a, b)` elementwise over equal lengths, computed on f32 runs and rounded once to
+/// `T`: the elementwise kernels' writing side.
+pub(crate) fn map_widened2<T: Real>(
+    a: &[T],
+    b: &[T],
+    out: &mut [T],
+    f: impl Fn(&[f32], &[f32], &mut [f32]),
+) {
+    if let (Some(a), Some(b), Some(o)) = (as_f32(a), as_f32(b), as_f32_mut(out)) {
+        return f(a, b, o);
+    }
+    let mut wo = [0f32; BLOCK];
+    let mut start = 0;
+    widened2(a, b, |a, b| {
+        let wo = &mut wo[..a.len()];
+        f(a, b, wo);
+        T::narrow(wo, &mut out[start..start + a.len()]);
+        start += a.len();
+    });
+}
+
+/// `out = f(xs)` elementwise (see [`map_widened2`]).
+pub(crate) fn map_widened<T: Real>(xs: &[T], out: &mut [T], f: impl Fn(&[f32], &mut [f32])) {
+    map_widened2(xs, xs, out, |x, _, o| f(x, o));
 }
 
 impl Real for f16 {
@@ -217,4 +297,47 @@ pub(crate) fn max_abs_diff(
         .flatten_all()?
         .max(0)?
         .to_scalar()
+}
+
+#[cfg(test)]
+mod tests {
+    use half::{bf16, f16};
+
+    use super::{map_widened2, widened, Real, BLOCK};
+
+    /// The widened passes give what per-element `get`/`put` give, bit for bit, over lengths
+    /// that end inside a vector, on a vector edge and across blocks.
+    fn widened_passes_match_scalar<T: Real + std::fmt::Debug>() {
+        for len in [0, 5, 16, 31, BLOCK, BLOCK + 1, 2 * BLOCK + 37] {
+            let a: Vec<T> = (0..len)
+                .map(|i| T::put((i as f32 * 0.37).sin() * 300.0))
+                .collect();
+            let b: Vec<T> = (0..len)
+                .map(|i| T::put((i as f32 * 0.11).cos() - 0.5))
+                .collect();
+            let f = |x: f32, y: f32| x * y + 1.0 / 3.0;
+            let mut out = vec![T::put(0.0); len];
+            map_widened2(&a, &b, &mut out, |a, b, o| {
+                for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
+                    *o = f(x, y);
+                }
+            });
+            let want: Vec<T> = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| T::put(f(x.get(), y.get())))
+                .collect();
+            assert_eq!(out, want, "{:?} len {len}", T::DTYPE);
+            let mut seen = Vec::new();
+            widened(&a, |x| seen.extend_from_slice(x));
+            assert_eq!(seen, a.iter().map(|x| x.get()).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn widened_passes_match_scalar_conversions() {
+        widened_passes_match_scalar::<f32>();
+        widened_passes_match_scalar::<bf16>();
+        widened_passes_match_scalar::<f16>();
+    }
 }

@@ -25,26 +25,28 @@ pub(crate) fn relu(x: &Tensor) -> Result<Tensor> {
 /// Elements per parallel chunk.
 const CHUNK: usize = 1 << 14;
 
-/// `f` over zipped chunks of `a` and `b` into a new vector, in parallel.
-fn zip_map<T: Real + Send + Sync>(a: &[T], b: &[T], f: impl Fn(T, T) -> T + Sync) -> Vec<T> {
+/// `f` over zipped chunks of `a` and `b`, widened to f32, into a new vector, in parallel.
+fn zip_map<T: Real + Send + Sync>(a: &[T], b: &[T], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<T> {
     let mut out = vec![T::put(0.0); a.len()];
     out.par_chunks_mut(CHUNK)
         .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
         .for_each(|(o, (a, b))| {
-            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
-                *o = f(a, b);
-            }
+            super::map_widened2(a, b, o, |a, b, o| {
+                for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                    *o = f(a, b);
+                }
+            });
         });
     out
 }
 
 fn relu_of<T: Real + Send + Sync>(x: &[T]) -> Vec<T> {
     // `x < 0` is false for NaN, which passes through.
-    zip_map(x, x, |v, _| if v.get() < 0.0 { T::put(0.0) } else { v })
+    zip_map(x, x, |v, _| if v < 0.0 { 0.0 } else { v })
 }
 
 fn relu_grad<T: Real + Send + Sync>(y: &[T], g: &[T]) -> Vec<T> {
-    zip_map(y, g, |y, g| if y.get() > 0.0 { g } else { T::put(0.0) })
+    zip_map(y, g, |y, g| if y > 0.0 { g } else { 0.0 })
 }
 
 struct Relu;

@@ -38,9 +38,7 @@ fn softmax_rows<T: Real + Sync>(x: &[T], n: usize) -> Vec<f32> {
         .zip(x.par_chunks(chunk))
         .for_each(|(out, x)| {
             for (y, x) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
-                for (y, &v) in y.iter_mut().zip(x) {
-                    *y = v.get();
-                }
+                T::widen(x, y);
                 let max = y.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 // Eight partial sums: a long row's rounding error grows with its length over
                 // eight, not its whole length.
