@@ -175,7 +175,7 @@ impl<T: Copy> Problem<'_, T> {
 /// A register-blocked micro-kernel and the packed layout it reads.
 trait Kernel {
     /// One packed unit: `KSTEP` consecutive `k` of one row of A or one column of B.
-    type Unit: Copy + Default + Send + Sync;
+    type Unit: Scratch;
     const MR: usize;
     const NR: usize;
     /// How many `k` one unit holds.
@@ -304,36 +304,37 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(p: &Problem<T>, c: &m
             let i0 = ib * mc;
             let rows = mc.min(m - i0);
             let panels_m = rows.div_ceil(K::MR);
-            let mut packed_a = vec![K::Unit::default(); panels_m * units * K::MR];
-            for (ip, panel) in packed_a.chunks_mut(units * K::MR).enumerate() {
-                let prow = K::MR.min(rows - ip * K::MR);
-                pack::<T, K>(p.a, i0 + ip * K::MR, prow, K::MR, k, panel);
-            }
-            let jp_end = ((g + 1) * panels_per_group).min(panels_n);
-            for jp in g * panels_per_group..jp_end {
-                let cols = K::NR.min(nc - jp * K::NR);
-                let b_panel = &packed_b[jp * units * K::NR..];
-                for ip in 0..panels_m {
+            K::Unit::with_scratch(panels_m * units * K::MR, |packed_a| {
+                for (ip, panel) in packed_a.chunks_mut(units * K::MR).enumerate() {
                     let prow = K::MR.min(rows - ip * K::MR);
-                    let a_panel = &packed_a[ip * units * K::MR..];
-                    let (row, col) = (i0 + ip * K::MR, j0 + jp * K::NR);
-                    // SAFETY: the panels hold `units` units each (sized above); the tile
-                    // covers rows row..row + prow and columns col..col + cols of the m x n
-                    // output, which no other task writes; `isa()` chose K for this CPU.
-                    unsafe {
-                        K::tile(
-                            units,
-                            a_panel.as_ptr(),
-                            b_panel.as_ptr(),
-                            out.at(row * n + col),
-                            n,
-                            prow,
-                            cols,
-                            p.accumulate,
-                        );
+                    pack::<T, K>(p.a, i0 + ip * K::MR, prow, K::MR, k, panel);
+                }
+                let jp_end = ((g + 1) * panels_per_group).min(panels_n);
+                for jp in g * panels_per_group..jp_end {
+                    let cols = K::NR.min(nc - jp * K::NR);
+                    let b_panel = &packed_b[jp * units * K::NR..];
+                    for ip in 0..panels_m {
+                        let prow = K::MR.min(rows - ip * K::MR);
+                        let a_panel = &packed_a[ip * units * K::MR..];
+                        let (row, col) = (i0 + ip * K::MR, j0 + jp * K::NR);
+                        // SAFETY: the panels hold `units` units each (sized above); the tile
+                        // covers rows row..row + prow and columns col..col + cols of the m x n
+                        // output, which no other task writes; `isa()` chose K for this CPU.
+                        unsafe {
+                            K::tile(
+                                units,
+                                a_panel.as_ptr(),
+                                b_panel.as_ptr(),
+                                out.at(row * n + col),
+                                n,
+                                prow,
+                                cols,
+                                p.accumulate,
+                            );
+                        }
                     }
                 }
-            }
+            });
         };
         let tasks = blocks_m * groups_n;
         if threads > 1 && tasks > 1 {
@@ -346,6 +347,45 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(p: &Problem<T>, c: &m
 
 /// B micro-panels packed per task.
 const PACK_TASK_PANELS: usize = 8;
+
+/// A packed unit type, with a per-thread buffer to pack into: packing rewrites every unit a
+/// tile reads, so a buffer is reused as it is (lanes past the last full panel's rows or
+/// columns may keep stale values: they only reach accumulators that are never stored).
+trait Scratch: Copy + Default + Send + Sync + 'static {
+    /// The thread's buffer for this unit type.
+    fn buffer() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<Self>>>;
+
+    /// Runs `f` on `len` units of the thread's buffer (a fresh one when it is in use: a
+    /// GEMM on a rayon worker that stole another GEMM's task).
+    fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R {
+        Self::buffer().with(|cell| match cell.try_borrow_mut() {
+            Ok(mut buf) => {
+                if buf.len() < len {
+                    buf.resize(len, Self::default());
+                }
+                f(&mut buf[..len])
+            }
+            Err(_) => f(&mut vec![Self::default(); len]),
+        })
+    }
+}
+
+thread_local! {
+    static F32_UNITS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static PAIR_UNITS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl Scratch for f32 {
+    fn buffer() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<f32>>> {
+        &F32_UNITS
+    }
+}
+
+impl Scratch for u32 {
+    fn buffer() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<u32>>> {
+        &PAIR_UNITS
+    }
+}
 
 /// Packs `count` lanes from `first` into consecutive `NR`-lane micro-panels of B (`out` holds
 /// them all, zeroed). When the lanes at each `k` are contiguous (a row-major B), every panel
@@ -382,8 +422,8 @@ fn pack_panels<T: GemmElem, K: Kernel>(
 }
 
 /// Packs `count` lanes from `first` (rows of `v`, which is A or B transposed) over the inner
-/// dimension `0..kc` into `out`, laid out `[unit][width]`; `out` comes zeroed, so lanes past
-/// `count` stay zero.
+/// dimension `0..kc` into `out`, laid out `[unit][width]`; lanes past `count` are left as they
+/// are (see [`Scratch`]).
 fn pack<T: GemmElem, K: Kernel>(
     v: MatRef<T>,
     first: usize,
