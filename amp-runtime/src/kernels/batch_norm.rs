@@ -6,7 +6,8 @@
 //! what AMP saves. This op keeps what cuDNN keeps: its input (in the input's precision, f16
 //! under autocast) and two f32 numbers per channel (mean and inverse standard deviation).
 //!
-//! All arithmetic is f32 per element with f64 per-channel sums; outputs and the input gradient
+//! All arithmetic is f32 per element (half inputs widened 16 at a time), per-channel sums f32
+//! within runs of 256 values and f64 across runs; outputs and the input gradient
 //! are rounded once to the input's dtype. Work is split over channels (statistics) or over
 //! `(n, c)` rows (elementwise passes) on rayon's pool. Other devices keep the composition of
 //! candle ops in `nn::BatchNorm2d` until they get a kernel.
@@ -26,7 +27,7 @@ pub(crate) fn supports(x: &Tensor) -> bool {
         && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
 }
 
-/// Per-channel mean and biased variance of `x` (two passes, f64 sums).
+/// Per-channel mean and biased variance of `x` (two passes; see [`lane_sums2`]).
 pub(crate) fn channel_stats(x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
     let rows = x.contiguous()?.apply_op1_no_bwd(&ChannelStats)?.to_vec2()?;
     let mut rows = rows.into_iter();

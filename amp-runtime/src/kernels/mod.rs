@@ -7,6 +7,8 @@
 //!   that GEMM, forward and backward.
 //! - `conv2d`: conv2d on CPU as GEMMs (im2col/col2im, none for 1x1), bias fused, every dtype.
 //! - `convert`, `relu`: vectorised f32 <-> half conversions; relu with a one-pass backward.
+//! - this module: [`Real`], the element types, and the widened passes through which the
+//!   element-wise kernels read and write half values 16 at a time ([`map_widened`]).
 //! - `pool`: max pooling with any window, stride and padding, and its backward.
 //! - `simd`: the AVX-512 f32 <-> bf16/f16 conversions, bit-identical to `half`.
 //! - `batch_norm`: batch norm as one op with its own backward on CPU, keeping only its input and
