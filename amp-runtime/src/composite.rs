@@ -6,8 +6,6 @@ use candle_core::{DType, Result, Tensor, D};
 
 use crate::cast::convert;
 
-/// `(x - mean) / sqrt(var + eps) * alpha + beta` over the last dimension (biased variance): in
-/// f32 on CPU one fused op (`kernels::layer_norm`), otherwise composed.
 /// Softmax along `dim`, in f32 from an f32, f16 or bf16 input: over the last dimension one
 /// fused op (`kernels::softmax_last_dim`, which reads half inputs as they are), otherwise
 /// candle-nn's max-shifted composition on an f32 copy.
@@ -19,6 +17,30 @@ pub(crate) fn softmax_f32<Di: candle_core::shape::Dim>(x: &Tensor, dim: Di) -> R
     }
 }
 
+/// Log-softmax along `dim` in f32, as [`softmax_f32`] (`kernels::log_softmax_last_dim` over the
+/// last dimension).
+pub(crate) fn log_softmax_f32<Di: candle_core::shape::Dim>(x: &Tensor, dim: Di) -> Result<Tensor> {
+    if dim.to_index(x.shape(), "log_softmax")? + 1 == x.rank() {
+        crate::kernels::log_softmax_last_dim(x)
+    } else {
+        candle_nn::ops::log_softmax(&convert(x, DType::F32)?, dim)
+    }
+}
+
+/// Cross-entropy of logits `(batch, classes)` at class ids `(batch)` in f32, candle-nn's
+/// `nll(log_softmax(x, 1))` with the fused log-softmax (reading half logits as they are).
+pub(crate) fn cross_entropy_f32(x: &Tensor, target: &Tensor) -> Result<Tensor> {
+    if x.rank() != 2 {
+        candle_core::bail!(
+            "cross_entropy expects logits (batch, classes), got {:?}",
+            x.dims()
+        )
+    }
+    candle_nn::loss::nll(&log_softmax_f32(x, 1)?, target)
+}
+
+/// `(x - mean) / sqrt(var + eps) * alpha + beta` over the last dimension (biased variance): in
+/// f32 on CPU one fused op (`kernels::layer_norm`), otherwise composed.
 pub(crate) fn layer_norm(
     x: &Tensor,
     alpha: &Tensor,

@@ -113,9 +113,10 @@ pub fn softmax<P: Precision, D: Dim>(x: &Tensor<P>, dim: D) -> Result<Tensor<F32
     crate::composite::softmax_f32(x.as_candle(), dim).map(out)
 }
 
-/// Log-softmax along `dim` (differentiable).
+/// Log-softmax along `dim` (differentiable; over the last dimension one fused op that reads a
+/// half input as it is).
 pub fn log_softmax<P: Precision, D: Dim>(x: &Tensor<P>, dim: D) -> Result<Tensor<F32>> {
-    candle_nn::ops::log_softmax(&up(x)?, dim).map(out)
+    crate::composite::log_softmax_f32(x.as_candle(), dim).map(out)
 }
 
 /// Layer norm over the last dimension: `(x - mean) / sqrt(var + eps) * alpha + beta`, with the
@@ -166,7 +167,7 @@ pub fn cross_entropy<P: Precision>(
     inp: &Tensor<P>,
     target: &candle_core::Tensor,
 ) -> Result<Tensor<F32>> {
-    candle_nn::loss::cross_entropy(&up(inp)?, target).map(out)
+    crate::composite::cross_entropy_f32(inp.as_candle(), target).map(out)
 }
 
 /// Binary cross-entropy on logits, in the stable form PyTorch uses:

@@ -99,7 +99,7 @@ pub(crate) use layer_norm::layer_norm;
 pub(crate) use matmul::{broadcast_matmul, linear, matmul};
 pub(crate) use pool::{max_pool2d, Pool2d};
 pub(crate) use relu::relu;
-pub(crate) use softmax::softmax_last_dim;
+pub(crate) use softmax::{log_softmax_last_dim, softmax_last_dim};
 
 use candle_core::Layout;
 use half::{bf16, f16};

@@ -1,11 +1,13 @@
-//! Softmax over the last dimension on CPU as one fp32-class op that reads f32, f16 or bf16.
+//! Softmax and log-softmax over the last dimension on CPU as one fp32-class op each that reads
+//! f32, f16 or bf16.
 //!
 //! candle-nn's differentiable `softmax` is five graph nodes (max, subtract, exp, sum, divide),
 //! each a full pass and a fresh buffer, and under autocast a half input first becomes an f32
-//! copy (a sixth). This op widens each row while it reads it, computes `exp(x - max) / sum` in
-//! f32 and writes the f32 result: one node, one pass. Backward, `dx = y * (dy - sum(dy * y))`
-//! in f32 (the softmax Jacobian applied to `dy`), rounded once to the input's dtype, which is
-//! what the cast node's backward would do.
+//! copy (a sixth); its `log_softmax` is as many. This op widens each row while it reads it,
+//! computes `exp(x - max) / sum` (or `x - max - ln(sum)`) in f32 and writes the f32 result: one
+//! node, one pass. Backward, `dx = y * (dy - sum(dy * y))` for softmax (its Jacobian applied to
+//! `dy`) and `dx = dy - exp(y) * sum(dy)` for log-softmax, in f32, rounded once to the input's
+//! dtype, which is what the cast node's backward would do.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
@@ -15,11 +17,24 @@ use super::Real;
 /// Softmax of `x` over its last dimension, in f32: through this op for a float tensor on CPU,
 /// candle-nn's composition (after an f32 cast) elsewhere.
 pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-        x.contiguous()?.apply_op1(SoftmaxLastDim)
+    if supports(x) {
+        x.contiguous()?.apply_op1(SoftmaxLastDim { log: false })
     } else {
         candle_nn::ops::softmax(&x.to_dtype(DType::F32)?, D::Minus1)
     }
+}
+
+/// Log-softmax of `x` over its last dimension, in f32 (as [`softmax_last_dim`]).
+pub(crate) fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    if supports(x) {
+        x.contiguous()?.apply_op1(SoftmaxLastDim { log: true })
+    } else {
+        candle_nn::ops::log_softmax(&x.to_dtype(DType::F32)?, D::Minus1)
+    }
+}
+
+fn supports(x: &Tensor) -> bool {
+    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
 }
 
 /// Rows per parallel task: about 64K elements each.
@@ -27,8 +42,9 @@ fn rows_per_task(n: usize) -> usize {
     ((1 << 16) / n.max(1)).max(1)
 }
 
-/// `exp(x - max) / sum` of each row of length `n`, widened to f32 as it is read.
-fn softmax_rows<T: Real + Sync>(x: &[T], n: usize) -> Vec<f32> {
+/// `exp(x - max) / sum` (with `log`: `x - max - ln(sum)`) of each row of length `n`, widened
+/// to f32 as it is read.
+fn softmax_rows<T: Real + Sync>(x: &[T], n: usize, log: bool) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
     if n == 0 {
         return out;
@@ -44,34 +60,56 @@ fn softmax_rows<T: Real + Sync>(x: &[T], n: usize) -> Vec<f32> {
                 // eight, not its whole length.
                 let mut lanes = [0f32; 8];
                 for (i, v) in y.iter_mut().enumerate() {
-                    *v = (*v - max).exp();
-                    lanes[i % 8] += *v;
+                    *v -= max;
+                    let e = v.exp();
+                    lanes[i % 8] += e;
+                    if !log {
+                        *v = e;
+                    }
                 }
                 let sum: f32 = lanes.iter().sum();
-                for v in y.iter_mut() {
-                    *v /= sum;
+                if log {
+                    let log_sum = sum.ln();
+                    for v in y.iter_mut() {
+                        *v -= log_sum;
+                    }
+                } else {
+                    for v in y.iter_mut() {
+                        *v /= sum;
+                    }
                 }
             }
         });
     out
 }
 
-struct SoftmaxLastDim;
+/// Softmax, or log-softmax with `log`, over the last dimension.
+struct SoftmaxLastDim {
+    log: bool,
+}
 
 impl CustomOp1 for SoftmaxLastDim {
     fn name(&self) -> &'static str {
-        "amp-softmax-last-dim"
+        if self.log {
+            "amp-log-softmax-last-dim"
+        } else {
+            "amp-softmax-last-dim"
+        }
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let n = l.shape().dims().last().copied().unwrap_or(1);
-        let y = with_floats!("softmax", s, l, |x| softmax_rows(x, n));
+        let y = with_floats!("softmax", s, l, |x| softmax_rows(x, n, self.log));
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }
 
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let gy = (grad * res)?;
-        let dx = (&gy - res.broadcast_mul(&gy.sum_keepdim(D::Minus1)?)?)?;
+        let dx = if self.log {
+            (grad - res.exp()?.broadcast_mul(&grad.sum_keepdim(D::Minus1)?)?)?
+        } else {
+            let gy = (grad * res)?;
+            (&gy - res.broadcast_mul(&gy.sum_keepdim(D::Minus1)?)?)?
+        };
         Ok(Some(super::to_dtype(&dx, arg.dtype())?))
     }
 }
@@ -85,7 +123,7 @@ mod tests {
         crate::kernels::max_abs_diff(a, b).expect("comparable tensors")
     }
 
-    /// Forward and gradient against candle-nn's composition in f64 (its f32 one is itself off by
+    /// Softmax and log-softmax, forward and gradient, against candle-nn's compositions in f64 (its f32 one is itself off by
     /// more than this op over a row of 70,000), for every input dtype, a row longer than a
     /// task's share and a strided (transposed) input, each from the same (rounded) input values:
     /// f32 within 1e-5 of the gradient's scale (1.4e-6 measured), f16 2e-3 (5e-4), bf16 1.6e-2
@@ -105,9 +143,16 @@ mod tests {
             let x = wave(0.37, 3.0, 1.0)?;
             let x = if transpose { x.t()? } else { x };
             let w = wave(0.11, 1.0, 0.0)?.reshape(x.dims())?;
-            for dtype in [DType::F32, DType::F16, DType::BF16] {
+            for (dtype, log) in [DType::F32, DType::F16, DType::BF16]
+                .into_iter()
+                .flat_map(|d| [(d, false), (d, true)])
+            {
                 let input = Var::from_tensor(&x.to_dtype(dtype)?)?;
-                let y = softmax_last_dim(input.as_tensor())?;
+                let y = if log {
+                    log_softmax_last_dim(input.as_tensor())?
+                } else {
+                    softmax_last_dim(input.as_tensor())?
+                };
                 assert_eq!(y.dtype(), DType::F32);
                 let grads = (&y * &w)?.sum_all()?.backward()?;
                 let dx = grads.get(input.as_tensor()).expect("a gradient");
@@ -115,13 +160,25 @@ mod tests {
 
                 // The reference in f64, from the same (rounded) input values.
                 let reference = Var::from_tensor(&input.as_tensor().to_dtype(DType::F64)?)?;
-                let ry = candle_nn::ops::softmax(reference.as_tensor(), D::Minus1)?;
+                let ry = if log {
+                    candle_nn::ops::log_softmax(reference.as_tensor(), D::Minus1)?
+                } else {
+                    candle_nn::ops::softmax(reference.as_tensor(), D::Minus1)?
+                };
                 let rgrads = (&ry * &w.to_dtype(DType::F64)?)?.sum_all()?.backward()?;
                 let rdx = rgrads.get(reference.as_tensor()).expect("a gradient");
-                // f32 against f64: rounding relative to the largest probability.
-                let top = ry.max_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+                // f32 against f64: rounding relative to the largest probability (or
+                // log-probability).
+                let top = ry
+                    .abs()?
+                    .max_all()?
+                    .to_dtype(DType::F32)?
+                    .to_scalar::<f32>()?;
                 let d = max_diff(&y, &ry);
-                assert!(d <= 1e-5 * top, "{dtype:?} {shape:?}: forward off by {d}");
+                assert!(
+                    d <= 1e-5 * top,
+                    "{dtype:?} log={log} {shape:?}: forward off by {d}"
+                );
                 let tol = match dtype {
                     DType::F32 => 1e-5,
                     DType::F16 => 2e-3,
@@ -135,7 +192,7 @@ mod tests {
                 let d = max_diff(dx, rdx);
                 assert!(
                     d <= tol * scale,
-                    "{dtype:?} {shape:?}: gradient off by {d} of {scale}"
+                    "{dtype:?} log={log} {shape:?}: gradient off by {d} of {scale}"
                 );
             }
         }

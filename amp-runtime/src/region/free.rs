@@ -158,10 +158,12 @@ pub fn softmax_last_dim(xs: impl AsAmp) -> Call<op::softmax> {
 }
 
 /// Routed `ops::log_softmax`.
-pub fn log_softmax<D: Dim + 'static>(xs: impl AsAmp, d: D) -> Call<op::log_softmax> {
-    call(vec![xs.to_amp()], move |x| {
-        candle_nn::ops::log_softmax(&x[0], d)
-    })
+pub fn log_softmax<D: Dim + Copy + 'static>(xs: impl AsAmp, d: D) -> Call<op::log_softmax> {
+    widening_call(
+        vec![xs.to_amp()],
+        move |x| composite::log_softmax_f32(&x[0], d),
+        move |x| candle_nn::ops::log_softmax(&x[0], d),
+    )
 }
 
 /// Routed `ops::sigmoid`.
@@ -249,10 +251,12 @@ pub fn nll(inp: impl AsAmp, target: &Candle) -> Call<op::nll> {
 
 /// Routed `loss::cross_entropy` (class ids are a plain candle tensor).
 pub fn cross_entropy(inp: impl AsAmp, target: &Candle) -> Call<op::cross_entropy> {
-    let target = target.clone();
-    call(vec![inp.to_amp()], move |x| {
-        candle_nn::loss::cross_entropy(&x[0], &target)
-    })
+    let (target, same) = (target.clone(), target.clone());
+    widening_call(
+        vec![inp.to_amp()],
+        move |x| composite::cross_entropy_f32(&x[0], &target),
+        move |x| candle_nn::loss::cross_entropy(&x[0], &same),
+    )
 }
 
 /// Routed `Tensor::cat`: promote-class, the widest input wins.
