@@ -102,6 +102,15 @@ pub(crate) fn mse(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
     diff(inp, target)?.sqr()?.mean_all()
 }
 
+/// [`mse`] in f32 from f32, f16 or bf16 operands: one fused op on CPU that reads them as they
+/// are (`kernels::mse`), otherwise the composition on an f32 copy of the prediction.
+pub(crate) fn mse_f32(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
+    match crate::kernels::mse(inp, target)? {
+        Some(loss) => Ok(loss),
+        None => mse(&convert(inp, DType::F32)?, target),
+    }
+}
+
 pub(crate) fn l1(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
     diff(inp, target)?.abs()?.mean_all()
 }

@@ -138,7 +138,7 @@ pub fn rms_norm<P: Precision>(x: &Tensor<P>, alpha: &Tensor<F32>, eps: f64) -> R
 
 /// Mean squared error.
 pub fn mse<P: Precision, Q: Precision>(inp: &Tensor<P>, target: &Tensor<Q>) -> Result<Tensor<F32>> {
-    composite::mse(&up(inp)?, target.as_candle()).map(out)
+    composite::mse_f32(inp.as_candle(), target.as_candle()).map(out)
 }
 
 /// Mean absolute error (PyTorch's `l1_loss`).

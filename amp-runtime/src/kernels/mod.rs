@@ -11,6 +11,7 @@
 //!   element-wise kernels read and write half values 16 at a time ([`map_widened`]).
 //! - `pool`: max pooling with any window, stride and padding, and its backward.
 //! - `simd`: the AVX-512 f32 <-> bf16/f16 conversions, bit-identical to `half`.
+//! - `mse`: the mean squared error reading half predictions and targets as they are.
 //! - `batch_norm`: batch norm as one op with its own backward on CPU, keeping only its input and
 //!   per-channel statistics for the backward pass (a composition of candle ops keeps six f32
 //!   intermediates per layer).
@@ -86,6 +87,7 @@ mod cuda;
 pub(crate) mod gemm;
 mod layer_norm;
 mod matmul;
+mod mse;
 mod pool;
 mod relu;
 #[cfg(target_arch = "x86_64")]
@@ -97,6 +99,7 @@ pub(crate) use conv2d::{conv2d, Conv2dParams};
 pub(crate) use convert::to_dtype;
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use matmul::{broadcast_matmul, linear, matmul};
+pub(crate) use mse::mse;
 pub(crate) use pool::{max_pool2d, Pool2d};
 pub(crate) use relu::relu;
 pub(crate) use softmax::{log_softmax_last_dim, softmax_last_dim};
@@ -139,7 +142,7 @@ impl Real for f32 {
 }
 
 /// Elements per block of a widened pass: f32 scratch on the stack, in L1.
-const BLOCK: usize = 512;
+pub(crate) const BLOCK: usize = 512;
 
 /// `xs` read as f32 slice when `T` is f32 (no copy), `None` for the 16-bit types.
 fn as_f32<T: Real>(xs: &[T]) -> Option<&[f32]> {

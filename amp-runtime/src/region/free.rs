@@ -212,7 +212,11 @@ fn pair<O: Op>(
 
 /// Routed `loss::mse`.
 pub fn mse(inp: impl AsAmp, target: impl AsAmp) -> Call<op::mse> {
-    pair(inp, target, composite::mse)
+    widening_call(
+        vec![inp.to_amp(), target.to_amp()],
+        |x| composite::mse_f32(&x[0], &x[1]),
+        |x| composite::mse(&x[0], &x[1]),
+    )
 }
 
 /// Routed `loss::l1`.

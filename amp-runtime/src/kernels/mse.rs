@@ -1,0 +1,159 @@
+//! Mean squared error on CPU as one fp32-class op that reads its prediction and target in f32,
+//! f16 or bf16, each as it is.
+//!
+//! The composition (subtract, square, mean) is three graph nodes and full-size buffers, and
+//! under autocast a half prediction first becomes an f32 copy. This op widens both operands
+//! block by block, sums `(x - t)^2` in f32 lanes per run (f64 across runs) and returns the f32
+//! mean. Backward, `dx = 2 (x - t) / n * dy` and `dt = -dx`, each rounded once to its
+//! operand's dtype, as the cast nodes' backward would.
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::{Real, BLOCK};
+
+/// `mean((inp - target)^2)` in f32 through this op, when both are float tensors of one shape
+/// on CPU; `None` otherwise.
+pub(crate) fn mse(inp: &Tensor, target: &Tensor) -> Result<Option<Tensor>> {
+    let float = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    if !(inp.device().is_cpu() && target.device().is_cpu() && float(inp) && float(target))
+        || inp.shape() != target.shape()
+    {
+        return Ok(None);
+    }
+    inp.contiguous()?
+        .apply_op2(&target.contiguous()?, Mse)
+        .map(Some)
+}
+
+/// Elements per parallel task.
+const CHUNK: usize = 1 << 15;
+
+/// The sum of `(x - t)^2`, both widened to f32 a block at a time.
+fn squared_error<T: Real + Sync, U: Real + Sync>(xs: &[T], ts: &[U]) -> f64 {
+    xs.par_chunks(CHUNK)
+        .zip(ts.par_chunks(CHUNK))
+        .map(|(xs, ts)| {
+            let (mut wx, mut wt) = ([0f32; BLOCK], [0f32; BLOCK]);
+            let mut total = 0f64;
+            for (x, t) in xs.chunks(BLOCK).zip(ts.chunks(BLOCK)) {
+                let (wx, wt) = (&mut wx[..x.len()], &mut wt[..x.len()]);
+                T::widen(x, wx);
+                U::widen(t, wt);
+                let mut lanes = [0f32; 16];
+                for (i, (x, t)) in wx.iter().zip(wt.iter()).enumerate() {
+                    lanes[i % 16] += (x - t) * (x - t);
+                }
+                total += f64::from(lanes.iter().sum::<f32>());
+            }
+            total
+        })
+        .sum()
+}
+
+struct Mse;
+
+impl CustomOp2 for Mse {
+    fn name(&self) -> &'static str {
+        "amp-mse"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        t: &CpuStorage,
+        lt: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let sum = with_floats!("mse", x, lx, |xs| with_floats!("mse", t, lt, |ts| {
+            squared_error(xs, ts)
+        }));
+        #[allow(clippy::cast_precision_loss)] // an element count
+        let mean = sum / lx.shape().elem_count().max(1) as f64;
+        Ok((CpuStorage::F32(vec![mean as f32]), Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        t: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        #[allow(clippy::cast_precision_loss)] // an element count
+        let scale = 2.0 / x.elem_count().max(1) as f64;
+        let diff = (super::to_dtype(x, DType::F32)? - super::to_dtype(t, DType::F32)?)?;
+        let dx = diff.affine(scale, 0.0)?.broadcast_mul(grad)?;
+        let dt = dx.neg()?;
+        Ok((
+            Some(super::to_dtype(&dx, x.dtype())?),
+            Some(super::to_dtype(&dt, t.dtype())?),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var};
+
+    use super::*;
+
+    /// Value and both gradients against the f64 composition, for every pair of dtypes, from the
+    /// same (rounded) values: f32 within 1e-6 relative, each gradient within one rounding of
+    /// its operand's dtype.
+    #[test]
+    fn matches_the_f64_composition_in_every_dtype_pair() -> Result<()> {
+        let dev = Device::Cpu;
+        // Fixed values (candle's CPU generator cannot be seeded), an odd length.
+        #[allow(clippy::cast_precision_loss)] // small indices
+        let wave = |f: f32, a: f32| -> Result<Tensor> {
+            let v: Vec<f32> = (0..100_003).map(|i| a * (i as f32 * f).sin()).collect();
+            Tensor::from_vec(v, 100_003, &dev)
+        };
+        let (x0, t0) = (wave(0.37, 3.0)?, wave(0.11, 2.0)?);
+        let dtypes = [DType::F32, DType::F16, DType::BF16];
+        for dx_type in dtypes {
+            for dt_type in dtypes {
+                let x = Var::from_tensor(&x0.to_dtype(dx_type)?)?;
+                let t = Var::from_tensor(&t0.to_dtype(dt_type)?)?;
+                let loss = mse(x.as_tensor(), t.as_tensor())?.expect("supported");
+                assert_eq!(loss.dtype(), DType::F32);
+                let grads = (&loss * 3.0)?.backward()?;
+                let (gx, gt) = (grads.get(&x).expect("dx"), grads.get(&t).expect("dt"));
+                assert_eq!((gx.dtype(), gt.dtype()), (dx_type, dt_type));
+
+                let rx = Var::from_tensor(&x.to_dtype(DType::F64)?)?;
+                let rt = Var::from_tensor(&t.to_dtype(DType::F64)?)?;
+                let rloss = (rx.as_tensor() - rt.as_tensor())?.sqr()?.mean_all()?;
+                let rgrads = (&rloss * 3.0)?.backward()?;
+                let want = rloss.to_scalar::<f64>()?;
+                let got = f64::from(loss.to_scalar::<f32>()?);
+                assert!(
+                    (got - want).abs() <= 1e-6 * want,
+                    "{dx_type:?}/{dt_type:?}: {got} vs {want}"
+                );
+                for (g, r, d) in [
+                    (gx, rgrads.get(&rx).expect("dx"), dx_type),
+                    (gt, rgrads.get(&rt).expect("dt"), dt_type),
+                ] {
+                    let tol = match d {
+                        DType::F32 => 1e-6,
+                        DType::F16 => 1e-3,
+                        _ => 8e-3,
+                    };
+                    let scale = r
+                        .abs()?
+                        .max_all()?
+                        .to_dtype(DType::F32)?
+                        .to_scalar::<f32>()?;
+                    let diff = crate::kernels::max_abs_diff(g, r)?;
+                    assert!(
+                        diff <= tol * scale,
+                        "{dx_type:?}/{dt_type:?}: off by {diff} of {scale}"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+}
