@@ -17,6 +17,7 @@
 //! cargo run --release --example quantized_sine                     # about a minute on 2 cores
 //! cargo run --release --example quantized_sine -- --precision fp16 # fp16 + GradScaler
 //! cargo run --release --example quantized_sine -- --json           # one JSON object on stdout
+//! cargo run --release --example quantized_sine -- --seed 7         # other initial weights
 //! cargo run --release --example quantized_sine -- --size 512 --hidden 256 --epochs 512  # the blog
 //! ```
 //!
@@ -74,6 +75,10 @@ struct Args {
     /// Where the PNGs go.
     #[arg(long, default_value = "target/quantized_sine")]
     out: PathBuf,
+    /// Seed of the initial weights (both modes start from the same ones): a run is repeatable,
+    /// as with `torch.manual_seed`.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Device: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
@@ -214,13 +219,10 @@ fn main() -> Result<()> {
         candle_core::bail!("--size must be >= 2, --hidden and --epochs >= 1");
     }
     let (x, target) = data(args.size, &dev)?;
-    // One set of initial weights, copied into each mode's fresh model.
-    let init_map = VarMap::new();
-    Model::new(
-        args.hidden,
-        &VarBuilder::from_varmap(&init_map, DType::F32, &dev),
-    )?;
-    let init = common::snapshot(&init_map)?;
+    // One set of initial weights from the seed, copied into each mode's fresh model.
+    let init = common::seeded_init(args.seed, &dev, |vb| {
+        Model::new(args.hidden, vb).map(|_| ())
+    })?;
     // The policy is a type: pick it once from the flag (PyTorch: `dtype = torch.bfloat16 if
     // args.precision == "bf16" else torch.float16`), the rest is the same generic code.
     let (f32_run, amp_run) = match precision {

@@ -260,6 +260,97 @@ pub fn positive(s: &str) -> std::result::Result<usize, String> {
 /// Initial weights by name, copied into each mode's fresh model.
 pub type Init = Vec<(String, candle_core::Tensor)>;
 
+/// Initial weights drawn from a fixed seed: every tensor a model asks its `VarBuilder` for, drawn
+/// from the distribution candle-nn's `Init` hint names (the same one a `VarMap` would use), by
+/// a generator seeded with `seed` and the tensor's name. candle cannot seed its CPU generator
+/// (`Device::set_seed` is an error there), so this is how a run is made repeatable, as
+/// `torch.manual_seed` does for a PyTorch example.
+pub fn seeded_init(
+    seed: u64,
+    dev: &Device,
+    build: impl FnOnce(&VarBuilder) -> Result<()>,
+) -> Result<Init> {
+    let backend = Seeded {
+        seed,
+        drawn: std::sync::Mutex::new(Vec::new()),
+    };
+    let drawn = {
+        let boxed: Box<dyn candle_nn::var_builder::SimpleBackend + '_> = Box::new(&backend);
+        build(&VarBuilder::from_backend(boxed, DType::F32, dev.clone()))?;
+        backend.drawn.lock().map(|d| d.clone())
+    };
+    drawn.map_err(|_| candle_core::Error::Msg("the seeded weights' lock is poisoned".into()))
+}
+
+/// The `VarBuilder` backend of [`seeded_init`].
+struct Seeded {
+    seed: u64,
+    drawn: std::sync::Mutex<Init>,
+}
+
+impl candle_nn::var_builder::SimpleBackend for &Seeded {
+    fn get(
+        &self,
+        shape: candle_core::Shape,
+        name: &str,
+        init: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<candle_core::Tensor> {
+        use candle_nn::init::NormalOrUniform;
+        use rand::{Rng, SeedableRng};
+        use rand_distr::{Distribution, Normal, Uniform};
+
+        // FNV-1a of the name: each tensor its own stream, whatever order they are asked for.
+        let key = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed ^ key);
+        let n = shape.elem_count();
+        let normal = |rng: &mut rand::rngs::StdRng, mean: f64, std: f64| -> Result<Vec<f32>> {
+            let d = Normal::new(mean, std).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            Ok((0..n).map(|_| d.sample(rng) as f32).collect())
+        };
+        let uniform = |rng: &mut rand::rngs::StdRng, lo: f64, up: f64| -> Result<Vec<f32>> {
+            let d = Uniform::new(lo, up).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            Ok((0..n).map(|_| rng.sample(d) as f32).collect())
+        };
+        let values = match init {
+            candle_nn::Init::Const(c) => vec![c as f32; n],
+            candle_nn::Init::Randn { mean, stdev } => normal(&mut rng, mean, stdev)?,
+            candle_nn::Init::Uniform { lo, up } => uniform(&mut rng, lo, up)?,
+            candle_nn::Init::Kaiming {
+                dist,
+                fan,
+                non_linearity,
+            } => {
+                let std = non_linearity.gain() / (fan.for_shape(&shape) as f64).sqrt();
+                match dist {
+                    NormalOrUniform::Uniform => {
+                        let bound = 3f64.sqrt() * std;
+                        uniform(&mut rng, -bound, bound)?
+                    }
+                    NormalOrUniform::Normal => normal(&mut rng, 0.0, std)?,
+                }
+            }
+        };
+        let t = candle_core::Tensor::from_vec(values, shape, dev)?.to_dtype(dtype)?;
+        self.drawn
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("the seeded weights' lock is poisoned".into()))?
+            .push((name.to_string(), t.clone()));
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> Result<candle_core::Tensor> {
+        candle_core::bail!("seeded initial weights: `{name}` was asked for without a shape")
+    }
+
+    fn contains_tensor(&self, _name: &str) -> bool {
+        false
+    }
+}
+
 /// Name and tensor of every variable in `map` (the shared initial weights).
 pub fn snapshot(map: &VarMap) -> Result<Init> {
     let data = map
