@@ -290,6 +290,15 @@ pub(crate) fn is_non_overlapping(layout: &Layout) -> bool {
     true
 }
 
+/// The largest `|t|`, read as f32: the scale the kernels' tests measure errors against.
+#[cfg(test)]
+pub(crate) fn max_abs(t: &candle_core::Tensor) -> candle_core::Result<f32> {
+    t.abs()?
+        .max_all()?
+        .to_dtype(candle_core::DType::F32)?
+        .to_scalar()
+}
+
 /// The largest `|a - b|`, both read as f32: the kernels' tests compare against candle's ops.
 #[cfg(test)]
 pub(crate) fn max_abs_diff(
