@@ -274,12 +274,15 @@ pub fn seeded_init(
         seed,
         drawn: std::sync::Mutex::new(Vec::new()),
     };
-    let drawn = {
-        let boxed: Box<dyn candle_nn::var_builder::SimpleBackend + '_> = Box::new(&backend);
-        build(&VarBuilder::from_backend(boxed, DType::F32, dev.clone()))?;
-        backend.drawn.lock().map(|d| d.clone())
-    };
-    drawn.map_err(|_| candle_core::Error::Msg("the seeded weights' lock is poisoned".into()))
+    build(&VarBuilder::from_backend(
+        Box::new(&backend),
+        DType::F32,
+        dev.clone(),
+    ))?;
+    backend
+        .drawn
+        .into_inner()
+        .map_err(|_| candle_core::Error::Msg("the seeded weights' lock is poisoned".into()))
 }
 
 /// The `VarBuilder` backend of [`seeded_init`].

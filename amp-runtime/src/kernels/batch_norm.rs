@@ -13,7 +13,7 @@
 //! candle ops in `nn::BatchNorm2d` until they get a kernel.
 
 use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType,
 };
 use rayon::prelude::*;
 
@@ -22,12 +22,10 @@ use super::Real;
 /// Whether [`channel_stats`] and [`batch_norm`] handle `x`: a 4-d f32, f16 or bf16 tensor on
 /// CPU.
 pub(crate) fn supports(x: &Tensor) -> bool {
-    x.device().is_cpu()
-        && x.rank() == 4
-        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+    super::cpu_float(x) && x.rank() == 4
 }
 
-/// Per-channel mean and biased variance of `x` (two passes; see [`lane_sums2`]).
+/// Per-channel mean and biased variance of `x` (two passes; see [`super::lane_sums2`]).
 pub(crate) fn channel_stats(x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
     let rows = x.contiguous()?.apply_op1_no_bwd(&ChannelStats)?.to_vec2()?;
     let mut rows = rows.into_iter();
@@ -122,7 +120,9 @@ fn stats<T: Real>(xs: &[T], g: Geometry) -> (Vec<f64>, Vec<f64>) {
 fn channel_sum<T: Real>(xs: &[T], g: Geometry, c: usize, f: impl Fn(f32) -> f32) -> f64 {
     let mut total = 0f64;
     for row in g.rows(xs, c) {
-        super::widened(row, |x| total += lane_sums(x, |x, _| (f(x), 0.0)).0);
+        super::widened(row, |x| {
+            total += super::lane_sums2(x, x, |x, _| (f(x), 0.0)).0;
+        });
     }
     total
 }
@@ -296,7 +296,7 @@ fn grad_sums<T: Real>(xs: &[T], dys: &[T], n: &Normalisation, g: Geometry) -> (V
             let mut sum_dy_xhat = 0f64;
             for (x, dy) in g.rows(xs, c).zip(g.rows(dys, c)) {
                 super::widened2(x, dy, |x, dy| {
-                    let (a, b) = lane_sums2(x, dy, |x, dy| (dy, dy * (x - mean) * invstd));
+                    let (a, b) = super::lane_sums2(x, dy, |x, dy| (dy, dy * (x - mean) * invstd));
                     sum_dy += a;
                     sum_dy_xhat += b;
                 });
@@ -304,39 +304,6 @@ fn grad_sums<T: Real>(xs: &[T], dys: &[T], n: &Normalisation, g: Geometry) -> (V
             (sum_dy, sum_dy_xhat)
         })
         .unzip()
-}
-
-/// Elements summed in f32 before a partial sum joins the f64 total.
-const RUN: usize = 256;
-
-/// The sums of both values of `f(x, y)` over `x` and `y` (equal lengths): sixteen f32 lanes
-/// over each run of [`RUN`] elements (so the compiler vectorises), the runs added in f64.
-fn lane_sums2(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> (f32, f32)) -> (f64, f64) {
-    let (mut ta, mut tb) = (0f64, 0f64);
-    for (x, y) in x.chunks(RUN).zip(y.chunks(RUN)) {
-        let (mut a, mut b) = ([0f32; 16], [0f32; 16]);
-        let mut add = |lanes: &[f32], ys: &[f32]| {
-            for (l, (&x, &y)) in lanes.iter().zip(ys).enumerate() {
-                let (u, v) = f(x, y);
-                a[l] += u;
-                b[l] += v;
-            }
-        };
-        let (xs, ys) = (x.chunks_exact(16), y.chunks_exact(16));
-        let (xr, yr) = (xs.remainder(), ys.remainder());
-        for (x, y) in xs.zip(ys) {
-            add(x, y);
-        }
-        add(xr, yr);
-        ta += f64::from(a.iter().sum::<f32>());
-        tb += f64::from(b.iter().sum::<f32>());
-    }
-    (ta, tb)
-}
-
-/// [`lane_sums2`] of one slice.
-fn lane_sums(x: &[f32], f: impl Fn(f32, f32) -> (f32, f32)) -> (f64, f64) {
-    lane_sums2(x, x, f)
 }
 
 /// The input gradient `dx = k * dy + p * (x - mean) + q` per channel, in `x`'s dtype.
@@ -369,25 +336,5 @@ impl CustomOp2 for InputGrad {
             WithDType::to_cpu_storage_owned(affine.apply(xs, Some((dys, &self.k)), g))
         });
         Ok((dx, lx.shape().clone()))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::lane_sums2;
-
-    /// The f32 lane sums of long runs stay within f32 rounding of the exact (f64) sums.
-    #[test]
-    fn lane_sums_track_f64_sums() {
-        let x: Vec<f32> = (0..100_003)
-            .map(|i| (i as f32 * 0.013).sin() + 0.25)
-            .collect();
-        let y: Vec<f32> = (0..100_003).map(|i| (i as f32 * 0.007).cos()).collect();
-        let (a, b) = lane_sums2(&x, &y, |x, y| (x, x * y));
-        let exact_a: f64 = x.iter().map(|&v| f64::from(v)).sum();
-        let exact_b: f64 = x.iter().zip(&y).map(|(&u, &v)| f64::from(u * v)).sum();
-        let scale: f64 = x.iter().map(|&v| f64::from(v.abs())).sum();
-        assert!((a - exact_a).abs() < 1e-6 * scale, "{a} vs {exact_a}");
-        assert!((b - exact_b).abs() < 1e-6 * scale, "{b} vs {exact_b}");
     }
 }

@@ -141,6 +141,12 @@ impl Real for f32 {
     }
 }
 
+/// Whether `t` is an f32, f16 or bf16 tensor on CPU: what every kernel here reads.
+pub(crate) fn cpu_float(t: &candle_core::Tensor) -> bool {
+    use candle_core::DType;
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16)
+}
+
 /// Elements per block of a widened pass: f32 scratch on the stack, in L1.
 pub(crate) const BLOCK: usize = 512;
 
@@ -158,9 +164,10 @@ fn as_f32_mut<T: Real>(xs: &mut [T]) -> Option<&mut [f32]> {
         .then(|| unsafe { std::slice::from_raw_parts_mut(xs.as_mut_ptr().cast(), xs.len()) })
 }
 
-/// Calls `f` on consecutive runs of `a` and `b` (equal lengths) as f32: the slices themselves
-/// when f32, blocks widened on the stack otherwise. The elementwise kernels' reading side.
-pub(crate) fn widened2<T: Real>(a: &[T], b: &[T], mut f: impl FnMut(&[f32], &[f32])) {
+/// Calls `f` on consecutive runs of `a` and `b` (equal lengths, each of any element type) as
+/// f32: the slices themselves when both are f32, blocks widened on the stack otherwise. The
+/// elementwise kernels' reading side.
+pub(crate) fn widened2<T: Real, U: Real>(a: &[T], b: &[U], mut f: impl FnMut(&[f32], &[f32])) {
     if let (Some(a), Some(b)) = (as_f32(a), as_f32(b)) {
         return f(a, b);
     }
@@ -168,7 +175,7 @@ pub(crate) fn widened2<T: Real>(a: &[T], b: &[T], mut f: impl FnMut(&[f32], &[f3
     for (a, b) in a.chunks(BLOCK).zip(b.chunks(BLOCK)) {
         let (wa, wb) = (&mut wa[..a.len()], &mut wb[..a.len()]);
         T::widen(a, wa);
-        T::widen(b, wb);
+        U::widen(b, wb);
         f(wa, wb);
     }
 }
@@ -176,6 +183,34 @@ pub(crate) fn widened2<T: Real>(a: &[T], b: &[T], mut f: impl FnMut(&[f32], &[f3
 /// Calls `f` on consecutive runs of `xs` as f32 (see [`widened2`]).
 pub(crate) fn widened<T: Real>(xs: &[T], mut f: impl FnMut(&[f32])) {
     widened2(xs, xs, |x, _| f(x));
+}
+
+/// Elements summed in f32 before a partial sum joins the f64 total.
+const RUN: usize = 256;
+
+/// The sums of both values of `f(x, y)` over `x` and `y` (equal lengths): sixteen f32 lanes
+/// over each run of [`RUN`] elements (so the compiler vectorises), the runs added in f64.
+pub(crate) fn lane_sums2(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> (f32, f32)) -> (f64, f64) {
+    let (mut ta, mut tb) = (0f64, 0f64);
+    for (x, y) in x.chunks(RUN).zip(y.chunks(RUN)) {
+        let (mut a, mut b) = ([0f32; 16], [0f32; 16]);
+        let mut add = |lanes: &[f32], ys: &[f32]| {
+            for (l, (&x, &y)) in lanes.iter().zip(ys).enumerate() {
+                let (u, v) = f(x, y);
+                a[l] += u;
+                b[l] += v;
+            }
+        };
+        let (xs, ys) = (x.chunks_exact(16), y.chunks_exact(16));
+        let (xr, yr) = (xs.remainder(), ys.remainder());
+        for (x, y) in xs.zip(ys) {
+            add(x, y);
+        }
+        add(xr, yr);
+        ta += f64::from(a.iter().sum::<f32>());
+        tb += f64::from(b.iter().sum::<f32>());
+    }
+    (ta, tb)
 }
 
 /// `out = f(a, b)` elementwise over equal lengths, computed on f32 runs and rounded once to
@@ -317,7 +352,7 @@ pub(crate) fn max_abs_diff(
 mod tests {
     use half::{bf16, f16};
 
-    use super::{map_widened2, widened, Real, BLOCK};
+    use super::{lane_sums2, map_widened2, widened, Real, BLOCK};
 
     /// The widened passes give what per-element `get`/`put` give, bit for bit, over lengths
     /// that end inside a vector, on a vector edge and across blocks.
@@ -353,5 +388,20 @@ mod tests {
         widened_passes_match_scalar::<f32>();
         widened_passes_match_scalar::<bf16>();
         widened_passes_match_scalar::<f16>();
+    }
+
+    /// The f32 lane sums of long runs stay within f32 rounding of the exact (f64) sums.
+    #[test]
+    fn lane_sums_track_f64_sums() {
+        let x: Vec<f32> = (0..100_003)
+            .map(|i| (i as f32 * 0.013).sin() + 0.25)
+            .collect();
+        let y: Vec<f32> = (0..100_003).map(|i| (i as f32 * 0.007).cos()).collect();
+        let (a, b) = lane_sums2(&x, &y, |x, y| (x, x * y));
+        let exact_a: f64 = x.iter().map(|&v| f64::from(v)).sum();
+        let exact_b: f64 = x.iter().zip(&y).map(|(&u, &v)| f64::from(u * v)).sum();
+        let scale: f64 = x.iter().map(|&v| f64::from(v.abs())).sum();
+        assert!((a - exact_a).abs() < 1e-6 * scale, "{a} vs {exact_a}");
+        assert!((b - exact_b).abs() < 1e-6 * scale, "{b} vs {exact_b}");
     }
 }

@@ -10,15 +10,12 @@
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{Real, BLOCK};
+use super::Real;
 
 /// `mean((inp - target)^2)` in f32 through this op, when both are float tensors of one shape
 /// on CPU; `None` otherwise.
 pub(crate) fn mse(inp: &Tensor, target: &Tensor) -> Result<Option<Tensor>> {
-    let float = |t: &Tensor| matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    if !(inp.device().is_cpu() && target.device().is_cpu() && float(inp) && float(target))
-        || inp.shape() != target.shape()
-    {
+    if !(super::cpu_float(inp) && super::cpu_float(target)) || inp.shape() != target.shape() {
         return Ok(None);
     }
     inp.contiguous()?
@@ -34,18 +31,10 @@ fn squared_error<T: Real + Sync, U: Real + Sync>(xs: &[T], ts: &[U]) -> f64 {
     xs.par_chunks(CHUNK)
         .zip(ts.par_chunks(CHUNK))
         .map(|(xs, ts)| {
-            let (mut wx, mut wt) = ([0f32; BLOCK], [0f32; BLOCK]);
             let mut total = 0f64;
-            for (x, t) in xs.chunks(BLOCK).zip(ts.chunks(BLOCK)) {
-                let (wx, wt) = (&mut wx[..x.len()], &mut wt[..x.len()]);
-                T::widen(x, wx);
-                U::widen(t, wt);
-                let mut lanes = [0f32; 16];
-                for (i, (x, t)) in wx.iter().zip(wt.iter()).enumerate() {
-                    lanes[i % 16] += (x - t) * (x - t);
-                }
-                total += f64::from(lanes.iter().sum::<f32>());
-            }
+            super::widened2(xs, ts, |x, t| {
+                total += super::lane_sums2(x, t, |x, t| ((x - t) * (x - t), 0.0)).0;
+            });
             total
         })
         .sum()

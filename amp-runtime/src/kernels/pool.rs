@@ -6,9 +6,7 @@
 //! first position holding the window's maximum (PyTorch's choice too), summing where windows
 //! overlap.
 
-use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType,
-};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
 use super::Real;
@@ -75,9 +73,7 @@ impl Pool2d {
 /// Max pooling of `x` as this op on CPU (float dtypes); elsewhere candle's, which needs no
 /// padding (and, to train, stride = window).
 pub(crate) fn max_pool2d(x: &Tensor, p: Pool2d) -> Result<Tensor> {
-    let cpu_float =
-        x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    if let (true, &[_, _, h, w]) = (cpu_float, x.dims()) {
+    if let (true, &[_, _, h, w]) = (super::cpu_float(x), x.dims()) {
         if !p.fits((h, w)) {
             candle_core::bail!(
                 "max_pool2d: a {:?} window with stride {:?} does not fit a {h}x{w} input padded \
@@ -194,7 +190,7 @@ impl CustomOp2 for MaxPoolGrad {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     use super::*;
 

@@ -6,16 +6,14 @@
 //! each (PyTorch's `threshold_backward`). A NaN input stays NaN, as in PyTorch (candle's relu
 //! maps it to 0, which would hide an overflow from the GradScaler and the overflow locator).
 
-use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType,
-};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
 use super::Real;
 
 /// `relu` of `x`: through this op for a float tensor on CPU, candle's elsewhere.
 pub(crate) fn relu(x: &Tensor) -> Result<Tensor> {
-    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+    if super::cpu_float(x) {
         x.contiguous()?.apply_op1(Relu)
     } else {
         x.relu()
@@ -92,7 +90,7 @@ impl CustomOp2 for ReluGrad {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     use super::*;
 

@@ -17,7 +17,7 @@ use super::Real;
 /// Softmax of `x` over its last dimension, in f32: through this op for a float tensor on CPU,
 /// candle-nn's composition (after an f32 cast) elsewhere.
 pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if supports(x) {
+    if super::cpu_float(x) {
         x.contiguous()?.apply_op1(SoftmaxLastDim { log: false })
     } else {
         candle_nn::ops::softmax(&x.to_dtype(DType::F32)?, D::Minus1)
@@ -26,15 +26,11 @@ pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 
 /// Log-softmax of `x` over its last dimension, in f32 (as [`softmax_last_dim`]).
 pub(crate) fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if supports(x) {
+    if super::cpu_float(x) {
         x.contiguous()?.apply_op1(SoftmaxLastDim { log: true })
     } else {
         candle_nn::ops::log_softmax(&x.to_dtype(DType::F32)?, D::Minus1)
     }
-}
-
-fn supports(x: &Tensor) -> bool {
-    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
 }
 
 /// Rows per parallel task: about 64K elements each.
@@ -123,8 +119,9 @@ mod tests {
         crate::kernels::max_abs_diff(a, b).expect("comparable tensors")
     }
 
-    /// Softmax and log-softmax, forward and gradient, against candle-nn's compositions in f64 (its f32 one is itself off by
-    /// more than this op over a row of 70,000), for every input dtype, a row longer than a
+    /// Softmax and log-softmax, forward and gradient, against candle-nn's compositions in f64
+    /// (its f32 one is itself off by more than this op over a row of 70,000), for every input
+    /// dtype, a row longer than a
     /// task's share and a strided (transposed) input, each from the same (rounded) input values:
     /// f32 within 1e-5 of the gradient's scale (1.4e-6 measured), f16 2e-3 (5e-4), bf16 1.6e-2
     /// (3e-3), the gradient's one rounding to the input's dtype.
