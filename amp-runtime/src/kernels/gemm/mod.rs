@@ -76,6 +76,9 @@ impl GemmElem for bf16 {
 /// The micro-kernels this CPU can run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Isa {
+    /// AVX512-BF16 with AMX-BF16 tiles (Sapphire Rapids and later), the OS granting them:
+    /// `tdpbf16ps` for bf16, FMA for the rest.
+    Amx,
     /// AVX-512F with AVX512-BF16: `vdpbf16ps` for bf16, FMA for the rest.
     Avx512Bf16,
     /// AVX-512F: FMA for every type (bf16 converted to f32 while packing).
@@ -98,6 +101,9 @@ fn detect() -> Isa {
         }
         let avx512 = is_x86_feature_detected!("avx512f");
         if avx512 && is_x86_feature_detected!("avx512bf16") {
+            if std::env::var_os("CANDLE_AMP_NO_AMX").is_none() && amx::amx_bf16_usable() {
+                return Isa::Amx;
+            }
             return Isa::Avx512Bf16;
         }
         if avx512 {
@@ -143,9 +149,11 @@ pub(crate) fn gemm<T: GemmElem, O: Real + Send + Sync>(
     }
     match isa() {
         #[cfg(target_arch = "x86_64")]
+        Isa::Amx if T::IS_BF16 => blocked::<T, amx::AmxKernel, O>(&p, c),
+        #[cfg(target_arch = "x86_64")]
         Isa::Avx512Bf16 if T::IS_BF16 => blocked::<T, x86::Bf16Kernel, O>(&p, c),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Bf16 | Isa::Avx512 => blocked::<T, x86::F32Kernel, O>(&p, c),
+        Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => blocked::<T, x86::F32Kernel, O>(&p, c),
         _ => blocked::<T, portable::F32Kernel, O>(&p, c),
     }
 }
@@ -180,6 +188,10 @@ trait Kernel {
     const NR: usize;
     /// How many `k` one unit holds.
     const KSTEP: usize;
+    /// Units per block of an A micro-panel, laid out `[block][lane][unit of the block]`: 1 is
+    /// `[unit][lane]`, one broadcast per unit; AMX loads a block of 16 units of 16 rows as one
+    /// tile. Both panels are padded with zero units to a whole number of blocks.
+    const A_BLOCK: usize = 1;
 
     /// The unit of `KSTEP` consecutive values of the inner dimension that start with `first`
     /// and end with `last` (one and the same value when `KSTEP` is 1).
@@ -254,7 +266,7 @@ fn blocked<T: GemmElem, K: Kernel, O: Real + Send + Sync>(p: &Problem<T>, c: &mu
 /// each tile accumulated in registers over all of `k` and stored once.
 fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(p: &Problem<T>, c: &mut [O]) {
     let (m, n, k) = (p.m, p.n, p.k);
-    let units = k.div_ceil(K::KSTEP);
+    let units = k.div_ceil(K::KSTEP).next_multiple_of(K::A_BLOCK);
     let unit_bytes = std::mem::size_of::<K::Unit>();
     let out = SharedOut(c.as_mut_ptr());
     let threads = if p.parallel {
@@ -281,7 +293,7 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(p: &Problem<T>, c: &m
         let lanes = PACK_TASK_PANELS * K::NR;
         let pack_b = |(t, panels): (usize, &mut [K::Unit])| {
             let first = t * lanes;
-            pack_panels::<T, K>(b_lanes, j0 + first, lanes.min(nc - first), k, panels);
+            pack_panels::<T, K>(b_lanes, j0 + first, lanes.min(nc - first), k, units, panels);
         };
         let chunk = PACK_TASK_PANELS * units * K::NR;
         if threads > 1 && panels_n > 1 {
@@ -307,7 +319,13 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(p: &Problem<T>, c: &m
             K::Unit::with_scratch(panels_m * units * K::MR, |packed_a| {
                 for (ip, panel) in packed_a.chunks_mut(units * K::MR).enumerate() {
                     let prow = K::MR.min(rows - ip * K::MR);
-                    pack::<T, K>(p.a, i0 + ip * K::MR, prow, K::MR, k, panel);
+                    let rows_of_a = Lanes {
+                        first: i0 + ip * K::MR,
+                        count: prow,
+                        width: K::MR,
+                        block: K::A_BLOCK,
+                    };
+                    pack::<T, K>(p.a, rows_of_a, k, units, panel);
                 }
                 let jp_end = ((g + 1) * panels_per_group).min(panels_n);
                 for jp in g * panels_per_group..jp_end {
@@ -387,28 +405,35 @@ impl Scratch for u32 {
     }
 }
 
-/// Packs `count` lanes from `first` into consecutive `NR`-lane micro-panels of B (`out` holds
-/// them all, zeroed). When the lanes at each `k` are contiguous (a row-major B), every panel
-/// is filled in one walk along B's rows, which reads memory in order; a panel at a time would
-/// stride across all `k` rows for every 32 lanes.
+/// Packs `count` lanes from `first` into consecutive `NR`-lane micro-panels of B, each of
+/// `units` units (`out` holds them all, zeroed, so the padding units stay zero). When the lanes
+/// at each `k` are contiguous (a row-major B), every panel is filled in one walk along B's
+/// rows, which reads memory in order; a panel at a time would stride across all `k` rows for
+/// every 32 lanes.
 fn pack_panels<T: GemmElem, K: Kernel>(
     v: MatRef<T>,
     first: usize,
     count: usize,
     kc: usize,
+    units: usize,
     out: &mut [K::Unit],
 ) {
-    let units = kc.div_ceil(K::KSTEP);
     let panel = units * K::NR;
     if v.rs != 1 || v.cs == 1 || !kc.is_multiple_of(K::KSTEP) {
         for (p, out) in out.chunks_mut(panel).enumerate() {
             let l0 = p * K::NR;
-            pack::<T, K>(v, first + l0, K::NR.min(count - l0), K::NR, kc, out);
+            let lanes = Lanes {
+                first: first + l0,
+                count: K::NR.min(count - l0),
+                width: K::NR,
+                block: 1,
+            };
+            pack::<T, K>(v, lanes, kc, units, out);
         }
         return;
     }
     let base = v.offset + first;
-    for u in 0..units {
+    for u in 0..kc / K::KSTEP {
         let k0 = u * K::KSTEP;
         let lo = &v.data[base + k0 * v.cs..][..count];
         let hi = &v.data[base + (k0 + K::KSTEP - 1) * v.cs..][..count];
@@ -421,18 +446,39 @@ fn pack_panels<T: GemmElem, K: Kernel>(
     }
 }
 
-/// Packs `count` lanes from `first` (rows of `v`, which is A or B transposed) over the inner
-/// dimension `0..kc` into `out`, laid out `[unit][width]`; lanes past `count` are left as they
-/// are (see [`Scratch`]).
+/// Which lanes a micro-panel holds and how they are laid out (see [`Kernel::A_BLOCK`]).
+#[derive(Clone, Copy)]
+struct Lanes {
+    /// The first lane (row of `v`).
+    first: usize,
+    /// Lanes present; those up to `width` are left as they are (see [`Scratch`]).
+    count: usize,
+    /// Lanes of the panel.
+    width: usize,
+    /// Units per block.
+    block: usize,
+}
+
+impl Lanes {
+    /// Where unit `u` of lane `l` goes.
+    #[inline]
+    fn at(&self, u: usize, l: usize) -> usize {
+        (u / self.block) * self.width * self.block + l * self.block + u % self.block
+    }
+}
+
+/// Packs the lanes `lanes` describes (rows of `v`, which is A or B transposed) over the inner
+/// dimension `0..kc` into `out`, a panel of `units` units per lane; the units past `kc` are
+/// zero.
 fn pack<T: GemmElem, K: Kernel>(
     v: MatRef<T>,
-    first: usize,
-    count: usize,
-    width: usize,
+    lanes: Lanes,
     kc: usize,
+    units: usize,
     out: &mut [K::Unit],
 ) {
-    let base = v.offset + first * v.rs;
+    let (count, width) = (lanes.count, lanes.width);
+    let base = v.offset + lanes.first * v.rs;
     let whole = kc / K::KSTEP;
     // A unit's last value: past `kc` (an odd tail of bf16 pairs) it is zero.
     let zero = T::put(0.0);
@@ -448,10 +494,10 @@ fn pack<T: GemmElem, K: Kernel>(
         for l in 0..count {
             let run = &v.data[base + l * v.rs..][..whole * K::KSTEP];
             for (u, values) in run.chunks_exact(K::KSTEP).enumerate() {
-                out[u * width + l] = K::unit(values[0], values[K::KSTEP - 1]);
+                out[lanes.at(u, l)] = K::unit(values[0], values[K::KSTEP - 1]);
             }
         }
-    } else if v.rs == 1 {
+    } else if v.rs == 1 && lanes.block == 1 {
         // The lanes at each k are contiguous.
         for u in 0..whole {
             let k0 = u * K::KSTEP;
@@ -465,14 +511,17 @@ fn pack<T: GemmElem, K: Kernel>(
         for l in 0..count {
             for u in 0..whole {
                 let k0 = u * K::KSTEP;
-                out[u * width + l] = K::unit(value(l, k0), value(l, k0 + K::KSTEP - 1));
+                out[lanes.at(u, l)] = K::unit(value(l, k0), value(l, k0 + K::KSTEP - 1));
             }
         }
     }
-    if whole * K::KSTEP < kc {
-        let k0 = whole * K::KSTEP;
-        for l in 0..count {
-            out[whole * width + l] = K::unit(value(l, k0), value(l, k0 + K::KSTEP - 1));
+    let k0 = whole * K::KSTEP;
+    for l in 0..count {
+        if k0 < kc {
+            out[lanes.at(whole, l)] = K::unit(value(l, k0), value(l, k0 + K::KSTEP - 1));
+        }
+        for u in kc.div_ceil(K::KSTEP)..units {
+            out[lanes.at(u, l)] = K::Unit::default();
         }
     }
 }
@@ -553,6 +602,9 @@ mod portable {
 }
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+
+#[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{
         __m512, __m512bh, __m512i, _mm512_add_ps, _mm512_dpbf16_ps, _mm512_fmadd_ps,
@@ -630,20 +682,20 @@ mod x86 {
     /// Stores the accumulators: straight into C for a full tile, through a buffer otherwise.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn store<O: Real>(
-        acc: &[[__m512; 2]; MR],
+    pub(super) unsafe fn store<O: Real, const R: usize>(
+        acc: &[[__m512; 2]; R],
         c: *mut O,
         ldc: usize,
         rows: usize,
         cols: usize,
         accumulate: bool,
     ) {
-        let full = rows == MR && cols == NR;
+        let full = rows == R && cols == NR;
         if full && O::DTYPE == DType::F32 {
             let c = c.cast::<f32>();
             for (i, row) in acc.iter().enumerate() {
                 for (h, v) in row.iter().enumerate() {
-                    // SAFETY: a full tile: rows MR and columns NR are all inside C.
+                    // SAFETY: a full tile: rows R and columns NR are all inside C.
                     unsafe {
                         let dst = c.add(i * ldc + h * 16);
                         let v = if accumulate {
@@ -661,7 +713,7 @@ mod x86 {
             let bf16 = O::DTYPE == DType::BF16;
             for (i, row) in acc.iter().enumerate() {
                 for (h, v) in row.iter().enumerate() {
-                    // SAFETY: a full tile: rows MR and columns NR are all inside C.
+                    // SAFETY: a full tile: rows R and columns NR are all inside C.
                     unsafe {
                         let dst = c.add(i * ldc + h * 16);
                         let v = if accumulate {
@@ -674,15 +726,15 @@ mod x86 {
                 }
             }
         } else {
-            let mut tile = [0f32; MR * NR];
-            for (i, row) in acc.iter().enumerate() {
-                for (h, v) in row.iter().enumerate() {
-                    // SAFETY: the buffer holds MR x NR floats.
-                    unsafe { _mm512_storeu_ps(tile.as_mut_ptr().add(i * NR + h * 16), *v) };
+            let mut tile = [[0f32; NR]; R];
+            for (row, acc) in tile.iter_mut().zip(acc) {
+                for (h, v) in acc.iter().enumerate() {
+                    // SAFETY: the row holds NR floats.
+                    unsafe { _mm512_storeu_ps(row.as_mut_ptr().add(h * 16), *v) };
                 }
             }
             // SAFETY: forwarded from the caller.
-            unsafe { store_tile(&tile, NR, c, ldc, rows, cols, accumulate) };
+            unsafe { store_tile(tile.as_flattened(), NR, c, ldc, rows, cols, accumulate) };
         }
     }
 
@@ -792,8 +844,11 @@ mod tests {
             if isa() != Isa::Portable {
                 all.push(blocked::<T, x86::F32Kernel, f32>);
             }
-            if isa() == Isa::Avx512Bf16 && T::IS_BF16 {
+            if matches!(isa(), Isa::Amx | Isa::Avx512Bf16) && T::IS_BF16 {
                 all.push(blocked::<T, x86::Bf16Kernel, f32>);
+            }
+            if isa() == Isa::Amx && T::IS_BF16 {
+                all.push(blocked::<T, amx::AmxKernel, f32>);
             }
         }
         all

@@ -1,0 +1,188 @@
+//! The bf16 micro-kernel on AMX tiles (`tdpbf16ps`, Sapphire Rapids and later).
+//!
+//! A tile register holds 16 rows of 64 bytes. One `tdpbf16ps` multiplies a 16 x 32 bf16 tile
+//! of A (16 rows, 16 pairs of consecutive `k` each) by a 16 x 16 tile of B whose rows are those
+//! 16 pairs for 16 columns, and adds the products into a 16 x 16 f32 tile: 8192 multiply-adds in
+//! one instruction, 16 times an AVX-512 FMA's. The kernel keeps a 32 x 32 tile of C in four
+//! tile registers and, per block of 16 units (32 `k`), loads two tiles of A and two of B and
+//! issues four products. A panels are packed in blocks of 16 units (`A_BLOCK`), so each A tile
+//! is 1 KiB in one piece; B panels keep the `[unit][32 columns]` layout of the AVX-512 kernel,
+//! and a B tile is read at a stride of 128 bytes.
+//!
+//! Linux hands out the tile state per process on request (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
+//! [`amx_bf16_usable`] asks once, and a CPU or kernel that says no keeps the AVX-512 kernels.
+
+use std::arch::asm;
+use std::arch::x86_64::{__m512, _mm512_loadu_ps};
+use std::mem::MaybeUninit;
+
+use super::x86::store;
+use super::{GemmElem, Kernel, Real};
+
+/// Rows and columns of C per tile call: 2 x 2 tile registers of 16 x 16.
+const MR: usize = 32;
+const NR: usize = 32;
+/// Units (pairs of `k`) per tile of A or B.
+const BLOCK: usize = 16;
+
+/// bf16 x bf16 -> f32 on AMX; a unit is a pair of consecutive `k`, as for `vdpbf16ps`.
+pub(super) struct AmxKernel;
+
+impl Kernel for AmxKernel {
+    type Unit = u32;
+    const MR: usize = MR;
+    const NR: usize = NR;
+    const KSTEP: usize = 2;
+    const A_BLOCK: usize = BLOCK;
+
+    #[inline]
+    fn unit<T: GemmElem>(first: T, last: T) -> u32 {
+        u32::from(first.bf16_bits()) | (u32::from(last.bf16_bits()) << 16)
+    }
+
+    unsafe fn tile<O: Real>(
+        units: usize,
+        a: *const u32,
+        b: *const u32,
+        c: *mut O,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        accumulate: bool,
+    ) {
+        let mut tile = MaybeUninit::<Tile>::uninit();
+        // SAFETY: `isa()` selects this kernel only where AMX-BF16 is usable (the permission
+        // granted) and avx512f exists; the panels hold `units` units, a multiple of BLOCK;
+        // `products` writes the whole tile.
+        unsafe {
+            products(units / BLOCK, a, b, tile.as_mut_ptr());
+            store_tile(tile.assume_init_ref(), c, ldc, rows, cols, accumulate);
+        }
+    }
+}
+
+/// The tile configuration `ldtilecfg` reads: palette 1, tiles 0-7 all 16 rows of 64 bytes.
+#[repr(C, align(64))]
+struct Config {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    bytes_per_row: [u16; 16],
+    rows: [u8; 16],
+}
+
+const CONFIG: Config = Config {
+    palette: 1,
+    start_row: 0,
+    reserved: [0; 14],
+    bytes_per_row: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
+    rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
+};
+
+/// A 32 x 32 f32 tile of C, row-major, as the tile registers are stored.
+#[repr(C, align(64))]
+struct Tile([[f32; NR]; MR]);
+
+/// `tile = A-panel * B-panel` over `blocks` blocks of 16 units: C rows 0-15 and 16-31 in tile
+/// registers 0/1 and 2/3 (columns 0-15 and 16-31), A in 4 and 5, B in 6 and 7.
+///
+/// # Safety
+/// AMX-BF16 is usable by this process; `a` holds `blocks` blocks of 32 x 16 units, `[block]
+/// [row][unit]`, and `b` `blocks * 16` rows of 32 units; `tile` is writable.
+unsafe fn products(blocks: usize, a: *const u32, b: *const u32, tile: *mut Tile) {
+    // SAFETY: the caller's panels; the tile buffer is 32 rows of 128 bytes.
+    unsafe {
+        asm!(
+            "ldtilecfg [{config}]",
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "test {blocks}, {blocks}",
+            "jz 3f",
+            "2:",
+            // A: rows 0-15 then 16-31 of the block, 64 bytes per row.
+            "tileloadd tmm4, [{a} + {a_stride}*1]",
+            "tileloadd tmm5, [{a} + {a_stride}*1 + 1024]",
+            // B: columns 0-15 then 16-31 of 16 unit rows of 128 bytes.
+            "tileloadd tmm6, [{b} + {b_stride}*1]",
+            "tileloadd tmm7, [{b} + {b_stride}*1 + 64]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a}, 2048",
+            "add {b}, 2048",
+            "dec {blocks}",
+            "jnz 2b",
+            "3:",
+            "tilestored [{c} + {c_stride}*1], tmm0",
+            "tilestored [{c} + {c_stride}*1 + 64], tmm1",
+            "tilestored [{c} + {c_stride}*1 + 2048], tmm2",
+            "tilestored [{c} + {c_stride}*1 + 2112], tmm3",
+            "tilerelease",
+            config = in(reg) &CONFIG,
+            blocks = inout(reg) blocks => _,
+            a = inout(reg) a => _,
+            b = inout(reg) b => _,
+            c = in(reg) tile,
+            a_stride = in(reg) 64usize,
+            b_stride = in(reg) 4 * NR,
+            c_stride = in(reg) 4 * NR,
+            options(nostack),
+        );
+    }
+}
+
+/// Stores the first `rows x cols` of the tile into C through the AVX-512 kernels' store.
+///
+/// # Safety
+/// As [`Kernel::tile`]'s `c`; avx512f exists.
+#[target_feature(enable = "avx512f")]
+unsafe fn store_tile<O: Real>(
+    tile: &Tile,
+    c: *mut O,
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+    accumulate: bool,
+) {
+    let acc: [[__m512; 2]; MR] = std::array::from_fn(|i| {
+        let row = tile.0[i].as_ptr();
+        // SAFETY: a row holds 32 floats.
+        unsafe { [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16))] }
+    });
+    // SAFETY: forwarded from the caller.
+    unsafe { store(&acc, c, ldc, rows, cols, accumulate) };
+}
+
+/// Whether this CPU has AMX-BF16 tiles and the OS lets this process use them (asked once,
+/// for the whole process, as Linux requires before the first tile instruction).
+pub(super) fn amx_bf16_usable() -> bool {
+    // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
+    let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+    if leaf7.edx & (1 << 22) == 0 || leaf7.edx & (1 << 24) == 0 {
+        return false;
+    }
+    request_tile_state()
+}
+
+#[cfg(target_os = "linux")]
+fn request_tile_state() -> bool {
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with these arguments only changes which XSAVE features the process
+    // may use; it reads and writes no memory of ours.
+    unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) == 0
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn request_tile_state() -> bool {
+    false
+}
