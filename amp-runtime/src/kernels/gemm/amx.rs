@@ -17,7 +17,7 @@ use std::arch::x86_64::{__m512, _mm512_loadu_ps};
 use std::mem::MaybeUninit;
 
 use super::x86::store;
-use super::{GemmElem, Kernel, Real};
+use super::{GemmElem, Kernel, Lanes, MatRef, Real};
 
 /// Rows and columns of C per tile call: 2 x 2 tile registers of 16 x 16.
 const MR: usize = 32;
@@ -38,6 +38,15 @@ impl Kernel for AmxKernel {
     #[inline]
     fn unit<T: GemmElem>(first: T, last: T) -> u32 {
         u32::from(first.bf16_bits()) | (u32::from(last.bf16_bits()) << 16)
+    }
+
+    fn pack_fast<T: GemmElem>(
+        v: MatRef<T>,
+        lanes: Lanes,
+        whole: usize,
+        out: &mut [u32],
+    ) -> (usize, usize) {
+        super::pack_bf16::pack_units(v, lanes, whole, out)
     }
 
     unsafe fn tile<O: Real>(

@@ -16,8 +16,10 @@
 //! Work is split over rayon's pool by blocks of rows of C and, when there are few of those, by
 //! groups of B's micro-panels too; each task writes its own tiles of C.
 
+use std::ops::Range;
 use std::sync::OnceLock;
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -60,12 +62,21 @@ pub(crate) trait GemmElem: Real + Send + Sync {
     fn bf16_bits(self) -> u16 {
         bf16::from_f32(self.get()).to_bits()
     }
+
+    /// The elements' bits, when they are bf16.
+    fn bf16_slice(_data: &[Self]) -> Option<&[u16]> {
+        None
+    }
 }
 
 impl GemmElem for f32 {}
 impl GemmElem for f16 {}
 impl GemmElem for bf16 {
     const IS_BF16: bool = true;
+
+    fn bf16_slice(data: &[Self]) -> Option<&[u16]> {
+        Some(data.reinterpret_cast())
+    }
 
     #[inline]
     fn bf16_bits(self) -> u16 {
@@ -192,6 +203,17 @@ trait Kernel {
     /// `[unit][lane]`, one broadcast per unit; AMX loads a block of 16 units of 16 rows as one
     /// tile. Both panels are padded with zero units to a whole number of blocks.
     const A_BLOCK: usize = 1;
+
+    /// Packs what the kernel has a vector path for, a rectangle of lanes and units from the
+    /// first of each, and returns its size; [`pack`] does the rest.
+    fn pack_fast<T: GemmElem>(
+        _v: MatRef<T>,
+        _lanes: Lanes,
+        _whole: usize,
+        _out: &mut [Self::Unit],
+    ) -> (usize, usize) {
+        (0, 0)
+    }
 
     /// The unit of `KSTEP` consecutive values of the inner dimension that start with `first`
     /// and end with `last` (one and the same value when `KSTEP` is 1).
@@ -489,32 +511,41 @@ fn pack<T: GemmElem, K: Kernel>(
             zero
         }
     };
-    if v.cs == 1 {
-        // Each lane's run along k is contiguous.
-        for l in 0..count {
-            let run = &v.data[base + l * v.rs..][..whole * K::KSTEP];
-            for (u, values) in run.chunks_exact(K::KSTEP).enumerate() {
-                out[lanes.at(u, l)] = K::unit(values[0], values[K::KSTEP - 1]);
+    // The units `units` of the lanes `lanes_of` (of `count`), element by element.
+    let scalar = |out: &mut [K::Unit], lanes_of: Range<usize>, units_of: Range<usize>| {
+        if v.cs == 1 {
+            // Each lane's run along k is contiguous.
+            for l in lanes_of {
+                let run = &v.data[base + l * v.rs..][..whole * K::KSTEP];
+                let run = &run[units_of.start * K::KSTEP..units_of.end * K::KSTEP];
+                for (u, values) in units_of.clone().zip(run.chunks_exact(K::KSTEP)) {
+                    out[lanes.at(u, l)] = K::unit(values[0], values[K::KSTEP - 1]);
+                }
             }
-        }
-    } else if v.rs == 1 && lanes.block == 1 {
-        // The lanes at each k are contiguous.
-        for u in 0..whole {
-            let k0 = u * K::KSTEP;
-            let lo = &v.data[base + k0 * v.cs..][..count];
-            let hi = &v.data[base + (k0 + K::KSTEP - 1) * v.cs..][..count];
-            for ((unit, &x), &y) in out[u * width..][..count].iter_mut().zip(lo).zip(hi) {
-                *unit = K::unit(x, y);
-            }
-        }
-    } else {
-        for l in 0..count {
-            for u in 0..whole {
+        } else if v.rs == 1 && lanes.block == 1 {
+            // The lanes at each k are contiguous.
+            for u in units_of {
                 let k0 = u * K::KSTEP;
-                out[lanes.at(u, l)] = K::unit(value(l, k0), value(l, k0 + K::KSTEP - 1));
+                let lo = &v.data[base + k0 * v.cs..][lanes_of.clone()];
+                let hi = &v.data[base + (k0 + K::KSTEP - 1) * v.cs..][lanes_of.clone()];
+                let dst = &mut out[u * width..][lanes_of.clone()];
+                for ((unit, &x), &y) in dst.iter_mut().zip(lo).zip(hi) {
+                    *unit = K::unit(x, y);
+                }
+            }
+        } else {
+            for l in lanes_of {
+                for u in units_of.clone() {
+                    let k0 = u * K::KSTEP;
+                    out[lanes.at(u, l)] = K::unit(value(l, k0), value(l, k0 + K::KSTEP - 1));
+                }
             }
         }
-    }
+    };
+    // The kernel's vector path packs a rectangle of whole groups; the rest is scalar.
+    let (done_lanes, done_units) = K::pack_fast(v, lanes, whole, out);
+    scalar(out, 0..count, done_units..whole);
+    scalar(out, done_lanes..count, 0..done_units);
     let k0 = whole * K::KSTEP;
     for l in 0..count {
         if k0 < kc {
@@ -603,6 +634,8 @@ mod portable {
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
+#[cfg(target_arch = "x86_64")]
+mod pack_bf16;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -614,7 +647,7 @@ mod x86 {
 
     use candle_core::DType;
 
-    use super::{store_tile, GemmElem, Kernel, Real};
+    use super::{store_tile, GemmElem, Kernel, Lanes, MatRef, Real};
 
     /// Rows and columns of a tile: 12 x 32 = 24 zmm accumulators, two B vectors and one A
     /// broadcast in flight, within the 32 registers of AVX-512.
@@ -636,6 +669,15 @@ mod x86 {
         #[inline]
         fn unit<T: GemmElem>(first: T, last: T) -> u32 {
             u32::from(first.bf16_bits()) | (u32::from(last.bf16_bits()) << 16)
+        }
+
+        fn pack_fast<T: GemmElem>(
+            v: MatRef<T>,
+            lanes: Lanes,
+            whole: usize,
+            out: &mut [u32],
+        ) -> (usize, usize) {
+            super::pack_bf16::pack_units(v, lanes, whole, out)
         }
 
         unsafe fn tile<O: Real>(

@@ -1,0 +1,170 @@
+//! AVX-512 packing of bf16 operands into units of two consecutive `k` (the `vdpbf16ps` and AMX
+//! kernels), 16 lanes x 16 units at a time.
+//!
+//! A unit of bf16 is the 32 bits of two consecutive `k` of one lane. Where a lane's run along
+//! `k` is contiguous in memory, 16 of its units are one 64-byte load; where the lanes at each
+//! `k` are contiguous, the units of 16 lanes at one `k` pair are two 32-byte loads interleaved.
+//! A panel wants one of two orders, `[unit][lane]` (B panels, and A panels of the `vdpbf16ps`
+//! kernel) or `[lane][unit]` within blocks of 16 units (A panels of the AMX kernel), and when
+//! the source gives the other one, a 16 x 16 transpose of 32-bit elements turns it round.
+//! The scalar packing of [`super::pack`] does what is left: partial groups of lanes or units
+//! and the tails.
+
+use std::arch::x86_64::{
+    __m512i, _mm256_loadu_si256, _mm512_cvtepu16_epi32, _mm512_loadu_si512, _mm512_or_si512,
+    _mm512_setzero_si512, _mm512_shuffle_i32x4, _mm512_slli_epi32, _mm512_storeu_si512,
+    _mm512_unpackhi_epi32, _mm512_unpackhi_epi64, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
+};
+
+use super::{GemmElem, Lanes, MatRef};
+
+/// Lanes and units per step.
+const G: usize = 16;
+
+/// [`pack`] where `T` is bf16: the bf16 kernels' `Kernel::pack_fast`.
+pub(super) fn pack_units<T: GemmElem>(
+    v: MatRef<T>,
+    lanes: Lanes,
+    whole: usize,
+    out: &mut [u32],
+) -> (usize, usize) {
+    let Some(data) = T::bf16_slice(v.data) else {
+        return (0, 0);
+    };
+    let bits = MatRef {
+        data,
+        offset: v.offset,
+        rs: v.rs,
+        cs: v.cs,
+    };
+    // SAFETY: the bf16 kernels run only where avx512f exists (`isa()`).
+    unsafe { pack(bits, lanes, whole, out) }
+}
+
+/// Packs the whole groups of 16 lanes and 16 units of a bf16 view (its elements' bits) into
+/// `out` laid out as `lanes` says, and returns how many lanes and units that covered (a
+/// rectangle from the first lane and unit); `(0, 0)` when neither of `v`'s strides is 1.
+///
+/// # Safety
+/// avx512f exists.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn pack(
+    v: MatRef<u16>,
+    lanes: Lanes,
+    whole: usize,
+    out: &mut [u32],
+) -> (usize, usize) {
+    let (ld, ud) = (lanes.count / G * G, whole / G * G);
+    if ld == 0 || ud == 0 || (v.cs != 1 && v.rs != 1) {
+        return (0, 0);
+    }
+    let base = v.offset + lanes.first * v.rs;
+    // The last element the rectangle reads, and the last unit it writes, are in bounds.
+    let last_in = base + (ld - 1) * v.rs + (2 * ud - 1) * v.cs;
+    assert!(last_in < v.data.len(), "pack: view outside its data");
+    assert!(
+        lanes.at(ud - 1, ld - 1) < out.len(),
+        "pack: panel too small"
+    );
+    let src = v.data.as_ptr();
+    let dst = out.as_mut_ptr();
+    for l0 in (0..ld).step_by(G) {
+        for u0 in (0..ud).step_by(G) {
+            let mut rows = [_mm512_setzero_si512(); G];
+            // `by_lane`: rows[i] holds lane l0 + i's 16 units; otherwise rows[j] holds unit
+            // u0 + j of the 16 lanes.
+            let by_lane = v.cs == 1;
+            for (i, row) in rows.iter_mut().enumerate() {
+                // SAFETY: every element read is at most `last_in` (checked above).
+                *row = unsafe {
+                    if by_lane {
+                        _mm512_loadu_si512(src.add(base + (l0 + i) * v.rs + 2 * u0).cast())
+                    } else {
+                        let at = base + l0 + 2 * (u0 + i) * v.cs;
+                        let lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(src.add(at).cast()));
+                        let hi =
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256(src.add(at + v.cs).cast()));
+                        _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi))
+                    }
+                };
+            }
+            let want_by_lane = lanes.block == G;
+            if by_lane != want_by_lane {
+                transpose(&mut rows);
+            }
+            for (i, row) in rows.iter().enumerate() {
+                // `[lane][unit]` blocks: row i is lane l0 + i, 16 consecutive units; `[unit]
+                // [lane]`: row i is unit u0 + i, 16 consecutive lanes.
+                let at = if want_by_lane {
+                    lanes.at(u0, l0 + i)
+                } else {
+                    lanes.at(u0 + i, l0)
+                };
+                // SAFETY: the 16 units from `at` are inside the rectangle (checked above).
+                unsafe { _mm512_storeu_si512(dst.add(at).cast(), *row) };
+            }
+        }
+    }
+    (ld, ud)
+}
+
+/// Transposes a 16 x 16 matrix of 32-bit elements held one row per vector.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose(r: &mut [__m512i; G]) {
+    // Pairs of rows interleaved by 32 bits, then by 64 bits: 4 x 4 blocks transposed within
+    // each 128-bit lane.
+    let mut t = [_mm512_unpacklo_epi32(r[0], r[1]); G];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for q in 0..4 {
+        let b = 4 * q;
+        r[b] = _mm512_unpacklo_epi64(t[b], t[b + 2]);
+        r[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
+        r[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]);
+        r[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
+    }
+    // Then the 128-bit lanes: 4 x 4 blocks of them transposed.
+    for q in 0..4 {
+        let (a, b) = (q, q + 4);
+        t[q] = _mm512_shuffle_i32x4::<0x88>(r[a], r[b]);
+        t[q + 4] = _mm512_shuffle_i32x4::<0xdd>(r[a], r[b]);
+        let (a, b) = (q + 8, q + 12);
+        t[q + 8] = _mm512_shuffle_i32x4::<0x88>(r[a], r[b]);
+        t[q + 12] = _mm512_shuffle_i32x4::<0xdd>(r[a], r[b]);
+    }
+    for q in 0..8 {
+        r[q] = _mm512_shuffle_i32x4::<0x88>(t[q], t[q + 8]);
+        r[q + 8] = _mm512_shuffle_i32x4::<0xdd>(t[q], t[q + 8]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transpose_turns_rows_into_columns() {
+        if !is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let m: Vec<u32> = (0..256).collect();
+        let mut rows = [[0u32; G]; G];
+        // SAFETY: avx512f exists (checked above); each row holds 16 u32.
+        unsafe {
+            let mut v: [__m512i; G] =
+                std::array::from_fn(|i| _mm512_loadu_si512(m[i * G..].as_ptr().cast()));
+            transpose(&mut v);
+            for (row, v) in rows.iter_mut().zip(&v) {
+                _mm512_storeu_si512(row.as_mut_ptr().cast(), *v);
+            }
+        }
+        for i in 0..G {
+            for j in 0..G {
+                assert_eq!(rows[i][j], m[j * G + i], "({i}, {j})");
+            }
+        }
+    }
+}
