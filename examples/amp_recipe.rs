@@ -39,18 +39,14 @@
 //! that its one-time allocations count in neither peak: with `--enabled false` the two rows then
 //! have the same peak to the byte and the same loss to the bit.
 //!
-//! What to expect on CPU, as measured with fp16 AMP (`--precision fp16`; these figures predate
-//! the flag, and bf16 has not been measured at these sizes): the two final losses agree to about
-//! 4 decimals (f16 matmuls with f32 masters; no step is skipped), but AMP is *slower* here:
-//! candle's CPU f16 matmul is no faster than f32, and autocast adds a cast of every weight per
-//! forward and of the activations at the region's boundaries. Peak heap is about the same:
-//! activations are saved in f16, but the f16 weight copies and the f32 gradients add bytes (a few
-//! % lower with the defaults, a few % higher at the recipe's width, where the weights dominate).
-//! On this project's 2-core CPU the defaults took about 35 s in all, roughly 80 ms per step in
-//! f32 and 140 ms with fp16 AMP; the recipe's full size keeps 840 MB of random data and takes
-//! about 2 s (f32) and 3 s (fp16 AMP) per step, some 12 minutes in all. bf16 keeps 8 significant
-//! bits to fp16's 11, so expect its loss to follow f32's less closely. The speed and memory gains
-//! of AMP are a GPU (tensor core) effect; this example reports the CPU numbers as they are.
+//! What to expect on CPU: the bf16 matmuls run on candle-amp's GEMM, on AMX tiles where the CPU
+//! has them (Intel Sapphire Rapids and later) and on `vdpbf16ps` on AVX512-BF16 (Zen 4). On this
+//! project's 2-core machines the bf16 step took 0.33-0.55x of the f32 step at the defaults (README,
+//! Results), and the two final losses agree to about 4 decimals. fp16, which no x86 CPU
+//! multiplies, is converted to f32 while packing: its step is 0.8-0.9x of f32's, a gain from
+//! halved memory traffic only. Peak heap with AMP is about 0.8x of f32's: activations are kept
+//! in half precision, and `Linear` keeps no half copy of its f32 weights. The recipe's full size
+//! keeps 840 MB of random data up front.
 
 mod common;
 

@@ -14,7 +14,9 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::gemm::{gemm, GemmElem, MatRef};
+use std::mem::MaybeUninit;
+
+use super::gemm::{gemm, gemm_uninit, GemmElem, MatRef};
 use super::Real;
 
 /// Below this many multiply-adds per matrix, a batch of matmuls runs one matrix per task
@@ -159,11 +161,11 @@ impl Batched {
     fn run<T: GemmElem, O: Real + Send + Sync>(&self, a: &[T], b: &[T]) -> Vec<O> {
         let (m, n, k) = (self.m, self.n, self.k);
         let size = m * n;
-        let mut out = vec![O::put(0.0); self.batch * size];
+        let mut out = Vec::with_capacity(self.batch * size);
         if size == 0 {
             return out;
         }
-        let one = |i: usize, out: &mut [O], parallel: bool| {
+        let one = |i: usize, out: &mut [MaybeUninit<O>], parallel: bool| {
             let a = MatRef {
                 data: a,
                 offset: self.a_starts[i],
@@ -176,17 +178,22 @@ impl Batched {
                 rs: self.b_strides.0,
                 cs: self.b_strides.1,
             };
-            gemm(m, n, k, a, b, out, false, parallel);
+            gemm_uninit((m, n, k), a, b, out, parallel);
         };
+        // Every product writes all of its block: the buffer is never zero-filled first.
+        let blocks = &mut out.spare_capacity_mut()[..self.batch * size];
         if self.batch > 1 && m * n * k < SMALL_GEMM {
-            out.par_chunks_mut(size)
+            blocks
+                .par_chunks_mut(size)
                 .enumerate()
                 .for_each(|(i, o)| one(i, o, false));
         } else {
-            for (i, o) in out.chunks_mut(size).enumerate() {
+            for (i, o) in blocks.chunks_mut(size).enumerate() {
                 one(i, o, true);
             }
         }
+        // SAFETY: the products wrote all `batch * size` elements.
+        unsafe { out.set_len(self.batch * size) };
         out
     }
 }
@@ -203,13 +210,6 @@ impl HalfLinear {
     ) -> Vec<T> {
         let (rows, inner) = (lx.dims()[0], lx.dims()[1]);
         let out = lw.dims()[0];
-        let mut y = vec![T::put(0.0); rows * out];
-        if let Some((b, lb)) = bias {
-            let b: Vec<T> = super::elements(b, lb).iter().map(|&v| T::put(v)).collect();
-            for row in y.chunks_mut(out.max(1)) {
-                row.copy_from_slice(&b);
-            }
-        }
         // The master rounded to T, contiguous `(out, in)`.
         let w: Vec<T> = super::convert::convert_slice(&super::elements(w, lw));
         let a = MatRef {
@@ -225,7 +225,16 @@ impl HalfLinear {
             rs: 1,
             cs: inner,
         };
-        gemm(rows, out, inner, a, wt, &mut y, bias.is_some(), true);
+        let Some((b, lb)) = bias else {
+            let mut y = Vec::with_capacity(rows * out);
+            gemm_uninit((rows, out, inner), a, wt, y.spare_capacity_mut(), true);
+            // SAFETY: the product wrote all `rows * out` elements.
+            unsafe { y.set_len(rows * out) };
+            return y;
+        };
+        let b: Vec<T> = super::elements(b, lb).iter().map(|&v| T::put(v)).collect();
+        let mut y = b.repeat(rows);
+        gemm(rows, out, inner, a, wt, &mut y, true, true);
         y
     }
 

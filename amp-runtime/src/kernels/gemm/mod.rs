@@ -6,9 +6,12 @@
 //! packed into `MR`-row micro-panels and a register-blocked micro-kernel computes each
 //! `MR x NR` tile of C. Packing is where the element types meet the kernels:
 //!
-//! - **bf16 on AVX512-BF16** (`vdpbf16ps`, Zen 4, Sapphire Rapids): packing interleaves pairs of
-//!   consecutive `k` into one 32-bit lane, and each `_mm512_dpbf16_ps` does 32 multiply-adds
-//!   into 16 f32 accumulators, twice the multiply-adds of an f32 FMA at the same width.
+//! - **bf16 on AMX** (`tdpbf16ps`, Sapphire Rapids and later, see [`amx`]): 8192 multiply-adds
+//!   per instruction on tile registers, 16 times an AVX-512 FMA.
+//! - **bf16 on AVX512-BF16** (`vdpbf16ps`, Zen 4): packing interleaves pairs of consecutive `k`
+//!   into one 32-bit lane, and each `_mm512_dpbf16_ps` does 32 multiply-adds into 16 f32
+//!   accumulators, twice the multiply-adds of an f32 FMA at the same width on Zen 4 (on Intel
+//!   cores it issues at half the FMA rate, so there it only matches f32).
 //! - **everything else** converts to f32 while packing (f16 keeps its 10-bit mantissa: it never
 //!   goes through bf16) and runs an f32 kernel: AVX-512 FMA where the CPU has it, portable Rust
 //!   otherwise. The kernel is chosen once per process by run-time feature detection.
@@ -16,6 +19,7 @@
 //! Work is split over rayon's pool by blocks of rows of C and, when there are few of those, by
 //! groups of B's micro-panels too; each task writes its own tiles of C.
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::OnceLock;
 
@@ -139,6 +143,36 @@ pub(crate) fn gemm<T: GemmElem, O: Real + Send + Sync>(
     accumulate: bool,
     parallel: bool,
 ) {
+    // SAFETY: `MaybeUninit<O>` has `O`'s layout, and only initialised values are written
+    // through the view.
+    let c = unsafe { &mut *(std::ptr::from_mut(c) as *mut [MaybeUninit<O>]) };
+    run(m, n, k, a, b, c, accumulate, parallel);
+}
+
+/// `c = a * b` into memory that need not be initialised (a fresh output buffer, spared its
+/// zero-filling): every element of the `m x n` block is written.
+pub(crate) fn gemm_uninit<T: GemmElem, O: Real + Send + Sync>(
+    (m, n, k): (usize, usize, usize),
+    a: MatRef<T>,
+    b: MatRef<T>,
+    c: &mut [MaybeUninit<O>],
+    parallel: bool,
+) {
+    run(m, n, k, a, b, c, false, parallel);
+}
+
+/// [`gemm`] on a possibly uninitialised `c`, which `accumulate` requires initialised.
+#[allow(clippy::too_many_arguments)]
+fn run<T: GemmElem, O: Real + Send + Sync>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: MatRef<T>,
+    b: MatRef<T>,
+    c: &mut [MaybeUninit<O>],
+    accumulate: bool,
+    parallel: bool,
+) {
     assert!(c.len() >= m * n, "gemm: output of {} for {m}x{n}", c.len());
     if m == 0 || n == 0 {
         return;
@@ -154,7 +188,7 @@ pub(crate) fn gemm<T: GemmElem, O: Real + Send + Sync>(
     };
     if k == 0 {
         if !accumulate {
-            c[..m * n].fill(O::put(0.0));
+            c[..m * n].fill(MaybeUninit::new(O::put(0.0)));
         }
         return;
     }
@@ -268,29 +302,37 @@ impl<O> SharedOut<O> {
 
 /// Splits `k` into passes of at most `MAX_UNITS` units; with several passes into a half `O`,
 /// the passes accumulate in an f32 buffer that is rounded once at the end.
-fn blocked<T: GemmElem, K: Kernel, O: Real + Send + Sync>(p: &Problem<T>, c: &mut [O]) {
+fn blocked<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
+    p: &Problem<T>,
+    c: &mut [MaybeUninit<O>],
+) {
     let kc_max = MAX_UNITS * K::KSTEP;
     if p.k <= kc_max {
         return one_pass::<T, K, O>(p, c);
     }
-    let mut sums = vec![0f32; p.m * p.n];
+    let mut sums = vec![MaybeUninit::new(0f32); p.m * p.n];
     for (pass, k0) in (0..p.k).step_by(kc_max).enumerate() {
         let mut slice = p.inner_slice(k0, kc_max.min(p.k - k0));
         slice.accumulate = pass > 0;
         one_pass::<T, K, f32>(&slice, &mut sums);
     }
     for (o, s) in c.iter_mut().zip(&sums) {
-        *o = O::put(if p.accumulate { o.get() + s } else { *s });
+        // SAFETY: every sum was written; C is initialised when accumulating (see `run`).
+        let (s, before) = unsafe { (s.assume_init(), p.accumulate.then(|| o.assume_init_read())) };
+        o.write(O::put(before.map_or(s, |b| b.get() + s)));
     }
 }
 
 /// One pass over the whole inner dimension: B packed per column slice, A per block of rows,
 /// each tile accumulated in registers over all of `k` and stored once.
-fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(p: &Problem<T>, c: &mut [O]) {
+fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
+    p: &Problem<T>,
+    c: &mut [MaybeUninit<O>],
+) {
     let (m, n, k) = (p.m, p.n, p.k);
     let units = k.div_ceil(K::KSTEP).next_multiple_of(K::A_BLOCK);
     let unit_bytes = std::mem::size_of::<K::Unit>();
-    let out = SharedOut(c.as_mut_ptr());
+    let out = SharedOut(c.as_mut_ptr().cast::<O>());
     let threads = if p.parallel {
         rayon::current_num_threads()
     } else {
@@ -573,10 +615,13 @@ unsafe fn store_tile<O: Real>(
 ) {
     for i in 0..rows {
         for j in 0..cols {
-            // SAFETY: (i, j) is inside the caller's rows x cols window.
-            let dst = unsafe { &mut *c.add(i * ldc + j) };
             let v = tile[i * nr + j];
-            *dst = O::put(if accumulate { dst.get() + v } else { v });
+            // SAFETY: (i, j) is inside the caller's rows x cols window, initialised when
+            // accumulating.
+            unsafe {
+                let dst = c.add(i * ldc + j);
+                dst.write(O::put(if accumulate { dst.read().get() + v } else { v }));
+            }
         }
     }
 }
@@ -876,7 +921,7 @@ mod tests {
             .collect()
     }
 
-    type Driver<T> = fn(&Problem<T>, &mut [f32]);
+    type Driver<T> = fn(&Problem<T>, &mut [MaybeUninit<f32>]);
 
     /// The drivers this CPU can run for `T`, with f32 output.
     fn drivers<T: GemmElem>() -> Vec<Driver<T>> {
@@ -948,7 +993,7 @@ mod tests {
                 let name = std::any::type_name::<T>();
                 for driver in drivers::<T>() {
                     for parallel in [false, true] {
-                        let mut c = vec![1f32; m * n];
+                        let mut c = vec![MaybeUninit::new(1f32); m * n];
                         let p = Problem {
                             m,
                             n,
@@ -960,7 +1005,8 @@ mod tests {
                         };
                         driver(&p, &mut c);
                         for (got, want) in c.iter().zip(&want) {
-                            let got = f64::from(*got) - 1.0;
+                            // SAFETY: initialised above, and the driver writes values.
+                            let got = f64::from(unsafe { got.assume_init() }) - 1.0;
                             assert!(
                                 (got - want).abs() <= tol,
                                 "{name} {m}x{n}x{k} t={transposed}: {got} vs {want}"
@@ -994,6 +1040,23 @@ mod tests {
         let tol = 1e-5 * (k as f64 + 1.0);
         let mut c = vec![T::put(0.0); m * n];
         gemm(m, n, k, a, b, &mut c, false, true);
+        // Into a fresh buffer, never initialised: every element written, to the same bits.
+        let mut fresh: Vec<T> = Vec::with_capacity(m * n);
+        gemm_uninit(
+            (m, n, k),
+            a,
+            b,
+            &mut fresh.spare_capacity_mut()[..m * n],
+            true,
+        );
+        // SAFETY: `gemm_uninit` wrote all m * n elements.
+        unsafe { fresh.set_len(m * n) };
+        let bits = |v: &[T]| v.iter().map(|x| x.get().to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&fresh),
+            bits(&c),
+            "{name} {m}x{n}x{k}: gemm_uninit differs"
+        );
         for (got, want) in c.iter().zip(want) {
             let ulp = (T::put(want.abs() as f32 * 1.001).get() - T::put(want.abs() as f32).get())
                 .abs()
