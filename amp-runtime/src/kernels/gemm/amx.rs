@@ -37,7 +37,7 @@ impl Kernel for AmxKernel {
 
     #[inline]
     fn unit<T: GemmElem>(first: T, last: T) -> u32 {
-        u32::from(first.bf16_bits()) | (u32::from(last.bf16_bits()) << 16)
+        super::bf16_pair(first, last)
     }
 
     fn pack_fast<T: GemmElem>(

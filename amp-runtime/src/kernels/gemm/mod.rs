@@ -88,6 +88,13 @@ impl GemmElem for bf16 {
     }
 }
 
+/// The unit of the bf16 kernels: two consecutive `k` rounded to bf16, the first in the low
+/// half (the order `vdpbf16ps` and `tdpbf16ps` pair them in).
+#[inline]
+fn bf16_pair<T: GemmElem>(first: T, last: T) -> u32 {
+    u32::from(first.bf16_bits()) | (u32::from(last.bf16_bits()) << 16)
+}
+
 /// The micro-kernels this CPU can run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Isa {
@@ -713,7 +720,7 @@ mod x86 {
 
         #[inline]
         fn unit<T: GemmElem>(first: T, last: T) -> u32 {
-            u32::from(first.bf16_bits()) | (u32::from(last.bf16_bits()) << 16)
+            super::bf16_pair(first, last)
         }
 
         fn pack_fast<T: GemmElem>(
