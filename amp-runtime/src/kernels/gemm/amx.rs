@@ -40,6 +40,17 @@ impl Kernel for AmxKernel {
         super::bf16_pair(first, last)
     }
 
+    fn with_state<R>(f: impl FnOnce() -> R) -> R {
+        // SAFETY: `isa()` selects this kernel only where AMX is usable; the configuration is a
+        // static of the layout `ldtilecfg` reads. Nothing else in this thread uses the tiles
+        // while `f` runs (a task's tile calls, no rayon calls inside).
+        unsafe { asm!("ldtilecfg [{config}]", config = in(reg) &CONFIG, options(nostack)) };
+        let result = f();
+        // SAFETY: as above; the tile state is dropped once the task's calls are done.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+        result
+    }
+
     fn pack_fast<T: GemmElem>(
         v: MatRef<T>,
         lanes: Lanes,
@@ -61,8 +72,9 @@ impl Kernel for AmxKernel {
     ) {
         let mut tile = MaybeUninit::<Tile>::uninit();
         // SAFETY: `isa()` selects this kernel only where AMX-BF16 is usable (the permission
-        // granted) and avx512f exists; the panels hold `units` units, a multiple of BLOCK;
-        // `products` writes the whole tile.
+        // granted) and avx512f exists; the caller is inside `with_state`, which configured the
+        // tiles; the panels hold `units` units, a multiple of BLOCK; `products` writes the
+        // whole tile.
         unsafe {
             products(units / BLOCK, a, b, tile.as_mut_ptr());
             store_tile(tile.assume_init_ref(), c, ldc, rows, cols, accumulate);
@@ -96,13 +108,12 @@ struct Tile([[f32; NR]; MR]);
 /// registers 0/1 and 2/3 (columns 0-15 and 16-31), A in 4 and 5, B in 6 and 7.
 ///
 /// # Safety
-/// AMX-BF16 is usable by this process; `a` holds `blocks` blocks of 32 x 16 units, `[block]
+/// AMX-BF16 is usable by this process and the tiles are configured ([`CONFIG`]); `a` holds `blocks` blocks of 32 x 16 units, `[block]
 /// [row][unit]`, and `b` `blocks * 16` rows of 32 units; `tile` is writable.
 unsafe fn products(blocks: usize, a: *const u32, b: *const u32, tile: *mut Tile) {
     // SAFETY: the caller's panels; the tile buffer is 32 rows of 128 bytes.
     unsafe {
         asm!(
-            "ldtilecfg [{config}]",
             "tilezero tmm0",
             "tilezero tmm1",
             "tilezero tmm2",
@@ -110,14 +121,16 @@ unsafe fn products(blocks: usize, a: *const u32, b: *const u32, tile: *mut Tile)
             "test {blocks}, {blocks}",
             "jz 3f",
             "2:",
-            // A: rows 0-15 then 16-31 of the block, 64 bytes per row.
+            // A rows 0-15 (tmm4) and 16-31 (tmm5) of the block, 64 bytes per row; B columns
+            // 0-15 (tmm6) and 16-31 (tmm7) of 16 unit rows of 128 bytes. Tile registers are
+            // not renamed: each load is placed just before the first product that needs it,
+            // so that products start while the other tiles are still loading.
             "tileloadd tmm4, [{a} + {a_stride}*1]",
-            "tileloadd tmm5, [{a} + {a_stride}*1 + 1024]",
-            // B: columns 0-15 then 16-31 of 16 unit rows of 128 bytes.
             "tileloadd tmm6, [{b} + {b_stride}*1]",
-            "tileloadd tmm7, [{b} + {b_stride}*1 + 64]",
             "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm7, [{b} + {b_stride}*1 + 64]",
             "tdpbf16ps tmm1, tmm4, tmm7",
+            "tileloadd tmm5, [{a} + {a_stride}*1 + 1024]",
             "tdpbf16ps tmm2, tmm5, tmm6",
             "tdpbf16ps tmm3, tmm5, tmm7",
             "add {a}, 2048",
@@ -129,8 +142,6 @@ unsafe fn products(blocks: usize, a: *const u32, b: *const u32, tile: *mut Tile)
             "tilestored [{c} + {c_stride}*1 + 64], tmm1",
             "tilestored [{c} + {c_stride}*1 + 2048], tmm2",
             "tilestored [{c} + {c_stride}*1 + 2112], tmm3",
-            "tilerelease",
-            config = in(reg) &CONFIG,
             blocks = inout(reg) blocks => _,
             a = inout(reg) a => _,
             b = inout(reg) b => _,

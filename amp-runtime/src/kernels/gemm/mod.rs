@@ -19,6 +19,7 @@
 //! Work is split over rayon's pool by blocks of rows of C and, when there are few of those, by
 //! groups of B's micro-panels too; each task writes its own tiles of C.
 
+use std::cell::RefCell;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -244,6 +245,14 @@ trait Kernel {
     /// `[unit][lane]`, one broadcast per unit; AMX loads a block of 16 units of 16 rows as one
     /// tile. Both panels are padded with zero units to a whole number of blocks.
     const A_BLOCK: usize = 1;
+    /// The most units of the inner dimension packed per pass (see [`MAX_UNITS`]).
+    const MAX_UNITS: usize = MAX_UNITS;
+
+    /// Runs `f`, a task's tile calls, with whatever state the kernel's instructions need set
+    /// up once around them (AMX: the tile configuration).
+    fn with_state<R>(f: impl FnOnce() -> R) -> R {
+        f()
+    }
 
     /// Packs what the kernel has a vector path for, a rectangle of lanes and units from the
     /// first of each, and returns its size; [`pack`] does the rest.
@@ -266,7 +275,8 @@ trait Kernel {
     ///
     /// # Safety
     /// `a` holds `units * MR` and `b` `units * NR` units; `c` addresses `rows` rows of `cols`
-    /// writable elements at stride `ldc`; the CPU has the kernel's features.
+    /// writable elements at stride `ldc`; the CPU has the kernel's features; the call is made
+    /// inside [`Kernel::with_state`].
     #[allow(clippy::too_many_arguments)]
     unsafe fn tile<O: Real>(
         units: usize,
@@ -313,7 +323,7 @@ fn blocked<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
     p: &Problem<T>,
     c: &mut [MaybeUninit<O>],
 ) {
-    let kc_max = MAX_UNITS * K::KSTEP;
+    let kc_max = K::MAX_UNITS * K::KSTEP;
     if p.k <= kc_max {
         return one_pass::<T, K, O>(p, c);
     }
@@ -355,99 +365,104 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
         cs: p.b.rs,
         ..p.b
     };
-    let mut packed_b: Vec<K::Unit> = Vec::new();
-    for j0 in (0..n).step_by(nc_max) {
-        let nc = nc_max.min(n - j0);
-        let panels_n = nc.div_ceil(K::NR);
-        packed_b.clear();
-        packed_b.resize(panels_n * units * K::NR, K::Unit::default());
-        let lanes = PACK_TASK_PANELS * K::NR;
-        let pack_b = |(t, panels): (usize, &mut [K::Unit])| {
-            let first = t * lanes;
-            pack_panels::<T, K>(b_lanes, j0 + first, lanes.min(nc - first), k, units, panels);
-        };
-        let chunk = PACK_TASK_PANELS * units * K::NR;
-        if threads > 1 && panels_n > 1 {
-            packed_b.par_chunks_mut(chunk).enumerate().for_each(pack_b);
-        } else {
-            packed_b.chunks_mut(chunk).enumerate().for_each(pack_b);
-        }
+    let b_len = nc_max.min(n).div_ceil(K::NR) * units * K::NR;
+    K::Unit::with_scratch(SIDE_B, b_len, |b_buffer| {
+        for j0 in (0..n).step_by(nc_max) {
+            let nc = nc_max.min(n - j0);
+            let panels_n = nc.div_ceil(K::NR);
+            let packed_b = &mut b_buffer[..panels_n * units * K::NR];
+            let lanes = PACK_TASK_PANELS * K::NR;
+            let pack_b = |(t, panels): (usize, &mut [K::Unit])| {
+                let first = t * lanes;
+                pack_panels::<T, K>(b_lanes, j0 + first, lanes.min(nc - first), k, units, panels);
+            };
+            let chunk = PACK_TASK_PANELS * units * K::NR;
+            if threads > 1 && panels_n > 1 {
+                packed_b.par_chunks_mut(chunk).enumerate().for_each(pack_b);
+            } else {
+                packed_b.chunks_mut(chunk).enumerate().for_each(pack_b);
+            }
 
-        // Tasks: blocks of rows, times groups of B panels when rows alone cannot keep every
-        // thread busy.
-        let mc = mc_max
-            .min(m.div_ceil(threads).next_multiple_of(K::MR))
-            .max(K::MR);
-        let blocks_m = m.div_ceil(mc);
-        let groups_n = (2 * threads).div_ceil(blocks_m).clamp(1, panels_n);
-        let panels_per_group = panels_n.div_ceil(groups_n);
-        let packed_b = &packed_b;
-        let task = |t: usize| {
-            let (ib, g) = (t / groups_n, t % groups_n);
-            let i0 = ib * mc;
-            let rows = mc.min(m - i0);
-            let panels_m = rows.div_ceil(K::MR);
-            K::Unit::with_scratch(panels_m * units * K::MR, |packed_a| {
-                for (ip, panel) in packed_a.chunks_mut(units * K::MR).enumerate() {
-                    let prow = K::MR.min(rows - ip * K::MR);
-                    let rows_of_a = Lanes {
-                        first: i0 + ip * K::MR,
-                        count: prow,
-                        width: K::MR,
-                        block: K::A_BLOCK,
-                    };
-                    pack::<T, K>(p.a, rows_of_a, k, units, panel);
-                }
-                let jp_end = ((g + 1) * panels_per_group).min(panels_n);
-                for jp in g * panels_per_group..jp_end {
-                    let cols = K::NR.min(nc - jp * K::NR);
-                    let b_panel = &packed_b[jp * units * K::NR..];
-                    for ip in 0..panels_m {
+            // Tasks: blocks of rows, times groups of B panels when rows alone cannot keep every
+            // thread busy.
+            let mc = mc_max
+                .min(m.div_ceil(threads).next_multiple_of(K::MR))
+                .max(K::MR);
+            let blocks_m = m.div_ceil(mc);
+            let groups_n = (2 * threads).div_ceil(blocks_m).clamp(1, panels_n);
+            let panels_per_group = panels_n.div_ceil(groups_n);
+            let packed_b = &*packed_b;
+            let task = |t: usize| {
+                let (ib, g) = (t / groups_n, t % groups_n);
+                let i0 = ib * mc;
+                let rows = mc.min(m - i0);
+                let panels_m = rows.div_ceil(K::MR);
+                K::Unit::with_scratch(SIDE_A, panels_m * units * K::MR, |packed_a| {
+                    for (ip, panel) in packed_a.chunks_mut(units * K::MR).enumerate() {
                         let prow = K::MR.min(rows - ip * K::MR);
-                        let a_panel = &packed_a[ip * units * K::MR..];
-                        let (row, col) = (i0 + ip * K::MR, j0 + jp * K::NR);
-                        // SAFETY: the panels hold `units` units each (sized above); the tile
-                        // covers rows row..row + prow and columns col..col + cols of the m x n
-                        // output, which no other task writes; `isa()` chose K for this CPU.
-                        unsafe {
-                            K::tile(
-                                units,
-                                a_panel.as_ptr(),
-                                b_panel.as_ptr(),
-                                out.at(row * n + col),
-                                n,
-                                prow,
-                                cols,
-                                p.accumulate,
-                            );
-                        }
+                        let rows_of_a = Lanes {
+                            first: i0 + ip * K::MR,
+                            count: prow,
+                            width: K::MR,
+                            block: K::A_BLOCK,
+                        };
+                        pack::<T, K>(p.a, rows_of_a, k, units, panel);
                     }
-                }
-            });
-        };
-        let tasks = blocks_m * groups_n;
-        if threads > 1 && tasks > 1 {
-            (0..tasks).into_par_iter().for_each(task);
-        } else {
-            (0..tasks).for_each(task);
+                    let jp_end = ((g + 1) * panels_per_group).min(panels_n);
+                    K::with_state(|| {
+                        for jp in g * panels_per_group..jp_end {
+                            let cols = K::NR.min(nc - jp * K::NR);
+                            let b_panel = &packed_b[jp * units * K::NR..];
+                            for ip in 0..panels_m {
+                                let prow = K::MR.min(rows - ip * K::MR);
+                                let a_panel = &packed_a[ip * units * K::MR..];
+                                let (row, col) = (i0 + ip * K::MR, j0 + jp * K::NR);
+                                // SAFETY: the panels hold `units` units each (sized above); the
+                                // tile covers rows row..row + prow and columns col..col + cols of
+                                // the m x n output, which no other task writes; `isa()` chose K for
+                                // this CPU, and the call is inside `K::with_state`.
+                                unsafe {
+                                    K::tile(
+                                        units,
+                                        a_panel.as_ptr(),
+                                        b_panel.as_ptr(),
+                                        out.at(row * n + col),
+                                        n,
+                                        prow,
+                                        cols,
+                                        p.accumulate,
+                                    );
+                                }
+                            }
+                        }
+                    });
+                });
+            };
+            let tasks = blocks_m * groups_n;
+            if threads > 1 && tasks > 1 {
+                (0..tasks).into_par_iter().for_each(task);
+            } else {
+                (0..tasks).for_each(task);
+            }
         }
-    }
+    });
 }
 
 /// B micro-panels packed per task.
 const PACK_TASK_PANELS: usize = 8;
 
-/// A packed unit type, with a per-thread buffer to pack into: packing rewrites every unit a
-/// tile reads, so a buffer is reused as it is (lanes past the last full panel's rows or
-/// columns may keep stale values: they only reach accumulators that are never stored).
+/// A packed unit type, with per-thread buffers to pack into, one for A and one for B: packing
+/// rewrites every unit a tile reads, so a buffer is reused as it is, never zero-filled (lanes
+/// past the last full panel's rows or columns may keep stale values: they only reach
+/// accumulators that are never stored).
 trait Scratch: Copy + Default + Send + Sync + 'static {
-    /// The thread's buffer for this unit type.
-    fn buffer() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<Self>>>;
+    /// The thread's buffers for this unit type: `[A, B]`.
+    fn buffers() -> &'static std::thread::LocalKey<[RefCell<Vec<Self>>; 2]>;
 
-    /// Runs `f` on `len` units of the thread's buffer (a fresh one when it is in use: a
-    /// GEMM on a rayon worker that stole another GEMM's task).
-    fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R {
-        Self::buffer().with(|cell| match cell.try_borrow_mut() {
+    /// Runs `f` on `len` units of the thread's buffer for `side` (0: A, 1: B; a fresh one when
+    /// it is in use: a GEMM on a rayon worker that stole another GEMM's task).
+    fn with_scratch<R>(side: usize, len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R {
+        Self::buffers().with(|cells| match cells[side].try_borrow_mut() {
             Ok(mut buf) => {
                 if buf.len() < len {
                     buf.resize(len, Self::default());
@@ -459,25 +474,32 @@ trait Scratch: Copy + Default + Send + Sync + 'static {
     }
 }
 
+/// The A side of [`Scratch::with_scratch`].
+const SIDE_A: usize = 0;
+/// The B side of [`Scratch::with_scratch`].
+const SIDE_B: usize = 1;
+
 thread_local! {
-    static F32_UNITS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    static PAIR_UNITS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static F32_UNITS: [RefCell<Vec<f32>>; 2] =
+        const { [RefCell::new(Vec::new()), RefCell::new(Vec::new())] };
+    static PAIR_UNITS: [RefCell<Vec<u32>>; 2] =
+        const { [RefCell::new(Vec::new()), RefCell::new(Vec::new())] };
 }
 
 impl Scratch for f32 {
-    fn buffer() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<f32>>> {
+    fn buffers() -> &'static std::thread::LocalKey<[RefCell<Vec<f32>>; 2]> {
         &F32_UNITS
     }
 }
 
 impl Scratch for u32 {
-    fn buffer() -> &'static std::thread::LocalKey<std::cell::RefCell<Vec<u32>>> {
+    fn buffers() -> &'static std::thread::LocalKey<[RefCell<Vec<u32>>; 2]> {
         &PAIR_UNITS
     }
 }
 
 /// Packs `count` lanes from `first` into consecutive `NR`-lane micro-panels of B, each of
-/// `units` units (`out` holds them all, zeroed, so the padding units stay zero). When the lanes
+/// `units` units, those past `kc` zero (`out` holds them all). When the lanes
 /// at each `k` are contiguous (a row-major B), every panel is filled in one walk along B's
 /// rows, which reads memory in order; a panel at a time would stride across all `k` rows for
 /// every 32 lanes.
@@ -514,6 +536,9 @@ fn pack_panels<T: GemmElem, K: Kernel>(
                 *unit = K::unit(x, y);
             }
         }
+    }
+    for p in out.chunks_mut(panel) {
+        p[kc / K::KSTEP * K::NR..].fill(K::Unit::default());
     }
 }
 
