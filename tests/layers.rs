@@ -756,6 +756,34 @@ fn dropout_and_activations_keep_their_input_precision_and_softmax_last_dim_is_f3
     Ok(())
 }
 
+#[candle_amp::autocast(bf16)]
+fn activate(x: &Tensor<F32>, act: &nn::Activation) -> Result<(DType, Tensor<F32>)> {
+    let a = act.forward(&x.cast::<BF16>()?)?;
+    Ok((a.dtype(), a.cast::<F32>()?))
+}
+
+#[test]
+fn candle_nn_activations_in_a_region_keep_bf16_and_run_the_typed_methods_kernels() -> Result<()> {
+    let x = Tensor::<F32>::randn(0.0, 2.0, (4, 64), &dev())?;
+    let h = x.cast::<BF16>()?;
+    for (act, want) in [
+        (nn::Activation::Gelu, h.gelu_erf()?),
+        (nn::Activation::NewGelu, h.gelu()?),
+        (nn::Activation::GeluPytorchTanh, h.gelu()?),
+        (nn::Activation::Relu, h.relu()?),
+        (nn::Activation::Silu, h.silu()?),
+    ] {
+        let (dtype, got) = activate(&x, &act)?;
+        assert_eq!(dtype, DType::BF16, "{act:?}");
+        assert_eq!(
+            got.to_vec2::<f32>()?,
+            want.cast::<F32>()?.to_vec2::<f32>()?,
+            "{act:?}"
+        );
+    }
+    Ok(())
+}
+
 #[test]
 fn softmax_last_dim_trains_and_matches_softmax() -> Result<()> {
     let w = Var::new(&[[1.0f32, 2.0, 3.0], [0.5, 0.5, -1.0]], &dev())?;

@@ -171,8 +171,8 @@ pub(crate) const OPS: &[Row] = rows! {
 
     // Preserve: exact or safe in any precision.
     relu: Preserve, method Custom(0);
-    gelu: Preserve, method Unary;
-    gelu_erf: Preserve, method Unary;
+    gelu: Preserve, method Custom(0);
+    gelu_erf: Preserve, method Custom(0);
     silu: Preserve, method Unary;
     tanh: Preserve, method Unary;
     sigmoid: Preserve, method Custom(0), free Ops;
@@ -326,7 +326,7 @@ mod tests {
         );
         let out = expand(quote!(methods => routed)).unwrap().to_string();
         assert!(
-            out.contains("custom 5 conv2d ;") && out.contains("unary 0 gelu ;"),
+            out.contains("custom 5 conv2d ;") && out.contains("unary 0 silu ;"),
             "{out}"
         );
         assert!(expand(quote!(colours => f)).is_err());

@@ -84,6 +84,7 @@ mod conv2d;
 mod convert;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod gelu;
 pub(crate) mod gemm;
 mod layer_norm;
 mod matmul;
@@ -97,6 +98,7 @@ pub mod unscale;
 
 pub(crate) use conv2d::{conv2d, Conv2dParams};
 pub(crate) use convert::to_dtype;
+pub(crate) use gelu::{gelu, gelu_erf};
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use matmul::{broadcast_matmul, linear, matmul};
 pub(crate) use mse::mse;
@@ -211,6 +213,30 @@ pub(crate) fn lane_sums2(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> (f32, f32
         tb += f64::from(b.iter().sum::<f32>());
     }
     (ta, tb)
+}
+
+/// Elements per parallel chunk of [`zip_map`].
+const ZIP_CHUNK: usize = 1 << 14;
+
+/// `f` over zipped chunks of `a` and `b`, widened to f32, into a new vector, in parallel: the
+/// pass of the one-input element-wise ops and their backwards (`zip_map(x, x, ..)` for one).
+pub(crate) fn zip_map<T: Real + Send + Sync>(
+    a: &[T],
+    b: &[T],
+    f: impl Fn(f32, f32) -> f32 + Sync,
+) -> Vec<T> {
+    use rayon::prelude::*;
+    let mut out = vec![T::put(0.0); a.len()];
+    out.par_chunks_mut(ZIP_CHUNK)
+        .zip(a.par_chunks(ZIP_CHUNK).zip(b.par_chunks(ZIP_CHUNK)))
+        .for_each(|(o, (a, b))| {
+            map_widened2(a, b, o, |a, b, o| {
+                for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                    *o = f(a, b);
+                }
+            });
+        });
+    out
 }
 
 /// `out = f(a, b)` elementwise over equal lengths, computed on f32 runs and rounded once to

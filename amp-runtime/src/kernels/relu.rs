@@ -6,10 +6,8 @@
 //! each (PyTorch's `threshold_backward`). A NaN input stays NaN, as in PyTorch (candle's relu
 //! maps it to 0, which would hide an overflow from the GradScaler and the overflow locator).
 
+use super::{zip_map, Real};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
-use rayon::prelude::*;
-
-use super::Real;
 
 /// `relu` of `x`: through this op for a float tensor on CPU, candle's elsewhere.
 pub(crate) fn relu(x: &Tensor) -> Result<Tensor> {
@@ -18,24 +16,6 @@ pub(crate) fn relu(x: &Tensor) -> Result<Tensor> {
     } else {
         x.relu()
     }
-}
-
-/// Elements per parallel chunk.
-const CHUNK: usize = 1 << 14;
-
-/// `f` over zipped chunks of `a` and `b`, widened to f32, into a new vector, in parallel.
-fn zip_map<T: Real + Send + Sync>(a: &[T], b: &[T], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<T> {
-    let mut out = vec![T::put(0.0); a.len()];
-    out.par_chunks_mut(CHUNK)
-        .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-        .for_each(|(o, (a, b))| {
-            super::map_widened2(a, b, o, |a, b, o| {
-                for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
-                    *o = f(a, b);
-                }
-            });
-        });
-    out
 }
 
 fn relu_of<T: Real + Send + Sync>(x: &[T]) -> Vec<T> {

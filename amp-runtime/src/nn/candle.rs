@@ -101,6 +101,15 @@ impl<Pol: Policy> RegionCall<Pol, calls::forward, (&Tensor,)> for candle_nn::Emb
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::Activation {
     type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
-        AmpTensor::new(self.forward(x.to_amp().as_candle())?)
+        use candle_nn::Activation;
+        let x = x.to_amp();
+        let x = x.as_candle();
+        // The activations with a kernel of their own run through it, as the routed methods do.
+        AmpTensor::new(match self {
+            Activation::Gelu => crate::kernels::gelu_erf(x)?,
+            Activation::NewGelu | Activation::GeluPytorchTanh => crate::kernels::gelu(x)?,
+            Activation::Relu => crate::kernels::relu(x)?,
+            _ => self.forward(x)?,
+        })
     }
 }

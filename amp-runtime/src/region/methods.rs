@@ -184,6 +184,14 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     pub fn relu(&self) -> Result<AmpTensor> {
         unary::<Pol, op::relu>(&self.amp(), crate::kernels::relu)
     }
+    /// Routed `gelu`, tanh approximation (on CPU one op computed in f32, rounded once).
+    pub fn gelu(&self) -> Result<AmpTensor> {
+        unary::<Pol, op::gelu>(&self.amp(), crate::kernels::gelu)
+    }
+    /// Routed `gelu_erf` (on CPU one op computed in f32, rounded once).
+    pub fn gelu_erf(&self) -> Result<AmpTensor> {
+        unary::<Pol, op::gelu_erf>(&self.amp(), crate::kernels::gelu_erf)
+    }
     /// Routed `matmul` (bf16 and f16 on CPU through candle-amp's GEMM).
     pub fn matmul(&self, rhs: impl Operand) -> Result<AmpTensor> {
         binary::<Pol, op::matmul>(&self.amp(), &rhs.operand(), crate::kernels::matmul)

@@ -30,11 +30,18 @@ impl<P: Precision> Tensor<P> {
         crate::kernels::relu(&self.inner).map(Self::wrap)
     }
 
+    /// GELU, tanh approximation (candle's `gelu`, PyTorch's `approximate="tanh"`); on CPU one
+    /// op computed in f32 and rounded once, with a one-pass backward.
+    pub fn gelu(&self) -> Result<Self> {
+        crate::kernels::gelu(&self.inner).map(Self::wrap)
+    }
+
+    /// GELU, exact erf form (PyTorch's default `gelu`); on CPU as [`Self::gelu`].
+    pub fn gelu_erf(&self) -> Result<Self> {
+        crate::kernels::gelu_erf(&self.inner).map(Self::wrap)
+    }
+
     preserve_unary!(
-        /// GELU, tanh approximation (candle's `gelu`).
-        gelu,
-        /// GELU, exact erf form (PyTorch's default `gelu`).
-        gelu_erf,
         /// `x * sigmoid(x)`.
         silu,
         /// Hyperbolic tangent.
