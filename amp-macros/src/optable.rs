@@ -173,7 +173,7 @@ pub(crate) const OPS: &[Row] = rows! {
     relu: Preserve, method Custom(0);
     gelu: Preserve, method Custom(0);
     gelu_erf: Preserve, method Custom(0);
-    silu: Preserve, method Unary;
+    silu: Preserve, method Custom(0);
     tanh: Preserve, method Unary;
     sigmoid: Preserve, method Custom(0), free Ops;
     neg: Preserve, method Unary;
@@ -326,7 +326,7 @@ mod tests {
         );
         let out = expand(quote!(methods => routed)).unwrap().to_string();
         assert!(
-            out.contains("custom 5 conv2d ;") && out.contains("unary 0 silu ;"),
+            out.contains("custom 5 conv2d ;") && out.contains("unary 0 tanh ;"),
             "{out}"
         );
         assert!(expand(quote!(colours => f)).is_err());

@@ -79,12 +79,12 @@ macro_rules! with_floats {
     };
 }
 
+mod activation;
 pub(crate) mod batch_norm;
 mod conv2d;
 mod convert;
 #[cfg(feature = "cuda")]
 mod cuda;
-mod gelu;
 pub(crate) mod gemm;
 mod layer_norm;
 mod matmul;
@@ -96,9 +96,9 @@ pub(crate) mod simd;
 mod softmax;
 pub mod unscale;
 
+pub(crate) use activation::{gelu, gelu_erf, silu};
 pub(crate) use conv2d::{conv2d, Conv2dParams};
 pub(crate) use convert::to_dtype;
-pub(crate) use gelu::{gelu, gelu_erf};
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use matmul::{broadcast_matmul, linear, matmul};
 pub(crate) use mse::mse;

@@ -109,6 +109,7 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
             Activation::Gelu => crate::kernels::gelu_erf(x)?,
             Activation::NewGelu | Activation::GeluPytorchTanh => crate::kernels::gelu(x)?,
             Activation::Relu => crate::kernels::relu(x)?,
+            Activation::Silu => crate::kernels::silu(x)?,
             _ => self.forward(x)?,
         })
     }

@@ -192,6 +192,10 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     pub fn gelu_erf(&self) -> Result<AmpTensor> {
         unary::<Pol, op::gelu_erf>(&self.amp(), crate::kernels::gelu_erf)
     }
+    /// Routed `silu` (on CPU one op computed in f32, rounded once).
+    pub fn silu(&self) -> Result<AmpTensor> {
+        unary::<Pol, op::silu>(&self.amp(), crate::kernels::silu)
+    }
     /// Routed `matmul` (bf16 and f16 on CPU through candle-amp's GEMM).
     pub fn matmul(&self, rhs: impl Operand) -> Result<AmpTensor> {
         binary::<Pol, op::matmul>(&self.amp(), &rhs.operand(), crate::kernels::matmul)

@@ -41,9 +41,12 @@ impl<P: Precision> Tensor<P> {
         crate::kernels::gelu_erf(&self.inner).map(Self::wrap)
     }
 
+    /// `x * sigmoid(x)`; on CPU as [`Self::gelu`].
+    pub fn silu(&self) -> Result<Self> {
+        crate::kernels::silu(&self.inner).map(Self::wrap)
+    }
+
     preserve_unary!(
-        /// `x * sigmoid(x)`.
-        silu,
         /// Hyperbolic tangent.
         tanh,
         /// `-x`.

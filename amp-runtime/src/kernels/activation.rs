@@ -1,15 +1,15 @@
-//! GELU on CPU, the tanh approximation (candle's `gelu`, PyTorch's `approximate="tanh"`) and
-//! the erf form (candle's `gelu_erf`, PyTorch's default), as one op each with a one-pass
-//! backward.
+//! The smooth activations on CPU, GELU (the tanh approximation, candle's `gelu` and PyTorch's
+//! `approximate="tanh"`; the erf form, candle's `gelu_erf` and PyTorch's default) and SiLU, as one
+//! op each with a one-pass backward.
 //!
-//! candle computes a half GELU in half arithmetic, rounding after every step of the formula
-//! (its bf16 `gelu` is `0.5 * v * (1 + tanh(..))` on `bf16` values), and differentiates it
-//! through a composition of eight to ten element-wise ops, each a full pass over the tensor and
-//! a fresh buffer, in the tensor's dtype: in a bf16 transformer block that backward was the
-//! largest single cost of the training step. Here the input is read as it is, widened to f32
-//! 16 values at a time, the value or the slope computed in f32 and rounded once, as PyTorch's
-//! CPU kernels do for half tensors; the backward reads the saved input and the gradient in one
-//! pass.
+//! candle computes them on half tensors in half arithmetic, rounding after every step of the
+//! formula (its bf16 `gelu` is `0.5 * v * (1 + tanh(..))` on `bf16` values), and differentiates
+//! them through compositions of element-wise ops (eight to ten for GELU), each a full pass over
+//! the tensor and a fresh buffer, in the tensor's dtype: in a bf16 transformer block that
+//! backward was the largest single cost of the training step. Here the input is read as it is,
+//! widened to f32 16 values at a time, the value or the slope computed in f32 and rounded once,
+//! as PyTorch's CPU kernels do for half tensors; the backward reads the saved input and the
+//! gradient in one pass.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 
@@ -32,24 +32,32 @@ pub(crate) fn gelu_erf(x: &Tensor) -> Result<Tensor> {
     apply(x, Form::Erf)
 }
 
+/// SiLU, `x * sigmoid(x)`: through this op for a float tensor on CPU, candle's elsewhere.
+pub(crate) fn silu(x: &Tensor) -> Result<Tensor> {
+    apply(x, Form::Silu)
+}
+
 fn apply(x: &Tensor, form: Form) -> Result<Tensor> {
     if super::cpu_float(x) {
-        x.contiguous()?.apply_op1(Gelu(form))
+        x.contiguous()?.apply_op1(Activation(form))
     } else {
         match form {
             Form::Tanh => x.gelu(),
             Form::Erf => x.gelu_erf(),
+            Form::Silu => x.silu(),
         }
     }
 }
 
-/// Which GELU.
+/// Which activation.
 #[derive(Clone, Copy, Debug)]
 enum Form {
-    /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+    /// GELU, `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
     Tanh,
-    /// `0.5 x (1 + erf(x / sqrt(2)))`.
+    /// GELU, `0.5 x (1 + erf(x / sqrt(2)))`.
     Erf,
+    /// SiLU, `x / (1 + exp(-x))`.
+    Silu,
 }
 
 impl Form {
@@ -60,6 +68,7 @@ impl Form {
                 0.5 * x
                     * (1.0 + candle_core::cpu::erf::erf_f32(x * std::f32::consts::FRAC_1_SQRT_2))
             }
+            Self::Silu => x / (1.0 + (-x).exp()),
         }
     }
 
@@ -76,41 +85,43 @@ impl Form {
                     * (1.0 + candle_core::cpu::erf::erf_f32(x * std::f32::consts::FRAC_1_SQRT_2));
                 cdf + x * INV_SQRT_2PI * (-0.5 * x * x).exp()
             }
+            Self::Silu => {
+                let s = 1.0 / (1.0 + (-x).exp());
+                s * (1.0 + x * (1.0 - s))
+            }
         }
     }
 }
 
-struct Gelu(Form);
+struct Activation(Form);
 
-impl CustomOp1 for Gelu {
+impl CustomOp1 for Activation {
     fn name(&self) -> &'static str {
-        "amp-gelu"
+        "amp-activation"
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let form = self.0;
-        let out = with_floats!("gelu", s, l, |x| WithDType::to_cpu_storage_owned(zip_map(
-            x,
-            x,
-            |v, _| form.value(v)
-        )));
+        let out = with_floats!("activation", s, l, |x| WithDType::to_cpu_storage_owned(
+            zip_map(x, x, |v, _| form.value(v))
+        ));
         Ok((out, l.shape().clone()))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(arg.apply_op2_no_bwd(
             &grad.contiguous()?,
-            &GeluGrad(self.0),
+            &ActivationGrad(self.0),
         )?))
     }
 }
 
-/// `(x, grad) -> grad * gelu'(x)`.
-struct GeluGrad(Form);
+/// `(x, grad) -> grad * f'(x)`.
+struct ActivationGrad(Form);
 
-impl CustomOp2 for GeluGrad {
+impl CustomOp2 for ActivationGrad {
     fn name(&self) -> &'static str {
-        "amp-gelu-grad"
+        "amp-activation-grad"
     }
 
     fn cpu_fwd(
@@ -121,7 +132,7 @@ impl CustomOp2 for GeluGrad {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let form = self.0;
-        let out = with_floats!("gelu grad", s1, l1, s2, l2, |x, g| {
+        let out = with_floats!("activation grad", s1, l1, s2, l2, |x, g| {
             WithDType::to_cpu_storage_owned(zip_map(x, g, |x, g| g * form.slope(x)))
         });
         Ok((out, l1.shape().clone()))
@@ -134,7 +145,7 @@ mod tests {
 
     use super::*;
 
-    /// f64 GELU and its slope, from the formulas, for the reference.
+    /// The f64 activation and its slope, from the formulas, for the reference.
     fn reference(form: Form, x: f64) -> (f64, f64) {
         match form {
             Form::Tanh => {
@@ -151,6 +162,10 @@ mod tests {
                 let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
                 (x * cdf, cdf + x * pdf)
             }
+            Form::Silu => {
+                let s = 1.0 / (1.0 + (-x).exp());
+                (x * s, s * (1.0 + x * (1.0 - s)))
+            }
         }
     }
 
@@ -158,9 +173,9 @@ mod tests {
     /// inputs: within f32 rounding for f32, half an ulp of the half type plus that for f16 and
     /// bf16 (computed in f32, rounded once); and the f32 values against candle's own op.
     #[test]
-    fn gelu_matches_f64_formulas_in_every_dtype() -> Result<()> {
+    fn activations_match_f64_formulas_in_every_dtype() -> Result<()> {
         let xs: Vec<f32> = (0..401).map(|i| (i as f32 - 200.0) * 0.03).collect();
-        for form in [Form::Tanh, Form::Erf] {
+        for form in [Form::Tanh, Form::Erf, Form::Silu] {
             for dtype in [DType::F32, DType::F16, DType::BF16] {
                 let x = Tensor::new(xs.as_slice(), &Device::Cpu)?.to_dtype(dtype)?;
                 let v = Var::from_tensor(&x)?;
@@ -184,11 +199,11 @@ mod tests {
                     let want_g = 1.5 * want_s;
                     assert!(
                         (y - want_y).abs() <= rel * want_y.abs() + 1e-6,
-                        "{form:?} {dtype:?} gelu({x}) = {y}, want {want_y}"
+                        "{form:?} {dtype:?} f({x}) = {y}, want {want_y}"
                     );
                     assert!(
                         (g - want_g).abs() <= rel * want_g.abs() + 1e-6,
-                        "{form:?} {dtype:?} gelu'({x}) * 1.5 = {g}, want {want_g}"
+                        "{form:?} {dtype:?} f'({x}) * 1.5 = {g}, want {want_g}"
                     );
                 }
             }
@@ -196,6 +211,7 @@ mod tests {
             let theirs = match form {
                 Form::Tanh => x.gelu()?,
                 Form::Erf => x.gelu_erf()?,
+                Form::Silu => x.silu()?,
             };
             let diff = (apply(&x, form)? - theirs)?
                 .abs()?
