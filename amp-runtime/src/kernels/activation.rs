@@ -13,7 +13,7 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 
-use super::zip_map;
+use super::{zip_map, Real};
 
 /// `sqrt(2 / pi)`.
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -61,35 +61,103 @@ enum Form {
 }
 
 impl Form {
-    fn value(self, x: f32) -> f32 {
+    /// The activation of every element of `x`. Each form gets its own loop, so that the
+    /// branch-free formulas below vectorise.
+    fn values<T: Real + Send + Sync>(self, x: &[T]) -> Vec<T> {
         match self {
-            Self::Tanh => 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + CUBIC * x * x)).tanh()),
-            Self::Erf => {
-                0.5 * x
-                    * (1.0 + candle_core::cpu::erf::erf_f32(x * std::f32::consts::FRAC_1_SQRT_2))
-            }
-            Self::Silu => x / (1.0 + (-x).exp()),
+            Self::Tanh => zip_map(x, x, |x, _| 0.5 * x * tanh_sides(gelu_arg(x)).0),
+            Self::Erf => zip_map(x, x, |x, _| x * normal_cdf(x)),
+            Self::Silu => zip_map(x, x, |x, _| x / (1.0 + exp(-x))),
         }
     }
 
-    /// `d value / dx`.
-    fn slope(self, x: f32) -> f32 {
+    /// `grad * f'(x)` elementwise.
+    fn grads<T: Real + Send + Sync>(self, x: &[T], grad: &[T]) -> Vec<T> {
         match self {
-            Self::Tanh => {
-                let t = (SQRT_2_OVER_PI * x * (1.0 + CUBIC * x * x)).tanh();
+            Self::Tanh => zip_map(x, grad, |x, g| {
+                let (plus, minus) = tanh_sides(gelu_arg(x));
                 let du = SQRT_2_OVER_PI * (1.0 + 3.0 * CUBIC * x * x);
-                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
-            }
-            Self::Erf => {
-                let cdf = 0.5
-                    * (1.0 + candle_core::cpu::erf::erf_f32(x * std::f32::consts::FRAC_1_SQRT_2));
-                cdf + x * INV_SQRT_2PI * (-0.5 * x * x).exp()
-            }
-            Self::Silu => {
-                let s = 1.0 / (1.0 + (-x).exp());
-                s * (1.0 + x * (1.0 - s))
-            }
+                g * (0.5 * plus + 0.5 * x * plus * minus * du)
+            }),
+            Self::Erf => zip_map(x, grad, |x, g| {
+                g * (normal_cdf(x) + x * INV_SQRT_2PI * exp(-0.5 * x * x))
+            }),
+            Self::Silu => zip_map(x, grad, |x, g| {
+                // s = sigmoid(x), 1 - s = e s: no cancellation where s is near 1.
+                let e = exp(-x);
+                let s = 1.0 / (1.0 + e);
+                g * s * (1.0 + x * e * s)
+            }),
         }
+    }
+}
+
+/// The argument of the tanh approximation's `tanh`.
+#[inline]
+fn gelu_arg(x: f32) -> f32 {
+    SQRT_2_OVER_PI * x * (1.0 + CUBIC * x * x)
+}
+
+/// `e^x` without a branch or a library call, so that element loops vectorise: `2^n * p(r)`
+/// with `n` the nearest integer to `x / ln 2`, `r = x - n ln 2` (in two parts, |r| <= ln2 / 2)
+/// and `p` the degree-7 Taylor polynomial (truncation below 5e-9 relative), within a few ulp
+/// of the exact value. `x` is clamped to [-87, 88], where `2^n` is a normal f32 (the result is
+/// then at least 1.6e-38 and at most 1.6e38, which the callers treat as 0 and infinity); NaN
+/// stays NaN.
+#[inline]
+fn exp(x: f32) -> f32 {
+    /// 1.5 * 2^23: adding and subtracting it rounds an f32 below 2^22 to the nearest integer.
+    const ROUND: f32 = 12_582_912.0;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0
+                    + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r / 5040.0))))));
+    // `n` is an integer in [-126, 127] (0 for NaN, whose `p` is NaN): 2^n is the normal f32
+    // with biased exponent n + 127.
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// `(1 + tanh u, 1 - tanh u)`, each without cancellation: with `e = exp(-2|u|)` they are
+/// `2 / (1 + e)` and `2 e / (1 + e)`, the smaller one on the side of `u`'s sign. GELU's
+/// negative tail and its slope are such small differences.
+#[inline]
+fn tanh_sides(u: f32) -> (f32, f32) {
+    let e = exp(-2.0 * u.abs());
+    let d = 1.0 / (1.0 + e);
+    let (large, small) = (2.0 * d, 2.0 * e * d);
+    if u < 0.0 {
+        (small, large)
+    } else {
+        (large, small)
+    }
+}
+
+/// The standard normal CDF `0.5 erfc(-x / sqrt(2))`, with `erfc` of Numerical Recipes'
+/// Chebyshev fit (relative error below 1.2e-7 for every argument), so the negative tail keeps
+/// its relative accuracy.
+#[inline]
+fn normal_cdf(x: f32) -> f32 {
+    let z = (x * std::f32::consts::FRAC_1_SQRT_2).abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let poly = -1.265_512_2
+        + t * (1.000_023_7
+            + t * (0.374_091_96
+                + t * (0.096_784_18
+                    + t * (-0.186_288_06
+                        + t * (0.278_868_07
+                            + t * (-1.135_204
+                                + t * (1.488_515_9 + t * (-0.822_152_2 + t * 0.170_872_77))))))));
+    let half_erfc = 0.5 * t * exp(poly - z * z);
+    if x < 0.0 {
+        half_erfc
+    } else {
+        1.0 - half_erfc
     }
 }
 
@@ -103,7 +171,7 @@ impl CustomOp1 for Activation {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let form = self.0;
         let out = with_floats!("activation", s, l, |x| WithDType::to_cpu_storage_owned(
-            zip_map(x, x, |v, _| form.value(v))
+            form.values(x)
         ));
         Ok((out, l.shape().clone()))
     }
@@ -133,7 +201,7 @@ impl CustomOp2 for ActivationGrad {
     ) -> Result<(CpuStorage, Shape)> {
         let form = self.0;
         let out = with_floats!("activation grad", s1, l1, s2, l2, |x, g| {
-            WithDType::to_cpu_storage_owned(zip_map(x, g, |x, g| g * form.slope(x)))
+            WithDType::to_cpu_storage_owned(form.grads(x, g))
         });
         Ok((out, l1.shape().clone()))
     }
@@ -150,15 +218,17 @@ mod tests {
         match form {
             Form::Tanh => {
                 let c = (2.0 / std::f64::consts::PI).sqrt();
-                let t = (c * (x + 0.044_715 * x * x * x)).tanh();
+                // 1 + tanh u and 1 - tanh u in forms that do not cancel in the tails.
+                let u = c * (x + 0.044_715 * x * x * x);
+                let (plus, minus) = (
+                    2.0 / (1.0 + (-2.0 * u).exp()),
+                    2.0 / (1.0 + (2.0 * u).exp()),
+                );
                 let du = c * (1.0 + 3.0 * 0.044_715 * x * x);
-                (
-                    0.5 * x * (1.0 + t),
-                    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du,
-                )
+                (0.5 * x * plus, 0.5 * plus + 0.5 * x * plus * minus * du)
             }
             Form::Erf => {
-                let cdf = 0.5 * (1.0 + candle_core::cpu::erf::erf_f64(x / 2f64.sqrt()));
+                let cdf = 0.5 * candle_core::cpu::erf::erfc_f64(-x / 2f64.sqrt());
                 let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
                 (x * cdf, cdf + x * pdf)
             }
@@ -207,6 +277,35 @@ mod tests {
                     );
                 }
             }
+            // The negative tails, where the values are small differences: relative accuracy
+            // (within 1e-4: the f32 inputs alone, amplified by the exponential, account for up
+            // to 2e-5 at x = -8; a cancelling formula is wrong by 100% or more there).
+            let tail: Vec<f32> = (0..50).map(|i| -3.0 - i as f32 * 0.1).collect();
+            let x = Var::new(tail.as_slice(), &Device::Cpu)?;
+            let y = apply(&x, form)?;
+            let g = y.sum_all()?.backward()?;
+            let g = g.get(&x).expect("gradient of x").to_vec1::<f32>()?;
+            for ((&x, y), g) in tail.iter().zip(y.to_vec1::<f32>()?).zip(g) {
+                let (want_y, want_g) = reference(form, f64::from(x));
+                let close =
+                    |got: f32, want: f64| (f64::from(got) - want).abs() <= 1e-4 * want.abs();
+                assert!(
+                    close(y, want_y),
+                    "{form:?} tail f({x}) = {y}, want {want_y}"
+                );
+                assert!(
+                    close(g, want_g),
+                    "{form:?} tail f'({x}) = {g}, want {want_g}"
+                );
+            }
+            // NaN stays NaN; far out, the limits.
+            let far = Tensor::new(&[f32::NAN, 100.0, -100.0], &Device::Cpu)?;
+            let y = apply(&far, form)?.to_vec1::<f32>()?;
+            assert!(y[0].is_nan(), "{form:?}: {y:?}");
+            assert!(
+                (y[1] - 100.0).abs() < 1e-4 && y[2].abs() < 1e-30,
+                "{form:?}: {y:?}"
+            );
             let x = Tensor::new(xs.as_slice(), &Device::Cpu)?;
             let theirs = match form {
                 Form::Tanh => x.gelu()?,

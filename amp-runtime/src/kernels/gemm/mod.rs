@@ -22,7 +22,7 @@
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
 use std::ops::Range;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -366,7 +366,7 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
         ..p.b
     };
     let b_len = nc_max.min(n).div_ceil(K::NR) * units * K::NR;
-    K::Unit::with_scratch(SIDE_B, b_len, |b_buffer| {
+    K::Unit::with_b(b_len, |b_buffer| {
         for j0 in (0..n).step_by(nc_max) {
             let nc = nc_max.min(n - j0);
             let panels_n = nc.div_ceil(K::NR);
@@ -397,7 +397,7 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
                 let i0 = ib * mc;
                 let rows = mc.min(m - i0);
                 let panels_m = rows.div_ceil(K::MR);
-                K::Unit::with_scratch(SIDE_A, panels_m * units * K::MR, |packed_a| {
+                K::Unit::with_a(panels_m * units * K::MR, |packed_a| {
                     for (ip, panel) in packed_a.chunks_mut(units * K::MR).enumerate() {
                         let prow = K::MR.min(rows - ip * K::MR);
                         let rows_of_a = Lanes {
@@ -451,50 +451,81 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
 /// B micro-panels packed per task.
 const PACK_TASK_PANELS: usize = 8;
 
-/// A packed unit type, with per-thread buffers to pack into, one for A and one for B: packing
-/// rewrites every unit a tile reads, so a buffer is reused as it is, never zero-filled (lanes
-/// past the last full panel's rows or columns may keep stale values: they only reach
-/// accumulators that are never stored).
+/// A packed unit type, with buffers to pack into that are reused from call to call, never
+/// zero-filled: packing rewrites every unit a tile reads (lanes past the last full panel's rows
+/// or columns may keep stale values: they only reach accumulators that are never stored; the
+/// padding units are written as zeros). A's buffer is the worker thread's own; B's is one
+/// process-wide buffer, taken by a GEMM for its duration and given back, so what is kept does
+/// not depend on which threads ran which GEMM (a peak-memory measurement after one warm-up step
+/// stays stable).
 trait Scratch: Copy + Default + Send + Sync + 'static {
-    /// The thread's buffers for this unit type: `[A, B]`.
-    fn buffers() -> &'static std::thread::LocalKey<[RefCell<Vec<Self>>; 2]>;
+    /// The thread's A buffer for this unit type.
+    fn a_buffer() -> &'static std::thread::LocalKey<RefCell<Vec<Self>>>;
+    /// The kept B buffer for this unit type (none or one).
+    fn b_pool() -> &'static Mutex<Vec<Vec<Self>>>;
 
-    /// Runs `f` on `len` units of the thread's buffer for `side` (0: A, 1: B; a fresh one when
-    /// it is in use: a GEMM on a rayon worker that stole another GEMM's task).
-    fn with_scratch<R>(side: usize, len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R {
-        Self::buffers().with(|cells| match cells[side].try_borrow_mut() {
-            Ok(mut buf) => {
-                if buf.len() < len {
-                    buf.resize(len, Self::default());
-                }
-                f(&mut buf[..len])
-            }
+    /// Runs `f` on `len` units of the thread's A buffer (a fresh one when it is in use: a
+    /// GEMM on a rayon worker that stole another GEMM's task).
+    fn with_a<R>(len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R {
+        Self::a_buffer().with(|cell| match cell.try_borrow_mut() {
+            Ok(mut buf) => f(grown(&mut buf, len)),
             Err(_) => f(&mut vec![Self::default(); len]),
         })
     }
+
+    /// Runs `f` on `len` units of the kept B buffer (grown if need be), or of a new one when
+    /// another GEMM has it; the larger of the two is kept afterwards.
+    fn with_b<R>(len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R {
+        let pool = Self::b_pool();
+        let mut buf = pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop()
+            .unwrap_or_default();
+        let result = f(grown(&mut buf, len));
+        // One buffer is kept, the largest: GEMMs running at the same time beyond the first
+        // allocate and free their own, as they would without it.
+        let mut pool = pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if pool.first().is_none_or(|kept| kept.len() < buf.len()) {
+            *pool = vec![buf];
+        }
+        result
+    }
 }
 
-/// The A side of [`Scratch::with_scratch`].
-const SIDE_A: usize = 0;
-/// The B side of [`Scratch::with_scratch`].
-const SIDE_B: usize = 1;
+/// The first `len` units of `buf`, grown with zeros if it is shorter.
+fn grown<U: Copy + Default>(buf: &mut Vec<U>, len: usize) -> &mut [U] {
+    if buf.len() < len {
+        buf.resize(len, U::default());
+    }
+    &mut buf[..len]
+}
 
 thread_local! {
-    static F32_UNITS: [RefCell<Vec<f32>>; 2] =
-        const { [RefCell::new(Vec::new()), RefCell::new(Vec::new())] };
-    static PAIR_UNITS: [RefCell<Vec<u32>>; 2] =
-        const { [RefCell::new(Vec::new()), RefCell::new(Vec::new())] };
+    static F32_UNITS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static PAIR_UNITS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
 }
 
+static F32_PANELS: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
+static PAIR_PANELS: Mutex<Vec<Vec<u32>>> = Mutex::new(Vec::new());
+
 impl Scratch for f32 {
-    fn buffers() -> &'static std::thread::LocalKey<[RefCell<Vec<f32>>; 2]> {
+    fn a_buffer() -> &'static std::thread::LocalKey<RefCell<Vec<f32>>> {
         &F32_UNITS
+    }
+    fn b_pool() -> &'static Mutex<Vec<Vec<f32>>> {
+        &F32_PANELS
     }
 }
 
 impl Scratch for u32 {
-    fn buffers() -> &'static std::thread::LocalKey<[RefCell<Vec<u32>>; 2]> {
+    fn a_buffer() -> &'static std::thread::LocalKey<RefCell<Vec<u32>>> {
         &PAIR_UNITS
+    }
+    fn b_pool() -> &'static Mutex<Vec<Vec<u32>>> {
+        &PAIR_PANELS
     }
 }
 
