@@ -1,6 +1,10 @@
-//! The smooth activations on CPU, GELU (the tanh approximation, candle's `gelu` and PyTorch's
-//! `approximate="tanh"`; the erf form, candle's `gelu_erf` and PyTorch's default) and SiLU, as one
-//! op each with a one-pass backward.
+//! The activations on CPU, GELU (the tanh approximation, candle's `gelu` and PyTorch's
+//! `approximate="tanh"`; the erf form, candle's `gelu_erf` and PyTorch's default), SiLU and
+//! ReLU, as one op each with a one-pass backward.
+//!
+//! ReLU keeps NaN, as PyTorch does (candle's maps it to 0, which would hide an overflow from the
+//! GradScaler and the overflow locator); its gradient passes where the input is positive
+//! (PyTorch's `threshold_backward`), one pass where candle's backward is four ops.
 //!
 //! candle computes them on half tensors in half arithmetic, rounding after every step of the
 //! formula (its bf16 `gelu` is `0.5 * v * (1 + tanh(..))` on `bf16` values), and differentiates
@@ -37,6 +41,11 @@ pub(crate) fn silu(x: &Tensor) -> Result<Tensor> {
     apply(x, Form::Silu)
 }
 
+/// ReLU, NaN kept: through this op for a float tensor on CPU, candle's elsewhere.
+pub(crate) fn relu(x: &Tensor) -> Result<Tensor> {
+    apply(x, Form::Relu)
+}
+
 fn apply(x: &Tensor, form: Form) -> Result<Tensor> {
     if super::cpu_float(x) {
         x.contiguous()?.apply_op1(Activation(form))
@@ -45,6 +54,7 @@ fn apply(x: &Tensor, form: Form) -> Result<Tensor> {
             Form::Tanh => x.gelu(),
             Form::Erf => x.gelu_erf(),
             Form::Silu => x.silu(),
+            Form::Relu => x.relu(),
         }
     }
 }
@@ -58,6 +68,8 @@ enum Form {
     Erf,
     /// SiLU, `x / (1 + exp(-x))`.
     Silu,
+    /// ReLU, `max(x, 0)` with NaN kept.
+    Relu,
 }
 
 impl Form {
@@ -68,6 +80,8 @@ impl Form {
             Self::Tanh => zip_map(x, x, |x, _| 0.5 * x * tanh_sides(gelu_arg(x)).0),
             Self::Erf => zip_map(x, x, |x, _| x * normal_cdf(x)),
             Self::Silu => zip_map(x, x, |x, _| x / (1.0 + exp(-x))),
+            // `x < 0` is false for NaN, which passes through.
+            Self::Relu => zip_map(x, x, |x, _| if x < 0.0 { 0.0 } else { x }),
         }
     }
 
@@ -88,6 +102,7 @@ impl Form {
                 let s = 1.0 / (1.0 + e);
                 g * s * (1.0 + x * e * s)
             }),
+            Self::Relu => zip_map(x, grad, |x, g| if x > 0.0 { g } else { 0.0 }),
         }
     }
 }
@@ -236,6 +251,7 @@ mod tests {
                 let s = 1.0 / (1.0 + (-x).exp());
                 (x * s, s * (1.0 + x * (1.0 - s)))
             }
+            Form::Relu => (x.max(0.0), if x > 0.0 { 1.0 } else { 0.0 }),
         }
     }
 
@@ -245,7 +261,7 @@ mod tests {
     #[test]
     fn activations_match_f64_formulas_in_every_dtype() -> Result<()> {
         let xs: Vec<f32> = (0..401).map(|i| (i as f32 - 200.0) * 0.03).collect();
-        for form in [Form::Tanh, Form::Erf, Form::Silu] {
+        for form in [Form::Tanh, Form::Erf, Form::Silu, Form::Relu] {
             for dtype in [DType::F32, DType::F16, DType::BF16] {
                 let x = Tensor::new(xs.as_slice(), &Device::Cpu)?.to_dtype(dtype)?;
                 let v = Var::from_tensor(&x)?;
@@ -311,12 +327,41 @@ mod tests {
                 Form::Tanh => x.gelu()?,
                 Form::Erf => x.gelu_erf()?,
                 Form::Silu => x.silu()?,
+                Form::Relu => x.relu()?,
             };
             let diff = (apply(&x, form)? - theirs)?
                 .abs()?
                 .max_all()?
                 .to_scalar::<f32>()?;
             assert!(diff <= 1e-6, "{form:?}: {diff} from candle's f32 op");
+        }
+        Ok(())
+    }
+
+    /// ReLU against candle's in every dtype, gradients exactly; NaN stays NaN (candle's gives 0).
+    #[test]
+    fn relu_matches_candle_and_keeps_nan() -> Result<()> {
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let x = Tensor::new(&[-2f32, -0.5, 0.0, 0.25, 3.0], &Device::Cpu)?.to_dtype(dtype)?;
+            let v = Var::from_tensor(&x)?;
+            let y = relu(&v)?;
+            let w = Tensor::new(&[1f32, 2., 3., 4., 5.], &Device::Cpu)?.to_dtype(dtype)?;
+            let grads = (&y * &w)?.sum_all()?.backward()?;
+            let want = x.relu()?;
+            assert_eq!(
+                y.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+                want.to_dtype(DType::F32)?.to_vec1::<f32>()?
+            );
+            // d/dx sum(w * relu(x)) = w where x > 0.
+            let g = grads
+                .get(&v)
+                .unwrap()
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()?;
+            assert_eq!(g, [0., 0., 0., 4., 5.], "{dtype:?}");
+            let nan = Tensor::new(&[f32::NAN, -1.0], &Device::Cpu)?.to_dtype(dtype)?;
+            let r = relu(&nan)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            assert!(r[0].is_nan() && r[1] == 0.0, "{dtype:?}: {r:?}");
         }
         Ok(())
     }

@@ -90,20 +90,18 @@ mod layer_norm;
 mod matmul;
 mod mse;
 mod pool;
-mod relu;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod simd;
 mod softmax;
 pub mod unscale;
 
-pub(crate) use activation::{gelu, gelu_erf, silu};
+pub(crate) use activation::{gelu, gelu_erf, relu, silu};
 pub(crate) use conv2d::{conv2d, Conv2dParams};
 pub(crate) use convert::to_dtype;
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use matmul::{broadcast_matmul, linear, matmul};
 pub(crate) use mse::mse;
 pub(crate) use pool::{max_pool2d, Pool2d};
-pub(crate) use relu::relu;
 pub(crate) use softmax::{log_softmax_last_dim, softmax_last_dim};
 
 use candle_core::Layout;
