@@ -2,19 +2,19 @@
 //! gradients.
 //!
 //! candle's CPU matmul fails on bf16 in some builds and otherwise widens half operands to f32
-//! around a generic GEMM, at f32 speed. Here a bf16 matmul runs on `vdpbf16ps` where the CPU has
-//! it, and an f16 one converts to f32 while packing (f16 arithmetic has no x86 hardware path).
+//! around a generic GEMM, at f32 speed. Here a bf16 matmul runs on AMX tiles or `vdpbf16ps` where
+//! the CPU has them, and an f16 one converts to f32 while packing (f16 arithmetic has no x86 hardware path).
 //! The op keeps only its half operands for the backward pass, whose two products,
 //! `grad_a = grad * b^T` and `grad_b = a^T * grad`, are this same op on transposed views
 //! (strides swapped, nothing copied).
+
+use std::mem::MaybeUninit;
 
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result,
     Shape, Tensor,
 };
 use rayon::prelude::*;
-
-use std::mem::MaybeUninit;
 
 use super::gemm::{gemm, gemm_uninit, GemmElem, MatRef};
 use super::Real;
@@ -161,9 +161,8 @@ impl Batched {
     fn run<T: GemmElem, O: Real + Send + Sync>(&self, a: &[T], b: &[T]) -> Vec<O> {
         let (m, n, k) = (self.m, self.n, self.k);
         let size = m * n;
-        let mut out = Vec::with_capacity(self.batch * size);
         if size == 0 {
-            return out;
+            return Vec::new();
         }
         let one = |i: usize, out: &mut [MaybeUninit<O>], parallel: bool| {
             let a = MatRef {
@@ -180,22 +179,34 @@ impl Batched {
             };
             gemm_uninit((m, n, k), a, b, out, parallel);
         };
-        // Every product writes all of its block: the buffer is never zero-filled first.
-        let blocks = &mut out.spare_capacity_mut()[..self.batch * size];
-        if self.batch > 1 && m * n * k < SMALL_GEMM {
-            blocks
-                .par_chunks_mut(size)
-                .enumerate()
-                .for_each(|(i, o)| one(i, o, false));
-        } else {
-            for (i, o) in blocks.chunks_mut(size).enumerate() {
-                one(i, o, true);
-            }
+        // SAFETY: every product writes all of its block.
+        unsafe {
+            written(self.batch * size, |blocks| {
+                if self.batch > 1 && m * n * k < SMALL_GEMM {
+                    blocks
+                        .par_chunks_mut(size)
+                        .enumerate()
+                        .for_each(|(i, o)| one(i, o, false));
+                } else {
+                    for (i, o) in blocks.chunks_mut(size).enumerate() {
+                        one(i, o, true);
+                    }
+                }
+            })
         }
-        // SAFETY: the products wrote all `batch * size` elements.
-        unsafe { out.set_len(self.batch * size) };
-        out
     }
+}
+
+/// A vector of `len` elements that `fill` writes, never zero-filled first.
+///
+/// # Safety
+/// `fill` writes every one of the `len` elements it is given.
+unsafe fn written<O>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<O>])) -> Vec<O> {
+    let mut out = Vec::with_capacity(len);
+    fill(&mut out.spare_capacity_mut()[..len]);
+    // SAFETY: the caller's `fill` initialised all `len` elements.
+    unsafe { out.set_len(len) };
+    out
 }
 
 /// `x * w^T (+ b)` with f32 masters `w`, `b`: see [`linear`].
@@ -226,11 +237,12 @@ impl HalfLinear {
             cs: inner,
         };
         let Some((b, lb)) = bias else {
-            let mut y = Vec::with_capacity(rows * out);
-            gemm_uninit((rows, out, inner), a, wt, y.spare_capacity_mut(), true);
-            // SAFETY: the product wrote all `rows * out` elements.
-            unsafe { y.set_len(rows * out) };
-            return y;
+            // SAFETY: the product writes all `rows * out` elements.
+            return unsafe {
+                written(rows * out, |y| {
+                    gemm_uninit((rows, out, inner), a, wt, y, true);
+                })
+            };
         };
         let b: Vec<T> = super::elements(b, lb).iter().map(|&v| T::put(v)).collect();
         let mut y = b.repeat(rows);

@@ -245,8 +245,6 @@ trait Kernel {
     /// `[unit][lane]`, one broadcast per unit; AMX loads a block of 16 units of 16 rows as one
     /// tile. Both panels are padded with zero units to a whole number of blocks.
     const A_BLOCK: usize = 1;
-    /// The most units of the inner dimension packed per pass (see [`MAX_UNITS`]).
-    const MAX_UNITS: usize = MAX_UNITS;
 
     /// Runs `f`, a task's tile calls, with whatever state the kernel's instructions need set
     /// up once around them (AMX: the tile configuration).
@@ -323,7 +321,7 @@ fn blocked<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
     p: &Problem<T>,
     c: &mut [MaybeUninit<O>],
 ) {
-    let kc_max = K::MAX_UNITS * K::KSTEP;
+    let kc_max = MAX_UNITS * K::KSTEP;
     if p.k <= kc_max {
         return one_pass::<T, K, O>(p, c);
     }
@@ -461,8 +459,8 @@ const PACK_TASK_PANELS: usize = 8;
 trait Scratch: Copy + Default + Send + Sync + 'static {
     /// The thread's A buffer for this unit type.
     fn a_buffer() -> &'static std::thread::LocalKey<RefCell<Vec<Self>>>;
-    /// The kept B buffer for this unit type (none or one).
-    fn b_pool() -> &'static Mutex<Vec<Vec<Self>>>;
+    /// The kept B buffer for this unit type.
+    fn b_kept() -> &'static Mutex<Option<Vec<Self>>>;
 
     /// Runs `f` on `len` units of the thread's A buffer (a fresh one when it is in use: a
     /// GEMM on a rayon worker that stole another GEMM's task).
@@ -476,20 +474,18 @@ trait Scratch: Copy + Default + Send + Sync + 'static {
     /// Runs `f` on `len` units of the kept B buffer (grown if need be), or of a new one when
     /// another GEMM has it; the larger of the two is kept afterwards.
     fn with_b<R>(len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R {
-        let pool = Self::b_pool();
-        let mut buf = pool
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .pop()
-            .unwrap_or_default();
+        let lock = || {
+            Self::b_kept()
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        };
+        let mut buf = lock().take().unwrap_or_default();
         let result = f(grown(&mut buf, len));
         // One buffer is kept, the largest: GEMMs running at the same time beyond the first
         // allocate and free their own, as they would without it.
-        let mut pool = pool
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if pool.first().is_none_or(|kept| kept.len() < buf.len()) {
-            *pool = vec![buf];
+        let mut kept = lock();
+        if kept.as_ref().is_none_or(|k| k.len() < buf.len()) {
+            *kept = Some(buf);
         }
         result
     }
@@ -508,14 +504,14 @@ thread_local! {
     static PAIR_UNITS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
 }
 
-static F32_PANELS: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
-static PAIR_PANELS: Mutex<Vec<Vec<u32>>> = Mutex::new(Vec::new());
+static F32_PANELS: Mutex<Option<Vec<f32>>> = Mutex::new(None);
+static PAIR_PANELS: Mutex<Option<Vec<u32>>> = Mutex::new(None);
 
 impl Scratch for f32 {
     fn a_buffer() -> &'static std::thread::LocalKey<RefCell<Vec<f32>>> {
         &F32_UNITS
     }
-    fn b_pool() -> &'static Mutex<Vec<Vec<f32>>> {
+    fn b_kept() -> &'static Mutex<Option<Vec<f32>>> {
         &F32_PANELS
     }
 }
@@ -524,7 +520,7 @@ impl Scratch for u32 {
     fn a_buffer() -> &'static std::thread::LocalKey<RefCell<Vec<u32>>> {
         &PAIR_UNITS
     }
-    fn b_pool() -> &'static Mutex<Vec<Vec<u32>>> {
+    fn b_kept() -> &'static Mutex<Option<Vec<u32>>> {
         &PAIR_PANELS
     }
 }

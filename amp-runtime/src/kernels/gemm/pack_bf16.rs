@@ -66,14 +66,21 @@ pub(super) unsafe fn pack(
         lanes.at(ud - 1, ld - 1) < out.len(),
         "pack: panel too small"
     );
+    // `by_lane`: the source gives rows[i] as lane l0 + i's 16 units; otherwise rows[j] as unit
+    // u0 + j of the 16 lanes. The panel wants the first order in blocks of 16 units (AMX's A),
+    // the second for `[unit][lane]`.
+    let by_lane = v.cs == 1;
+    debug_assert!(
+        lanes.block == 1 || lanes.block == G,
+        "pack: block of {}",
+        lanes.block
+    );
+    let want_by_lane = lanes.block == G;
     let src = v.data.as_ptr();
     let dst = out.as_mut_ptr();
     for l0 in (0..ld).step_by(G) {
         for u0 in (0..ud).step_by(G) {
             let mut rows = [_mm512_setzero_si512(); G];
-            // `by_lane`: rows[i] holds lane l0 + i's 16 units; otherwise rows[j] holds unit
-            // u0 + j of the 16 lanes.
-            let by_lane = v.cs == 1;
             for (i, row) in rows.iter_mut().enumerate() {
                 // SAFETY: every element read is at most `last_in` (checked above).
                 *row = unsafe {
@@ -88,7 +95,6 @@ pub(super) unsafe fn pack(
                     }
                 };
             }
-            let want_by_lane = lanes.block == G;
             if by_lane != want_by_lane {
                 transpose(&mut rows);
             }
