@@ -51,9 +51,10 @@
 mod common;
 
 use candle_amp::nn::{self, loss};
+use candle_amp::optim::{Optimizer, SGD};
 use candle_amp::{autocast, Bf16Policy, Fp16Policy, Policy, Tensor, F32};
 use candle_core::{DType, Device, Result};
-use candle_nn::{Optimizer, VarBuilder, VarMap, SGD};
+use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
 use common::AmpPrecision;
 

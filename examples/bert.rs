@@ -28,9 +28,10 @@ mod common;
 use std::path::PathBuf;
 
 use bert_model::{BertForMaskedLM, Config, MaskedCounting, MlmBatch};
+use candle_amp::optim::{AdamW, Optimizer, ParamsAdamW};
 use candle_amp::{Tensor, F32};
 use candle_core::{DType, Device, Result};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
 use common::modes::{self, Mode, ModeResult};
 

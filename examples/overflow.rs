@@ -17,10 +17,11 @@
 //! "output_absmax"}, "nonfinite_grads": [..], "skipped_steps": n}`.
 
 use candle_amp::nn::{self, loss};
+use candle_amp::optim::{Optimizer, SGD};
 use candle_amp::report;
 use candle_amp::{autocast, GradScaler, Tensor, F32};
 use candle_core::{DType, Device, Result};
-use candle_nn::{Optimizer, VarBuilder, VarMap, SGD};
+use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
 
 /// Trains a model with a planted fp16 overflow and prints where it is.

@@ -41,10 +41,11 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_amp::nn::loss;
+use candle_amp::optim::{AdamW, Optimizer, ParamsAdamW};
 use candle_amp::report::{self, PrecisionReport};
 use candle_amp::{Bf16Policy, Fp16Policy, GradScaler, Policy, Tensor, F32};
 use candle_core::{DType, Device, Result};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
 use common::{AmpPrecision, ModeResult};
 use sine::Model;

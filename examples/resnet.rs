@@ -39,9 +39,10 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_amp::nn::loss;
+use candle_amp::optim::{Optimizer, SGD};
 use candle_amp::{autocast, Bf16Policy, Fp16Policy, GradScaler, Policy, Tensor, F32};
 use candle_core::{DType, Device, Result};
-use candle_nn::{Optimizer, VarBuilder, VarMap, SGD};
+use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
 use common::AmpPrecision;
 use resnet::{Depth, ResNet};

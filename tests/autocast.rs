@@ -971,15 +971,18 @@ fn modules_take_optional_candle_masks_by_reference() -> Result<()> {
 }
 
 // ---- No stale weights: optimizer steps inside a long region see their own updates. ----
+//
+// The weight is a master used as it is (`x.matmul(w)`), so its cast is cached for the region
+// part that makes it; `nn::Linear` would round its masters inside its own op and cache nothing.
 
 struct Net {
-    fc: nn::Linear,
+    w: Tensor<F32>,
 }
 
 #[autocast(fp16)]
 impl Net {
     fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
-        Ok(self.fc.forward(x)?.relu()?)
+        Ok(x.matmul(&self.w)?.relu()?)
     }
 }
 
@@ -1007,17 +1010,18 @@ fn epoch_in_a_region(net: &Net, opt: &mut candle_nn::SGD, batches: &Batches) -> 
         .collect()
 }
 
-/// The same epoch with the layer called in the region's own body, stepping through the scaler.
+/// The same epoch with the forward written in the region's own body (the weight's cast is
+/// cached for the whole body), stepping through the scaler.
 #[autocast(fp16)]
 fn inline_epoch(
-    fc: &nn::Linear,
+    w: &Tensor<F32>,
     opt: &mut candle_nn::SGD,
     scaler: &mut candle_amp::GradScaler,
     batches: &Batches,
 ) -> Result<Vec<f32>> {
     let mut losses = Vec::new();
     for (x, y) in batches {
-        let l = loss::mse(&fc.forward(x)?.relu()?, y)?;
+        let l = loss::mse(&x.matmul(w)?.relu()?, y)?;
         losses.push(scaled_step(scaler, opt, l.as_candle())?);
     }
     Ok(losses)
@@ -1026,13 +1030,13 @@ fn inline_epoch(
 /// One batch of `inline_epoch`, as its own region: the reference.
 #[autocast(fp16)]
 fn inline_batch(
-    fc: &nn::Linear,
+    w: &Tensor<F32>,
     opt: &mut candle_nn::SGD,
     scaler: &mut candle_amp::GradScaler,
     x: &Tensor<F32>,
     y: &Tensor<F32>,
 ) -> Result<f32> {
-    let l = loss::mse(&fc.forward(x)?.relu()?, y)?;
+    let l = loss::mse(&x.matmul(w)?.relu()?, y)?;
     scaled_step(scaler, opt, l.as_candle())
 }
 
@@ -1053,20 +1057,16 @@ fn fixed_values(n: usize, phase: f32) -> Vec<f32> {
     (0..n).map(|i| ((i as f32) * 0.73 + phase).sin()).collect()
 }
 
-fn stale_setup() -> Result<(VarMap, nn::Linear, candle_nn::SGD, Batches)> {
-    let (map, vb) = vars();
-    let fc = nn::linear(4, 3, vb.pp("fc"))?;
-    {
-        let vars = map.data().lock().unwrap();
-        let w = candle_core::Tensor::from_vec(fixed_values(12, 0.3), (3, 4), &dev())?;
-        vars["fc.weight"].set(&(w * 0.5)?)?;
-        vars["fc.bias"].set(&candle_core::Tensor::from_vec(
-            fixed_values(3, 1.1),
-            3,
-            &dev(),
-        )?)?;
-    }
-    let opt = <candle_nn::SGD as candle_nn::Optimizer>::new(map.all_vars(), 0.5)?;
+/// The master weight (4, 3), its initial value, an SGD on it, and four batches.
+fn stale_setup() -> Result<(
+    candle_core::Var,
+    candle_core::Tensor,
+    candle_nn::SGD,
+    Batches,
+)> {
+    let init = (candle_core::Tensor::from_vec(fixed_values(12, 0.3), (4, 3), &dev())? * 0.5)?;
+    let master = candle_core::Var::from_tensor(&init)?;
+    let opt = <candle_nn::SGD as candle_nn::Optimizer>::new(vec![master.clone()], 0.5)?;
     let batches = (0..4u8)
         .map(|i| {
             let x = candle_core::Tensor::from_vec(fixed_values(32, f32::from(i)), (8, 4), &dev())?;
@@ -1074,36 +1074,39 @@ fn stale_setup() -> Result<(VarMap, nn::Linear, candle_nn::SGD, Batches)> {
             Ok((Tensor::<F32>::from_candle(x)?, y))
         })
         .collect::<Result<_>>()?;
-    Ok((map, fc, opt, batches))
+    Ok((master, init, opt, batches))
 }
 
-/// Restores the initial weights of `map` from `init`.
-fn restore(map: &VarMap, init: &[(String, candle_core::Tensor)]) -> Result<()> {
-    let vars = map.data().lock().unwrap();
-    for (name, value) in init {
-        vars[name].set(value)?;
+/// The losses of the epoch with a new variable (a new cache key) for every batch, its value
+/// carried over from the previous step: no cast can be reused, stale or not.
+fn fresh_variable_losses(init: &candle_core::Tensor, batches: &Batches) -> Result<Vec<f32>> {
+    let mut value = init.clone();
+    let mut losses = Vec::new();
+    for (x, y) in batches {
+        let master = candle_core::Var::from_tensor(&value)?;
+        let net = Net {
+            w: Tensor::<F32>::from_candle(master.as_tensor().clone())?,
+        };
+        let mut opt = <candle_nn::SGD as candle_nn::Optimizer>::new(vec![master.clone()], 0.5)?;
+        losses.push(train_step(&net, &mut opt, x, y)?);
+        value = master.as_tensor().copy()?;
     }
-    Ok(())
-}
-
-fn snapshot(map: &VarMap) -> Result<Vec<(String, candle_core::Tensor)>> {
-    let vars = map.data().lock().unwrap();
-    vars.iter()
-        .map(|(k, v)| Ok((k.clone(), v.as_tensor().copy()?)))
-        .collect()
+    Ok(losses)
 }
 
 #[test]
 fn an_epoch_inside_one_region_never_reuses_a_stale_weight_cast() -> Result<()> {
-    let (map, fc, mut opt, batches) = stale_setup()?;
-    let init = snapshot(&map)?;
-    let net = Net { fc };
-    // Outside a region: each forward is its own region.
+    let (master, init, mut opt, batches) = stale_setup()?;
+    let net = Net {
+        w: Tensor::<F32>::from_candle(master.as_tensor().clone())?,
+    };
+    // Outside a region: each forward is its own region, and its casts end with it.
     let outside: Vec<f32> = batches
         .iter()
         .map(|(x, y)| train_step(&net, &mut opt, x, y))
         .collect::<Result<_>>()?;
-    restore(&map, &init)?;
+    assert_eq!(outside, fresh_variable_losses(&init, &batches)?);
+    master.set(&init)?;
     let inside = epoch_in_a_region(&net, &mut opt, &batches)?;
     assert_eq!(inside, outside);
     // The losses move: the weights did change between the forwards.
@@ -1112,16 +1115,16 @@ fn an_epoch_inside_one_region_never_reuses_a_stale_weight_cast() -> Result<()> {
         "{outside:?}"
     );
 
-    // The layer called in the region's body itself: the scaler's step drops the casts.
-    restore(&map, &init)?;
+    // The forward in the region's body itself: the scaler's step drops the cast.
+    master.set(&init)?;
     let mut scaler = candle_amp::GradScaler::new();
     let reference: Vec<f32> = batches
         .iter()
-        .map(|(x, y)| inline_batch(&net.fc, &mut opt, &mut scaler, x, y))
+        .map(|(x, y)| inline_batch(&net.w, &mut opt, &mut scaler, x, y))
         .collect::<Result<_>>()?;
-    restore(&map, &init)?;
+    master.set(&init)?;
     let mut scaler = candle_amp::GradScaler::new();
-    let inline = inline_epoch(&net.fc, &mut opt, &mut scaler, &batches)?;
+    let inline = inline_epoch(&net.w, &mut opt, &mut scaler, &batches)?;
     assert_eq!(inline, reference);
     assert!(
         reference.windows(2).all(|w| (w[0] - w[1]).abs() > 1e-3),

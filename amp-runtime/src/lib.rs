@@ -12,6 +12,7 @@ pub mod loss;
 pub mod nn;
 pub mod op;
 pub mod ops;
+pub mod optim;
 mod precision;
 pub mod region;
 pub mod report;

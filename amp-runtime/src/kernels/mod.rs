@@ -6,7 +6,12 @@
 //! - `matmul`: half `matmul`/`broadcast_matmul` and `Linear`'s half product on f32 masters, on
 //!   that GEMM, forward and backward.
 //! - `conv2d`: conv2d on CPU as GEMMs (im2col/col2im, none for 1x1), bias fused, every dtype.
-//! - `convert`, `relu`: vectorised f32 <-> half conversions; relu with a one-pass backward.
+//! - `convert`: vectorised f32 <-> half conversions.
+//! - `activation`: GELU (tanh and erf), SiLU and ReLU, each one op computed in f32 with a
+//!   one-pass backward.
+//! - `optim`: the in-place update passes of `crate::optim`'s SGD and AdamW.
+//! - `softmax`, `layer_norm`: fp32-class ops that read half inputs as they are, compute in f32,
+//!   and have their own backward.
 //! - this module: [`Real`], the element types, and the widened passes through which the
 //!   element-wise kernels read and write half values 16 at a time ([`map_widened`]).
 //! - `pool`: max pooling with any window, stride and padding, and its backward.
@@ -89,6 +94,7 @@ pub(crate) mod gemm;
 mod layer_norm;
 mod matmul;
 mod mse;
+pub(crate) mod optim;
 mod pool;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod simd;

@@ -1,0 +1,277 @@
+//! Optimizers that update the master weights in place, one pass per parameter: drop-in
+//! replacements for candle-nn's [`SGD`](candle_nn::SGD) and [`AdamW`](candle_nn::AdamW), with
+//! the same names, constructors and [`Optimizer`] trait, so porting is one `use` line:
+//!
+//! ```no_run
+//! // candle_amp::optim in the facade crate; was: use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+//! use amp_runtime::optim::{AdamW, Optimizer, ParamsAdamW};
+//! # fn demo(vars: Vec<candle_core::Var>) -> candle_core::Result<()> {
+//! let mut opt = AdamW::new(vars, ParamsAdamW { lr: 1e-3, ..Default::default() })?;
+//! # Ok(()) }
+//! ```
+//!
+//! They work with [`GradScaler::step`](crate::GradScaler::step) like any `Optimizer`.
+//!
+//! Why: candle-nn's optimizers are compositions of tensor ops. `SGD` makes three tensors per
+//! parameter and step (`grad * lr`, the difference, and `Var::set`'s copy), `AdamW` a dozen, each
+//! a fresh allocation and a pass over memory; with AMP's matmuls on bf16 hardware that is a
+//! large share of a step (a third of the `amp_recipe` example's bf16 step on 2 cores). These
+//! read each gradient and parameter once and write the parameter once (AdamW also its two
+//! moments), in place, in f32, split over rayon's pool for large parameters: PyTorch's
+//! `foreach`/`fused` implementations play the same part.
+//!
+//! An f32 parameter (this crate's master weights) ends each step bit for bit where candle-nn's
+//! optimizer puts it: the same operations, each rounded to f32 in the same order. Where they
+//! differ from candle-nn's:
+//! - `AdamW` counts steps per parameter, advancing only when the parameter has a gradient, as
+//!   PyTorch's `state["step"]` (candle-nn counts steps for the whole optimizer, so a parameter
+//!   that sat out a step gets the wrong bias correction). The two agree when every parameter has
+//!   a gradient at every step.
+//! - AdamW's moments are f32 whatever the parameter's dtype (candle-nn keeps them in the
+//!   parameter's dtype, where `0.999 * v` rounds back to `v` in bf16 and the second moment stops
+//!   decaying), and a bf16/f16 parameter is updated in f32 and rounded once.
+//!
+//! The in-place pass runs on CPU for contiguous f32, bf16 and f16 parameters; anything else (a
+//! CUDA parameter, f64) takes the same update as candle tensor ops.
+//!
+//! After a step every cached cast of a master weight is dropped (see the region docs), as after
+//! [`GradScaler::step`](crate::GradScaler::step): the next forward casts the new values.
+
+use std::cell::Cell;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Result, Tensor, Var};
+pub use candle_nn::{Optimizer, ParamsAdamW};
+
+use crate::kernels::optim::{AdamWStep, Rule, Update};
+
+/// Whether `var` takes the in-place CPU pass.
+fn in_place(var: &Var) -> bool {
+    crate::kernels::cpu_float(var.as_tensor()) && var.is_contiguous()
+}
+
+/// Applies `rule` to `var` from its gradient, in place (the CPU pass; see [`in_place`]).
+fn update(
+    var: &Var,
+    grad: &Tensor,
+    rule: Rule,
+    moments: Option<(&mut [f32], &mut [f32])>,
+) -> Result<()> {
+    let grad = grad.contiguous()?;
+    var.as_tensor().inplace_op2(
+        &grad,
+        &Update {
+            rule,
+            moments: Cell::new(moments),
+        },
+    )
+}
+
+fn float_vars(vars: Vec<Var>) -> Vec<Var> {
+    vars.into_iter().filter(|v| v.dtype().is_float()).collect()
+}
+
+/// Stochastic gradient descent, `w -= lr * g`, in place: candle-nn's [`SGD`](candle_nn::SGD)
+/// (no momentum), one pass per parameter. Non-float variables are ignored, as there.
+#[derive(Debug)]
+pub struct SGD {
+    vars: Vec<Var>,
+    learning_rate: f64,
+}
+
+impl SGD {
+    /// The variables this optimizer updates.
+    pub fn into_inner(self) -> Vec<Var> {
+        self.vars
+    }
+
+    /// Adds a variable to update.
+    pub fn push(&mut self, var: &Var) {
+        self.vars.push(var.clone());
+    }
+}
+
+impl Optimizer for SGD {
+    type Config = f64;
+
+    fn new(vars: Vec<Var>, learning_rate: f64) -> Result<Self> {
+        Ok(Self {
+            vars: float_vars(vars),
+            learning_rate,
+        })
+    }
+
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        let lr = self.learning_rate;
+        for var in &self.vars {
+            let Some(grad) = grads.get(var) else {
+                continue;
+            };
+            if in_place(var) {
+                update(var, grad, Rule::Sgd { lr: lr as f32 }, None)?;
+            } else {
+                var.set(&var.sub(&(grad * lr)?)?)?;
+            }
+        }
+        crate::cast::invalidate_weight_casts();
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.learning_rate
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.learning_rate = lr;
+    }
+}
+
+/// AdamW's moments for one parameter: host vectors for the in-place pass, tensors on the
+/// parameter's device otherwise (in [`moment_dtype`]).
+#[derive(Debug)]
+enum Moments {
+    Host { m: Vec<f32>, v: Vec<f32> },
+    Device { m: Tensor, v: Tensor },
+}
+
+#[derive(Debug)]
+struct AdamWParam {
+    var: Var,
+    moments: Moments,
+    /// Steps this parameter has taken (PyTorch's `state["step"]`).
+    steps: u64,
+}
+
+/// AdamW (decoupled weight decay), in place: candle-nn's [`AdamW`](candle_nn::AdamW) with
+/// PyTorch's step (see the [module docs](self)), one pass per parameter. Non-float variables
+/// are ignored.
+#[derive(Debug)]
+pub struct AdamW {
+    params: Vec<AdamWParam>,
+    config: ParamsAdamW,
+}
+
+impl AdamW {
+    /// AdamW with the default hyper-parameters and learning rate `learning_rate`.
+    pub fn new_lr(vars: Vec<Var>, learning_rate: f64) -> Result<Self> {
+        let config = ParamsAdamW {
+            lr: learning_rate,
+            ..ParamsAdamW::default()
+        };
+        Self::new(vars, config)
+    }
+
+    pub fn params(&self) -> &ParamsAdamW {
+        &self.config
+    }
+
+    pub fn set_params(&mut self, config: ParamsAdamW) {
+        self.config = config;
+    }
+
+    /// The constants of a parameter's `t`-th step.
+    fn constants(&self, t: u64) -> AdamWStep {
+        let p = &self.config;
+        #[allow(clippy::cast_precision_loss)] // exact below 2^53 steps
+        let t = t as f64;
+        AdamWStep {
+            lr: p.lr,
+            decay: 1.0 - p.lr * p.weight_decay,
+            beta1: p.beta1,
+            beta2: p.beta2,
+            scale_m: 1.0 / (1.0 - p.beta1.powf(t)),
+            scale_v: 1.0 / (1.0 - p.beta2.powf(t)),
+            eps: p.eps,
+        }
+    }
+}
+
+impl Optimizer for AdamW {
+    type Config = ParamsAdamW;
+
+    fn new(vars: Vec<Var>, config: ParamsAdamW) -> Result<Self> {
+        let params = float_vars(vars)
+            .into_iter()
+            .map(|var| {
+                let moments = if in_place(&var) {
+                    let n = var.elem_count();
+                    Moments::Host {
+                        m: vec![0.0; n],
+                        v: vec![0.0; n],
+                    }
+                } else {
+                    let zeros = || Tensor::zeros(var.shape(), moment_dtype(&var), var.device());
+                    Moments::Device {
+                        m: zeros()?,
+                        v: zeros()?,
+                    }
+                };
+                Ok(AdamWParam {
+                    var,
+                    moments,
+                    steps: 0,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self { params, config })
+    }
+
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        for i in 0..self.params.len() {
+            let Some(grad) = grads.get(&self.params[i].var) else {
+                continue;
+            };
+            self.params[i].steps += 1;
+            let s = self.constants(self.params[i].steps);
+            let param = &mut self.params[i];
+            match &mut param.moments {
+                Moments::Host { m, v } => update(&param.var, grad, Rule::AdamW(s), Some((m, v)))?,
+                Moments::Device { m, v } => {
+                    let (next_m, next_v) = tensor_adamw(&param.var, grad, m, v, &s)?;
+                    *m = next_m;
+                    *v = next_v;
+                }
+            }
+        }
+        crate::cast::invalidate_weight_casts();
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.config.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.config.lr = lr;
+    }
+}
+
+/// The dtype AdamW's moments and arithmetic use off the in-place pass: f64 for f64 parameters,
+/// f32 for every other.
+fn moment_dtype(var: &Var) -> DType {
+    if var.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// The AdamW step as candle tensor ops (parameters the in-place pass does not take), in
+/// [`moment_dtype`] and the pass's (candle-nn's) order of operations. Writes the parameter; returns the new
+/// moments.
+fn tensor_adamw(
+    var: &Var,
+    grad: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    s: &AdamWStep,
+) -> Result<(Tensor, Tensor)> {
+    let dtype = moment_dtype(var);
+    let (w, g) = (var.as_tensor().to_dtype(dtype)?, grad.to_dtype(dtype)?);
+    let m = ((m * s.beta1)? + (&g * (1.0 - s.beta1))?)?;
+    let v = ((v * s.beta2)? + (g.sqr()? * (1.0 - s.beta2))?)?;
+    let step = ((&m * s.scale_m)? / ((&v * s.scale_v)?.sqrt()? + s.eps)?)?;
+    let w = ((w * s.decay)? - (step * s.lr)?)?;
+    var.set(&w.to_dtype(var.dtype())?)?;
+    Ok((m, v))
+}
