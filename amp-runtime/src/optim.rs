@@ -17,7 +17,7 @@
 //! a fresh allocation and a pass over memory; with AMP's matmuls on bf16 hardware that is a
 //! large share of a step (a third of the `amp_recipe` example's bf16 step on 2 cores). These
 //! read each gradient and parameter once and write the parameter once (AdamW also its two
-//! moments), in place, in f32, split over rayon's pool for large parameters: PyTorch's
+//! moments), in place, in f32, split over the cores for large parameters: PyTorch's
 //! `foreach`/`fused` implementations play the same part.
 //!
 //! An f32 parameter (this crate's master weights) ends each step bit for bit where candle-nn's

@@ -9,15 +9,13 @@
 //! All arithmetic is f32 per element (half inputs widened 16 at a time), per-channel sums f32
 //! within runs of 256 values and f64 across runs; outputs and the input gradient
 //! are rounded once to the input's dtype. Work is split over channels (statistics) or over
-//! `(n, c)` rows (elementwise passes) on rayon's pool. Other devices keep the composition of
+//! `(n, c)` rows (elementwise passes) on the kernels' pool (`parallel`). Other devices keep the composition of
 //! candle ops in `nn::BatchNorm2d` until they get a kernel.
 
+use super::{parallel, Real};
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType,
 };
-use rayon::prelude::*;
-
-use super::Real;
 
 /// Whether [`channel_stats`] and [`batch_norm`] handle `x`: a 4-d f32, f16 or bf16 tensor on
 /// CPU.
@@ -103,17 +101,16 @@ impl CustomOp1 for ChannelStats {
 
 fn stats<T: Real>(xs: &[T], g: Geometry) -> (Vec<f64>, Vec<f64>) {
     let m = g.count() as f64;
-    (0..g.c)
-        .into_par_iter()
-        .map(|c| {
-            let mean = channel_sum(xs, g, c, |x| x) / m;
-            let center = mean as f32;
-            let shift = f64::from(center) - mean;
-            // Centred on the f32 mean; the (tiny) offset of that mean is corrected exactly.
-            let var = channel_sum(xs, g, c, |x| (x - center) * (x - center)) / m - shift * shift;
-            (mean, var.max(0.0))
-        })
-        .unzip()
+    parallel::map_indices(g.c, |c| {
+        let mean = channel_sum(xs, g, c, |x| x) / m;
+        let center = mean as f32;
+        let shift = f64::from(center) - mean;
+        // Centred on the f32 mean; the (tiny) offset of that mean is corrected exactly.
+        let var = channel_sum(xs, g, c, |x| (x - center) * (x - center)) / m - shift * shift;
+        (mean, var.max(0.0))
+    })
+    .into_iter()
+    .unzip()
 }
 
 /// The sum of `f(x)` over channel `c` of `xs`.
@@ -234,28 +231,26 @@ impl Affine<'_> {
     /// `out = x * scale + shift (+ k * dy)` per channel, rounded to `T`.
     fn apply<T: Real>(&self, xs: &[T], extra: Option<(&[T], &[f32])>, g: Geometry) -> Vec<T> {
         let mut out = vec![T::put(0.0); xs.len()];
-        out.par_chunks_mut(g.hw.max(1))
-            .enumerate()
-            .for_each(|(row, out)| {
-                let c = row % g.c;
-                let (center, scale, shift) = (self.center[c], self.scale[c], self.shift[c]);
-                let xs = &xs[row * g.hw..][..g.hw];
-                match extra {
-                    None => super::map_widened(xs, out, |xs, out| {
-                        for (o, x) in out.iter_mut().zip(xs) {
-                            *o = (x - center) * scale + shift;
-                        }
-                    }),
-                    Some((dys, k)) => {
-                        let (dys, k) = (&dys[row * g.hw..][..g.hw], k[c]);
-                        super::map_widened2(xs, dys, out, |xs, dys, out| {
-                            for ((o, x), dy) in out.iter_mut().zip(xs).zip(dys) {
-                                *o = k * dy + (x - center) * scale + shift;
-                            }
-                        });
+        parallel::for_each_chunk_mut(&mut out, g.hw.max(1), |row, out| {
+            let c = row % g.c;
+            let (center, scale, shift) = (self.center[c], self.scale[c], self.shift[c]);
+            let xs = &xs[row * g.hw..][..g.hw];
+            match extra {
+                None => super::map_widened(xs, out, |xs, out| {
+                    for (o, x) in out.iter_mut().zip(xs) {
+                        *o = (x - center) * scale + shift;
                     }
+                }),
+                Some((dys, k)) => {
+                    let (dys, k) = (&dys[row * g.hw..][..g.hw], k[c]);
+                    super::map_widened2(xs, dys, out, |xs, dys, out| {
+                        for ((o, x), dy) in out.iter_mut().zip(xs).zip(dys) {
+                            *o = k * dy + (x - center) * scale + shift;
+                        }
+                    });
                 }
-            });
+            }
+        });
         out
     }
 }
@@ -288,22 +283,21 @@ impl CustomOp2 for GradSums {
 }
 
 fn grad_sums<T: Real>(xs: &[T], dys: &[T], n: &Normalisation, g: Geometry) -> (Vec<f64>, Vec<f64>) {
-    (0..g.c)
-        .into_par_iter()
-        .map(|c| {
-            let (mean, invstd) = (n.mean[c], n.invstd[c]);
-            let mut sum_dy = 0f64;
-            let mut sum_dy_xhat = 0f64;
-            for (x, dy) in g.rows(xs, c).zip(g.rows(dys, c)) {
-                super::widened2(x, dy, |x, dy| {
-                    let (a, b) = super::lane_sums2(x, dy, |x, dy| (dy, dy * (x - mean) * invstd));
-                    sum_dy += a;
-                    sum_dy_xhat += b;
-                });
-            }
-            (sum_dy, sum_dy_xhat)
-        })
-        .unzip()
+    parallel::map_indices(g.c, |c| {
+        let (mean, invstd) = (n.mean[c], n.invstd[c]);
+        let mut sum_dy = 0f64;
+        let mut sum_dy_xhat = 0f64;
+        for (x, dy) in g.rows(xs, c).zip(g.rows(dys, c)) {
+            super::widened2(x, dy, |x, dy| {
+                let (a, b) = super::lane_sums2(x, dy, |x, dy| (dy, dy * (x - mean) * invstd));
+                sum_dy += a;
+                sum_dy_xhat += b;
+            });
+        }
+        (sum_dy, sum_dy_xhat)
+    })
+    .into_iter()
+    .unzip()
 }
 
 /// The input gradient `dx = k * dy + p * (x - mean) + q` per channel, in `x`'s dtype.

@@ -21,10 +21,8 @@ use candle_core::{
 };
 use std::ops::Range;
 
-use rayon::prelude::*;
-
 use super::gemm::{gemm, GemmElem, MatRef};
-use super::Real;
+use super::{parallel, Real};
 
 /// Convolution hyper-parameters, as candle's `conv2d` takes them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -168,19 +166,16 @@ impl Geometry {
         let mut col = vec![zero; self.col_rows() * n];
         let plane = self.h * self.w;
         let per_channel = self.kh * self.kw;
-        col.par_chunks_mut(per_channel * n.max(1))
-            .enumerate()
-            .for_each(|(c, rows)| {
-                for (k, row) in rows.chunks_mut(n.max(1)).enumerate() {
-                    let (i, j) = (k / self.kw, k % self.kw);
-                    for (slot, b) in images.clone().enumerate() {
-                        let src =
-                            &x[b * self.image_in() + (g * self.c_in_g() + c) * plane..][..plane];
-                        let dst = &mut row[slot * pw..][..pw];
-                        self.im2col_row(src, (i, j), zero, dst);
-                    }
+        parallel::for_each_chunk_mut(&mut col, per_channel * n.max(1), |c, rows| {
+            for (k, row) in rows.chunks_mut(n.max(1)).enumerate() {
+                let (i, j) = (k / self.kw, k % self.kw);
+                for (slot, b) in images.clone().enumerate() {
+                    let src = &x[b * self.image_in() + (g * self.c_in_g() + c) * plane..][..plane];
+                    let dst = &mut row[slot * pw..][..pw];
+                    self.im2col_row(src, (i, j), zero, dst);
                 }
-            });
+            }
+        });
         col
     }
 
@@ -365,14 +360,11 @@ impl Geometry {
                 }
                 let mut col = vec![0f32; rows * n];
                 gemm(rows, n, cog, wt, gm, &mut col, false, true);
-                sums.par_chunks_mut(self.image_in())
-                    .enumerate()
-                    .for_each(|(slot, image)| self.col2im(&col, n, slot, g, image));
+                parallel::for_each_chunk_mut(&mut sums, self.image_in(), |slot, image| {
+                    self.col2im(&col, n, slot, g, image);
+                });
             }
-            gx[start * self.image_in()..][..sums.len()]
-                .par_iter_mut()
-                .zip(&sums)
-                .for_each(|(o, &v)| *o = T::put(v));
+            super::convert::convert_into(&sums, &mut gx[start * self.image_in()..][..sums.len()]);
         }
         gx
     }
@@ -545,19 +537,16 @@ impl CustomOp1 for GradBias {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         fn sums<T: Real + Send + Sync>(g: &[T], batch: usize, channels: usize) -> Vec<f32> {
             let plane = g.len() / (batch * channels).max(1);
-            (0..channels)
-                .into_par_iter()
-                .map(|c| {
-                    (0..batch)
-                        .map(|b| {
-                            g[(b * channels + c) * plane..][..plane]
-                                .iter()
-                                .map(|v| v.get())
-                                .sum::<f32>()
-                        })
-                        .sum()
-                })
-                .collect()
+            parallel::map_indices(channels, |c| {
+                (0..batch)
+                    .map(|b| {
+                        g[(b * channels + c) * plane..][..plane]
+                            .iter()
+                            .map(|v| v.get())
+                            .sum::<f32>()
+                    })
+                    .sum()
+            })
         }
         let (batch, channels) = (l.dims()[0], l.dims()[1]);
         let sums = with_floats!("conv2d bias gradient", s, l, |g| sums(g, batch, channels));

@@ -1,18 +1,16 @@
 //! Conversions between f32, bf16 and f16 on CPU: vectorised (AVX-512 where the CPU has it) and
-//! split over rayon's pool, as one op whose backward is the conversion back.
+//! split over the kernels' pool, as one op whose backward is the conversion back.
 //!
 //! candle converts element by element through `half` on one thread. A training step converts
 //! every activation that changes precision and every weight once, forward and backward, so this
 //! is on the hot path of every autocast region. Rounding is the same as `half`'s bit for bit
 //! (to nearest, ties to even; NaN stays NaN): see [`super::simd`].
 
+use super::{elements, parallel, Real};
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor,
 };
 use half::{bf16, f16};
-use rayon::prelude::*;
-
-use super::{elements, Real};
 
 /// `t` converted to `dtype` (differentiable): this op for f32/bf16/f16 on CPU, candle's
 /// `to_dtype` otherwise.
@@ -32,10 +30,10 @@ pub(crate) struct Convert(pub DType);
 const CHUNK: usize = 1 << 15;
 
 /// `src` converted into `dst`, chunk by chunk in parallel.
-fn convert_into<S: Real + Sync, D: Real + Send>(src: &[S], dst: &mut [D]) {
-    dst.par_chunks_mut(CHUNK)
-        .zip(src.par_chunks(CHUNK))
-        .for_each(|(d, s)| convert_block(s, d));
+pub(crate) fn convert_into<S: Real + Sync, D: Real + Send>(src: &[S], dst: &mut [D]) {
+    parallel::for_each_chunk_mut(dst, CHUNK, |i, d| {
+        convert_block(&src[i * CHUNK..][..d.len()], d);
+    });
 }
 
 /// `src` converted into `dst` (equal lengths) on this thread: 16 elements at a time where

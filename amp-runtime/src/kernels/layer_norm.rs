@@ -9,10 +9,8 @@
 //! `db = sum over rows of dy` (PyTorch's `native_layer_norm_backward`), in one pass over the
 //! rows.
 
+use super::{parallel, Real};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
-
-use super::Real;
 
 /// `layer_norm(x, w, b)` in f32 through this op when it applies (an f32, f16 or bf16 input on
 /// CPU, read as it is; f32 scale and shift of the last dimension's length); `None` otherwise.
@@ -77,18 +75,17 @@ impl LayerNorm {
         let n = w.len();
         let mut y = vec![0f32; x.len()];
         let chunk = rows_per_task(n) * n;
-        y.par_chunks_mut(chunk)
-            .zip(x.par_chunks(chunk))
-            .for_each(|(y, x)| {
-                let mut row = vec![0f32; n];
-                for (y, x) in y.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
-                    T::widen(x, &mut row);
-                    let (mean, rstd) = moments(&row, self.eps);
-                    for (((y, &x), &w), &b) in y.iter_mut().zip(&row).zip(w).zip(b) {
-                        *y = (x - mean) * rstd * w + b;
-                    }
+        parallel::for_each_chunk_mut(&mut y, chunk, |i, y| {
+            let x = &x[i * chunk..][..y.len()];
+            let mut row = vec![0f32; n];
+            for (y, x) in y.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+                T::widen(x, &mut row);
+                let (mean, rstd) = moments(&row, self.eps);
+                for (((y, &x), &w), &b) in y.iter_mut().zip(&row).zip(w).zip(b) {
+                    *y = (x - mean) * rstd * w + b;
                 }
-            });
+            }
+        });
         y
     }
 }
@@ -144,10 +141,9 @@ impl LayerNormGrad {
         let mut dx = vec![0f32; x.len()];
         let chunk = rows_per_task(n) * n;
         // Each task: its rows' dx, and its partial dw and db.
-        let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
-            .par_chunks_mut(chunk)
-            .zip(x.par_chunks(chunk).zip(dy.par_chunks(chunk)))
-            .map(|(dx, (x, dy))| {
+        let partials: Vec<(Vec<f32>, Vec<f32>)> =
+            parallel::map_chunks_mut(&mut dx, chunk, |i, dx| {
+                let (x, dy) = (&x[i * chunk..][..dx.len()], &dy[i * chunk..][..dx.len()]);
                 let (mut dw, mut db) = (vec![0f32; n], vec![0f32; n]);
                 let (mut row, mut xhat) = (vec![0f32; n], vec![0f32; n]);
                 #[allow(clippy::cast_precision_loss)] // a row length
@@ -174,8 +170,7 @@ impl LayerNormGrad {
                     }
                 }
                 (dw, db)
-            })
-            .collect();
+            });
         let (mut dw, mut db) = (vec![0f32; n], vec![0f32; n]);
         for (pw, pb) in partials {
             for j in 0..n {

@@ -10,14 +10,12 @@
 
 use std::mem::MaybeUninit;
 
+use super::gemm::{gemm, gemm_uninit, GemmElem, MatRef};
+use super::{parallel, Real};
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result,
     Shape, Tensor,
 };
-use rayon::prelude::*;
-
-use super::gemm::{gemm, gemm_uninit, GemmElem, MatRef};
-use super::Real;
 
 /// Below this many multiply-adds per matrix, a batch of matmuls runs one matrix per task
 /// rather than splitting each matrix over the pool.
@@ -183,10 +181,7 @@ impl Batched {
         unsafe {
             written(self.batch * size, |blocks| {
                 if self.batch > 1 && m * n * k < SMALL_GEMM {
-                    blocks
-                        .par_chunks_mut(size)
-                        .enumerate()
-                        .for_each(|(i, o)| one(i, o, false));
+                    parallel::for_each_chunk_mut(blocks, size, |i, o| one(i, o, false));
                 } else {
                     for (i, o) in blocks.chunks_mut(size).enumerate() {
                         one(i, o, true);
@@ -361,22 +356,20 @@ impl CustomOp1 for ColumnSums {
         fn sums<T: Real + Send + Sync>(g: &[T], l: &Layout) -> Vec<f32> {
             let (rows, cols) = (l.dims()[0], l.dims()[1]);
             let g = super::elements(g, l);
-            let block = rows.div_ceil(rayon::current_num_threads()).max(16);
-            g.par_chunks(block * cols.max(1))
-                .map(|chunk| {
-                    let mut acc = vec![0f32; cols];
-                    for row in chunk.chunks(cols.max(1)) {
-                        acc.iter_mut().zip(row).for_each(|(a, v)| *a += v.get());
-                    }
-                    acc
-                })
-                .reduce(
-                    || vec![0f32; cols],
-                    |mut a, b| {
-                        a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                        a
-                    },
-                )
+            let block = (rows.div_ceil(parallel::threads()).max(16) * cols).max(1);
+            let partials = parallel::map_indices(g.len().div_ceil(block), |i| {
+                let mut acc = vec![0f32; cols];
+                for row in g[i * block..][..block.min(g.len() - i * block)].chunks(cols.max(1)) {
+                    acc.iter_mut().zip(row).for_each(|(a, v)| *a += v.get());
+                }
+                acc
+            });
+            // Added in block order: the same sums at every run.
+            let mut total = vec![0f32; cols];
+            for acc in partials {
+                total.iter_mut().zip(&acc).for_each(|(x, y)| *x += y);
+            }
+            total
         }
         let out = match s {
             CpuStorage::BF16(g) => CpuStorage::F32(sums(g, l)),

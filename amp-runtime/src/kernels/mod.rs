@@ -95,6 +95,7 @@ mod layer_norm;
 mod matmul;
 mod mse;
 pub(crate) mod optim;
+mod parallel;
 mod pool;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod simd;
@@ -229,17 +230,18 @@ pub(crate) fn zip_map<T: Real + Send + Sync>(
     b: &[T],
     f: impl Fn(f32, f32) -> f32 + Sync,
 ) -> Vec<T> {
-    use rayon::prelude::*;
     let mut out = vec![T::put(0.0); a.len()];
-    out.par_chunks_mut(ZIP_CHUNK)
-        .zip(a.par_chunks(ZIP_CHUNK).zip(b.par_chunks(ZIP_CHUNK)))
-        .for_each(|(o, (a, b))| {
-            map_widened2(a, b, o, |a, b, o| {
-                for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
-                    *o = f(a, b);
-                }
-            });
+    parallel::for_each_chunk_mut(&mut out, ZIP_CHUNK, |i, o| {
+        let (a, b) = (
+            &a[i * ZIP_CHUNK..][..o.len()],
+            &b[i * ZIP_CHUNK..][..o.len()],
+        );
+        map_widened2(a, b, o, |a, b, o| {
+            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                *o = f(a, b);
+            }
         });
+    });
     out
 }
 

@@ -7,10 +7,8 @@
 //! mean. Backward, `dx = 2 (x - t) / n * dy` and `dt = -dx`, each rounded once to its
 //! operand's dtype, as the cast nodes' backward would.
 
+use super::{parallel, Real};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
-
-use super::Real;
 
 /// `mean((inp - target)^2)` in f32 through this op, when both are float tensors of one shape
 /// on CPU; `None` otherwise.
@@ -28,16 +26,17 @@ const CHUNK: usize = 1 << 15;
 
 /// The sum of `(x - t)^2`, both widened to f32 a block at a time.
 fn squared_error<T: Real + Sync, U: Real + Sync>(xs: &[T], ts: &[U]) -> f64 {
-    xs.par_chunks(CHUNK)
-        .zip(ts.par_chunks(CHUNK))
-        .map(|(xs, ts)| {
-            let mut total = 0f64;
-            super::widened2(xs, ts, |x, t| {
-                total += super::lane_sums2(x, t, |x, t| ((x - t) * (x - t), 0.0)).0;
-            });
-            total
-        })
-        .sum()
+    parallel::map_indices(xs.len().div_ceil(CHUNK), |i| {
+        let (xs, ts) = (&xs[i * CHUNK..], &ts[i * CHUNK..]);
+        let (xs, ts) = (&xs[..CHUNK.min(xs.len())], &ts[..CHUNK.min(xs.len())]);
+        let mut total = 0f64;
+        super::widened2(xs, ts, |x, t| {
+            total += super::lane_sums2(x, t, |x, t| ((x - t) * (x - t), 0.0)).0;
+        });
+        total
+    })
+    .iter()
+    .sum()
 }
 
 struct Mse;

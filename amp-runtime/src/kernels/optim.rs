@@ -4,13 +4,11 @@
 //! candle-nn's `SGD` makes three tensors per parameter and step (`grad * lr`, the difference,
 //! then `Var::set` copies it back), its `AdamW` a dozen; each is a fresh allocation and a pass
 //! over memory. Here a step reads the gradient and the parameter (and AdamW's two moments) once
-//! and writes them once, in place, split over rayon's pool when the parameter is large.
+//! and writes them once, in place, split over the kernels' thread pool (`parallel`) when the parameter is large.
 
+use super::{as_f32, as_f32_mut, contiguous, parallel, Real, BLOCK};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, InplaceOp2, Layout, Result};
-use rayon::prelude::*;
-
-use super::{as_f32, as_f32_mut, contiguous, Real, BLOCK};
 
 /// Elements per parallel task; parameters smaller than two tasks are updated on the calling
 /// thread (handing a small pass to the pool costs more than it saves).
@@ -123,9 +121,12 @@ pub(crate) fn sgd<T: Real + Send + Sync>(w: &mut [T], g: &[T], lr: f32) {
     if w.len() < 2 * CHUNK {
         return body(w, g);
     }
-    w.par_chunks_mut(CHUNK)
-        .zip(g.par_chunks(CHUNK))
-        .for_each(|(w, g)| body(w, g));
+    let mut tasks: Vec<_> = w.chunks_mut(CHUNK).zip(g.chunks(CHUNK)).collect();
+    parallel::for_each_chunk_mut(&mut tasks, 1, |_, task| {
+        for (w, g) in task {
+            body(w, g);
+        }
+    });
 }
 
 /// One AdamW step over a parameter, its gradient and its moments (see [`Rule::AdamW`]).
@@ -148,10 +149,16 @@ pub(crate) fn adamw<T: Real + Send + Sync>(
     if w.len() < 2 * CHUNK {
         return body(w, g, m, v);
     }
-    w.par_chunks_mut(CHUNK)
-        .zip(g.par_chunks(CHUNK))
-        .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
-        .for_each(|((w, g), (m, v))| body(w, g, m, v));
+    let mut tasks: Vec<_> = w
+        .chunks_mut(CHUNK)
+        .zip(g.chunks(CHUNK))
+        .zip(m.chunks_mut(CHUNK).zip(v.chunks_mut(CHUNK)))
+        .collect();
+    parallel::for_each_chunk_mut(&mut tasks, 1, |_, task| {
+        for ((w, g), (m, v)) in task {
+            body(w, g, m, v);
+        }
+    });
 }
 
 /// The AdamW element loop on f32 runs (see [`AdamWStep`]): each product and sum rounded to f32

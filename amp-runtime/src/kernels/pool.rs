@@ -6,10 +6,8 @@
 //! first position holding the window's maximum (PyTorch's choice too), summing where windows
 //! overlap.
 
+use super::{parallel, Real};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
-use rayon::prelude::*;
-
-use super::Real;
 
 /// Window `(h, w)`, stride `(h, w)` and padding (both sides of both dimensions) of a max pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,7 +102,7 @@ impl MaxPool {
         let (n, h, w) = planes(l);
         let (oh, ow) = p.out((h, w));
         let mut y = vec![T::put(0.0); n * oh * ow];
-        y.par_chunks_mut(oh * ow).enumerate().for_each(|(c, out)| {
+        parallel::for_each_chunk_mut(&mut y, oh * ow, |c, out| {
             let plane = &x[c * h * w..][..h * w];
             for oy in 0..oh {
                 for ox in 0..ow {
@@ -150,7 +148,7 @@ impl MaxPoolGrad {
         let (n, h, w) = planes(lx);
         let (oh, ow) = p.out((h, w));
         let mut gx = vec![T::put(0.0); n * h * w];
-        gx.par_chunks_mut(h * w).enumerate().for_each(|(c, out)| {
+        parallel::for_each_chunk_mut(&mut gx, h * w, |c, out| {
             let plane = &x[c * h * w..][..h * w];
             let grads = &g[c * oh * ow..][..oh * ow];
             let mut acc = vec![0f32; h * w];

@@ -9,10 +9,8 @@
 //! `dy`) and `dx = dy - exp(y) * sum(dy)` for log-softmax, in f32, rounded once to the input's
 //! dtype, which is what the cast node's backward would do.
 
+use super::{parallel, Real};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
-use rayon::prelude::*;
-
-use super::Real;
 
 /// Softmax of `x` over its last dimension, in f32: through this op for a float tensor on CPU,
 /// candle-nn's composition (after an f32 cast) elsewhere.
@@ -46,36 +44,35 @@ fn softmax_rows<T: Real + Sync>(x: &[T], n: usize, log: bool) -> Vec<f32> {
         return out;
     }
     let chunk = rows_per_task(n) * n;
-    out.par_chunks_mut(chunk)
-        .zip(x.par_chunks(chunk))
-        .for_each(|(out, x)| {
-            for (y, x) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
-                T::widen(x, y);
-                let max = y.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                // Eight partial sums: a long row's rounding error grows with its length over
-                // eight, not its whole length.
-                let mut lanes = [0f32; 8];
-                for (i, v) in y.iter_mut().enumerate() {
-                    *v -= max;
-                    let e = v.exp();
-                    lanes[i % 8] += e;
-                    if !log {
-                        *v = e;
-                    }
-                }
-                let sum: f32 = lanes.iter().sum();
-                if log {
-                    let log_sum = sum.ln();
-                    for v in y.iter_mut() {
-                        *v -= log_sum;
-                    }
-                } else {
-                    for v in y.iter_mut() {
-                        *v /= sum;
-                    }
+    parallel::for_each_chunk_mut(&mut out, chunk, |i, out| {
+        let x = &x[i * chunk..][..out.len()];
+        for (y, x) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+            T::widen(x, y);
+            let max = y.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            // Eight partial sums: a long row's rounding error grows with its length over
+            // eight, not its whole length.
+            let mut lanes = [0f32; 8];
+            for (i, v) in y.iter_mut().enumerate() {
+                *v -= max;
+                let e = v.exp();
+                lanes[i % 8] += e;
+                if !log {
+                    *v = e;
                 }
             }
-        });
+            let sum: f32 = lanes.iter().sum();
+            if log {
+                let log_sum = sum.ln();
+                for v in y.iter_mut() {
+                    *v -= log_sum;
+                }
+            } else {
+                for v in y.iter_mut() {
+                    *v /= sum;
+                }
+            }
+        }
+    });
     out
 }
 

@@ -4,7 +4,7 @@
 //!
 //! [`unscale_in_place`] is the one entry point, whatever the device. On CPU it is one pass over
 //! all gradients at once: the gradients' storages are borrowed together and their elements are
-//! cut into chunks that rayon's pool processes in parallel, so a model with many small tensors
+//! cut into chunks that the kernels' thread pool (`parallel`) processes, so a model with many small tensors
 //! costs one parallel pass, not one candle op (and one host sync) per tensor. With the `cuda`
 //! feature, contiguous CUDA gradients go through one kernel launch per dtype and device
 //! (`kernels::cuda`); anything else takes the per-tensor candle-ops path ([`naive_unscale`]).
@@ -21,11 +21,9 @@ use std::cell::RefCell;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::{is_non_overlapping, parallel, strided_offsets};
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Result, Tensor};
 use half::{bf16, f16};
-use rayon::prelude::*;
-
-use super::{is_non_overlapping, strided_offsets};
 
 /// Elements per parallel work item: large enough to amortise scheduling, small enough to spread
 /// one big gradient over every core.
@@ -180,7 +178,7 @@ struct View {
 }
 
 /// Base pointer and length of a storage's element vector. Stored as addresses so that views can
-/// cross into rayon's workers; every task touches a disjoint set of elements (see `cpu_unscale`).
+/// cross into the pool's threads; every task touches a disjoint set of elements (see `cpu_unscale`).
 #[derive(Clone, Copy)]
 enum ViewData {
     F32(usize, usize),
@@ -260,7 +258,8 @@ fn cpu_unscale(tensors: &[Tensor], inv_scale: f32) -> Result<Vec<bool>> {
     let flags: Vec<AtomicBool> = tensors.iter().map(|_| AtomicBool::new(false)).collect();
     let mut body = |views: &[View]| {
         let tasks = tasks(views);
-        tasks.par_iter().for_each(|task| {
+        parallel::for_each_index(tasks.len(), |i| {
+            let task = &tasks[i];
             // SAFETY: `views` are write-locked storages of distinct allocations (`make_exclusive`),
             // and the tasks of one view cover disjoint element ranges (contiguous chunks) or the
             // whole view (strided, with non-overlapping strides). Nothing else can access the

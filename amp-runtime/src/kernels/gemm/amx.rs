@@ -43,7 +43,7 @@ impl Kernel for AmxKernel {
     fn with_state<R>(f: impl FnOnce() -> R) -> R {
         // SAFETY: `isa()` selects this kernel only where AMX is usable; the configuration is a
         // static of the layout `ldtilecfg` reads. Nothing else in this thread uses the tiles
-        // while `f` runs (a task's tile calls, no rayon calls inside).
+        // while `f` runs (a task's tile calls, no other GEMM inside).
         unsafe { asm!("ldtilecfg [{config}]", config = in(reg) &CONFIG, options(nostack)) };
         let result = f();
         // SAFETY: as above; the tile state is dropped once the task's calls are done.

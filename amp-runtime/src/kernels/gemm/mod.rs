@@ -16,7 +16,7 @@
 //!   goes through bf16) and runs an f32 kernel: AVX-512 FMA where the CPU has it, portable Rust
 //!   otherwise. The kernel is chosen once per process by run-time feature detection.
 //!
-//! Work is split over rayon's pool by blocks of rows of C and, when there are few of those, by
+//! Work is split over the kernels' pool (`super::parallel`) by blocks of rows of C and, when there are few of those, by
 //! groups of B's micro-panels too; each task writes its own tiles of C.
 
 use std::cell::RefCell;
@@ -24,11 +24,9 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::{Mutex, OnceLock};
 
+use super::{parallel, Real};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use rayon::prelude::*;
-
-use super::Real;
 
 /// A strided matrix view: element `(i, j)` is `data[offset + i * rs + j * cs]`.
 #[derive(Clone, Copy, Debug)]
@@ -138,7 +136,7 @@ fn detect() -> Isa {
 
 /// `c = a * b` (or `c += a * b` with `accumulate`) where `a` is `m x k`, `b` is `k x n` and `c`
 /// is `m x n` row-major with leading dimension `n`, in any of the three types: each element
-/// is accumulated in f32 over the whole of `k` and rounded once. Runs on rayon's pool when
+/// is accumulated in f32 over the whole of `k` and rounded once. Runs on the kernels' pool when
 /// `parallel`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm<T: GemmElem, O: Real + Send + Sync>(
@@ -348,11 +346,7 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
     let units = k.div_ceil(K::KSTEP).next_multiple_of(K::A_BLOCK);
     let unit_bytes = std::mem::size_of::<K::Unit>();
     let out = SharedOut(c.as_mut_ptr().cast::<O>());
-    let threads = if p.parallel {
-        rayon::current_num_threads()
-    } else {
-        1
-    };
+    let threads = if p.parallel { parallel::threads() } else { 1 };
     let nc_max = (B_SLICE_BYTES / (units * unit_bytes))
         .max(K::NR)
         .next_multiple_of(K::NR);
@@ -370,15 +364,17 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
             let panels_n = nc.div_ceil(K::NR);
             let packed_b = &mut b_buffer[..panels_n * units * K::NR];
             let lanes = PACK_TASK_PANELS * K::NR;
-            let pack_b = |(t, panels): (usize, &mut [K::Unit])| {
+            let pack_b = |t: usize, panels: &mut [K::Unit]| {
                 let first = t * lanes;
                 pack_panels::<T, K>(b_lanes, j0 + first, lanes.min(nc - first), k, units, panels);
             };
             let chunk = PACK_TASK_PANELS * units * K::NR;
             if threads > 1 && panels_n > 1 {
-                packed_b.par_chunks_mut(chunk).enumerate().for_each(pack_b);
+                parallel::for_each_chunk_mut(packed_b, chunk, pack_b);
             } else {
-                packed_b.chunks_mut(chunk).enumerate().for_each(pack_b);
+                for (t, panels) in packed_b.chunks_mut(chunk).enumerate() {
+                    pack_b(t, panels);
+                }
             }
 
             // Tasks: blocks of rows, times groups of B panels when rows alone cannot keep every
@@ -438,7 +434,7 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
             };
             let tasks = blocks_m * groups_n;
             if threads > 1 && tasks > 1 {
-                (0..tasks).into_par_iter().for_each(task);
+                parallel::for_each_index(tasks, task);
             } else {
                 (0..tasks).for_each(task);
             }
@@ -463,7 +459,7 @@ trait Scratch: Copy + Default + Send + Sync + 'static {
     fn b_kept() -> &'static Mutex<Option<Vec<Self>>>;
 
     /// Runs `f` on `len` units of the thread's A buffer (a fresh one when it is in use: a
-    /// GEMM on a rayon worker that stole another GEMM's task).
+    /// GEMM called from inside another GEMM's task).
     fn with_a<R>(len: usize, f: impl FnOnce(&mut [Self]) -> R) -> R {
         Self::a_buffer().with(|cell| match cell.try_borrow_mut() {
             Ok(mut buf) => f(grown(&mut buf, len)),
