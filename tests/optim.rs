@@ -11,18 +11,7 @@ use half::bf16;
 
 mod common;
 
-/// Deterministic values in [-1, 1) from a 64-bit LCG.
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            ((s >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-        })
-        .collect()
-}
+use common::values;
 
 fn tensor(shape: &[usize], seed: u64, dev: &Device) -> Result<candle_core::Tensor> {
     candle_core::Tensor::from_vec(values(shape.iter().product(), seed), shape, dev)

@@ -27,8 +27,8 @@ const CHUNK: usize = 1 << 15;
 /// The sum of `(x - t)^2`, both widened to f32 a block at a time.
 fn squared_error<T: Real + Sync, U: Real + Sync>(xs: &[T], ts: &[U]) -> f64 {
     parallel::map_indices(xs.len().div_ceil(CHUNK), |i| {
-        let (xs, ts) = (&xs[i * CHUNK..], &ts[i * CHUNK..]);
-        let (xs, ts) = (&xs[..CHUNK.min(xs.len())], &ts[..CHUNK.min(xs.len())]);
+        let end = ((i + 1) * CHUNK).min(xs.len());
+        let (xs, ts) = (&xs[i * CHUNK..end], &ts[i * CHUNK..end]);
         let mut total = 0f64;
         super::widened2(xs, ts, |x, t| {
             total += super::lane_sums2(x, t, |x, t| ((x - t) * (x - t), 0.0)).0;

@@ -16,8 +16,9 @@
 //!   goes through bf16) and runs an f32 kernel: AVX-512 FMA where the CPU has it, portable Rust
 //!   otherwise. The kernel is chosen once per process by run-time feature detection.
 //!
-//! Work is split over the kernels' pool (`super::parallel`) by blocks of rows of C and, when there are few of those, by
-//! groups of B's micro-panels too; each task writes its own tiles of C.
+//! Work is split over the kernels' pool (`super::parallel`) by blocks of rows of C and, when
+//! there are few of those, by groups of B's micro-panels too; each task writes its own tiles of
+//! C.
 
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
