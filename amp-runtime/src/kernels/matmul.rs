@@ -57,7 +57,8 @@ pub(crate) fn broadcast_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// A linear layer on a 2-D input: `x (rows, in) * w (out, in)^T + b (out)`, with `w` and `b`
 /// the layer's f32 masters. For a half `x` on CPU, one op: the master is rounded to `x`'s dtype
-/// inside it (the cast an autocast region would insert, bit for bit), the bias is added before
+/// inside it (the cast an autocast region would insert, bit for bit) as the GEMM packs it, so
+/// no half copy of the weight is made, here or for `grad_x`; the bias is added before
 /// the output's one rounding, and the backward returns the masters' gradients in f32 straight
 /// from the f32 accumulators: `grad_w = grad^T * x` and `grad_b` the column sums of `grad`,
 /// never rounded to half (PyTorch rounds them to half, then widens), with `grad_x = grad * w`.
@@ -216,8 +217,8 @@ impl HalfLinear {
     ) -> Vec<T> {
         let (rows, inner) = (lx.dims()[0], lx.dims()[1]);
         let out = lw.dims()[0];
-        // The master rounded to T, contiguous `(out, in)`.
-        let w: Vec<T> = super::convert::convert_slice(&super::elements(w, lw));
+        // The master, contiguous `(out, in)`, rounded to T as the GEMM packs it.
+        let w = super::elements(w, lw);
         let a = MatRef {
             data: x,
             offset: lx.start_offset(),
@@ -247,12 +248,59 @@ impl HalfLinear {
 
     /// `grad_x` in `x`'s dtype and the master's `grad_w` in f32.
     fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
-        let w_half = w.apply_op1_no_bwd(&super::convert::Convert(x.dtype()))?;
-        let grad_x = matmul(grad, &w_half)?;
+        let grad_x = grad.apply_op2_no_bwd(w, &ByMaster)?;
         let grad_w = grad
             .t()?
             .apply_op2_no_bwd(x, &HalfMatmul(Some(DType::F32)))?;
         Ok((grad_x, grad_w))
+    }
+}
+
+/// `grad (rows, out) * w (out, in)` in `grad`'s half dtype, `w` an f32 master rounded to that
+/// dtype as the GEMM packs it: `Linear`'s input gradient, without a half copy of the weight.
+struct ByMaster;
+
+impl CustomOp2 for ByMaster {
+    fn name(&self) -> &'static str {
+        "amp-half-by-master"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn product<T: GemmElem>(g: &[T], lg: &Layout, w: &[f32], lw: &Layout) -> Vec<T> {
+            let (rows, k, n) = (lg.dims()[0], lg.dims()[1], lw.dims()[1]);
+            let view = |l: &Layout| (l.start_offset(), l.stride()[0], l.stride()[1]);
+            let ((ga, grs, gcs), (wa, wrs, wcs)) = (view(lg), view(lw));
+            let a = MatRef {
+                data: g,
+                offset: ga,
+                rs: grs,
+                cs: gcs,
+            };
+            let b = MatRef {
+                data: w,
+                offset: wa,
+                rs: wrs,
+                cs: wcs,
+            };
+            // SAFETY: the product writes all `rows * n` elements.
+            unsafe { written(rows * n, |y| gemm_uninit((rows, n, k), a, b, y, true)) }
+        }
+        let y = match (s1, s2) {
+            (CpuStorage::BF16(g), CpuStorage::F32(w)) => CpuStorage::BF16(product(g, l1, w, l2)),
+            (CpuStorage::F16(g), CpuStorage::F32(w)) => CpuStorage::F16(product(g, l1, w, l2)),
+            (a, b) => candle_core::bail!(
+                "half-by-master kernel: expected a f16 or bf16 gradient and an f32 weight, got {:?} and {:?}",
+                a.dtype(),
+                b.dtype()
+            ),
+        };
+        Ok((y, Shape::from((l1.dims()[0], l2.dims()[1]))))
     }
 }
 

@@ -158,7 +158,7 @@ pub(crate) fn cpu_float(t: &candle_core::Tensor) -> bool {
 pub(crate) const BLOCK: usize = 512;
 
 /// `xs` read as f32 slice when `T` is f32 (no copy), `None` for the 16-bit types.
-fn as_f32<T: Real>(xs: &[T]) -> Option<&[f32]> {
+pub(crate) fn as_f32<T: Real>(xs: &[T]) -> Option<&[f32]> {
     // SAFETY: `T` is f32 (its dtype says so), so the cast is the identity.
     (T::DTYPE == candle_core::DType::F32)
         .then(|| unsafe { std::slice::from_raw_parts(xs.as_ptr().cast(), xs.len()) })

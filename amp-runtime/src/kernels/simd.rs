@@ -5,24 +5,31 @@
 #![cfg(target_arch = "x86_64")]
 
 use std::arch::x86_64::{
-    __m256i, __m512, _mm256_loadu_si256, _mm256_storeu_si256, _mm512_add_epi32, _mm512_and_si512,
-    _mm512_castps_si512, _mm512_castsi512_ps, _mm512_cmp_ps_mask, _mm512_cvtepi32_epi16,
-    _mm512_cvtepu16_epi32, _mm512_cvtph_ps, _mm512_cvtps_ph, _mm512_mask_mov_epi32,
-    _mm512_or_si512, _mm512_set1_epi32, _mm512_slli_epi32, _mm512_srli_epi32, _CMP_UNORD_Q,
-    _MM_FROUND_NO_EXC, _MM_FROUND_TO_NEAREST_INT,
+    __m256i, __m512, __m512i, _mm256_loadu_si256, _mm256_storeu_si256, _mm512_add_epi32,
+    _mm512_and_si512, _mm512_castps_si512, _mm512_castsi512_ps, _mm512_cmp_ps_mask,
+    _mm512_cvtepi32_epi16, _mm512_cvtepu16_epi32, _mm512_cvtph_ps, _mm512_cvtps_ph,
+    _mm512_mask_mov_epi32, _mm512_or_si512, _mm512_set1_epi32, _mm512_slli_epi32,
+    _mm512_srli_epi32, _CMP_UNORD_Q, _MM_FROUND_NO_EXC, _MM_FROUND_TO_NEAREST_INT,
 };
 
 /// 16 f32 rounded to bf16 bits.
 #[inline]
 #[target_feature(enable = "avx512f")]
 pub(crate) fn f32_to_bf16(v: __m512) -> __m256i {
+    _mm512_cvtepi32_epi16(f32_to_bf16_lanes(v))
+}
+
+/// 16 f32 rounded to bf16 bits, each in the low half of its 32-bit lane (the high half zero).
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) fn f32_to_bf16_lanes(v: __m512) -> __m512i {
     let bits = _mm512_castps_si512(v);
     let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
     let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
     let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, bias));
     let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
     let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x40));
-    _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet))
+    _mm512_mask_mov_epi32(rounded, nan, quiet)
 }
 
 /// 16 bf16 bits widened to f32 (exact).

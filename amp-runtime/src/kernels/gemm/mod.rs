@@ -39,6 +39,16 @@ pub(crate) struct MatRef<'a, T> {
 }
 
 impl<'a, T> MatRef<'a, T> {
+    /// The same view (offset and strides) over other data, of the same length in elements.
+    pub fn with_data<'b, E>(&self, data: &'b [E]) -> MatRef<'b, E> {
+        MatRef {
+            data,
+            offset: self.offset,
+            rs: self.rs,
+            cs: self.cs,
+        }
+    }
+
     /// A row-major matrix of `row_len` columns starting at `offset`.
     pub fn row_major(data: &'a [T], offset: usize, row_len: usize) -> Self {
         Self {
@@ -58,7 +68,7 @@ impl<T: Copy> MatRef<'_, T> {
 }
 
 /// An element type the GEMM reads: its f32 value (`Real`) and its bf16 bits.
-pub(crate) trait GemmElem: Real + Send + Sync {
+pub(crate) trait GemmElem: Real + Send + Sync + 'static {
     const IS_BF16: bool = false;
 
     /// The value rounded to bf16, as bits (the identity for bf16 itself).
@@ -85,6 +95,18 @@ impl GemmElem for bf16 {
     #[inline]
     fn bf16_bits(self) -> u16 {
         self.to_bits()
+    }
+}
+
+/// `x` rounded to `T`: the identity when `S` is `T`, else the conversion the cast op performs
+/// (`half`'s, to nearest even). How a master operand of another type than the product's is read.
+#[inline]
+fn rounded<S: GemmElem, T: GemmElem>(x: S) -> T {
+    if std::any::TypeId::of::<S>() == std::any::TypeId::of::<T>() {
+        // SAFETY: `S` and `T` are the same type.
+        unsafe { std::mem::transmute_copy(&x) }
+    } else {
+        T::put(x.get())
     }
 }
 
@@ -139,13 +161,17 @@ fn detect() -> Isa {
 /// is `m x n` row-major with leading dimension `n`, in any of the three types: each element
 /// is accumulated in f32 over the whole of `k` and rounded once. Runs on the kernels' pool when
 /// `parallel`.
+///
+/// `b` may hold another type than `a` (an f32 master weight beside half activations): the
+/// product is `a`'s type's, and `b`'s values are rounded to it as they are packed, bit for bit
+/// what converting `b` first would give, without the converted copy.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm<T: GemmElem, O: Real + Send + Sync>(
+pub(crate) fn gemm<T: GemmElem, B: GemmElem, O: Real + Send + Sync>(
     m: usize,
     n: usize,
     k: usize,
     a: MatRef<T>,
-    b: MatRef<T>,
+    b: MatRef<B>,
     c: &mut [O],
     accumulate: bool,
     parallel: bool,
@@ -158,10 +184,10 @@ pub(crate) fn gemm<T: GemmElem, O: Real + Send + Sync>(
 
 /// `c = a * b` into memory that need not be initialised (a fresh output buffer, spared its
 /// zero-filling): every element of the `m x n` block is written.
-pub(crate) fn gemm_uninit<T: GemmElem, O: Real + Send + Sync>(
+pub(crate) fn gemm_uninit<T: GemmElem, B: GemmElem, O: Real + Send + Sync>(
     (m, n, k): (usize, usize, usize),
     a: MatRef<T>,
-    b: MatRef<T>,
+    b: MatRef<B>,
     c: &mut [MaybeUninit<O>],
     parallel: bool,
 ) {
@@ -170,12 +196,12 @@ pub(crate) fn gemm_uninit<T: GemmElem, O: Real + Send + Sync>(
 
 /// [`gemm`] on a possibly uninitialised `c`, which `accumulate` requires initialised.
 #[allow(clippy::too_many_arguments)]
-fn run<T: GemmElem, O: Real + Send + Sync>(
+fn run<T: GemmElem, B: GemmElem, O: Real + Send + Sync>(
     m: usize,
     n: usize,
     k: usize,
     a: MatRef<T>,
-    b: MatRef<T>,
+    b: MatRef<B>,
     c: &mut [MaybeUninit<O>],
     accumulate: bool,
     parallel: bool,
@@ -201,27 +227,28 @@ fn run<T: GemmElem, O: Real + Send + Sync>(
     }
     match isa() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Amx if T::IS_BF16 => blocked::<T, amx::AmxKernel, O>(&p, c),
+        Isa::Amx if T::IS_BF16 => blocked::<T, B, amx::AmxKernel, O>(&p, c),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Bf16 if T::IS_BF16 => blocked::<T, x86::Bf16Kernel, O>(&p, c),
+        Isa::Avx512Bf16 if T::IS_BF16 => blocked::<T, B, x86::Bf16Kernel, O>(&p, c),
         #[cfg(target_arch = "x86_64")]
-        Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => blocked::<T, x86::F32Kernel, O>(&p, c),
-        _ => blocked::<T, portable::F32Kernel, O>(&p, c),
+        Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => blocked::<T, B, x86::F32Kernel, O>(&p, c),
+        _ => blocked::<T, B, portable::F32Kernel, O>(&p, c),
     }
 }
 
+/// `a * b` in `T`, `b` stored as `B` (see [`gemm`]).
 #[derive(Clone, Copy)]
-struct Problem<'a, T> {
+struct Problem<'a, T, B> {
     m: usize,
     n: usize,
     k: usize,
     a: MatRef<'a, T>,
-    b: MatRef<'a, T>,
+    b: MatRef<'a, B>,
     accumulate: bool,
     parallel: bool,
 }
 
-impl<T: Copy> Problem<'_, T> {
+impl<T: Copy, B: Copy> Problem<'_, T, B> {
     /// The same product over the inner range `k0..k0 + kc` only.
     fn inner_slice(&self, k0: usize, kc: usize) -> Self {
         let mut p = *self;
@@ -252,9 +279,11 @@ trait Kernel {
     }
 
     /// Packs what the kernel has a vector path for, a rectangle of lanes and units from the
-    /// first of each, and returns its size; [`pack`] does the rest.
-    fn pack_fast<T: GemmElem>(
-        _v: MatRef<T>,
+    /// first of each, and returns its size; [`pack`] does the rest. `v` may be of another type
+    /// than the product's (a master): kernels with a fast path have one unit type, so its
+    /// values are rounded to that type (bf16) whatever the product's type.
+    fn pack_fast<S: GemmElem>(
+        _v: MatRef<S>,
         _lanes: Lanes,
         _whole: usize,
         _out: &mut [Self::Unit],
@@ -316,19 +345,19 @@ impl<O> SharedOut<O> {
 
 /// Splits `k` into passes of at most `MAX_UNITS` units; with several passes into a half `O`,
 /// the passes accumulate in an f32 buffer that is rounded once at the end.
-fn blocked<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
-    p: &Problem<T>,
+fn blocked<T: GemmElem, B: GemmElem, K: Kernel, O: Real + Send + Sync>(
+    p: &Problem<T, B>,
     c: &mut [MaybeUninit<O>],
 ) {
     let kc_max = MAX_UNITS * K::KSTEP;
     if p.k <= kc_max {
-        return one_pass::<T, K, O>(p, c);
+        return one_pass::<T, B, K, O>(p, c);
     }
     let mut sums = vec![MaybeUninit::new(0f32); p.m * p.n];
     for (pass, k0) in (0..p.k).step_by(kc_max).enumerate() {
         let mut slice = p.inner_slice(k0, kc_max.min(p.k - k0));
         slice.accumulate = pass > 0;
-        one_pass::<T, K, f32>(&slice, &mut sums);
+        one_pass::<T, B, K, f32>(&slice, &mut sums);
     }
     for (o, s) in c.iter_mut().zip(&sums) {
         // SAFETY: every sum was written; C is initialised when accumulating (see `run`).
@@ -339,8 +368,8 @@ fn blocked<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
 
 /// One pass over the whole inner dimension: B packed per column slice, A per block of rows,
 /// each tile accumulated in registers over all of `k` and stored once.
-fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
-    p: &Problem<T>,
+fn one_pass<T: GemmElem, B: GemmElem, K: Kernel, O: Real + Send + Sync>(
+    p: &Problem<T, B>,
     c: &mut [MaybeUninit<O>],
 ) {
     let (m, n, k) = (p.m, p.n, p.k);
@@ -367,7 +396,8 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
             let lanes = PACK_TASK_PANELS * K::NR;
             let pack_b = |t: usize, panels: &mut [K::Unit]| {
                 let first = t * lanes;
-                pack_panels::<T, K>(b_lanes, j0 + first, lanes.min(nc - first), k, units, panels);
+                let count = lanes.min(nc - first);
+                pack_panels::<B, T, K>(b_lanes, j0 + first, count, k, units, panels);
             };
             let chunk = PACK_TASK_PANELS * units * K::NR;
             if threads > 1 && panels_n > 1 {
@@ -401,7 +431,7 @@ fn one_pass<T: GemmElem, K: Kernel, O: Real + Send + Sync>(
                             width: K::MR,
                             block: K::A_BLOCK,
                         };
-                        pack::<T, K>(p.a, rows_of_a, k, units, panel);
+                        pack::<T, T, K>(p.a, rows_of_a, k, units, panel);
                     }
                     let jp_end = ((g + 1) * panels_per_group).min(panels_n);
                     K::with_state(|| {
@@ -526,9 +556,11 @@ impl Scratch for u32 {
 /// `units` units, those past `kc` zero (`out` holds them all). When the lanes
 /// at each `k` are contiguous (a row-major B), every panel is filled in one walk along B's
 /// rows, which reads memory in order; a panel at a time would stride across all `k` rows for
-/// every 32 lanes.
-fn pack_panels<T: GemmElem, K: Kernel>(
-    v: MatRef<T>,
+/// every 32 lanes. A master operand (`S` another type than `T`) goes a panel at a time through
+/// [`pack`], whose vector path rounds 16 values at once: rounding them one by one in the walk
+/// cost more than the walk saves.
+fn pack_panels<S: GemmElem, T: GemmElem, K: Kernel>(
+    v: MatRef<S>,
     first: usize,
     count: usize,
     kc: usize,
@@ -536,7 +568,8 @@ fn pack_panels<T: GemmElem, K: Kernel>(
     out: &mut [K::Unit],
 ) {
     let panel = units * K::NR;
-    if v.rs != 1 || v.cs == 1 || !kc.is_multiple_of(K::KSTEP) {
+    let master = std::any::TypeId::of::<S>() != std::any::TypeId::of::<T>();
+    if master || v.rs != 1 || v.cs == 1 || !kc.is_multiple_of(K::KSTEP) {
         for (p, out) in out.chunks_mut(panel).enumerate() {
             let l0 = p * K::NR;
             let lanes = Lanes {
@@ -545,7 +578,7 @@ fn pack_panels<T: GemmElem, K: Kernel>(
                 width: K::NR,
                 block: 1,
             };
-            pack::<T, K>(v, lanes, kc, units, out);
+            pack::<S, T, K>(v, lanes, kc, units, out);
         }
         return;
     }
@@ -557,7 +590,7 @@ fn pack_panels<T: GemmElem, K: Kernel>(
         for (p, (lo, hi)) in lo.chunks(K::NR).zip(hi.chunks(K::NR)).enumerate() {
             let dst = &mut out[p * panel + u * K::NR..][..lo.len()];
             for ((unit, &x), &y) in dst.iter_mut().zip(lo).zip(hi) {
-                *unit = K::unit(x, y);
+                *unit = K::unit::<T>(rounded(x), rounded(y));
             }
         }
     }
@@ -588,10 +621,10 @@ impl Lanes {
 }
 
 /// Packs the lanes `lanes` describes (rows of `v`, which is A or B transposed) over the inner
-/// dimension `0..kc` into `out`, a panel of `units` units per lane; the units past `kc` are
-/// zero.
-fn pack<T: GemmElem, K: Kernel>(
-    v: MatRef<T>,
+/// dimension `0..kc` into `out`, a panel of `units` units per lane, its values rounded from
+/// `S` to the product's type `T`; the units past `kc` are zero.
+fn pack<S: GemmElem, T: GemmElem, K: Kernel>(
+    v: MatRef<S>,
     lanes: Lanes,
     kc: usize,
     units: usize,
@@ -602,9 +635,9 @@ fn pack<T: GemmElem, K: Kernel>(
     let whole = kc / K::KSTEP;
     // A unit's last value: past `kc` (an odd tail of bf16 pairs) it is zero.
     let zero = T::put(0.0);
-    let value = |l: usize, kk: usize| {
+    let value = |l: usize, kk: usize| -> T {
         if kk < kc {
-            v.data[base + l * v.rs + kk * v.cs]
+            rounded(v.data[base + l * v.rs + kk * v.cs])
         } else {
             zero
         }
@@ -617,7 +650,8 @@ fn pack<T: GemmElem, K: Kernel>(
                 let run = &v.data[base + l * v.rs..][..whole * K::KSTEP];
                 let run = &run[units_of.start * K::KSTEP..units_of.end * K::KSTEP];
                 for (u, values) in units_of.clone().zip(run.chunks_exact(K::KSTEP)) {
-                    out[lanes.at(u, l)] = K::unit(values[0], values[K::KSTEP - 1]);
+                    out[lanes.at(u, l)] =
+                        K::unit::<T>(rounded(values[0]), rounded(values[K::KSTEP - 1]));
                 }
             }
         } else if v.rs == 1 && lanes.block == 1 {
@@ -628,7 +662,7 @@ fn pack<T: GemmElem, K: Kernel>(
                 let hi = &v.data[base + (k0 + K::KSTEP - 1) * v.cs..][lanes_of.clone()];
                 let dst = &mut out[u * width..][lanes_of.clone()];
                 for ((unit, &x), &y) in dst.iter_mut().zip(lo).zip(hi) {
-                    *unit = K::unit(x, y);
+                    *unit = K::unit::<T>(rounded(x), rounded(y));
                 }
             }
         } else {
@@ -977,21 +1011,21 @@ mod tests {
             .collect()
     }
 
-    type Driver<T> = fn(&Problem<T>, &mut [MaybeUninit<f32>]);
+    type Driver<T, B> = fn(&Problem<T, B>, &mut [MaybeUninit<f32>]);
 
-    /// The drivers this CPU can run for `T`, with f32 output.
-    fn drivers<T: GemmElem>() -> Vec<Driver<T>> {
-        let mut all: Vec<Driver<T>> = vec![blocked::<T, portable::F32Kernel, f32>];
+    /// The drivers this CPU can run for products in `T` with B stored as `B`, f32 output.
+    fn drivers<T: GemmElem, B: GemmElem>() -> Vec<Driver<T, B>> {
+        let mut all: Vec<Driver<T, B>> = vec![blocked::<T, B, portable::F32Kernel, f32>];
         #[cfg(target_arch = "x86_64")]
         {
             if isa() != Isa::Portable {
-                all.push(blocked::<T, x86::F32Kernel, f32>);
+                all.push(blocked::<T, B, x86::F32Kernel, f32>);
             }
             if matches!(isa(), Isa::Amx | Isa::Avx512Bf16) && T::IS_BF16 {
-                all.push(blocked::<T, x86::Bf16Kernel, f32>);
+                all.push(blocked::<T, B, x86::Bf16Kernel, f32>);
             }
             if isa() == Isa::Amx && T::IS_BF16 {
-                all.push(blocked::<T, amx::AmxKernel, f32>);
+                all.push(blocked::<T, B, amx::AmxKernel, f32>);
             }
         }
         all
@@ -1047,7 +1081,7 @@ mod tests {
                 let want = reference(m, n, k, a, b);
                 let tol = 1e-5 * (k as f64 + 1.0);
                 let name = std::any::type_name::<T>();
-                for driver in drivers::<T>() {
+                for driver in drivers::<T, T>() {
                     for parallel in [false, true] {
                         let mut c = vec![MaybeUninit::new(1f32); m * n];
                         let p = Problem {
@@ -1082,6 +1116,80 @@ mod tests {
         };
         gemm(2, 3, 0, none, none, &mut empty, false, false);
         assert!(empty.iter().all(|x| x.get() == 0.0), "k = 0 gives zeros");
+    }
+
+    fn product<'a, T, B>(
+        (m, n, k): (usize, usize, usize),
+        a: MatRef<'a, T>,
+        b: MatRef<'a, B>,
+    ) -> Problem<'a, T, B> {
+        Problem {
+            m,
+            n,
+            k,
+            a,
+            b,
+            accumulate: false,
+            parallel: true,
+        }
+    }
+
+    /// An f32 B (a master weight) in a product of `T`: every kernel gives, to the bit, what it
+    /// gives on B rounded to `T` first, for B's rows or columns contiguous (both packing paths,
+    /// whole groups of 16 and tails), values that round to even, overflow f16, or are subnormal.
+    fn check_master<T: GemmElem>() {
+        let name = std::any::type_name::<T>();
+        for &(m, n, k) in &[
+            (3, 5, 7),
+            (33, 48, 64),
+            (20, 70, 130),
+            (18, 48, 129),
+            (5, 9, 4500),
+        ] {
+            let a_data = values::<T>(m * k, 1);
+            let mut master = values::<f32>(k * n, 2);
+            for (i, v) in master.iter_mut().enumerate() {
+                *v *= [1.0, 1.0 + f32::EPSILON, 3.0e4, 1e-39][i % 4];
+            }
+            master[1] = 1.0 + 2f32.powi(-8); // a bf16 tie: rounds to even (1.0)
+            master[2] = 70_000.0; // past f16's range: inf in f16
+            let rounded: Vec<T> = master.iter().map(|&v| T::put(v)).collect();
+            let a = MatRef::row_major(&a_data, 0, k);
+            for b_transposed in [false, true] {
+                let (rs, cs) = if b_transposed { (1, k) } else { (n, 1) };
+                let view = MatRef {
+                    data: &master[..],
+                    offset: 0,
+                    rs,
+                    cs,
+                };
+                let same = view.with_data(&rounded[..]);
+                for (mixed, plain) in drivers::<T, f32>().into_iter().zip(drivers::<T, T>()) {
+                    let mut got = vec![MaybeUninit::new(0f32); m * n];
+                    let mut want = vec![MaybeUninit::new(0f32); m * n];
+                    mixed(&product((m, n, k), a, view), &mut got);
+                    plain(&product((m, n, k), a, same), &mut want);
+                    // SAFETY: both drivers wrote every element.
+                    let bits = |c: &[MaybeUninit<f32>]| -> Vec<u32> {
+                        c.iter()
+                            .map(|x| unsafe { x.assume_init() }.to_bits())
+                            .collect()
+                    };
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{name} {m}x{n}x{k} t={b_transposed}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_master_operand_is_rounded_as_it_is_packed() {
+        check_master::<half::bf16>();
+        check_master::<half::f16>();
+        check_master::<f32>();
     }
 
     /// The public entry point into `T` itself, which rounds once: within half an ulp of `T`

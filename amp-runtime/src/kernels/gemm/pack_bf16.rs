@@ -1,5 +1,6 @@
-//! AVX-512 packing of bf16 operands into units of two consecutive `k` (the `vdpbf16ps` and AMX
-//! kernels), 16 lanes x 16 units at a time.
+//! AVX-512 packing of bf16 operands, and of f32 masters rounded to bf16 as they are read, into
+//! units of two consecutive `k` (the `vdpbf16ps` and AMX kernels), 16 lanes x 16 units at a
+//! time.
 //!
 //! A unit of bf16 is the 32 bits of two consecutive `k` of one lane. Where a lane's run along
 //! `k` is contiguous in memory, 16 of its units are one 64-byte load; where the lanes at each
@@ -11,45 +12,94 @@
 //! and the tails.
 
 use std::arch::x86_64::{
-    __m512i, _mm256_loadu_si256, _mm512_cvtepu16_epi32, _mm512_loadu_si512, _mm512_or_si512,
-    _mm512_setzero_si512, _mm512_shuffle_i32x4, _mm512_slli_epi32, _mm512_storeu_si512,
-    _mm512_unpackhi_epi32, _mm512_unpackhi_epi64, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
+    __m512i, _mm256_loadu_si256, _mm512_castsi256_si512, _mm512_cvtepu16_epi32, _mm512_inserti64x4,
+    _mm512_loadu_ps, _mm512_loadu_si512, _mm512_or_si512, _mm512_setzero_si512,
+    _mm512_shuffle_i32x4, _mm512_slli_epi32, _mm512_storeu_si512, _mm512_unpackhi_epi32,
+    _mm512_unpackhi_epi64, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
 };
 
 use super::{GemmElem, Lanes, MatRef};
+use crate::kernels::simd::{f32_to_bf16, f32_to_bf16_lanes};
 
 /// Lanes and units per step.
 const G: usize = 16;
 
-/// [`pack`] where `T` is bf16: the bf16 kernels' `Kernel::pack_fast`.
-pub(super) fn pack_units<T: GemmElem>(
-    v: MatRef<T>,
+/// [`pack`] for a bf16 view, or an f32 one rounded to bf16 as it is read (a master weight):
+/// the bf16 kernels' `Kernel::pack_fast`. `(0, 0)` for other element types.
+pub(super) fn pack_units<S: GemmElem>(
+    v: MatRef<S>,
     lanes: Lanes,
     whole: usize,
     out: &mut [u32],
 ) -> (usize, usize) {
-    let Some(data) = T::bf16_slice(v.data) else {
-        return (0, 0);
-    };
-    let bits = MatRef {
-        data,
-        offset: v.offset,
-        rs: v.rs,
-        cs: v.cs,
-    };
     // SAFETY: the bf16 kernels run only where avx512f exists (`isa()`).
-    unsafe { pack(bits, lanes, whole, out) }
+    unsafe {
+        if let Some(bits) = S::bf16_slice(v.data) {
+            pack(v.with_data(bits), lanes, whole, out)
+        } else if let Some(values) = crate::kernels::as_f32(v.data) {
+            pack(v.with_data(values), lanes, whole, out)
+        } else {
+            (0, 0)
+        }
+    }
 }
 
-/// Packs the whole groups of 16 lanes and 16 units of a bf16 view (its elements' bits) into
-/// `out` laid out as `lanes` says, and returns how many lanes and units that covered (a
+/// An element type [`pack`] reads: bf16 bits as they are, or f32 rounded to bf16.
+trait Source: Copy {
+    /// The 32 values from `p` as bf16 bits, in order: 16 units of one lane.
+    ///
+    /// # Safety
+    /// `p` addresses 32 readable values; avx512f exists.
+    unsafe fn units(p: *const Self) -> __m512i;
+
+    /// The 16 values from `p` as bf16 bits, one in the low half of each 32-bit lane.
+    ///
+    /// # Safety
+    /// As [`Source::units`], for 16 values.
+    unsafe fn lanes(p: *const Self) -> __m512i;
+}
+
+impl Source for u16 {
+    #[inline]
+    unsafe fn units(p: *const u16) -> __m512i {
+        // SAFETY: forwarded from the caller.
+        unsafe { _mm512_loadu_si512(p.cast()) }
+    }
+
+    #[inline]
+    unsafe fn lanes(p: *const u16) -> __m512i {
+        // SAFETY: forwarded from the caller.
+        unsafe { _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast())) }
+    }
+}
+
+impl Source for f32 {
+    #[inline]
+    unsafe fn units(p: *const f32) -> __m512i {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            let lo = f32_to_bf16(_mm512_loadu_ps(p));
+            let hi = f32_to_bf16(_mm512_loadu_ps(p.add(G)));
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+        }
+    }
+
+    #[inline]
+    unsafe fn lanes(p: *const f32) -> __m512i {
+        // SAFETY: forwarded from the caller.
+        unsafe { f32_to_bf16_lanes(_mm512_loadu_ps(p)) }
+    }
+}
+
+/// Packs the whole groups of 16 lanes and 16 units of a view of bf16 bits or of f32 values
+/// (rounded to bf16) into `out` laid out as `lanes` says, and returns how many lanes and units that covered (a
 /// rectangle from the first lane and unit); `(0, 0)` when neither of `v`'s strides is 1.
 ///
 /// # Safety
 /// avx512f exists.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn pack(
-    v: MatRef<u16>,
+unsafe fn pack<E: Source>(
+    v: MatRef<E>,
     lanes: Lanes,
     whole: usize,
     out: &mut [u32],
@@ -85,12 +135,10 @@ pub(super) unsafe fn pack(
                 // SAFETY: every element read is at most `last_in` (checked above).
                 *row = unsafe {
                     if by_lane {
-                        _mm512_loadu_si512(src.add(base + (l0 + i) * v.rs + 2 * u0).cast())
+                        E::units(src.add(base + (l0 + i) * v.rs + 2 * u0))
                     } else {
                         let at = base + l0 + 2 * (u0 + i) * v.cs;
-                        let lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(src.add(at).cast()));
-                        let hi =
-                            _mm512_cvtepu16_epi32(_mm256_loadu_si256(src.add(at + v.cs).cast()));
+                        let (lo, hi) = (E::lanes(src.add(at)), E::lanes(src.add(at + v.cs)));
                         _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi))
                     }
                 };
