@@ -842,3 +842,51 @@ fn layer_norm_takes_candle_nn_configs_and_linear_b_its_bias_flag() -> Result<()>
     assert!(names.iter().all(|n| !n.starts_with("b.")), "{names:?}");
     Ok(())
 }
+
+// ---- The scaler's backward takes the masters' gradients straight from the ops. ----
+
+/// Half `Linear` and conv2d hand their variables' gradients to the scaler's backward directly
+/// (sparing candle's zeros-and-add per weight): the gradients are the ones candle's own backward
+/// computes, for a weight used twice, a weight also used by a candle op, and a kernel computed
+/// from a variable (not a leaf: its gradient must flow on to the variable).
+#[test]
+fn the_scaler_s_backward_gives_candle_s_gradients() -> Result<()> {
+    let (map, vb) = vars();
+    let fc = nn::linear(8, 8, vb.pp("fc"))?;
+    let conv = nn::conv2d(2, 4, 1, nn::Conv2dConfig::default(), vb.pp("conv"))?;
+    let raw = Var::randn(0f32, 0.5, (3, 2, 1, 1), &dev())?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (3, 8), &dev())?;
+    let img = Tensor::<F32>::randn(0.0, 1.0, (2, 2, 5, 5), &dev())?;
+    let loss = || -> Result<candle_core::Tensor> {
+        let h = fc.forward(&fc.forward(&x.cast::<BF16>()?)?.relu()?)?;
+        let c = conv.forward(&img.cast::<BF16>()?)?;
+        let k = Tensor::<F32>::from_candle((raw.as_tensor() * 2.0)?)?.cast::<BF16>()?;
+        let d = img.cast::<BF16>()?.conv2d(&k, 0, 1, 1, 1)?;
+        let sum = |t: Tensor<BF16>| t.cast::<F32>()?.as_candle().sum_all();
+        let tied = fc.weight().as_tensor().sqr()?.sum_all()?;
+        (sum(h)? + sum(c)?)? + (sum(d)? + tied)?
+    };
+    let plain = loss()?.backward()?;
+    let scaler = candle_amp::GradScaler::builder().enabled(false).build()?;
+    let scaled = scaler.scale(&loss()?)?.backward()?;
+    let mut vars = map.all_vars();
+    vars.push(raw.clone());
+    assert_eq!(vars.len(), 5);
+    for var in &vars {
+        let want = plain.get(var).expect("candle's gradient");
+        let got = scaled.get(var).expect("the scaler's gradient");
+        assert_eq!(got.dtype(), DType::F32);
+        let (got, want) = (
+            got.flatten_all()?.to_vec1::<f32>()?,
+            want.flatten_all()?.to_vec1::<f32>()?,
+        );
+        for (g, w) in got.iter().zip(&want) {
+            // The tied weight's two parts are added in another order: f32 rounding apart.
+            assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{g} vs {w}");
+        }
+    }
+    // Candle's own backward afterwards still gets every gradient from the ops.
+    let again = loss()?.backward()?;
+    assert!(vars.iter().all(|v| again.get(v).is_some()));
+    Ok(())
+}

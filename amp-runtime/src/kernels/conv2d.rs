@@ -487,7 +487,7 @@ impl CustomOp2 for GemmConv2d {
         };
         let grad_x = k_used.apply_op2_no_bwd(&grad, &GradInput(geo))?;
         let grad_k = x.apply_op2_no_bwd(&grad, &GradWeight(geo, k.dtype()))?;
-        Ok((Some(grad_x), Some(grad_k)))
+        Ok((Some(grad_x), super::leaf_grads::offer(k, grad_k)?))
     }
 }
 
@@ -515,13 +515,13 @@ impl CustomOp3 for GemmConv2d {
         &self,
         x: &Tensor,
         k: &Tensor,
-        _bias: &Tensor,
+        bias: &Tensor,
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (grad_x, grad_k) = CustomOp2::bwd(self, x, k, res, grad)?;
         let grad_b = grad.contiguous()?.apply_op1_no_bwd(&GradBias(k.dtype()))?;
-        Ok((grad_x, grad_k, Some(grad_b)))
+        Ok((grad_x, grad_k, super::leaf_grads::offer(bias, grad_b)?))
     }
 }
 

@@ -246,13 +246,14 @@ impl HalfLinear {
         y
     }
 
-    /// `grad_x` in `x`'s dtype and the master's `grad_w` in f32.
-    fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// `grad_x` in `x`'s dtype and the master's `grad_w` in f32 (`None` when the scaler's
+    /// backward takes it directly: `leaf_grads`).
+    fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
         let grad_x = grad.apply_op2_no_bwd(w, &ByMaster)?;
         let grad_w = grad
             .t()?
             .apply_op2_no_bwd(x, &HalfMatmul(Some(DType::F32)))?;
-        Ok((grad_x, grad_w))
+        Ok((grad_x, super::leaf_grads::offer(w, grad_w)?))
     }
 }
 
@@ -340,7 +341,7 @@ impl CustomOp2 for HalfLinear {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (gx, gw) = Self::grads(x, w, grad)?;
-        Ok((Some(gx), Some(gw)))
+        Ok((Some(gx), gw))
     }
 }
 
@@ -380,13 +381,13 @@ impl CustomOp3 for HalfLinear {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _b: &Tensor,
+        b: &Tensor,
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (gx, gw) = Self::grads(x, w, grad)?;
-        let gb = grad.apply_op1_no_bwd(&ColumnSums)?;
-        Ok((Some(gx), Some(gw), Some(gb)))
+        let gb = super::leaf_grads::offer(b, grad.apply_op1_no_bwd(&ColumnSums)?)?;
+        Ok((Some(gx), gw, gb))
     }
 }
 

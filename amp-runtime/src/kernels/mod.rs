@@ -10,6 +10,9 @@
 //! - `activation`: GELU (tanh and erf), SiLU and ReLU, each one op computed in f32 with a
 //!   one-pass backward.
 //! - `optim`: the in-place update passes of `crate::optim`'s SGD and AdamW.
+//! - `leaf_grads`: the variables' gradients the ops hand to the scaler's backward directly,
+//!   sparing candle's zeros-and-add per gradient.
+//! - `parallel`: the pool every parallel kernel runs on (candle's own).
 //! - `softmax`, `layer_norm`: fp32-class ops that read half inputs as they are, compute in f32,
 //!   and have their own backward.
 //! - this module: [`Real`], the element types, and the widened passes through which the
@@ -92,6 +95,7 @@ mod convert;
 mod cuda;
 pub(crate) mod gemm;
 mod layer_norm;
+pub(crate) mod leaf_grads;
 mod matmul;
 mod mse;
 pub(crate) mod optim;

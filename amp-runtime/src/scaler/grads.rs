@@ -9,6 +9,7 @@ use candle_core::{DType, Result, Tensor, TensorId, Var};
 
 use super::state::ScalerError;
 use super::GradScaler;
+use crate::kernels::leaf_grads;
 use crate::kernels::unscale::unscale_in_place;
 
 /// The gradients of the `Var`s a loss depends on, in graph order (the order is fixed, so
@@ -22,14 +23,22 @@ struct GradSet {
 impl GradSet {
     /// Runs `loss.backward()` and keeps the gradients of variables only: candle's store also
     /// holds gradients of constant inputs, which no optimizer reads and which must not decide
-    /// whether a step is skipped.
+    /// whether a step is skipped. The variables' gradients that this crate's ops hand over
+    /// directly (`kernels::leaf_grads`, sparing candle's zeros-and-add per gradient) join them,
+    /// added to what candle computed for the same variable, if anything.
     fn backward(loss: &Tensor) -> Result<Self> {
+        let collect = leaf_grads::Collect::begin();
         let mut all = loss.backward()?;
+        let mut direct = collect.finish();
         let mut store = GradStore::default();
         let mut ids = Vec::new();
         for node in loss.sorted_nodes() {
             if node.is_variable() {
-                if let Some(grad) = all.remove(node) {
+                let grad = match (all.remove(node), direct.remove(&node.id())) {
+                    (Some(a), Some(b)) => Some(a.add(&b)?),
+                    (a, b) => a.or(b),
+                };
+                if let Some(grad) = grad {
                     store.insert(node, grad);
                     ids.push(node.id());
                 }
