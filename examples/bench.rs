@@ -29,6 +29,10 @@
 //!   `Conv2d` (1x1, 256 -> 256 channels on 128 x 128, batch 1: `quantized_sine`'s hidden layer
 //!   at `--size 128 --hidden 256`) over `candle_nn::Conv2d` with the same weights.
 //!
+//! - `adamw_step_vs_candle_nn` (target <= 0.5): one `candle_amp::optim::AdamW` step (in place,
+//!   one pass per parameter) over one `candle_nn::AdamW` step (a dozen tensor ops per
+//!   parameter), each on its own copy of three `--width` x `--width` f32 weights with the same
+//!   gradients.
 //! - `linear3d_vs_candle_nn` (target <= 1.05): forward and backward of candle-amp's `Linear` on
 //!   a rank-3 f32 input `(8, 128, 768)` to 768 features (a transformer's projection), over
 //!   `candle_nn::Linear` with the same weights: both flatten to one 2-D GEMM.
@@ -55,9 +59,10 @@ use std::time::Instant;
 
 use candle_amp::kernels::unscale::{naive_unscale, unscale_in_place};
 use candle_amp::nn::loss;
+use candle_amp::optim::{Optimizer, SGD};
 use candle_amp::{Bf16Policy, Fp16Policy, GradScaler, Policy, Tensor, BF16, F32};
 use candle_core::{DType, Device, Result};
-use candle_nn::{Optimizer, VarBuilder, VarMap, SGD};
+use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
 use fixtures::Mlp;
 use serde::Serialize;
@@ -306,6 +311,41 @@ fn measure_step_in<Pol: Policy>(args: &Args, dev: &Device) -> Result<Step> {
     })
 }
 
+/// Side 0: `candle_amp::optim::AdamW`, side 1: `candle_nn::AdamW`, one step each.
+struct AdamWStep(Samples);
+
+fn measure_adamw(args: &Args, dev: &Device) -> Result<AdamWStep> {
+    let params = candle_amp::optim::ParamsAdamW::default();
+    // Each side its own weights (the steps write them), with gradients of the same values.
+    let side = || -> Result<(Vec<candle_core::Var>, candle_core::backprop::GradStore)> {
+        let vars = (0..3)
+            .map(|i| {
+                let t = (candle_core::Tensor::ones((args.width, args.width), DType::F32, dev)?
+                    * (0.01 * f64::from(i + 1)))?;
+                candle_core::Var::from_tensor(&t)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut loss = vars[0].as_tensor().sqr()?.sum_all()?;
+        for v in &vars[1..] {
+            loss = (loss + v.as_tensor().sqr()?.sum_all()?)?;
+        }
+        let grads = loss.backward()?;
+        Ok((vars, grads))
+    };
+    let ((ours_vars, ours_grads), (theirs_vars, theirs_grads)) = (side()?, side()?);
+    let mut ours = candle_amp::optim::AdamW::new(ours_vars, params.clone())?;
+    let mut theirs = candle_nn::AdamW::new(theirs_vars, params)?;
+    let mut by_amp = || ours.step(&ours_grads);
+    let mut by_candle_nn = || theirs.step(&theirs_grads);
+    let t = interleaved(
+        dev,
+        args.warmup,
+        args.step_samples,
+        &mut [&mut by_amp, &mut by_candle_nn],
+    )?;
+    Ok(AdamWStep(t))
+}
+
 /// Side 0: candle-amp's bf16 matmul, side 1: candle's f32 matmul, at 1024^3 on CPU.
 struct Gemm(Samples);
 
@@ -419,6 +459,9 @@ struct Report {
     linear3d_vs_candle_nn: f64,
     bf16_matmul_vs_candle_f32: f64,
     conv1x1_train_step_vs_candle: f64,
+    adamw_step_vs_candle_nn: f64,
+    adamw_ms: f64,
+    adamw_candle_nn_ms: f64,
     bf16_matmul_gflops: f64,
     candle_f32_matmul_gflops: f64,
     conv1x1_ms: f64,
@@ -479,6 +522,7 @@ struct Measured {
     linear3d: Linear3d,
     gemm: Gemm,
     conv1x1: Conv1x1,
+    adamw: AdamWStep,
 }
 
 fn report(args: &Args, m: &Measured) -> Report {
@@ -497,6 +541,9 @@ fn report(args: &Args, m: &Measured) -> Report {
         // Same FLOPs on both sides: our GFLOP/s over candle's is candle's time over ours.
         bf16_matmul_vs_candle_f32: round(m.gemm.0.ratio(1, 0), 3),
         conv1x1_train_step_vs_candle: round(m.conv1x1.0.ratio(0, 1), 3),
+        adamw_step_vs_candle_nn: round(m.adamw.0.ratio(0, 1), 3),
+        adamw_ms: round(m.adamw.0.median(0), 2),
+        adamw_candle_nn_ms: round(m.adamw.0.median(1), 2),
         bf16_matmul_gflops: round(gflops(m.gemm.0.median(0)), 1),
         candle_f32_matmul_gflops: round(gflops(m.gemm.0.median(1)), 1),
         conv1x1_ms: round(m.conv1x1.0.median(0), 2),
@@ -618,6 +665,16 @@ fn print_table(r: &Report) {
         r.conv1x1_ms,
         r.conv1x1_candle_ms
     );
+    println!(
+        "{:<26} {:>8.3}  {:<10} {:<7} candle-amp {:.2} ms, candle-nn {:.2} ms (3 x {w} x {w} f32)",
+        "adamw_step_vs_candle_nn",
+        r.adamw_step_vs_candle_nn,
+        "<= 0.5",
+        verdict(r.adamw_step_vs_candle_nn <= 0.5),
+        r.adamw_ms,
+        r.adamw_candle_nn_ms,
+        w = r.width
+    );
 }
 
 fn main() -> Result<()> {
@@ -647,6 +704,8 @@ fn main() -> Result<()> {
     let gemm = measure_gemm(&args, &dev)?;
     progress("a 1x1 conv layer, f32 fwd+bwd: candle-amp vs candle-nn");
     let conv1x1 = measure_conv1x1(&args, &dev)?;
+    progress("an AdamW step: candle-amp vs candle-nn");
+    let adamw = measure_adamw(&args, &dev)?;
     let r = report(
         &args,
         &Measured {
@@ -656,6 +715,7 @@ fn main() -> Result<()> {
             linear3d,
             gemm,
             conv1x1,
+            adamw,
         },
     );
     if args.json {
