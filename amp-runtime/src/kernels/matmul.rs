@@ -219,12 +219,7 @@ impl HalfLinear {
         let out = lw.dims()[0];
         // The master, contiguous `(out, in)`, rounded to T as the GEMM packs it.
         let w = super::elements(w, lw);
-        let a = MatRef {
-            data: x,
-            offset: lx.start_offset(),
-            rs: lx.stride()[0],
-            cs: lx.stride()[1],
-        };
+        let a = MatRef::from_layout(x, lx);
         // w^T: element (i, j) of the (in, out) view is w[j, i].
         let wt = MatRef {
             data: &w,
@@ -275,20 +270,7 @@ impl CustomOp2 for ByMaster {
     ) -> Result<(CpuStorage, Shape)> {
         fn product<T: GemmElem>(g: &[T], lg: &Layout, w: &[f32], lw: &Layout) -> Vec<T> {
             let (rows, k, n) = (lg.dims()[0], lg.dims()[1], lw.dims()[1]);
-            let view = |l: &Layout| (l.start_offset(), l.stride()[0], l.stride()[1]);
-            let ((ga, grs, gcs), (wa, wrs, wcs)) = (view(lg), view(lw));
-            let a = MatRef {
-                data: g,
-                offset: ga,
-                rs: grs,
-                cs: gcs,
-            };
-            let b = MatRef {
-                data: w,
-                offset: wa,
-                rs: wrs,
-                cs: wcs,
-            };
+            let (a, b) = (MatRef::from_layout(g, lg), MatRef::from_layout(w, lw));
             // SAFETY: the product writes all `rows * n` elements.
             unsafe { written(rows * n, |y| gemm_uninit((rows, n, k), a, b, y, true)) }
         }

@@ -39,6 +39,16 @@ pub(crate) struct MatRef<'a, T> {
 }
 
 impl<'a, T> MatRef<'a, T> {
+    /// The matrix a 2-D layout describes in `data`: its start offset and its two strides.
+    pub fn from_layout(data: &'a [T], l: &candle_core::Layout) -> Self {
+        Self {
+            data,
+            offset: l.start_offset(),
+            rs: l.stride()[0],
+            cs: l.stride()[1],
+        }
+    }
+
     /// The same view (offset and strides) over other data, of the same length in elements.
     pub fn with_data<'b, E>(&self, data: &'b [E]) -> MatRef<'b, E> {
         MatRef {
