@@ -845,15 +845,18 @@ fn layer_norm_takes_candle_nn_configs_and_linear_b_its_bias_flag() -> Result<()>
 
 // ---- The scaler's backward takes the masters' gradients straight from the ops. ----
 
-/// Half `Linear` and conv2d hand their variables' gradients to the scaler's backward directly
+/// Half `Linear`, conv2d and `Embedding` hand their variables' gradients to the scaler's backward directly
 /// (sparing candle's zeros-and-add per weight): the gradients are the ones candle's own backward
-/// computes, for a weight used twice, a weight also used by a candle op, and a kernel computed
-/// from a variable (not a leaf: its gradient must flow on to the variable).
+/// computes, for a weight used twice, a weight also used by a candle op, a kernel computed from
+/// a variable (not a leaf: its gradient must flow on to the variable), and an embedding table
+/// looked up with repeated ids.
 #[test]
 fn the_scaler_s_backward_gives_candle_s_gradients() -> Result<()> {
     let (map, vb) = vars();
     let fc = nn::linear(8, 8, vb.pp("fc"))?;
     let conv = nn::conv2d(2, 4, 1, nn::Conv2dConfig::default(), vb.pp("conv"))?;
+    let emb = nn::embedding(6, 8, vb.pp("emb"))?;
+    let ids = candle_core::Tensor::new(&[[4u32, 1, 4], [0, 5, 4]], &dev())?;
     let raw = Var::randn(0f32, 0.5, (3, 2, 1, 1), &dev())?;
     let x = Tensor::<F32>::randn(0.0, 1.0, (3, 8), &dev())?;
     let img = Tensor::<F32>::randn(0.0, 1.0, (2, 2, 5, 5), &dev())?;
@@ -864,14 +867,15 @@ fn the_scaler_s_backward_gives_candle_s_gradients() -> Result<()> {
         let d = img.cast::<BF16>()?.conv2d(&k, 0, 1, 1, 1)?;
         let sum = |t: Tensor<BF16>| t.cast::<F32>()?.as_candle().sum_all();
         let tied = fc.weight().as_tensor().sqr()?.sum_all()?;
-        (sum(h)? + sum(c)?)? + (sum(d)? + tied)?
+        let e = (emb.forward(&ids)?.as_candle().sqr()?.sum_all()? * 0.1)?;
+        ((sum(h)? + sum(c)?)? + (sum(d)? + tied)?)? + e
     };
     let plain = loss()?.backward()?;
     let scaler = candle_amp::GradScaler::builder().enabled(false).build()?;
     let scaled = scaler.scale(&loss()?)?.backward()?;
     let mut vars = map.all_vars();
     vars.push(raw.clone());
-    assert_eq!(vars.len(), 5);
+    assert_eq!(vars.len(), 6);
     for var in &vars {
         let want = plain.get(var).expect("candle's gradient");
         let got = scaled.get(var).expect("the scaler's gradient");

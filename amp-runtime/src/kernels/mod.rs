@@ -10,6 +10,7 @@
 //! - `activation`: GELU (tanh and erf), SiLU and ReLU, each one op computed in f32 with a
 //!   one-pass backward.
 //! - `optim`: the in-place update passes of `crate::optim`'s SGD and AdamW.
+//! - `embedding`: the lookup of an f32 table, its backward writing the table's gradient once.
 //! - `leaf_grads`: the variables' gradients the ops hand to the scaler's backward directly,
 //!   sparing candle's zeros-and-add per gradient.
 //! - `parallel`: the pool every parallel kernel runs on (candle's own).
@@ -93,6 +94,7 @@ mod conv2d;
 mod convert;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod embedding;
 pub(crate) mod gemm;
 mod layer_norm;
 pub(crate) mod leaf_grads;
@@ -109,6 +111,7 @@ pub mod unscale;
 pub(crate) use activation::{gelu, gelu_erf, relu, silu};
 pub(crate) use conv2d::{conv2d, Conv2dParams};
 pub(crate) use convert::to_dtype;
+pub(crate) use embedding::embedding;
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use matmul::{broadcast_matmul, linear, matmul};
 pub(crate) use mse::mse;

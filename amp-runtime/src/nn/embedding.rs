@@ -44,7 +44,7 @@
 use candle_core::{Result, Var};
 use candle_nn::VarBuilder;
 
-use super::{expect_dims, master, weight_as, AmpLayer};
+use super::{expect_dims, master, AmpLayer};
 use crate::op;
 use crate::precision::F32;
 use crate::region::{calls, AmpTensor, AsAmp, Policy, RegionCall};
@@ -73,8 +73,7 @@ impl Embedding {
     pub fn forward(&self, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
         let mut dims = ids.dims().to_vec();
         dims.push(self.embeddings.dim(1)?);
-        weight_as::<F32>(&self.embeddings)?
-            .index_select(&ids.flatten_all()?, 0)?
+        Tensor::<F32>::wrap(crate::kernels::embedding(self.embeddings.as_tensor(), ids)?)
             .reshape(dims)
     }
 }
