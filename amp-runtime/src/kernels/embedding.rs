@@ -27,21 +27,21 @@ struct Lookup;
 
 /// The ids as row numbers, checked against the vocabulary.
 fn rows(ids: &CpuStorage, l: &Layout, vocab: usize) -> Result<Vec<usize>> {
-    fn to_rows<T: Copy>(v: &[T], l: &Layout, f: impl Fn(T) -> Option<usize>) -> Vec<Option<usize>> {
-        super::elements(v, l).iter().map(|&x| f(x)).collect()
+    fn checked<T: Copy + TryInto<usize>>(v: &[T], l: &Layout, vocab: usize) -> Result<Vec<usize>> {
+        super::elements(v, l)
+            .iter()
+            .map(|&x| match x.try_into() {
+                Ok(r) if r < vocab => Ok(r),
+                _ => candle_core::bail!("embedding: an id is outside the vocabulary of {vocab}"),
+            })
+            .collect()
     }
-    let rows = match ids {
-        CpuStorage::U8(v) => to_rows(v, l, |x| Some(usize::from(x))),
-        CpuStorage::U32(v) => to_rows(v, l, |x| usize::try_from(x).ok()),
-        CpuStorage::I64(v) => to_rows(v, l, |x| usize::try_from(x).ok()),
+    match ids {
+        CpuStorage::U8(v) => checked(v, l, vocab),
+        CpuStorage::U32(v) => checked(v, l, vocab),
+        CpuStorage::I64(v) => checked(v, l, vocab),
         other => candle_core::bail!("embedding: ids must be integers, got {:?}", other.dtype()),
-    };
-    rows.into_iter()
-        .map(|r| match r {
-            Some(r) if r < vocab => Ok(r),
-            _ => candle_core::bail!("embedding: an id is outside the vocabulary of {vocab}"),
-        })
-        .collect()
+    }
 }
 
 fn f32_table<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {

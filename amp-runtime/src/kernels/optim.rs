@@ -10,8 +10,8 @@ use super::{as_f32, as_f32_mut, contiguous, parallel, Real, BLOCK};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, InplaceOp2, Layout, Result};
 
-/// Elements per parallel task; parameters smaller than two tasks are updated on the calling
-/// thread (handing a small pass to the pool costs more than it saves).
+/// Elements per parallel task: a parameter of one task is updated on the calling thread
+/// (`parallel` runs a single call inline), a larger one over the pool.
 const CHUNK: usize = 1 << 15;
 
 /// The per-step constants of an update rule.
@@ -111,21 +111,12 @@ impl Update<'_> {
 /// `w -= lr * g`, the product rounded to f32 before the difference (as candle-nn's
 /// `w.sub(&(g * lr))`, so an f32 parameter ends bit for bit where candle-nn's SGD puts it).
 pub(crate) fn sgd<T: Real + Send + Sync>(w: &mut [T], g: &[T], lr: f32) {
-    let body = |w: &mut [T], g: &[T]| {
-        runs(w, g, |w, g, _| {
+    parallel::for_each_chunk_mut(w, CHUNK, |i, w| {
+        runs(w, &g[i * CHUNK..][..w.len()], |w, g, _| {
             for (w, &g) in w.iter_mut().zip(g) {
                 *w -= g * lr;
             }
         });
-    };
-    if w.len() < 2 * CHUNK {
-        return body(w, g);
-    }
-    let mut tasks: Vec<_> = w.chunks_mut(CHUNK).zip(g.chunks(CHUNK)).collect();
-    parallel::for_each_chunk_mut(&mut tasks, 1, |_, task| {
-        for (w, g) in task {
-            body(w, g);
-        }
     });
 }
 
@@ -137,18 +128,7 @@ pub(crate) fn adamw<T: Real + Send + Sync>(
     v: &mut [f32],
     s: &AdamWStep,
 ) {
-    let body = |w: &mut [T], g: &[T], m: &mut [f32], v: &mut [f32]| {
-        runs(w, g, |w, g, start| {
-            let (m, v) = (
-                &mut m[start..start + w.len()],
-                &mut v[start..start + w.len()],
-            );
-            adamw_f32(w, g, m, v, s);
-        });
-    };
-    if w.len() < 2 * CHUNK {
-        return body(w, g, m, v);
-    }
+    // One task per chunk of all four slices (the moments are written too).
     let mut tasks: Vec<_> = w
         .chunks_mut(CHUNK)
         .zip(g.chunks(CHUNK))
@@ -156,7 +136,13 @@ pub(crate) fn adamw<T: Real + Send + Sync>(
         .collect();
     parallel::for_each_chunk_mut(&mut tasks, 1, |_, task| {
         for ((w, g), (m, v)) in task {
-            body(w, g, m, v);
+            runs(w, g, |w, g, start| {
+                let (m, v) = (
+                    &mut m[start..start + w.len()],
+                    &mut v[start..start + w.len()],
+                );
+                adamw_f32(w, g, m, v, s);
+            });
         }
     });
 }

@@ -112,12 +112,17 @@ impl GemmElem for bf16 {
 /// (`half`'s, to nearest even). How a master operand of another type than the product's is read.
 #[inline]
 fn rounded<S: GemmElem, T: GemmElem>(x: S) -> T {
-    if std::any::TypeId::of::<S>() == std::any::TypeId::of::<T>() {
+    if same_type::<S, T>() {
         // SAFETY: `S` and `T` are the same type.
         unsafe { std::mem::transmute_copy(&x) }
     } else {
         T::put(x.get())
     }
+}
+
+/// Whether `S` and `T` are one type (a master operand is read as another).
+fn same_type<S: 'static, T: 'static>() -> bool {
+    std::any::TypeId::of::<S>() == std::any::TypeId::of::<T>()
 }
 
 /// The unit of the bf16 kernels: two consecutive `k` rounded to bf16, the first in the low
@@ -578,8 +583,7 @@ fn pack_panels<S: GemmElem, T: GemmElem, K: Kernel>(
     out: &mut [K::Unit],
 ) {
     let panel = units * K::NR;
-    let master = std::any::TypeId::of::<S>() != std::any::TypeId::of::<T>();
-    if master || v.rs != 1 || v.cs == 1 || !kc.is_multiple_of(K::KSTEP) {
+    if !same_type::<S, T>() || v.rs != 1 || v.cs == 1 || !kc.is_multiple_of(K::KSTEP) {
         for (p, out) in out.chunks_mut(panel).enumerate() {
             let l0 = p * K::NR;
             let lanes = Lanes {
