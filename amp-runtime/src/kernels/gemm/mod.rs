@@ -306,6 +306,22 @@ trait Kernel {
         (0, 0)
     }
 
+    /// [`pack_panels`]' walk along the rows of a B whose lanes are contiguous at each `k`,
+    /// where the kernel has a vector path: lanes `first..first + count` of `v` for every unit
+    /// below `whole`, into consecutive `NR`-lane panels of `units` units. Returns how many
+    /// lanes from `first` it packed, a multiple of `NR`; the walk does the rest. `v` may be a
+    /// master, rounded as in [`Kernel::pack_fast`].
+    fn walk_fast<S: GemmElem>(
+        _v: MatRef<S>,
+        _first: usize,
+        _count: usize,
+        _whole: usize,
+        _units: usize,
+        _out: &mut [Self::Unit],
+    ) -> usize {
+        0
+    }
+
     /// The unit of `KSTEP` consecutive values of the inner dimension that start with `first`
     /// and end with `last` (one and the same value when `KSTEP` is 1).
     fn unit<T: GemmElem>(first: T, last: T) -> Self::Unit;
@@ -568,12 +584,13 @@ impl Scratch for u32 {
 }
 
 /// Packs `count` lanes from `first` into consecutive `NR`-lane micro-panels of B, each of
-/// `units` units, those past `kc` zero (`out` holds them all). When the lanes
-/// at each `k` are contiguous (a row-major B), every panel is filled in one walk along B's
-/// rows, which reads memory in order; a panel at a time would stride across all `k` rows for
-/// every 32 lanes. A master operand (`S` another type than `T`) goes a panel at a time through
-/// [`pack`], whose vector path rounds 16 values at once: rounding them one by one in the walk
-/// cost more than the walk saves.
+/// `units` units, those past `kc` zero (`out` holds them all). When the lanes at each `k` are
+/// contiguous (a row-major B, or the f32 master of one), every panel is filled in one walk
+/// along B's rows, which reads memory in order: a panel at a time would stride across all `k`
+/// rows for every 32 lanes, a page apart for a 1024-wide f32 weight. The kernel's vector path
+/// ([`Kernel::walk_fast`]) walks the whole panels; a master operand without one goes a panel
+/// at a time through [`pack`], whose vector path rounds 16 values at once: rounding them one
+/// by one in the walk cost more than the walk saves.
 fn pack_panels<S: GemmElem, T: GemmElem, K: Kernel>(
     v: MatRef<S>,
     first: usize,
@@ -583,7 +600,14 @@ fn pack_panels<S: GemmElem, T: GemmElem, K: Kernel>(
     out: &mut [K::Unit],
 ) {
     let panel = units * K::NR;
-    if !same_type::<S, T>() || v.rs != 1 || v.cs == 1 || !kc.is_multiple_of(K::KSTEP) {
+    let whole = kc / K::KSTEP;
+    let walk = v.rs == 1 && v.cs != 1 && kc.is_multiple_of(K::KSTEP);
+    let done = if walk {
+        K::walk_fast(v, first, count, whole, units, out)
+    } else {
+        0
+    };
+    if !walk || (done == 0 && !same_type::<S, T>()) {
         for (p, out) in out.chunks_mut(panel).enumerate() {
             let l0 = p * K::NR;
             let lanes = Lanes {
@@ -596,20 +620,22 @@ fn pack_panels<S: GemmElem, T: GemmElem, K: Kernel>(
         }
         return;
     }
+    debug_assert!(done.is_multiple_of(K::NR), "walk_fast: {done} lanes");
     let base = v.offset + first;
-    for u in 0..kc / K::KSTEP {
+    let first_panel = done / K::NR;
+    for u in 0..whole {
         let k0 = u * K::KSTEP;
-        let lo = &v.data[base + k0 * v.cs..][..count];
-        let hi = &v.data[base + (k0 + K::KSTEP - 1) * v.cs..][..count];
+        let lo = &v.data[base + k0 * v.cs..][done..count];
+        let hi = &v.data[base + (k0 + K::KSTEP - 1) * v.cs..][done..count];
         for (p, (lo, hi)) in lo.chunks(K::NR).zip(hi.chunks(K::NR)).enumerate() {
-            let dst = &mut out[p * panel + u * K::NR..][..lo.len()];
+            let dst = &mut out[(first_panel + p) * panel + u * K::NR..][..lo.len()];
             for ((unit, &x), &y) in dst.iter_mut().zip(lo).zip(hi) {
                 *unit = K::unit::<T>(rounded(x), rounded(y));
             }
         }
     }
     for p in out.chunks_mut(panel) {
-        p[kc / K::KSTEP * K::NR..].fill(K::Unit::default());
+        p[whole * K::NR..].fill(K::Unit::default());
     }
 }
 
@@ -827,6 +853,17 @@ mod x86 {
             out: &mut [u32],
         ) -> (usize, usize) {
             super::pack_bf16::pack_units(v, lanes, whole, out)
+        }
+
+        fn walk_fast<T: GemmElem>(
+            v: MatRef<T>,
+            first: usize,
+            count: usize,
+            whole: usize,
+            units: usize,
+            out: &mut [u32],
+        ) -> usize {
+            super::pack_bf16::walk_units(v, first, count, whole, units, NR, out)
         }
 
         unsafe fn tile<O: Real>(

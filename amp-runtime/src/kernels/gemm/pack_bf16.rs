@@ -44,6 +44,93 @@ pub(super) fn pack_units<S: GemmElem>(
     }
 }
 
+/// [`super::Kernel::walk_fast`] for a view of bf16 bits or of f32 values (rounded to bf16),
+/// into panels `nr` lanes wide (a multiple of 16); `0` for other element types.
+pub(super) fn walk_units<S: GemmElem>(
+    v: MatRef<S>,
+    first: usize,
+    count: usize,
+    whole: usize,
+    units: usize,
+    nr: usize,
+    out: &mut [u32],
+) -> usize {
+    let panels = Panels { units, nr };
+    // SAFETY: the bf16 kernels run only where avx512f exists (`isa()`).
+    unsafe {
+        if let Some(bits) = S::bf16_slice(v.data) {
+            walk(v.with_data(bits), first, count, whole, panels, out)
+        } else if let Some(values) = crate::kernels::as_f32(v.data) {
+            walk(v.with_data(values), first, count, whole, panels, out)
+        } else {
+            0
+        }
+    }
+}
+
+/// B micro-panels of `units` units of `nr` lanes each.
+#[derive(Clone, Copy)]
+struct Panels {
+    units: usize,
+    nr: usize,
+}
+
+impl Panels {
+    /// Where unit `u` of lane `l` (from the first panel's first lane) goes.
+    fn at(self, u: usize, l: usize) -> usize {
+        (l / self.nr) * self.units * self.nr + u * self.nr + l % self.nr
+    }
+}
+
+/// Walks B's rows two at a time (the pair of `k` a unit holds) and packs 16 lanes per step:
+/// the whole panels of lanes `first..first + count`, for units `0..whole`. Returns the lanes
+/// packed; `0` unless the lanes at each `k` are contiguous.
+///
+/// # Safety
+/// avx512f exists.
+#[target_feature(enable = "avx512f")]
+unsafe fn walk<E: Source>(
+    v: MatRef<E>,
+    first: usize,
+    count: usize,
+    whole: usize,
+    panels: Panels,
+    out: &mut [u32],
+) -> usize {
+    assert!(panels.nr.is_multiple_of(G), "walk: panels of {}", panels.nr);
+    let done = count / panels.nr * panels.nr;
+    if done == 0 || whole == 0 || v.rs != 1 {
+        return 0;
+    }
+    let base = v.offset + first;
+    // The last element read and the last unit written are in bounds.
+    assert!(
+        base + (2 * whole - 1) * v.cs + done <= v.data.len(),
+        "walk: view outside its data"
+    );
+    assert!(
+        panels.at(whole - 1, done - 1) < out.len(),
+        "walk: panels too small"
+    );
+    let src = v.data.as_ptr();
+    let dst = out.as_mut_ptr();
+    for u in 0..whole {
+        let lo = base + 2 * u * v.cs;
+        for l in (0..done).step_by(G) {
+            // SAFETY: rows 2u and 2u + 1 hold lanes up to `done` (checked above); the 16
+            // units written lie in one panel row (nr is a multiple of 16) inside `out`.
+            unsafe {
+                let units = _mm512_or_si512(
+                    E::lanes(src.add(lo + l)),
+                    _mm512_slli_epi32::<16>(E::lanes(src.add(lo + v.cs + l))),
+                );
+                _mm512_storeu_si512(dst.add(panels.at(u, l)).cast(), units);
+            }
+        }
+    }
+    done
+}
+
 /// An element type [`pack`] reads: bf16 bits as they are, or f32 rounded to bf16.
 trait Source: Copy {
     /// The 32 values from `p` as bf16 bits, in order: 16 units of one lane.
