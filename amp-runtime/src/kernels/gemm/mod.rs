@@ -21,6 +21,7 @@
 //! C.
 
 use std::cell::RefCell;
+use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::{Mutex, OnceLock};
@@ -398,7 +399,10 @@ fn blocked<T: GemmElem, B: GemmElem, K: Kernel, O: Real + Send + Sync>(
 }
 
 /// One pass over the whole inner dimension: B packed per column slice, A per block of rows,
-/// each tile accumulated in registers over all of `k` and stored once.
+/// each tile accumulated in registers over all of `k` and stored once. With rows enough for a
+/// block per thread, the threads first pack the slice of B together and then take blocks of
+/// rows ([`Slice::by_rows`]); with fewer, each thread takes a group of B's columns instead
+/// ([`Slice::by_columns`]).
 fn one_pass<T: GemmElem, B: GemmElem, K: Kernel, O: Real + Send + Sync>(
     p: &Problem<T, B>,
     c: &mut [MaybeUninit<O>],
@@ -406,104 +410,193 @@ fn one_pass<T: GemmElem, B: GemmElem, K: Kernel, O: Real + Send + Sync>(
     let (m, n, k) = (p.m, p.n, p.k);
     let units = k.div_ceil(K::KSTEP).next_multiple_of(K::A_BLOCK);
     let unit_bytes = std::mem::size_of::<K::Unit>();
-    let out = SharedOut(c.as_mut_ptr().cast::<O>());
     let threads = if p.parallel { parallel::threads() } else { 1 };
     let nc_max = (B_SLICE_BYTES / (units * unit_bytes))
         .max(K::NR)
         .next_multiple_of(K::NR);
     let mc_max = (A_BLOCK_BYTES / (units * unit_bytes)).clamp(K::MR, 8 * K::MR) / K::MR * K::MR;
-    // B viewed as n lanes along k.
-    let b_lanes = MatRef {
-        rs: p.b.cs,
-        cs: p.b.rs,
-        ..p.b
+    let panel_len = units * K::NR;
+    let slice_panels = nc_max.min(n).div_ceil(K::NR);
+    let by_columns = threads > 1 && m.div_ceil(mc_max) < threads && slice_panels > 1;
+    let (mc, b_len) = if by_columns {
+        let group = slice_panels.div_ceil(threads);
+        (mc_max, threads * COLUMN_PANELS.min(group) * panel_len)
+    } else {
+        let mc = mc_max.min(m.div_ceil(threads).next_multiple_of(K::MR));
+        (mc, slice_panels * panel_len)
     };
-    let b_len = nc_max.min(n).div_ceil(K::NR) * units * K::NR;
     K::Unit::with_b(b_len, |b_buffer| {
         for j0 in (0..n).step_by(nc_max) {
-            let nc = nc_max.min(n - j0);
-            let panels_n = nc.div_ceil(K::NR);
-            let packed_b = &mut b_buffer[..panels_n * units * K::NR];
-            let lanes = PACK_TASK_PANELS * K::NR;
-            let pack_b = |t: usize, panels: &mut [K::Unit]| {
-                let first = t * lanes;
-                let count = lanes.min(nc - first);
-                pack_panels::<B, T, K>(b_lanes, j0 + first, count, k, units, panels);
+            let slice = Slice::<T, B, K, O> {
+                p,
+                out: SharedOut(c.as_mut_ptr().cast::<O>()),
+                units,
+                j0,
+                nc: nc_max.min(n - j0),
+                mc: mc.max(K::MR),
+                threads,
+                kernel: PhantomData,
             };
-            let chunk = PACK_TASK_PANELS * units * K::NR;
-            if threads > 1 && panels_n > 1 {
-                parallel::for_each_chunk_mut(packed_b, chunk, pack_b);
+            if by_columns {
+                slice.by_columns(b_buffer);
             } else {
-                for (t, panels) in packed_b.chunks_mut(chunk).enumerate() {
-                    pack_b(t, panels);
-                }
-            }
-
-            // Tasks: blocks of rows, times groups of B panels when rows alone cannot keep every
-            // thread busy.
-            let mc = mc_max
-                .min(m.div_ceil(threads).next_multiple_of(K::MR))
-                .max(K::MR);
-            let blocks_m = m.div_ceil(mc);
-            let groups_n = (2 * threads).div_ceil(blocks_m).clamp(1, panels_n);
-            let panels_per_group = panels_n.div_ceil(groups_n);
-            let packed_b = &*packed_b;
-            let task = |t: usize| {
-                let (ib, g) = (t / groups_n, t % groups_n);
-                let i0 = ib * mc;
-                let rows = mc.min(m - i0);
-                let panels_m = rows.div_ceil(K::MR);
-                K::Unit::with_a(panels_m * units * K::MR, |packed_a| {
-                    for (ip, panel) in packed_a.chunks_mut(units * K::MR).enumerate() {
-                        let prow = K::MR.min(rows - ip * K::MR);
-                        let rows_of_a = Lanes {
-                            first: i0 + ip * K::MR,
-                            count: prow,
-                            width: K::MR,
-                            block: K::A_BLOCK,
-                        };
-                        pack::<T, T, K>(p.a, rows_of_a, k, units, panel);
-                    }
-                    let jp_end = ((g + 1) * panels_per_group).min(panels_n);
-                    K::with_state(|| {
-                        for jp in g * panels_per_group..jp_end {
-                            let cols = K::NR.min(nc - jp * K::NR);
-                            let b_panel = &packed_b[jp * units * K::NR..];
-                            for ip in 0..panels_m {
-                                let prow = K::MR.min(rows - ip * K::MR);
-                                let a_panel = &packed_a[ip * units * K::MR..];
-                                let (row, col) = (i0 + ip * K::MR, j0 + jp * K::NR);
-                                // SAFETY: the panels hold `units` units each (sized above); the
-                                // tile covers rows row..row + prow and columns col..col + cols of
-                                // the m x n output, which no other task writes; `isa()` chose K for
-                                // this CPU, and the call is inside `K::with_state`.
-                                unsafe {
-                                    K::tile(
-                                        units,
-                                        a_panel.as_ptr(),
-                                        b_panel.as_ptr(),
-                                        out.at(row * n + col),
-                                        n,
-                                        prow,
-                                        cols,
-                                        p.accumulate,
-                                    );
-                                }
-                            }
-                        }
-                    });
-                });
-            };
-            let tasks = blocks_m * groups_n;
-            if threads > 1 && tasks > 1 {
-                parallel::for_each_index(tasks, task);
-            } else {
-                (0..tasks).for_each(task);
+                slice.by_rows(b_buffer);
             }
         }
     });
 }
 
+/// The columns `j0..j0 + nc` of a pass's product (see [`one_pass`]).
+struct Slice<'a, T, B, K, O> {
+    p: &'a Problem<'a, T, B>,
+    out: SharedOut<O>,
+    /// Packed units along `k`, padded to whole blocks.
+    units: usize,
+    j0: usize,
+    nc: usize,
+    /// Rows per block of A.
+    mc: usize,
+    threads: usize,
+    kernel: PhantomData<fn() -> K>,
+}
+
+impl<T: GemmElem, B: GemmElem, K: Kernel, O: Real + Send + Sync> Slice<'_, T, B, K, O> {
+    fn panel_len(&self) -> usize {
+        self.units * K::NR
+    }
+
+    fn panels(&self) -> usize {
+        self.nc.div_ceil(K::NR)
+    }
+
+    /// B's panels from `first_panel` of the slice, as many as `panels` holds, packed into it.
+    fn pack_b(&self, first_panel: usize, panels: &mut [K::Unit]) {
+        let first = first_panel * K::NR;
+        let count = (panels.len() / self.units).min(self.nc - first);
+        // B viewed as n lanes along k.
+        let p = self.p;
+        let lanes = MatRef {
+            rs: p.b.cs,
+            cs: p.b.rs,
+            ..p.b
+        };
+        pack_panels::<B, T, K>(lanes, self.j0 + first, count, p.k, self.units, panels);
+    }
+
+    /// A's rows `i0..i0 + rows` packed into the thread's A buffer, then `f` run on them.
+    fn with_rows(&self, i0: usize, rows: usize, f: impl FnOnce(&[K::Unit])) {
+        K::Unit::with_a(rows.div_ceil(K::MR) * self.units * K::MR, |packed_a| {
+            for (ip, panel) in packed_a.chunks_mut(self.units * K::MR).enumerate() {
+                let rows_of_a = Lanes {
+                    first: i0 + ip * K::MR,
+                    count: K::MR.min(rows - ip * K::MR),
+                    width: K::MR,
+                    block: K::A_BLOCK,
+                };
+                pack::<T, T, K>(self.p.a, rows_of_a, self.p.k, self.units, panel);
+            }
+            f(packed_a);
+        });
+    }
+
+    /// C's rows `i0..i0 + rows` (A's packed rows `a`) times the packed panels `b` from the
+    /// slice's panel `first_panel`: every tile, computed and stored.
+    fn tiles(&self, i0: usize, rows: usize, a: &[K::Unit], first_panel: usize, b: &[K::Unit]) {
+        let (n, units) = (self.p.n, self.units);
+        K::with_state(|| {
+            for (jp, b_panel) in b.chunks(units * K::NR).enumerate() {
+                let col = self.j0 + (first_panel + jp) * K::NR;
+                let cols = K::NR.min(self.j0 + self.nc - col);
+                for (ip, a_panel) in a.chunks(units * K::MR).enumerate() {
+                    let row = i0 + ip * K::MR;
+                    // SAFETY: the panels hold `units` units each (sized by their packers); the
+                    // tile covers rows row..row + MR and columns col..col + cols of the m x n
+                    // output (cut at the block's last row), which no other task writes; `isa()`
+                    // chose K for this CPU, and the call is inside `K::with_state`.
+                    unsafe {
+                        K::tile(
+                            units,
+                            a_panel.as_ptr(),
+                            b_panel.as_ptr(),
+                            self.out.at(row * n + col),
+                            n,
+                            K::MR.min(i0 + rows - row),
+                            cols,
+                            self.p.accumulate,
+                        );
+                    }
+                }
+            }
+        });
+    }
+
+    /// The slice's B packed by all threads together into `b_buffer`, then one task per block of
+    /// rows, times groups of B's panels when the blocks alone are too few to balance the
+    /// threads.
+    fn by_rows(&self, b_buffer: &mut [K::Unit]) {
+        let (panels_n, panel_len) = (self.panels(), self.panel_len());
+        let packed_b = &mut b_buffer[..panels_n * panel_len];
+        let chunk = PACK_TASK_PANELS * panel_len;
+        if self.threads > 1 && panels_n > 1 {
+            parallel::for_each_chunk_mut(packed_b, chunk, |t, panels| {
+                self.pack_b(t * PACK_TASK_PANELS, panels);
+            });
+        } else {
+            for (t, panels) in packed_b.chunks_mut(chunk).enumerate() {
+                self.pack_b(t * PACK_TASK_PANELS, panels);
+            }
+        }
+        let (m, mc) = (self.p.m, self.mc);
+        let blocks_m = m.div_ceil(mc);
+        let groups_n = (2 * self.threads).div_ceil(blocks_m).clamp(1, panels_n);
+        let group = panels_n.div_ceil(groups_n);
+        let packed_b = &*packed_b;
+        let task = |t: usize| {
+            let (i0, g) = (t / groups_n * mc, t % groups_n);
+            let panels = g * group..((g + 1) * group).min(panels_n);
+            let b = &packed_b[panels.start * panel_len..panels.end * panel_len];
+            let rows = mc.min(m - i0);
+            self.with_rows(i0, rows, |a| self.tiles(i0, rows, a, panels.start, b));
+        };
+        let tasks = blocks_m * groups_n;
+        if self.threads > 1 && tasks > 1 {
+            parallel::for_each_index(tasks, task);
+        } else {
+            (0..tasks).for_each(task);
+        }
+    }
+
+    /// One task per group of the slice's B panels: it packs A's rows, then its panels
+    /// `COLUMN_PANELS` at a time into its own place in `b_buffer`, and runs every row against
+    /// them while they are in its core's cache: the packed panels never go back to memory, and
+    /// no thread waits for another's packing.
+    fn by_columns(&self, b_buffer: &mut [K::Unit]) {
+        let (panels_n, panel_len) = (self.panels(), self.panel_len());
+        let (m, mc) = (self.p.m, self.mc);
+        let group = panels_n.div_ceil(self.threads);
+        let step = COLUMN_PANELS.min(group);
+        let places = &mut b_buffer[..panels_n.div_ceil(group) * step * panel_len];
+        parallel::for_each_chunk_mut(places, step * panel_len, |g, place| {
+            let mine = g * group..((g + 1) * group).min(panels_n);
+            for i0 in (0..m).step_by(mc) {
+                let rows = mc.min(m - i0);
+                self.with_rows(i0, rows, |a| {
+                    for jp in mine.clone().step_by(step) {
+                        let b = &mut place[..step.min(mine.end - jp) * panel_len];
+                        self.pack_b(jp, b);
+                        self.tiles(i0, rows, a, jp, b);
+                    }
+                });
+            }
+        });
+    }
+}
+
+/// B micro-panels a task packs at a time when the threads split B's columns (see
+/// [`one_pass`]): 4 x 32 columns of bf16 pairs at k = 1024 is 256 KiB, which stays in L2 beside
+/// A's block. Packing one panel at a time reads B in short strided runs (64 bytes of each row),
+/// which measured slower; 8 no faster than 4.
+const COLUMN_PANELS: usize = 4;
 /// B micro-panels packed per task.
 const PACK_TASK_PANELS: usize = 8;
 
@@ -1093,6 +1186,11 @@ mod tests {
             (13, 33, 513),
             (25, 70, 1030),
             (5, 9, 4500),
+            // Few rows, many columns: on several threads, each takes a group of B's panels
+            // and packs it a few panels at a time (a tail of fewer).
+            (40, 600, 96),
+            // Several blocks of rows, one per task.
+            (300, 100, 40),
         ];
         for &(m, n, k) in &shapes {
             for transposed in [false, true] {
