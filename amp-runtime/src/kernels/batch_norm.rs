@@ -12,6 +12,7 @@
 //! `(n, c)` rows (elementwise passes) on the kernels' pool (`parallel`). Other devices keep the composition of
 //! candle ops in `nn::BatchNorm2d` until they get a kernel.
 
+use super::leaf_grads::wanted;
 use super::{parallel, Real};
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType,
@@ -170,7 +171,7 @@ impl CustomOp3 for Normalisation {
         &self,
         x: &Tensor,
         weight: &Tensor,
-        _bias: &Tensor,
+        bias: &Tensor,
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
@@ -203,18 +204,18 @@ impl CustomOp3 for Normalisation {
             grad.p.push(p as f32);
             grad.q.push(q as f32);
         }
-        let dx = x.apply_op2_no_bwd(&dy, &grad)?;
+        let dx = wanted(&x, || x.apply_op2_no_bwd(&dy, &grad))?;
         if !self.affine {
-            return Ok((Some(dx), None, None));
+            return Ok((dx, None, None));
         }
         let per_channel = |v: &[f64]| {
             let v: Vec<f32> = v.iter().map(|&v| v as f32).collect();
             Tensor::from_vec(v, w.len(), x.device())
         };
         Ok((
-            Some(dx),
-            Some(per_channel(sum_dy_xhat)?),
-            Some(per_channel(sum_dy)?),
+            dx,
+            wanted(weight, || per_channel(sum_dy_xhat))?,
+            wanted(bias, || per_channel(sum_dy))?,
         ))
     }
 }
@@ -230,8 +231,7 @@ struct Affine<'a> {
 impl Affine<'_> {
     /// `out = x * scale + shift (+ k * dy)` per channel, rounded to `T`.
     fn apply<T: Real>(&self, xs: &[T], extra: Option<(&[T], &[f32])>, g: Geometry) -> Vec<T> {
-        let mut out = vec![T::put(0.0); xs.len()];
-        parallel::for_each_chunk_mut(&mut out, g.hw.max(1), |row, out| {
+        parallel::filled(xs.len(), g.hw.max(1), |row, out| {
             let c = row % g.c;
             let (center, scale, shift) = (self.center[c], self.scale[c], self.shift[c]);
             let xs = &xs[row * g.hw..][..g.hw];
@@ -250,8 +250,7 @@ impl Affine<'_> {
                     });
                 }
             }
-        });
-        out
+        })
     }
 }
 

@@ -22,6 +22,7 @@ use candle_core::{
 use std::ops::Range;
 
 use super::gemm::{gemm, GemmElem, MatRef};
+use super::leaf_grads::{offer, wanted};
 use super::{parallel, Real};
 
 /// Convolution hyper-parameters, as candle's `conv2d` takes them.
@@ -479,15 +480,17 @@ impl CustomOp2 for GemmConv2d {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let geo = Geometry::new(x.dims(), k.dims(), self.0);
         let grad = grad.contiguous()?;
-        // An f32 master kernel: the input gradient uses it rounded as the forward did.
-        let k_used = if k.dtype() == x.dtype() {
-            k.clone()
-        } else {
-            k.apply_op1_no_bwd(&super::convert::Convert(x.dtype()))?
-        };
-        let grad_x = k_used.apply_op2_no_bwd(&grad, &GradInput(geo))?;
-        let grad_k = x.apply_op2_no_bwd(&grad, &GradWeight(geo, k.dtype()))?;
-        Ok((Some(grad_x), super::leaf_grads::offer(k, grad_k)?))
+        let grad_x = wanted(x, || {
+            // An f32 master kernel: the input gradient uses it rounded as the forward did.
+            let k_used = if k.dtype() == x.dtype() {
+                k.clone()
+            } else {
+                k.apply_op1_no_bwd(&super::convert::Convert(x.dtype()))?
+            };
+            k_used.apply_op2_no_bwd(&grad, &GradInput(geo))
+        })?;
+        let grad_k = offer(k, || x.apply_op2_no_bwd(&grad, &GradWeight(geo, k.dtype())))?;
+        Ok((grad_x, grad_k))
     }
 }
 
@@ -520,8 +523,10 @@ impl CustomOp3 for GemmConv2d {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (grad_x, grad_k) = CustomOp2::bwd(self, x, k, res, grad)?;
-        let grad_b = grad.contiguous()?.apply_op1_no_bwd(&GradBias(k.dtype()))?;
-        Ok((grad_x, grad_k, super::leaf_grads::offer(bias, grad_b)?))
+        let grad_b = offer(bias, || {
+            grad.contiguous()?.apply_op1_no_bwd(&GradBias(k.dtype()))
+        })?;
+        Ok((grad_x, grad_k, grad_b))
     }
 }
 

@@ -47,9 +47,9 @@ pub(crate) fn convert_block<S: Real, D: Real>(src: &[S], dst: &mut [D]) {
 
 /// `src` converted to `D`.
 pub(crate) fn convert_slice<S: Real + Sync, D: Real + Send>(src: &[S]) -> Vec<D> {
-    let mut out = vec![D::put(0.0); src.len()];
-    convert_into(src, &mut out);
-    out
+    parallel::filled(src.len(), CHUNK, |i, d| {
+        convert_block(&src[i * CHUNK..][..d.len()], d);
+    })
 }
 
 fn convert_to<S: Real + Sync>(src: &[S], dtype: DType) -> Result<CpuStorage> {

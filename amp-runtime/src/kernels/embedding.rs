@@ -80,8 +80,10 @@ impl CustomOp2 for Lookup {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let grad_table = grad.apply_op2_no_bwd(ids, &Scatter(table.dims2()?.0))?;
-        Ok((super::leaf_grads::offer(table, grad_table)?, None))
+        let grad_table = super::leaf_grads::offer(table, || {
+            grad.apply_op2_no_bwd(ids, &Scatter(table.dims2()?.0))
+        })?;
+        Ok((grad_table, None))
     }
 }
 

@@ -9,6 +9,7 @@
 //! `db = sum over rows of dy` (PyTorch's `native_layer_norm_backward`), in one pass over the
 //! rows.
 
+use super::leaf_grads::wanted;
 use super::{parallel, Real};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
@@ -73,9 +74,8 @@ impl LayerNorm {
     /// `y = (x - mean) * rstd * w + b` per row of `x` (any float dtype), in f32.
     fn forward<T: Real + Sync>(&self, x: &[T], w: &[f32], b: &[f32]) -> Vec<f32> {
         let n = w.len();
-        let mut y = vec![0f32; x.len()];
         let chunk = rows_per_task(n) * n;
-        parallel::for_each_chunk_mut(&mut y, chunk, |i, y| {
+        parallel::filled(x.len(), chunk, |i, y| {
             let x = &x[i * chunk..][..y.len()];
             let mut row = vec![0f32; n];
             for (y, x) in y.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
@@ -85,8 +85,7 @@ impl LayerNorm {
                     *y = (x - mean) * rstd * w + b;
                 }
             }
-        });
-        y
+        })
     }
 }
 
@@ -113,20 +112,23 @@ impl CustomOp3 for LayerNorm {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _b: &Tensor,
+        b: &Tensor,
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let n = w.elem_count();
         let rows = x.elem_count() / n;
+        // One pass gives all three; each is returned only if wanted.
         let grads = x.apply_op3_no_bwd(w, &dy.contiguous()?, &LayerNormGrad { eps: self.eps })?;
-        let dx = super::to_dtype(
-            &grads.narrow(0, 0, rows * n)?.reshape(x.shape())?,
-            x.dtype(),
-        )?;
-        let dw = grads.narrow(0, rows * n, n)?;
-        let db = grads.narrow(0, rows * n + n, n)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        let dx = wanted(x, || {
+            super::to_dtype(
+                &grads.narrow(0, 0, rows * n)?.reshape(x.shape())?,
+                x.dtype(),
+            )
+        })?;
+        let dw = wanted(w, || grads.narrow(0, rows * n, n))?;
+        let db = wanted(b, || grads.narrow(0, rows * n + n, n))?;
+        Ok((dx, dw, db))
     }
 }
 

@@ -60,9 +60,36 @@ impl Drop for Collect {
     }
 }
 
-/// The gradient `grad` of the operand `operand`, from an op's backward: `None` when it was kept
-/// for the collector (a variable, a collector alive), `Some(grad)` to return to candle otherwise.
-pub(crate) fn offer(operand: &Tensor, grad: Tensor) -> Result<Option<Tensor>> {
+/// An op's gradient for `operand`, computed by `grad` only when candle's backward wants one:
+/// when `operand` is a variable or was computed from one. candle records an op only when one of
+/// its operands tracks, so an operand that does not (a batch of data, a frozen weight) never
+/// leads to a variable; candle would still store whatever gradient the backward returns for it
+/// (a zero tensor of its size plus an add) where nothing reads it, so none is computed. This is
+/// how a first layer's input gradient, a full GEMM (or a col2im GEMM for a conv), is skipped,
+/// as PyTorch skips it for a tensor that does not require grad. Every backward of this crate's
+/// multi-operand ops goes through here (one-operand ops are recorded only when their operand
+/// tracks).
+pub(crate) fn wanted(
+    operand: &Tensor,
+    grad: impl FnOnce() -> Result<Tensor>,
+) -> Result<Option<Tensor>> {
+    if operand.track_op() {
+        grad().map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+/// The gradient of the operand `operand` from an op's backward, computed by `grad` if it is
+/// [`wanted`]: `None` when it is not, or when it was kept for the collector (a variable, a
+/// collector alive), `Some(grad)` to return to candle otherwise.
+pub(crate) fn offer(
+    operand: &Tensor,
+    grad: impl FnOnce() -> Result<Tensor>,
+) -> Result<Option<Tensor>> {
+    let Some(grad) = wanted(operand, grad)? else {
+        return Ok(None);
+    };
     if !operand.is_variable() {
         return Ok(Some(grad));
     }
@@ -94,21 +121,40 @@ mod tests {
     fn variables_are_kept_and_summed_only_while_collecting() -> Result<()> {
         let dev = Device::Cpu;
         let w = Var::new(&[1f32, 2.0], &dev)?;
-        let t = Tensor::new(&[1f32, 2.0], &dev)?;
+        // Computed from a variable: wants a gradient, and is not one.
+        let t = (w.as_tensor() * 2.0)?;
         let g = || Tensor::new(&[0.5f32, -1.0], &dev);
-        assert!(offer(&w, g()?)?.is_some(), "no collector: back to candle");
+        assert!(offer(&w, g)?.is_some(), "no collector: back to candle");
         let collect = Collect::begin();
-        assert!(offer(&w, g()?)?.is_none());
-        assert!(offer(&w, g()?)?.is_none());
-        assert!(offer(&t, g()?)?.is_some(), "not a variable: back to candle");
+        assert!(offer(&w, g)?.is_none());
+        assert!(offer(&w, g)?.is_none());
+        assert!(offer(&t, g)?.is_some(), "not a variable: back to candle");
         let map = collect.finish();
         assert_eq!(map[&w.id()].to_vec1::<f32>()?, [1.0, -2.0]);
-        assert!(offer(&w, g()?)?.is_some(), "collector finished");
+        assert!(offer(&w, g)?.is_some(), "collector finished");
         // A collector dropped without finishing (a failed backward) leaves nothing behind.
         let outer = Collect::begin();
         drop(Collect::begin());
-        assert!(offer(&w, g()?)?.is_none(), "the outer one collects again");
+        assert!(offer(&w, g)?.is_none(), "the outer one collects again");
         assert_eq!(outer.finish().len(), 1);
+        Ok(())
+    }
+
+    /// A tensor that is neither a variable nor computed from one (data, a frozen weight) gets
+    /// no gradient, and the function that would compute it is not called.
+    #[test]
+    fn an_operand_that_tracks_nothing_gets_no_gradient() -> Result<()> {
+        let dev = Device::Cpu;
+        let data = Tensor::new(&[1f32, 2.0], &dev)?;
+        let frozen = (&data * 2.0)?;
+        let never = || -> Result<Tensor> { panic!("computed a gradient nobody wants") };
+        assert!(wanted(&data, never)?.is_none());
+        assert!(wanted(&frozen, never)?.is_none());
+        let _collect = Collect::begin();
+        assert!(offer(&data, never)?.is_none());
+        let w = Var::new(&[1f32, 2.0], &dev)?;
+        assert!(wanted(&w, || Ok(data.clone()))?.is_some());
+        assert!(wanted(&(w.as_tensor() + 1.0)?, || Ok(data.clone()))?.is_some());
         Ok(())
     }
 }

@@ -11,6 +11,7 @@
 use std::mem::MaybeUninit;
 
 use super::gemm::{gemm, gemm_uninit, GemmElem, MatRef};
+use super::leaf_grads::{offer, wanted};
 use super::{parallel, Real};
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result,
@@ -241,14 +242,14 @@ impl HalfLinear {
         y
     }
 
-    /// `grad_x` in `x`'s dtype and the master's `grad_w` in f32 (`None` when the scaler's
-    /// backward takes it directly: `leaf_grads`).
-    fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
-        let grad_x = grad.apply_op2_no_bwd(w, &ByMaster)?;
-        let grad_w = grad
-            .t()?
-            .apply_op2_no_bwd(x, &HalfMatmul(Some(DType::F32)))?;
-        Ok((grad_x, super::leaf_grads::offer(w, grad_w)?))
+    /// `grad_x` in `x`'s dtype and the master's `grad_w` in f32, each only if wanted (and
+    /// `grad_w` `None` when the scaler's backward takes it directly: `leaf_grads`).
+    fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad_x = wanted(x, || grad.apply_op2_no_bwd(w, &ByMaster))?;
+        let grad_w = offer(w, || {
+            grad.t()?.apply_op2_no_bwd(x, &HalfMatmul(Some(DType::F32)))
+        })?;
+        Ok((grad_x, grad_w))
     }
 }
 
@@ -322,8 +323,7 @@ impl CustomOp2 for HalfLinear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (gx, gw) = Self::grads(x, w, grad)?;
-        Ok((Some(gx), gw))
+        Self::grads(x, w, grad)
     }
 }
 
@@ -368,8 +368,8 @@ impl CustomOp3 for HalfLinear {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (gx, gw) = Self::grads(x, w, grad)?;
-        let gb = super::leaf_grads::offer(b, grad.apply_op1_no_bwd(&ColumnSums)?)?;
-        Ok((Some(gx), gw, gb))
+        let gb = offer(b, || grad.apply_op1_no_bwd(&ColumnSums))?;
+        Ok((gx, gw, gb))
     }
 }
 
@@ -450,9 +450,9 @@ impl CustomOp2 for HalfMatmul {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let grad_a = matmul(grad, &b.t()?)?;
-        let grad_b = matmul(&a.t()?, grad)?;
-        Ok((Some(grad_a), Some(grad_b)))
+        let grad_a = wanted(a, || matmul(grad, &b.t()?))?;
+        let grad_b = wanted(b, || matmul(&a.t()?, grad))?;
+        Ok((grad_a, grad_b))
     }
 }
 
@@ -528,6 +528,39 @@ mod tests {
     /// input) against the composition PyTorch's autocast runs (masters cast to half, half
     /// matmul, half bias add), in f32 on the same rounded values: the output and every
     /// gradient, the masters' gradients in f32.
+    /// Operands that track nothing (the data, a frozen bias) get no gradient from a half
+    /// `Linear`, nor from the loss on its output (the target), where candle's own matmul and
+    /// composition give each one; the weight's gradient is the same, to the bit, as when the
+    /// input is a variable too.
+    #[test]
+    fn operands_that_track_nothing_get_no_gradient() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1., (37, 70), &dev)?.to_dtype(DType::BF16)?;
+        let target = Tensor::randn(0f32, 1., (37, 19), &dev)?;
+        let w = Var::randn(0f32, 1., (19, 70), &dev)?;
+        let frozen_bias = Tensor::randn(0f32, 1., 19, &dev)?;
+        let grads_from = |x: &Tensor| -> Result<candle_core::backprop::GradStore> {
+            let y = linear(x, &w, Some(&frozen_bias))?.to_dtype(DType::F32)?;
+            crate::kernels::mse::mse(&y, &target)?
+                .expect("an f32 pair on CPU")
+                .backward()
+        };
+        let grads = grads_from(&x)?;
+        assert!(grads.get(&x).is_none(), "the data");
+        assert!(grads.get(&frozen_bias).is_none(), "a frozen bias");
+        assert!(grads.get(&target).is_none(), "the target");
+        let xv = Var::from_tensor(&x)?;
+        let with_x = grads_from(xv.as_tensor())?;
+        assert!(with_x.get(&xv).is_some(), "a variable input gets one");
+        let (gw, gw_with_x) = (grads.get(&w).unwrap(), with_x.get(&w).unwrap());
+        assert_eq!(gw.to_vec2::<f32>()?, gw_with_x.to_vec2::<f32>()?);
+        // candle's own ops compute and store one for an untracked operand.
+        let y = x.to_dtype(DType::F32)?.matmul(&w.t()?)?;
+        let grads = (y - &target)?.sqr()?.mean_all()?.backward()?;
+        assert!(grads.get(&target).is_some());
+        Ok(())
+    }
+
     #[test]
     fn half_linear_on_f32_masters_matches_the_composition() -> Result<()> {
         let dev = Device::Cpu;

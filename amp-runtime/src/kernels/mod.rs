@@ -237,8 +237,7 @@ pub(crate) fn zip_map<T: Real + Send + Sync>(
     b: &[T],
     f: impl Fn(f32, f32) -> f32 + Sync,
 ) -> Vec<T> {
-    let mut out = vec![T::put(0.0); a.len()];
-    parallel::for_each_chunk_mut(&mut out, ZIP_CHUNK, |i, o| {
+    parallel::filled(a.len(), ZIP_CHUNK, |i, o| {
         let (a, b) = (
             &a[i * ZIP_CHUNK..][..o.len()],
             &b[i * ZIP_CHUNK..][..o.len()],
@@ -248,8 +247,7 @@ pub(crate) fn zip_map<T: Real + Send + Sync>(
                 *o = f(a, b);
             }
         });
-    });
-    out
+    })
 }
 
 /// `out = f(a, b)` elementwise over equal lengths, computed on f32 runs and rounded once to

@@ -4,9 +4,11 @@
 //! The composition (subtract, square, mean) is three graph nodes and full-size buffers, and
 //! under autocast a half prediction first becomes an f32 copy. This op widens both operands
 //! block by block, sums `(x - t)^2` in f32 lanes per run (f64 across runs) and returns the f32
-//! mean. Backward, `dx = 2 (x - t) / n * dy` and `dt = -dx`, each rounded once to its
-//! operand's dtype, as the cast nodes' backward would.
+//! mean. Backward, `dx = 2 (x - t) / n * dy` and `dt = -dx`, each in one pass from both operands
+//! as they are, computed in f32 and rounded once to its operand's dtype (as the cast nodes'
+//! backward would), and only for an operand that wants one (a target from the data does not).
 
+use super::leaf_grads::wanted;
 use super::{parallel, Real};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
@@ -69,14 +71,74 @@ impl CustomOp2 for Mse {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         #[allow(clippy::cast_precision_loss)] // an element count
-        let scale = 2.0 / x.elem_count().max(1) as f64;
-        let diff = (super::to_dtype(x, DType::F32)? - super::to_dtype(t, DType::F32)?)?;
-        let dx = diff.affine(scale, 0.0)?.broadcast_mul(grad)?;
-        let dt = dx.neg()?;
-        Ok((
-            Some(super::to_dtype(&dx, x.dtype())?),
-            Some(super::to_dtype(&dt, t.dtype())?),
-        ))
+        let scale = 2.0 / x.elem_count().max(1) as f64 * f64::from(grad.to_scalar::<f32>()?);
+        #[allow(clippy::cast_possible_truncation)] // the factor is applied in f32
+        let grad_of = |operand: &Tensor, scale: f64| {
+            let out = operand.dtype();
+            wanted(operand, || {
+                x.apply_op2_no_bwd(t, &ScaledDiff(scale as f32, out))
+            })
+        };
+        Ok((grad_of(x, scale)?, grad_of(t, -scale)?))
+    }
+}
+
+/// `(x, t) -> (x - t) * .0`, computed in f32 from both operands as they are and rounded once to
+/// the dtype `.1`: the gradient of the prediction (the factor `2 dy / n`) or of the target (its
+/// negation), in one parallel pass.
+struct ScaledDiff(f32, DType);
+
+/// `(x - t) * scale` into `out`, a block of f32 values at a time.
+fn scaled_diff<T: Real + Sync, U: Real + Sync, O: Real + Send>(
+    xs: &[T],
+    ts: &[U],
+    scale: f32,
+) -> Vec<O> {
+    const BLOCK: usize = 1024;
+    parallel::filled(xs.len(), CHUNK, |i, out| {
+        let (xs, ts) = (&xs[i * CHUNK..][..out.len()], &ts[i * CHUNK..][..out.len()]);
+        let mut done = 0;
+        let mut diff = [0f32; BLOCK];
+        super::widened2(xs, ts, |xs, ts| {
+            for (xs, ts) in xs.chunks(BLOCK).zip(ts.chunks(BLOCK)) {
+                let diff = &mut diff[..xs.len()];
+                for ((d, &x), &t) in diff.iter_mut().zip(xs).zip(ts) {
+                    *d = (x - t) * scale;
+                }
+                super::convert::convert_block(diff, &mut out[done..done + xs.len()]);
+                done += xs.len();
+            }
+        });
+    })
+}
+
+impl CustomOp2 for ScaledDiff {
+    fn name(&self) -> &'static str {
+        "amp-mse-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        t: &CpuStorage,
+        lt: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let ScaledDiff(scale, out) = *self;
+        let grad = with_floats!("mse grad", x, lx, |xs| with_floats!(
+            "mse grad",
+            t,
+            lt,
+            |ts| {
+                match out {
+                    DType::F32 => CpuStorage::F32(scaled_diff(xs, ts, scale)),
+                    DType::F16 => CpuStorage::F16(scaled_diff(xs, ts, scale)),
+                    DType::BF16 => CpuStorage::BF16(scaled_diff(xs, ts, scale)),
+                    other => candle_core::bail!("mse grad: unexpected dtype {other:?}"),
+                }
+            }
+        ));
+        Ok((grad, lx.shape().clone()))
     }
 }
 

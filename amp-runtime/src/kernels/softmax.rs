@@ -39,12 +39,11 @@ fn rows_per_task(n: usize) -> usize {
 /// `exp(x - max) / sum` (with `log`: `x - max - ln(sum)`) of each row of length `n`, widened
 /// to f32 as it is read.
 fn softmax_rows<T: Real + Sync>(x: &[T], n: usize, log: bool) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
     if n == 0 {
-        return out;
+        return vec![0f32; x.len()];
     }
     let chunk = rows_per_task(n) * n;
-    parallel::for_each_chunk_mut(&mut out, chunk, |i, out| {
+    parallel::filled(x.len(), chunk, |i, out| {
         let x = &x[i * chunk..][..out.len()];
         for (y, x) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
             T::widen(x, y);
@@ -72,8 +71,7 @@ fn softmax_rows<T: Real + Sync>(x: &[T], n: usize, log: bool) -> Vec<f32> {
                 }
             }
         }
-    });
-    out
+    })
 }
 
 /// Softmax, or log-softmax with `log`, over the last dimension.
