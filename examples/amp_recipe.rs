@@ -44,7 +44,7 @@
 //! project's 2-core machines the bf16 step took 0.33-0.55x of the f32 step at the defaults (README,
 //! Results), and the two final losses agree to about 4 decimals. fp16, which no x86 CPU
 //! multiplies, is converted to f32 while packing: its step is 0.8-0.9x of f32's, a gain from
-//! halved memory traffic only. Peak heap with AMP is about 0.8x of f32's: activations are kept
+//! halved memory traffic only. Peak heap with AMP is about 0.6x of f32's: activations are kept
 //! in half precision, and `Linear` keeps no half copy of its f32 weights. The recipe's full size
 //! keeps 840 MB of random data up front.
 

@@ -597,6 +597,7 @@ impl<T: GemmElem, B: GemmElem, K: Kernel, O: Real + Send + Sync> Slice<'_, T, B,
 /// A's block. Packing one panel at a time reads B in short strided runs (64 bytes of each row),
 /// which measured slower; 8 no faster than 4.
 const COLUMN_PANELS: usize = 4;
+
 /// B micro-panels packed per task.
 const PACK_TASK_PANELS: usize = 8;
 
