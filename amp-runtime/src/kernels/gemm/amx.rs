@@ -81,13 +81,25 @@ impl Kernel for AmxKernel {
         cols: usize,
         accumulate: bool,
     ) {
+        if O::DTYPE == candle_core::DType::F32 && !accumulate && rows == MR && cols == NR {
+            // A whole f32 tile written over C: the tile registers are stored straight into C's
+            // rows, with no trip through a buffer and the vector store.
+            let stride = ldc * std::mem::size_of::<f32>();
+            // SAFETY: as below; C holds MR rows of NR f32 at a stride of `ldc` elements.
+            unsafe {
+                let c = c.cast::<u8>();
+                products(units / BLOCK, a, b, c, c.add(16 * stride), stride);
+            }
+            return;
+        }
         let mut tile = MaybeUninit::<Tile>::uninit();
         // SAFETY: `isa()` selects this kernel only where AMX-BF16 is usable (the permission
         // granted) and avx512f exists; the caller is inside `with_state`, which configured the
         // tiles; the panels hold `units` units, a multiple of BLOCK; `products` writes the
         // whole tile.
         unsafe {
-            products(units / BLOCK, a, b, tile.as_mut_ptr());
+            let t = tile.as_mut_ptr().cast::<u8>();
+            products(units / BLOCK, a, b, t, t.add(16 * 4 * NR), 4 * NR);
             store_tile(tile.assume_init_ref(), c, ldc, rows, cols, accumulate);
         }
     }
@@ -115,13 +127,22 @@ const CONFIG: Config = Config {
 #[repr(C, align(64))]
 struct Tile([[f32; NR]; MR]);
 
-/// `tile = A-panel * B-panel` over `blocks` blocks of 16 units: C rows 0-15 and 16-31 in tile
-/// registers 0/1 and 2/3 (columns 0-15 and 16-31), A in 4 and 5, B in 6 and 7.
+/// `C = A-panel * B-panel` over `blocks` blocks of 16 units, f32: C rows 0-15 and 16-31 in tile
+/// registers 0/1 and 2/3 (columns 0-15 and 16-31), A in 4 and 5, B in 6 and 7, stored at the end
+/// to rows 0-15 at `c_lo` and 16-31 at `c_hi`, `stride` bytes apart.
 ///
 /// # Safety
-/// AMX-BF16 is usable by this process and the tiles are configured ([`CONFIG`]); `a` holds `blocks` blocks of 32 x 16 units, `[block]
-/// [row][unit]`, and `b` `blocks * 16` rows of 32 units; `tile` is writable.
-unsafe fn products(blocks: usize, a: *const u32, b: *const u32, tile: *mut Tile) {
+/// AMX-BF16 is usable by this process and the tiles are configured ([`CONFIG`]); `a` holds
+/// `blocks` blocks of 32 x 16 units, `[block][row][unit]`, and `b` `blocks * 16` rows of 32
+/// units; 16 rows of 32 f32 at `stride` bytes from each of `c_lo` and `c_hi` are writable.
+unsafe fn products(
+    blocks: usize,
+    a: *const u32,
+    b: *const u32,
+    c_lo: *mut u8,
+    c_hi: *mut u8,
+    stride: usize,
+) {
     // SAFETY: the caller's panels; the tile buffer is 32 rows of 128 bytes.
     unsafe {
         asm!(
@@ -162,17 +183,18 @@ unsafe fn products(blocks: usize, a: *const u32, b: *const u32, tile: *mut Tile)
             "dec {blocks}",
             "jnz 2b",
             "3:",
-            "tilestored [{c} + {c_stride}*1], tmm0",
-            "tilestored [{c} + {c_stride}*1 + 64], tmm1",
-            "tilestored [{c} + {c_stride}*1 + 2048], tmm2",
-            "tilestored [{c} + {c_stride}*1 + 2112], tmm3",
+            "tilestored [{c_lo} + {c_stride}*1], tmm0",
+            "tilestored [{c_lo} + {c_stride}*1 + 64], tmm1",
+            "tilestored [{c_hi} + {c_stride}*1], tmm2",
+            "tilestored [{c_hi} + {c_stride}*1 + 64], tmm3",
             blocks = inout(reg) blocks => _,
             a = inout(reg) a => _,
             b = inout(reg) b => _,
-            c = in(reg) tile,
+            c_lo = in(reg) c_lo,
+            c_hi = in(reg) c_hi,
             a_stride = in(reg) 64usize,
             b_stride = in(reg) 4 * NR,
-            c_stride = in(reg) 4 * NR,
+            c_stride = in(reg) stride,
             options(nostack),
         );
     }

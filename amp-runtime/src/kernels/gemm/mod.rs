@@ -1232,24 +1232,28 @@ mod tests {
                 let tol = 1e-5 * (k as f64 + 1.0);
                 let name = std::any::type_name::<T>();
                 for driver in drivers::<T, T>() {
-                    for parallel in [false, true] {
-                        let mut c = vec![MaybeUninit::new(1f32); m * n];
+                    // Added to ones, or written over NaNs (every element must be written).
+                    for (parallel, accumulate) in [(false, true), (true, true), (true, false)] {
+                        let before = if accumulate { 1f32 } else { f32::NAN };
+                        let mut c = vec![MaybeUninit::new(before); m * n];
                         let p = Problem {
                             m,
                             n,
                             k,
                             a,
                             b,
-                            accumulate: true,
+                            accumulate,
                             parallel,
                         };
                         driver(&p, &mut c);
                         for (got, want) in c.iter().zip(&want) {
                             // SAFETY: initialised above, and the driver writes values.
-                            let got = f64::from(unsafe { got.assume_init() }) - 1.0;
+                            let got = f64::from(unsafe { got.assume_init() });
+                            let got = if accumulate { got - 1.0 } else { got };
                             assert!(
                                 (got - want).abs() <= tol,
-                                "{name} {m}x{n}x{k} t={transposed}: {got} vs {want}"
+                                "{name} {m}x{n}x{k} t={transposed} acc={accumulate}: {got} vs \
+                                 {want}"
                             );
                         }
                     }
