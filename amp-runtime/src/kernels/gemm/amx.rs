@@ -85,7 +85,8 @@ impl Kernel for AmxKernel {
             // A whole f32 tile written over C: the tile registers are stored straight into C's
             // rows, with no trip through a buffer and the vector store.
             let stride = ldc * std::mem::size_of::<f32>();
-            // SAFETY: as below; C holds MR rows of NR f32 at a stride of `ldc` elements.
+            // SAFETY: as for the buffered path below (CPU, tile configuration, panels); C holds
+            // MR rows of NR f32 at a stride of `ldc` elements (the caller's `c`, `rows`, `cols`).
             unsafe {
                 let c = c.cast::<u8>();
                 products(units / BLOCK, a, b, c, c.add(16 * stride), stride);
@@ -143,7 +144,7 @@ unsafe fn products(
     c_hi: *mut u8,
     stride: usize,
 ) {
-    // SAFETY: the caller's panels; the tile buffer is 32 rows of 128 bytes.
+    // SAFETY: the caller's panels and C rows (see above).
     unsafe {
         asm!(
             "tilezero tmm0",
