@@ -524,10 +524,6 @@ mod tests {
         Ok(())
     }
 
-    /// The fused linear on f32 masters (with and without bias, contiguous and transposed
-    /// input) against the composition PyTorch's autocast runs (masters cast to half, half
-    /// matmul, half bias add), in f32 on the same rounded values: the output and every
-    /// gradient, the masters' gradients in f32.
     /// Operands that track nothing (the data, a frozen bias) get no gradient from a half
     /// `Linear`, nor from the loss on its output (the target), where candle's own matmul and
     /// composition give each one; the weight's gradient is the same, to the bit, as when the
@@ -561,6 +557,10 @@ mod tests {
         Ok(())
     }
 
+    /// The fused linear on f32 masters (with and without bias, contiguous and transposed
+    /// input) against the composition PyTorch's autocast runs (masters cast to half, half
+    /// matmul, half bias add), in f32 on the same rounded values: the output and every
+    /// gradient, the masters' gradients in f32.
     #[test]
     fn half_linear_on_f32_masters_matches_the_composition() -> Result<()> {
         let dev = Device::Cpu;

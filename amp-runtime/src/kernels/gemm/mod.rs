@@ -433,7 +433,7 @@ fn one_pass<T: GemmElem, B: GemmElem, K: Kernel, O: Real + Send + Sync>(
                 units,
                 j0,
                 nc: nc_max.min(n - j0),
-                mc: mc.max(K::MR),
+                mc,
                 threads,
                 kernel: PhantomData,
             };
