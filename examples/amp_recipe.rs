@@ -41,10 +41,11 @@
 //!
 //! What to expect on CPU: the bf16 matmuls run on candle-amp's GEMM, on AMX tiles where the CPU
 //! has them (Intel Sapphire Rapids and later) and on `vdpbf16ps` on AVX512-BF16 (Zen 4). On this
-//! project's 2-core machines the bf16 step took 0.33-0.55x of the f32 step at the defaults (README,
-//! Results), and the two final losses agree to about 4 decimals. fp16, which no x86 CPU
-//! multiplies, is converted to f32 while packing: its step is 0.8-0.9x of f32's, a gain from
-//! halved memory traffic only. Peak heap with AMP is about 0.6x of f32's: activations are kept
+//! project's 2-core machines the bf16 step took 0.33-0.55x of the f32 step at the defaults on
+//! Zen 4 and 0.10-0.13x on a Xeon with AMX (README, Results), and the two final losses agree to
+//! about 4 decimals. fp16, which no x86 CPU multiplies, is converted to f32 while packing: its
+//! step is 0.4-0.9x of f32's, from halved memory traffic and from candle-amp's own GEMM (the f32
+//! run's matmuls are candle's). Peak heap with AMP is about 0.6x of f32's: activations are kept
 //! in half precision, and `Linear` keeps no half copy of its f32 weights. The recipe's full size
 //! keeps 840 MB of random data up front.
 

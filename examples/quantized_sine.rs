@@ -27,7 +27,7 @@
 //! `target/quantized_sine`). `--json` prints `{"precision": "bf16", "f32": {...}, "amp":
 //! {...}}`. On a CPU with AVX512-BF16 the bf16 run's GEMMs use its bf16 dot product, and AMX
 //! tiles where it has them: at the blog's width (`--size 128 --hidden 256`) an AMP step takes
-//! 0.5-0.6x the f32 step on Zen 4 and 0.43-0.52x on a Xeon with AMX; at the toy default sizes
+//! 0.5-0.6x the f32 step on Zen 4 and 0.34-0.52x on a Xeon with AMX; at the toy default sizes
 //! per-op overheads dominate and the gain is smaller. fp16 has no arithmetic on
 //! x86 CPUs and runs slower than f32 there. The blog's GPU figures need `--device cuda` in a
 //! `--features cuda` build.
