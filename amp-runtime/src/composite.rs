@@ -132,6 +132,6 @@ pub(crate) fn smooth_l1(inp: &Tensor, target: &Tensor, beta: f64) -> Result<Tens
 /// `max(x, 0) - x * t + log(1 + exp(-|x|))`, averaged: PyTorch's stable form.
 pub(crate) fn binary_cross_entropy_with_logits(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
     let t = convert(target, inp.dtype())?;
-    let softplus_neg_abs = inp.abs()?.neg()?.exp()?.affine(1.0, 1.0)?.log()?;
+    let softplus_neg_abs = crate::kernels::affine(&inp.abs()?.neg()?.exp()?, 1.0, 1.0)?.log()?;
     ((inp.relu()? - (inp * &t)?)? + softplus_neg_abs)?.mean_all()
 }

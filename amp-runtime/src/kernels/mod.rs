@@ -89,6 +89,7 @@ macro_rules! with_floats {
 }
 
 mod activation;
+mod affine;
 pub(crate) mod batch_norm;
 mod conv2d;
 mod convert;
@@ -109,6 +110,7 @@ mod softmax;
 pub mod unscale;
 
 pub(crate) use activation::{gelu, gelu_erf, relu, silu};
+pub(crate) use affine::affine;
 pub(crate) use conv2d::{conv2d, Conv2dParams};
 pub(crate) use convert::to_dtype;
 pub(crate) use embedding::embedding;

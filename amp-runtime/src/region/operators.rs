@@ -7,6 +7,7 @@ use super::policy::Policy;
 use super::route::binary;
 use super::value::{AmpTensor, AsAmp, Operand};
 use crate::cast::convert;
+use crate::kernels::affine;
 use crate::op;
 use crate::precision::{Precision, F16};
 use crate::tensor::Tensor;
@@ -126,15 +127,16 @@ macro_rules! scalar_operator {
         }
     };
 }
-scalar_operator!(Add, add, |x, s| x.affine(1.0, s), |x, s| x.affine(1.0, s));
-scalar_operator!(Sub, sub, |x, s| x.affine(1.0, -s), |x, s| x.affine(-1.0, s));
-scalar_operator!(Mul, mul, |x, s| x.affine(s, 0.0), |x, s| x.affine(s, 0.0));
-scalar_operator!(Div, div, |x, s| x.affine(1.0 / s, 0.0), |x, s| convert(
-    x,
-    candle_core::DType::F32
-)?
-.recip()?
-.affine(s, 0.0));
+scalar_operator!(Add, add, |x, s| affine(x, 1.0, s), |x, s| affine(x, 1.0, s));
+scalar_operator!(Sub, sub, |x, s| affine(x, 1.0, -s), |x, s| affine(
+    x, -1.0, s
+));
+scalar_operator!(Mul, mul, |x, s| affine(x, s, 0.0), |x, s| affine(x, s, 0.0));
+scalar_operator!(Div, div, |x, s| affine(x, 1.0 / s, 0.0), |x, s| affine(
+    &convert(x, candle_core::DType::F32)?.recip()?,
+    s,
+    0.0
+));
 
 #[cfg(test)]
 mod tests {

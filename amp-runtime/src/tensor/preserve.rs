@@ -70,9 +70,10 @@ impl<P: Precision> Tensor<P> {
         Ok(Self::wrap(candle_nn::ops::sigmoid(&self.inner)?))
     }
 
-    /// `x * mul + add`.
+    /// `x * mul + add`, computed in f32 and rounded once for a half tensor (candle's `affine`
+    /// rounds `mul` and `add` to the tensor's dtype first, then rounds twice).
     pub fn affine(&self, mul: f64, add: f64) -> Result<Self> {
-        Ok(Self::wrap(self.inner.affine(mul, add)?))
+        crate::kernels::affine(&self.inner, mul, add).map(Self::wrap)
     }
 
     /// Same data, new shape (one dimension may be `()`-inferred as in candle).
