@@ -75,7 +75,7 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     }
     /// Routed `affine`.
     pub fn affine(&self, mul: f64, add: f64) -> Result<AmpTensor> {
-        unary::<Pol, op::affine>(&self.amp(), |x| x.affine(mul, add))
+        unary::<Pol, op::affine>(&self.amp(), |x| crate::kernels::affine(x, mul, add))
     }
     /// Routed `powf`.
     pub fn powf(&self, e: f64) -> Result<AmpTensor> {

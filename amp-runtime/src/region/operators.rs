@@ -176,6 +176,37 @@ mod tests {
         assert_eq!(values(4.0 / &x), (DType::F32, vec![4., 2., 1.]));
     }
 
+    /// `x * s` on a bf16 value is computed in f32 and rounded once, as PyTorch does, typed or in
+    /// a region: candle's `affine` rounds `s` to bf16 first and differs on some of these.
+    #[test]
+    fn scaling_a_half_value_rounds_once() {
+        let s = 1.0 / 48f64.sqrt();
+        let xs: Vec<f32> = (0..512).map(|i| i as f32 / 7.0 - 30.0).collect();
+        let x = candle_core::Tensor::new(xs, &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let bits = |t: &candle_core::Tensor| -> Vec<u16> {
+            t.to_vec1::<half::bf16>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        let want: Vec<u16> = x
+            .to_vec1::<half::bf16>()
+            .unwrap()
+            .iter()
+            .map(|v| half::bf16::from_f32(v.to_f32() * s as f32).to_bits())
+            .collect();
+        let region = (AmpTensor::new(x.clone()).unwrap() * s).unwrap();
+        assert_eq!(bits(region.as_candle()), want);
+        let typed =
+            (Tensor::<crate::precision::BF16>::from_candle(x.clone()).unwrap() * s).unwrap();
+        assert_eq!(bits(typed.as_candle()), want);
+        assert_ne!(bits(&x.affine(s, 0.0).unwrap()), want, "candle's affine");
+    }
+
     #[test]
     fn results_chain_as_in_candle() {
         let (h, f) = (value(DType::F16), value(DType::F32));
