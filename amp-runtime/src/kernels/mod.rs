@@ -91,6 +91,7 @@ macro_rules! with_floats {
 mod activation;
 mod affine;
 pub(crate) mod batch_norm;
+mod binary;
 mod conv2d;
 mod convert;
 #[cfg(feature = "cuda")]
@@ -111,6 +112,7 @@ pub mod unscale;
 
 pub(crate) use activation::{gelu, gelu_erf, relu, silu};
 pub(crate) use affine::affine;
+pub(crate) use binary::{add, broadcast_add, broadcast_sub, sub};
 pub(crate) use conv2d::{conv2d, Conv2dParams};
 pub(crate) use convert::to_dtype;
 pub(crate) use embedding::embedding;

@@ -58,6 +58,18 @@ macro_rules! routed {
             routed::<Pol, op::$name>(&[&a, &b], |t| at(&a, t)?.$name(&at(&b, t)?))
         }
     };
+    // Sums and differences run on candle-amp's op, which gives no gradient to an operand that
+    // tracks nothing (a mask).
+    (@binary add) => { routed!(@kernel add); };
+    (@binary sub) => { routed!(@kernel sub); };
+    (@binary broadcast_add) => { routed!(@kernel broadcast_add); };
+    (@binary broadcast_sub) => { routed!(@kernel broadcast_sub); };
+    (@kernel $name:ident) => {
+        #[doc = concat!("Routed `", stringify!($name), "`.")]
+        pub fn $name(&self, rhs: impl Operand) -> Result<AmpTensor> {
+            binary::<Pol, op::$name>(&self.amp(), &rhs.operand(), crate::kernels::$name)
+        }
+    };
     (@binary $name:ident) => {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
         pub fn $name(&self, rhs: impl Operand) -> Result<AmpTensor> {

@@ -21,11 +21,11 @@ impl Policy for DeclaredClasses {
 }
 
 macro_rules! region_operator {
-    ($trait:ident, $fn:ident, $op:ident) => {
+    ($trait:ident, $fn:ident, $op:ident, $kernel:expr) => {
         impl<B: Operand> std::ops::$trait<B> for &AmpTensor {
             type Output = Result<AmpTensor>;
             fn $fn(self, rhs: B) -> Result<AmpTensor> {
-                binary::<DeclaredClasses, op::$op>(self, &rhs.operand(), |a, b| a.$fn(b))
+                binary::<DeclaredClasses, op::$op>(self, &rhs.operand(), $kernel)
             }
         }
         impl<B: Operand> std::ops::$trait<B> for AmpTensor {
@@ -49,10 +49,11 @@ macro_rules! region_operator {
         }
     };
 }
-region_operator!(Add, add, add);
-region_operator!(Sub, sub, sub);
-region_operator!(Mul, mul, mul);
-region_operator!(Div, div, div);
+// `+` and `-` on candle-amp's op, which gives no gradient to an operand that tracks nothing.
+region_operator!(Add, add, add, crate::kernels::add);
+region_operator!(Sub, sub, sub, crate::kernels::sub);
+region_operator!(Mul, mul, mul, candle_core::Tensor::mul);
+region_operator!(Div, div, div, candle_core::Tensor::div);
 
 /// A `Result` on either side, as candle allows: `(a + b + c)?`, `(x * (y + z))?`.
 macro_rules! result_operator {

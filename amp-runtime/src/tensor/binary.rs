@@ -19,6 +19,20 @@ macro_rules! binary {
     )*};
 }
 
+/// Binary ops on candle-amp's kernel (`crate::kernels`): sums and differences, which give no
+/// gradient to an operand that tracks nothing.
+macro_rules! kernel {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {$(
+        $(#[$doc])*
+        pub fn $name<Q>(&self, rhs: &Tensor<Q>) -> Result<Self>
+        where
+            Q: SamePrecision<P, op::$name>,
+        {
+            crate::kernels::$name(&self.inner, &rhs.inner).map(Self::wrap)
+        }
+    )*};
+}
+
 /// Comparisons: operands of one precision, the result a candle mask (integer, never cast).
 macro_rules! compare {
     ($($(#[$doc:meta])* $name:ident),* $(,)?) => {$(
@@ -33,19 +47,22 @@ macro_rules! compare {
 }
 
 impl<P: Precision> Tensor<P> {
-    binary!(
+    kernel!(
         /// Elementwise sum (same shapes).
         add,
         /// Elementwise difference (same shapes).
         sub,
-        /// Elementwise product (same shapes).
-        mul,
-        /// Elementwise quotient (same shapes).
-        div,
         /// Sum with broadcasting.
         broadcast_add,
         /// Difference with broadcasting.
         broadcast_sub,
+    );
+
+    binary!(
+        /// Elementwise product (same shapes).
+        mul,
+        /// Elementwise quotient (same shapes).
+        div,
         /// Product with broadcasting.
         broadcast_mul,
         /// Quotient with broadcasting.

@@ -1,0 +1,323 @@
+//! `a + b` and `a - b` on CPU, with or without broadcasting, as one op whose backward gives a
+//! gradient only to an operand that tracks: candle's `add`, `sub`, `broadcast_add` and
+//! `broadcast_sub` in regions and on typed tensors.
+//!
+//! candle's backward of a sum stores a gradient for both operands whether they track or not
+//! (a zero tensor of the operand's size plus an add each): for the attention mask added to
+//! every layer's scores, a tensor of `batch x heads x seq x seq` zero-filled and added per
+//! layer, never read. That was a twentieth of a bf16 GPT step 256 wide. Here an operand that
+//! tracks nothing (a mask, a constant bias, data) gets none ([`leaf_grads::wanted`]); a
+//! broadcast operand that tracks gets the gradient summed over the dimensions it was broadcast
+//! along, in f32 (candle sums a half gradient in half precision). The values are candle's to
+//! the bit: each element computed in f32 and rounded once.
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
+
+use super::leaf_grads::wanted;
+use super::{parallel, Real};
+
+/// `a + b`, same shapes.
+pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    apply(a, b, Sum::Add, false, || a.add(b))
+}
+
+/// `a - b`, same shapes.
+pub(crate) fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    apply(a, b, Sum::Sub, false, || a.sub(b))
+}
+
+/// `a + b` with broadcasting.
+pub(crate) fn broadcast_add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    apply(a, b, Sum::Add, true, || a.broadcast_add(b))
+}
+
+/// `a - b` with broadcasting.
+pub(crate) fn broadcast_sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    apply(a, b, Sum::Sub, true, || a.broadcast_sub(b))
+}
+
+/// Through [`Sum`] for two float tensors of one dtype on CPU whose shapes are equal (or
+/// broadcast, when `broadcast`); candle's op (`fallback`, with its errors) otherwise.
+fn apply(
+    a: &Tensor,
+    b: &Tensor,
+    sum: Sum,
+    broadcast: bool,
+    fallback: impl FnOnce() -> Result<Tensor>,
+) -> Result<Tensor> {
+    let fits = super::cpu_float(a)
+        && super::cpu_float(b)
+        && a.dtype() == b.dtype()
+        && (a.shape() == b.shape()
+            || broadcast
+                && a.shape()
+                    .broadcast_shape_binary_op(b.shape(), sum.name())
+                    .is_ok());
+    if fits {
+        a.contiguous()?.apply_op2(&b.contiguous()?, sum)
+    } else {
+        fallback()
+    }
+}
+
+/// The sum or the difference of two contiguous operands, broadcast to their common shape.
+#[derive(Clone, Copy, Debug)]
+enum Sum {
+    Add,
+    Sub,
+}
+
+impl Sum {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Add => "add",
+            Self::Sub => "sub",
+        }
+    }
+
+    /// The sign `b` enters with.
+    fn sign(self) -> f32 {
+        match self {
+            Self::Add => 1.0,
+            Self::Sub => -1.0,
+        }
+    }
+
+    /// Every element of the common `shape` from `a` and `b` (contiguous, at the layouts' own
+    /// shapes), in f32, rounded once.
+    fn values<T: Real + Send + Sync>(
+        self,
+        (a, la): (&[T], &Layout),
+        (b, lb): (&[T], &Layout),
+        shape: &Shape,
+    ) -> Result<Vec<T>> {
+        let sign = self.sign();
+        if la.shape() == lb.shape() {
+            return Ok(super::zip_map(a, b, |x, y| x + sign * y));
+        }
+        let (la, lb) = (la.broadcast_as(shape)?, lb.broadcast_as(shape)?);
+        let dims = shape.dims();
+        let row = dims.last().copied().unwrap_or(1).max(1);
+        let rows_per_task = (ROW_CHUNK / row).max(1);
+        let a_rows = Rows::new(&la, dims);
+        let b_rows = Rows::new(&lb, dims);
+        Ok(parallel::filled(
+            shape.elem_count(),
+            rows_per_task * row,
+            |task, out| {
+                let (mut wa, mut wb, mut wo) = (vec![0f32; row], vec![0f32; row], vec![0f32; row]);
+                for (i, o) in out.chunks_mut(row).enumerate() {
+                    let r = task * rows_per_task + i;
+                    a_rows.widen(a, r, &mut wa);
+                    b_rows.widen(b, r, &mut wb);
+                    for ((o, &x), &y) in wo.iter_mut().zip(&wa).zip(&wb) {
+                        *o = x + sign * y;
+                    }
+                    T::narrow(&wo, o);
+                }
+            },
+        ))
+    }
+}
+
+/// Elements of the output per task when the operands are broadcast.
+const ROW_CHUNK: usize = 1 << 14;
+
+/// How one operand, broadcast to the output's shape, gives the output's rows (its last
+/// dimension): where each row starts, and whether it is the operand's own contiguous row or one
+/// value repeated (broadcast along the last dimension).
+struct Rows {
+    start: usize,
+    /// The output's dimensions but the last, and the operand's strides for them (0 where it
+    /// is broadcast).
+    outer: Vec<(usize, usize)>,
+    repeated: bool,
+}
+
+impl Rows {
+    fn new(layout: &Layout, dims: &[usize]) -> Self {
+        let rank = dims.len();
+        let strides = layout.stride();
+        let outer = if rank == 0 {
+            Vec::new()
+        } else {
+            dims[..rank - 1]
+                .iter()
+                .copied()
+                .zip(strides[..rank - 1].iter().copied())
+                .collect()
+        };
+        let repeated = rank > 0 && dims[rank - 1] > 1 && strides[rank - 1] == 0;
+        Self {
+            start: layout.start_offset(),
+            outer,
+            repeated,
+        }
+    }
+
+    /// Row `r` of the output's shape, read from `data` and widened into `out` (the row's
+    /// length).
+    fn widen<T: Real>(&self, data: &[T], r: usize, out: &mut [f32]) {
+        let mut offset = self.start;
+        let mut rest = r;
+        for &(dim, stride) in self.outer.iter().rev() {
+            offset += (rest % dim) * stride;
+            rest /= dim;
+        }
+        if self.repeated {
+            out.fill(data[offset].get());
+        } else {
+            T::widen(&data[offset..offset + out.len()], out);
+        }
+    }
+}
+
+impl CustomOp2 for Sum {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Add => "amp-add",
+            Self::Sub => "amp-sub",
+        }
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = *self;
+        let shape = if l1.shape() == l2.shape() {
+            l1.shape().clone()
+        } else {
+            l1.shape()
+                .broadcast_shape_binary_op(l2.shape(), op.name())?
+        };
+        let out = with_floats!(op.name(), s1, l1, s2, l2, |a, b| {
+            WithDType::to_cpu_storage_owned(op.values((a, l1), (b, l2), &shape)?)
+        });
+        Ok((out, shape))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad_a = wanted(a, || summed_to(grad, a.shape()))?;
+        let grad_b = wanted(b, || {
+            let g = summed_to(grad, b.shape())?;
+            match self {
+                Self::Add => Ok(g),
+                Self::Sub => super::affine(&g, -1.0, 0.0),
+            }
+        })?;
+        Ok((grad_a, grad_b))
+    }
+}
+
+/// `grad` summed over the dimensions an operand of `shape` was broadcast along (in f32 for a
+/// half gradient), or `grad` itself when the shapes agree.
+fn summed_to(grad: &Tensor, shape: &Shape) -> Result<Tensor> {
+    if grad.shape() == shape {
+        return Ok(grad.clone());
+    }
+    let (gd, sd) = (grad.dims(), shape.dims());
+    let left = gd.len() - sd.len();
+    let dims: Vec<usize> = (0..gd.len())
+        .filter(|&d| d < left || (sd[d - left] == 1 && gd[d] != 1))
+        .collect();
+    let sum = super::to_dtype(grad, DType::F32)?.sum_keepdim(dims)?;
+    super::to_dtype(&sum.reshape(shape)?, grad.dtype())
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var};
+    use half::bf16;
+
+    use super::*;
+
+    fn tensor(values: &[f32], shape: &[usize], dtype: DType) -> Result<Tensor> {
+        Tensor::new(values, &Device::Cpu)?
+            .reshape(shape)?
+            .to_dtype(dtype)
+    }
+
+    /// Values against a hand computation in f32 rounded once, with the mask broadcast along
+    /// leading dimensions, along the last one, and not at all, in every float dtype.
+    #[test]
+    fn sums_round_once_in_every_dtype_and_shape() -> Result<()> {
+        let xs: Vec<f32> = (0..24).map(|i| i as f32 * 0.37 - 3.1).collect();
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let a = tensor(&xs, &[2, 3, 4], dtype)?;
+            let round = |v: f32| {
+                Tensor::new(v, &Device::Cpu)
+                    .and_then(|t| t.to_dtype(dtype)?.to_dtype(DType::F32)?.to_scalar::<f32>())
+            };
+            let av = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            for (b_shape, index) in [
+                (vec![3, 4], (|i: usize| i % 12) as fn(usize) -> usize),
+                (vec![2, 3, 1], |i| i / 4),
+                (vec![2, 3, 4], |i| i),
+                (vec![1], |_| 0),
+            ] {
+                let n: usize = b_shape.iter().product();
+                let bs: Vec<f32> = (0..n).map(|i| 1.3 - i as f32 * 0.11).collect();
+                let b = tensor(&bs, &b_shape, dtype)?;
+                let bv = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                for (sum, sign) in [
+                    (broadcast_add(&a, &b)?, 1.0),
+                    (broadcast_sub(&a, &b)?, -1.0),
+                ] {
+                    assert_eq!((sum.dtype(), sum.dims()), (dtype, &[2, 3, 4][..]));
+                    let got = sum.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                    for (i, g) in got.iter().enumerate() {
+                        let want = round(av[i] + sign * bv[index(i)])?;
+                        assert_eq!(g.to_bits(), want.to_bits(), "{dtype:?} {b_shape:?} {i}");
+                    }
+                }
+            }
+            // Without broadcasting, shapes must agree: candle's error.
+            assert!(add(&a, &tensor(&xs[..12], &[3, 4], dtype)?).is_err());
+        }
+        Ok(())
+    }
+
+    /// A tracked operand gets the gradient, summed (in f32) over what it was broadcast along, and
+    /// negated for `sub`'s right side; one that tracks nothing gets none, where candle's `add`
+    /// stores one.
+    #[test]
+    fn only_operands_that_track_get_gradients() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::ones((3, 4, 5), DType::BF16, &dev)?)?;
+        let bias = Var::from_tensor(&Tensor::ones((4, 1), DType::BF16, &dev)?)?;
+        let mask = Tensor::ones((3, 4, 5), DType::BF16, &dev)?;
+        let y = broadcast_sub(&add(x.as_tensor(), &mask)?, bias.as_tensor())?;
+        let grads = y.to_dtype(DType::F32)?.sum_all()?.backward()?;
+        let gx = grads.get(x.as_tensor()).expect("x's gradient");
+        let gx = gx.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        assert_eq!(gx, [1.0; 60]);
+        let gb = grads.get(bias.as_tensor()).expect("bias's gradient");
+        assert_eq!(gb.dtype(), DType::BF16);
+        // Each bias element was broadcast over 3 x 5 positions, subtracted.
+        let gb = gb.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        assert_eq!(gb, [-15.0; 4]);
+        assert!(grads.get(&mask).is_none(), "the mask tracks nothing");
+        let candle = (x.as_tensor() + &mask)?
+            .to_dtype(DType::F32)?
+            .sum_all()?
+            .backward()?;
+        assert!(candle.get(&mask).is_some(), "candle's add stores one");
+        // A long broadcast sum stays exact in f32 where bf16 accumulation would stall at 256.
+        let w = Var::from_tensor(&Tensor::zeros(1, DType::BF16, &dev)?)?;
+        let long = broadcast_add(&Tensor::zeros(1000, DType::BF16, &dev)?, w.as_tensor())?;
+        let grads = long.to_dtype(DType::F32)?.sum_all()?.backward()?;
+        let gw = grads.get(w.as_tensor()).expect("w's gradient");
+        assert_eq!(gw.to_vec1::<bf16>()?, [bf16::from_f32(1000.0)]);
+        Ok(())
+    }
+}
