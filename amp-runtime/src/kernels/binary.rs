@@ -124,10 +124,10 @@ impl Sum {
 const ROW_CHUNK: usize = 1 << 14;
 
 /// How one operand, broadcast to the output's shape, gives the output's rows (its last
-/// dimension): where each row starts, and whether it is the operand's own contiguous row or one
-/// value repeated (broadcast along the last dimension).
+/// dimension): where each row starts in the operand's elements (its contiguous slice, from the
+/// layout's start), and whether it is the operand's own contiguous row or one value repeated
+/// (broadcast along the last dimension).
 struct Rows {
-    start: usize,
     /// The output's dimensions but the last, and the operand's strides for them (0 where it
     /// is broadcast).
     outer: Vec<(usize, usize)>,
@@ -148,17 +148,13 @@ impl Rows {
                 .collect()
         };
         let repeated = rank > 0 && dims[rank - 1] > 1 && strides[rank - 1] == 0;
-        Self {
-            start: layout.start_offset(),
-            outer,
-            repeated,
-        }
+        Self { outer, repeated }
     }
 
     /// Row `r` of the output's shape, read from `data` and widened into `out` (the row's
     /// length).
     fn widen<T: Real>(&self, data: &[T], r: usize, out: &mut [f32]) {
-        let mut offset = self.start;
+        let mut offset = 0;
         let mut rest = r;
         for &(dim, stride) in self.outer.iter().rev() {
             offset += (rest % dim) * stride;
@@ -279,6 +275,19 @@ mod tests {
                         let want = round(av[i] + sign * bv[index(i)])?;
                         assert_eq!(g.to_bits(), want.to_bits(), "{dtype:?} {b_shape:?} {i}");
                     }
+                }
+            }
+            // Operands that start inside their storage (contiguous narrowed views).
+            let wide = tensor(&xs, &[6, 4], dtype)?;
+            let (top, bottom) = (wide.narrow(0, 3, 3)?, wide.narrow(0, 1, 1)?);
+            let got = broadcast_add(&top, &bottom)?
+                .to_dtype(DType::F32)?
+                .to_vec2::<f32>()?;
+            let w = wide.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            for (i, row) in got.iter().enumerate() {
+                for (j, g) in row.iter().enumerate() {
+                    let want = round(w[3 + i][j] + w[1][j])?;
+                    assert_eq!(g.to_bits(), want.to_bits(), "{dtype:?} narrowed ({i}, {j})");
                 }
             }
             // Without broadcasting, shapes must agree: candle's error.
