@@ -4,8 +4,9 @@
 //!
 //! candle's backward of a sum stores a gradient for both operands whether they track or not
 //! (a zero tensor of the operand's size plus an add each): for the attention mask added to
-//! every layer's scores, a tensor of `batch x heads x seq x seq` zero-filled and added per
-//! layer, never read. That was a twentieth of a bf16 GPT step 256 wide. Here an operand that
+//! every layer's scores, a tensor of `batch x heads x seq x seq` per layer, zero-filled, added
+//! to and kept until the backward ends, never read: 4% of a bf16 GPT's peak heap at width 256
+//! (its time was within a step's noise). Here an operand that
 //! tracks nothing (a mask, a constant bias, data) gets none ([`leaf_grads::wanted`]); a
 //! broadcast operand that tracks gets the gradient summed over the dimensions it was broadcast
 //! along, in f32 (candle sums a half gradient in half precision). The values are candle's to
