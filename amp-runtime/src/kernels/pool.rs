@@ -6,6 +6,8 @@
 //! first position holding the window's maximum (PyTorch's choice too), summing where windows
 //! overlap.
 
+use std::ops::Range;
+
 use super::{parallel, Real};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 
@@ -34,38 +36,58 @@ impl Pool2d {
             && w + 2 * self.padding >= self.kernel.1
     }
 
-    /// For output `(oy, ox)` of one plane, the offset of the first maximum in the plane.
-    fn argmax<T: Real>(
-        &self,
-        plane: &[T],
-        (h, w): (usize, usize),
-        oy: usize,
-        ox: usize,
-    ) -> Option<usize> {
-        let mut best: Option<(usize, f32)> = None;
-        for i in 0..self.kernel.0 {
-            let Some(y) = (oy * self.stride.0 + i)
-                .checked_sub(self.padding)
-                .filter(|&y| y < h)
-            else {
-                continue;
-            };
-            for j in 0..self.kernel.1 {
-                let Some(x) = (ox * self.stride.1 + j)
-                    .checked_sub(self.padding)
-                    .filter(|&x| x < w)
-                else {
-                    continue;
-                };
-                let v = plane[y * w + x].get();
-                // NaN wins, as in PyTorch: it propagates.
-                if best.is_none_or(|(_, b)| v > b || v.is_nan() && !b.is_nan()) {
-                    best = Some((y * w + x, v));
-                }
-            }
-        }
-        best.map(|(at, _)| at)
+    /// The input rows (or columns) of output `o` along a dimension of `n`: the in-bounds part
+    /// of its window, `o * stride - padding` and the `kernel - 1` after it.
+    fn span(o: usize, stride: usize, kernel: usize, padding: usize, n: usize) -> Range<usize> {
+        let start = (o * stride).saturating_sub(padding);
+        let end = (o * stride + kernel).saturating_sub(padding).min(n);
+        start..end.max(start)
     }
+
+    /// Each output row's input rows and each output column's input columns.
+    fn spans(&self, (h, w): (usize, usize)) -> (Vec<Range<usize>>, Vec<Range<usize>>) {
+        let (oh, ow) = self.out((h, w));
+        let (k, s, pad) = (self.kernel, self.stride, self.padding);
+        (
+            (0..oh).map(|o| Self::span(o, s.0, k.0, pad, h)).collect(),
+            (0..ow).map(|o| Self::span(o, s.1, k.1, pad, w)).collect(),
+        )
+    }
+}
+
+/// The offset in `plane` (rows of `w`) of the first maximum of the window `rows x cols`; NaN
+/// wins, as in PyTorch (it propagates). `None` for a window wholly in the padding.
+#[inline]
+fn argmax(plane: &[f32], w: usize, rows: &Range<usize>, cols: &Range<usize>) -> Option<usize> {
+    if rows.is_empty() || cols.is_empty() {
+        return None;
+    }
+    let mut best = rows.start * w + cols.start;
+    let mut top = plane[best];
+    for y in rows.clone() {
+        let row = &plane[y * w..][..cols.end];
+        for x in cols.clone() {
+            // Branch-free selects: which element of a window is largest is data, and a branch
+            // on it was mispredicted about half the time.
+            let v = row[x];
+            let better = (v > top) | (v.is_nan() & !top.is_nan());
+            best = if better { y * w + x } else { best };
+            top = if better { v } else { top };
+        }
+    }
+    Some(best)
+}
+
+/// Plane `c` of `x` (`len` values) as f32: the values themselves for f32, widened 16 at a time
+/// into `buf` for the half types (one conversion per value, not one per window it falls in).
+fn plane_f32<'a, T: Real>(x: &'a [T], c: usize, len: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
+    let plane = &x[c * len..][..len];
+    if let Some(values) = super::as_f32(plane) {
+        return values;
+    }
+    buf.resize(len, 0.0);
+    T::widen(plane, buf);
+    buf
 }
 
 /// Max pooling of `x` as this op on CPU (float dtypes); elsewhere candle's, which needs no
@@ -101,18 +123,19 @@ impl MaxPool {
         let p = self.0;
         let (n, h, w) = planes(l);
         let (oh, ow) = p.out((h, w));
-        let mut y = vec![T::put(0.0); n * oh * ow];
-        parallel::for_each_chunk_mut(&mut y, oh * ow, |c, out| {
-            let plane = &x[c * h * w..][..h * w];
-            for oy in 0..oh {
-                for ox in 0..ow {
-                    out[oy * ow + ox] = p
-                        .argmax(plane, (h, w), oy, ox)
-                        .map_or(T::put(f32::NEG_INFINITY), |at| plane[at]);
+        let (rows, cols) = p.spans((h, w));
+        parallel::filled(n * oh * ow, oh * ow, |c, out| {
+            let mut buf = Vec::new();
+            let plane = plane_f32(x, c, h * w, &mut buf);
+            let source = &x[c * h * w..][..h * w];
+            for (oy, rows) in rows.iter().enumerate() {
+                for (ox, cols) in cols.iter().enumerate() {
+                    // The maximum's own value, to the bit (a NaN keeps its payload).
+                    out[oy * ow + ox] = argmax(plane, w, rows, cols)
+                        .map_or(T::put(f32::NEG_INFINITY), |at| source[at]);
                 }
             }
-        });
-        y
+        })
     }
 }
 
@@ -147,23 +170,22 @@ impl MaxPoolGrad {
         let p = self.0;
         let (n, h, w) = planes(lx);
         let (oh, ow) = p.out((h, w));
-        let mut gx = vec![T::put(0.0); n * h * w];
-        parallel::for_each_chunk_mut(&mut gx, h * w, |c, out| {
-            let plane = &x[c * h * w..][..h * w];
-            let grads = &g[c * oh * ow..][..oh * ow];
+        let (rows, cols) = p.spans((h, w));
+        parallel::filled(n * h * w, h * w, |c, out| {
+            let mut buf = Vec::new();
+            let plane = plane_f32(x, c, h * w, &mut buf);
+            let mut grads = vec![0f32; oh * ow];
+            T::widen(&g[c * oh * ow..][..oh * ow], &mut grads);
             let mut acc = vec![0f32; h * w];
-            for oy in 0..oh {
-                for ox in 0..ow {
-                    if let Some(at) = p.argmax(plane, (h, w), oy, ox) {
-                        acc[at] += grads[oy * ow + ox].get();
+            for (oy, rows) in rows.iter().enumerate() {
+                for (ox, cols) in cols.iter().enumerate() {
+                    if let Some(at) = argmax(plane, w, rows, cols) {
+                        acc[at] += grads[oy * ow + ox];
                     }
                 }
             }
-            for (o, a) in out.iter_mut().zip(acc) {
-                *o = T::put(a);
-            }
-        });
-        gx
+            T::narrow(&acc, out);
+        })
     }
 }
 
@@ -255,6 +277,41 @@ mod tests {
             want[at] = 1.0;
         }
         assert_eq!(g.get(&x).unwrap().flatten_all()?.to_vec1::<f32>()?, want);
+        Ok(())
+    }
+
+    /// Ties go to the window's first maximum and a NaN wins (PyTorch's rules), in a half dtype:
+    /// one 2x2 window of `[3, 3, 1, 3]` sends its gradient to position 0, one of `[1, NaN, 5,
+    /// NaN]` outputs NaN and sends its gradient to the first NaN; all -inf gives -inf.
+    #[test]
+    fn ties_go_to_the_first_maximum_and_nan_wins() -> Result<()> {
+        let dev = Device::Cpu;
+        let inf = f32::INFINITY;
+        #[rustfmt::skip]
+        let v = [3., 3., 1., f32::NAN, -inf, -inf,
+                 1., 3., 5., f32::NAN, -inf, -inf];
+        let x = Tensor::from_vec(v.to_vec(), (1, 1, 2, 6), &dev)?.to_dtype(DType::BF16)?;
+        let x = Var::from_tensor(&x)?;
+        let p = Pool2d {
+            kernel: (2, 2),
+            stride: (2, 2),
+            padding: 0,
+        };
+        let y = max_pool2d(x.as_tensor(), p)?;
+        let y = y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        assert_eq!(y[0], 3.0);
+        assert!(y[1].is_nan());
+        assert_eq!(y[2], -inf);
+        let grads = max_pool2d(x.as_tensor(), p)?
+            .to_dtype(DType::F32)?
+            .sum_all()?
+            .backward()?;
+        let g = grads.get(x.as_tensor()).expect("a gradient");
+        let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        #[rustfmt::skip]
+        let want = [1., 0., 0., 1., 1., 0.,
+                    0., 0., 0., 0., 0., 0.];
+        assert_eq!(g, want);
         Ok(())
     }
 }
