@@ -182,7 +182,8 @@ impl Geometry {
 
     /// One im2col row of one image: kernel tap `(i, j)` over every output pixel.
     fn im2col_row<T: Copy>(&self, src: &[T], (i, j): (usize, usize), zero: T, dst: &mut [T]) {
-        let ow = self.out_w;
+        let (ow, stride) = (self.out_w, self.p.stride);
+        let (cols, first) = self.inside_columns(j);
         for oy in 0..self.out_h {
             let out = &mut dst[oy * ow..][..ow];
             let Some(iy) = self.source(oy, i) else {
@@ -190,8 +191,15 @@ impl Geometry {
                 continue;
             };
             let line = &src[iy * self.w..][..self.w];
-            for (ox, d) in out.iter_mut().enumerate() {
-                *d = self.source_x(ox, j).map_or(zero, |ix| line[ix]);
+            out[..cols.start].fill(zero);
+            out[cols.end..].fill(zero);
+            let inside = &mut out[cols.clone()];
+            if stride == 1 {
+                inside.copy_from_slice(&line[first..][..inside.len()]);
+            } else {
+                for (k, d) in inside.iter_mut().enumerate() {
+                    *d = line[first + k * stride];
+                }
             }
         }
     }
@@ -199,21 +207,27 @@ impl Geometry {
     /// Adds the im2col-shaped gradient `col` (`(col_rows, n)`, image `slot`'s columns at
     /// `slot * pixels`) of group `g` into `image`'s f32 gradient.
     fn col2im(&self, col: &[f32], n: usize, slot: usize, g: usize, image: &mut [f32]) {
-        let (pw, ow) = (self.pixels(), self.out_w);
+        let (pw, ow, stride) = (self.pixels(), self.out_w, self.p.stride);
         let plane = self.h * self.w;
         for c in 0..self.c_in_g() {
             let dst = &mut image[(g * self.c_in_g() + c) * plane..][..plane];
             for i in 0..self.kh {
                 for j in 0..self.kw {
                     let row = &col[((c * self.kh + i) * self.kw + j) * n + slot * pw..][..pw];
+                    let (cols, first) = self.inside_columns(j);
                     for oy in 0..self.out_h {
                         let Some(iy) = self.source(oy, i) else {
                             continue;
                         };
                         let line = &mut dst[iy * self.w..][..self.w];
-                        for (ox, &v) in row[oy * ow..][..ow].iter().enumerate() {
-                            if let Some(ix) = self.source_x(ox, j) {
-                                line[ix] += v;
+                        let inside = &row[oy * ow..][cols.clone()];
+                        if stride == 1 {
+                            for (d, &v) in line[first..][..inside.len()].iter_mut().zip(inside) {
+                                *d += v;
+                            }
+                        } else {
+                            for (k, &v) in inside.iter().enumerate() {
+                                line[first + k * stride] += v;
                             }
                         }
                     }
@@ -222,19 +236,27 @@ impl Geometry {
         }
     }
 
+    /// The output columns whose kernel column `j` reads inside the image (`ox * stride + j *
+    /// dilation - padding` in `0..w`), and the image column the first of them reads (0 when
+    /// there are none).
+    fn inside_columns(&self, j: usize) -> (Range<usize>, usize) {
+        let (stride, pad) = (self.p.stride, self.p.padding);
+        let shift = j * self.p.dilation;
+        let lo = pad.saturating_sub(shift).div_ceil(stride);
+        let hi = (self.w + pad)
+            .saturating_sub(shift)
+            .div_ceil(stride)
+            .min(self.out_w);
+        let lo = lo.min(hi);
+        (lo..hi, (lo * stride + shift).saturating_sub(pad))
+    }
+
     /// The input row that kernel row `i` reads for output row `oy`, if inside the image.
     #[inline]
     fn source(&self, oy: usize, i: usize) -> Option<usize> {
         (oy * self.p.stride + i * self.p.dilation)
             .checked_sub(self.p.padding)
             .filter(|&y| y < self.h)
-    }
-
-    #[inline]
-    fn source_x(&self, ox: usize, j: usize) -> Option<usize> {
-        (ox * self.p.stride + j * self.p.dilation)
-            .checked_sub(self.p.padding)
-            .filter(|&x| x < self.w)
     }
 
     /// Group `g`'s rows of `images` of an output-shaped tensor (`grad_y`), side by side:
@@ -641,6 +663,16 @@ mod tests {
                 (3, 4),
                 1,
             ),
+            // ResNet's stem: 7x7, stride 2, padding 3.
+            (
+                Conv2dParams {
+                    padding: 3,
+                    stride: 2,
+                    ..pointwise
+                },
+                (2, 3),
+                7,
+            ),
         ] {
             conv_case(dtype, tol, p, c_in, c_out, ks)?;
         }
@@ -662,6 +694,15 @@ mod tests {
                     groups: 1,
                 },
                 (3, 5),
+            ),
+            (
+                Conv2dParams {
+                    padding: 1,
+                    stride: 2,
+                    dilation: 1,
+                    groups: 1,
+                },
+                (3, 4),
             ),
             (
                 Conv2dParams {
