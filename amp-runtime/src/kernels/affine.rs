@@ -10,7 +10,8 @@
 //! f32 tensor gets candle's arithmetic to the bit (`x * mul + add` in f32, not fused), except
 //! that a pure scaling (`add` 0) keeps the sign of a zero product, as PyTorch's `x * s` does.
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 
 use super::{zip_map, Real};
 
@@ -67,6 +68,79 @@ impl CustomOp1 for Affine {
         Ok(Some(grad))
     }
 }
+
+/// `x * keep * scale`, `keep` a u8 mask of `x`'s shape (dropout's): through this op for a float
+/// tensor on CPU, each kept value scaled in f32 and rounded once, and no gradient for the mask;
+/// elsewhere candle's ops, as candle-nn's `dropout` computes it.
+pub(crate) fn masked_scale(x: &Tensor, keep: &Tensor, scale: f64) -> Result<Tensor> {
+    if super::cpu_float(x) && keep.dtype() == candle_core::DType::U8 && keep.shape() == x.shape() {
+        x.contiguous()?
+            .apply_op2(&keep.contiguous()?, MaskedScale(scale))
+    } else {
+        x * (keep.to_dtype(x.dtype())? * scale)?
+    }
+}
+
+/// `(x, keep) -> x * keep * scale`; its backward is the same map of the gradient.
+#[derive(Clone, Copy)]
+struct MaskedScale(f64);
+
+impl CustomOp2 for MaskedScale {
+    fn name(&self) -> &'static str {
+        "amp-masked-scale"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn run<T: Real + Send + Sync>(x: &[T], keep: &[u8], scale: f32) -> Vec<T> {
+            super::parallel::filled(x.len(), MASK_CHUNK, |i, out| {
+                let start = i * MASK_CHUNK;
+                let (x, keep) = (&x[start..][..out.len()], &keep[start..][..out.len()]);
+                let mut wide = vec![0f32; out.len()];
+                T::widen(x, &mut wide);
+                for (w, &k) in wide.iter_mut().zip(keep) {
+                    *w = if k == 0 { 0.0 } else { *w * scale };
+                }
+                T::narrow(&wide, out);
+            })
+        }
+        let CpuStorage::U8(keep) = s2 else {
+            candle_core::bail!(
+                "masked scale kernel: the mask must be u8, got {:?}",
+                s2.dtype()
+            );
+        };
+        let keep = super::contiguous(keep, l2, "masked scale")?;
+        let scale = self.0 as f32;
+        let out = with_floats!("masked scale", s1, l1, |x| WithDType::to_cpu_storage_owned(
+            run(x, keep, scale)
+        ));
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        keep: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = if super::cpu_float(grad) {
+            grad.contiguous()?.apply_op2_no_bwd(keep, self)?
+        } else {
+            (grad * (keep.to_dtype(grad.dtype())? * self.0)?)?
+        };
+        Ok((Some(grad), None))
+    }
+}
+
+/// Elements per task of [`MaskedScale`].
+const MASK_CHUNK: usize = 1 << 14;
 
 #[cfg(test)]
 mod tests {
@@ -137,6 +211,54 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    /// Dropout's scaling: kept values times `1 / (1 - p)` in f32, rounded once (candle-nn's
+    /// rounds the scale to bf16 first: 1.109375 for 1 / 0.9), dropped ones 0; the gradient is
+    /// the same map of the incoming gradient, and the mask gets none.
+    #[test]
+    fn masked_scale_rounds_once_and_passes_the_gradient_where_kept() -> Result<()> {
+        let dev = Device::Cpu;
+        let scale = 1.0 / 0.9;
+        let xs: Vec<f32> = (0..3000).map(|i| (i as f32 * 0.731).sin() * 3.0).collect();
+        let keep: Vec<u8> = (0..3000).map(|i| u8::from(i % 7 != 3)).collect();
+        let x = Var::from_tensor(&Tensor::new(xs, &dev)?.to_dtype(DType::BF16)?)?;
+        let mask = Tensor::new(keep.clone(), &dev)?;
+        let y = masked_scale(x.as_tensor(), &mask, scale)?;
+        assert_eq!(y.dtype(), DType::BF16);
+        let xv = x.as_tensor().to_vec1::<half::bf16>()?;
+        let want: Vec<half::bf16> = xv
+            .iter()
+            .zip(&keep)
+            .map(|(v, &k)| {
+                half::bf16::from_f32(if k == 0 {
+                    0.0
+                } else {
+                    v.to_f32() * scale as f32
+                })
+            })
+            .collect();
+        let got = y.to_vec1::<half::bf16>()?;
+        let bits = |v: &[half::bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want));
+        let candle = candle_nn_like(x.as_tensor(), &mask, scale)?.to_vec1::<half::bf16>()?;
+        assert_ne!(bits(&candle), bits(&want), "candle-nn's arithmetic");
+        let grads = y.to_dtype(DType::F32)?.sum_all()?.backward()?;
+        let g = grads
+            .get(x.as_tensor())
+            .expect("x's gradient")
+            .to_vec1::<half::bf16>()?;
+        let one = half::bf16::from_f32(scale as f32);
+        for (g, &k) in g.iter().zip(&keep) {
+            assert_eq!(g.to_bits(), if k == 0 { 0 } else { one.to_bits() });
+        }
+        assert!(grads.get(&mask).is_none());
+        Ok(())
+    }
+
+    /// candle-nn's `dropout` after its random mask: the mask in `x`'s dtype times the scale.
+    fn candle_nn_like(x: &Tensor, keep: &Tensor, scale: f64) -> Result<Tensor> {
+        x * (keep.to_dtype(x.dtype())?.affine(scale, 0.0))?
     }
 
     /// A strided input is read in its logical order.
