@@ -70,8 +70,9 @@ impl CustomOp1 for Affine {
 }
 
 /// `x * keep * scale`, `keep` a u8 mask of `x`'s shape (dropout's): through this op for a float
-/// tensor on CPU, each kept value scaled in f32 and rounded once, and no gradient for the mask;
-/// elsewhere candle's ops, as candle-nn's `dropout` computes it.
+/// tensor on CPU, each kept value scaled in f32 and rounded once, each dropped one multiplied by
+/// 0 (NaN stays NaN), and no gradient for the mask; elsewhere candle's ops, as candle-nn's
+/// `dropout` computes it.
 pub(crate) fn masked_scale(x: &Tensor, keep: &Tensor, scale: f64) -> Result<Tensor> {
     if super::cpu_float(x) && keep.dtype() == candle_core::DType::U8 && keep.shape() == x.shape() {
         x.contiguous()?
@@ -104,7 +105,9 @@ impl CustomOp2 for MaskedScale {
                 let mut wide = vec![0f32; out.len()];
                 T::widen(x, &mut wide);
                 for (w, &k) in wide.iter_mut().zip(keep) {
-                    *w = if k == 0 { 0.0 } else { *w * scale };
+                    // A dropped value times 0, as PyTorch's `x * mask * scale`: an infinity or a
+                    // NaN there still shows as NaN, not as a clean zero.
+                    *w *= if k == 0 { 0.0 } else { scale };
                 }
                 T::narrow(&wide, out);
             })
@@ -220,8 +223,10 @@ mod tests {
     fn masked_scale_rounds_once_and_passes_the_gradient_where_kept() -> Result<()> {
         let dev = Device::Cpu;
         let scale = 1.0 / 0.9;
-        let xs: Vec<f32> = (0..3000).map(|i| (i as f32 * 0.731).sin() * 3.0).collect();
+        let mut xs: Vec<f32> = (0..3000).map(|i| (i as f32 * 0.731).sin() * 3.0).collect();
         let keep: Vec<u8> = (0..3000).map(|i| u8::from(i % 7 != 3)).collect();
+        // Non-finite values where dropped (index 3) and kept (index 4).
+        (xs[3], xs[4]) = (f32::NAN, f32::INFINITY);
         let x = Var::from_tensor(&Tensor::new(xs, &dev)?.to_dtype(DType::BF16)?)?;
         let mask = Tensor::new(keep.clone(), &dev)?;
         let y = masked_scale(x.as_tensor(), &mask, scale)?;
@@ -231,15 +236,18 @@ mod tests {
             .iter()
             .zip(&keep)
             .map(|(v, &k)| {
-                half::bf16::from_f32(if k == 0 {
-                    0.0
-                } else {
-                    v.to_f32() * scale as f32
-                })
+                let factor = if k == 0 { 0.0 } else { scale as f32 };
+                half::bf16::from_f32(v.to_f32() * factor)
             })
             .collect();
         let got = y.to_vec1::<half::bf16>()?;
         let bits = |v: &[half::bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+        assert!(
+            got[3].is_nan() && got[4].is_infinite(),
+            "{} {}",
+            got[3],
+            got[4]
+        );
         assert_eq!(bits(&got), bits(&want));
         let candle = candle_nn_like(x.as_tensor(), &mask, scale)?.to_vec1::<half::bf16>()?;
         assert_ne!(bits(&candle), bits(&want), "candle-nn's arithmetic");
