@@ -128,17 +128,19 @@ impl CustomOp2 for MaskedScale {
 
     fn bwd(
         &self,
-        _x: &Tensor,
+        x: &Tensor,
         keep: &Tensor,
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let grad = if super::cpu_float(grad) {
-            grad.contiguous()?.apply_op2_no_bwd(keep, self)?
-        } else {
-            (grad * (keep.to_dtype(grad.dtype())? * self.0)?)?
-        };
-        Ok((Some(grad), None))
+        let grad_x = super::leaf_grads::wanted(x, || {
+            if super::cpu_float(grad) {
+                grad.contiguous()?.apply_op2_no_bwd(keep, self)
+            } else {
+                grad * (keep.to_dtype(grad.dtype())? * self.0)?
+            }
+        })?;
+        Ok((grad_x, None))
     }
 }
 

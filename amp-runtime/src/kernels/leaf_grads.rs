@@ -15,7 +15,7 @@
 //! candle-nn's `backward_step`) the ops return their gradients to candle as before.
 //!
 //! [`wanted`], which `offer` goes through, is the other half: no gradient at all for an operand
-//! that tracks nothing (data, a target, a frozen weight).
+//! that tracks nothing (data, a target, a frozen weight, an attention or dropout mask).
 
 use std::cell::RefCell;
 use std::collections::hash_map::Entry;
