@@ -102,14 +102,17 @@ impl CustomOp2 for MaskedScale {
             super::parallel::filled(x.len(), MASK_CHUNK, |i, out| {
                 let start = i * MASK_CHUNK;
                 let (x, keep) = (&x[start..][..out.len()], &keep[start..][..out.len()]);
-                let mut wide = vec![0f32; out.len()];
-                T::widen(x, &mut wide);
-                for (w, &k) in wide.iter_mut().zip(keep) {
-                    // A dropped value times 0, as PyTorch's `x * mask * scale`: an infinity or a
-                    // NaN there still shows as NaN, not as a clean zero.
-                    *w *= if k == 0 { 0.0 } else { scale };
+                // Blocks of one widened run each, so that the mask lines up with the run.
+                let blocks = x.chunks(super::BLOCK).zip(keep.chunks(super::BLOCK));
+                for ((x, keep), out) in blocks.zip(out.chunks_mut(super::BLOCK)) {
+                    super::map_widened(x, out, |x, o| {
+                        for ((o, &x), &k) in o.iter_mut().zip(x).zip(keep) {
+                            // A dropped value times 0, as PyTorch's `x * mask * scale`: an
+                            // infinity or a NaN there still shows as NaN, not as a clean zero.
+                            *o = x * if k == 0 { 0.0 } else { scale };
+                        }
+                    });
                 }
-                T::narrow(&wide, out);
             })
         }
         let CpuStorage::U8(keep) = s2 else {
