@@ -248,7 +248,12 @@ impl Geometry {
             .div_ceil(stride)
             .min(self.out_w);
         let lo = lo.min(hi);
-        (lo..hi, (lo * stride + shift).saturating_sub(pad))
+        let first = if lo < hi {
+            lo * stride + shift - pad
+        } else {
+            0
+        };
+        (lo..hi, first)
     }
 
     /// The input row that kernel row `i` reads for output row `oy`, if inside the image.
@@ -731,6 +736,14 @@ mod tests {
             ..pointwise
         };
         conv_case_sized(dtype, tol, padded, (3, 5, 3), (40, 4))?;
+        // A 1x1 image under a dilated 3x3 kernel padded by 2: kernel columns whose every output
+        // reads padding only (their run of inside columns is empty).
+        let dilated = Conv2dParams {
+            padding: 2,
+            dilation: 2,
+            ..pointwise
+        };
+        conv_case_sized(dtype, tol, dilated, (1, 1, 3), (1, 1))?;
         Ok(())
     }
 
