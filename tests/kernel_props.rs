@@ -1,11 +1,15 @@
-//! Property tests of candle-amp's CPU GEMM and GEMM convolution, through the typed API, against
-//! candle's f32 kernels on the same (half-representable) values: odd sizes (1, 7, 17, up to
-//! 1000+ in a dimension), transposed and strided operands, batches and broadcast batches,
-//! padding, stride, dilation and groups.
+//! Property tests of candle-amp's CPU kernels, through the public API, on half-representable
+//! values:
 //!
-//! Both sides accumulate in f32 on identical inputs, so they differ by summation order (a few
-//! f32 ulps of the sum of |products|) and by the half output's one rounding (half an ulp of the
-//! result: 2^-9 relative in bf16, 2^-12 in f16).
+//! - the GEMM and the GEMM convolution against candle's f32 kernels: odd sizes (1, 7, 17, up to
+//!   1000+ in a dimension), transposed and strided operands, batches and broadcast batches,
+//!   padding, stride, dilation and groups; the convolution's gradients against a computation by
+//!   hand in f64. Both sides accumulate on identical inputs, so they differ by summation order
+//!   (a few f32 ulps of the sum of |products|) and by the half output's one rounding (half an
+//!   ulp of the result: 2^-9 relative in bf16, 2^-12 in f16);
+//! - broadcast sums and differences against candle's values to the bit, on operands that start
+//!   inside their storage, and their gradients;
+//! - max pooling with padding against a pool by hand, values and gradients to the bit.
 
 use candle_amp::{Precision, Tensor, BF16, F16, F32};
 use candle_core::{DType, Device, IndexOp, Result};
@@ -139,6 +143,272 @@ proptest! {
             let round = |t: &Tensor<F32>| t.as_candle().to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
             let want = round(&x).conv2d(&round(&k), padding, stride, dilation, groups).unwrap();
             assert_close(got.as_candle(), &want, rel, c_in_g * kernel * kernel);
+        }
+    }
+
+    /// Both gradients of the GEMM convolution, f32 and bf16, grouped, strided, padded and
+    /// dilated, against a computation by hand in f64 on the same rounded values (candle's own
+    /// backward fails on shapes a stride does not tile, such as 3x2 at stride 2).
+    #[test]
+    fn conv2d_gradients_match_a_computation_by_hand(
+        (c_in_g, c_out_g, groups) in (1usize..4, 1usize..4, 1usize..3),
+        (h, w) in (1usize..10, 1usize..10),
+        kernel in 1usize..4,
+        (padding, stride, dilation) in (0usize..3, 1usize..3, 1usize..3),
+        batch in 1usize..3,
+    ) {
+        let span = dilation * (kernel - 1) + 1;
+        prop_assume!(h + 2 * padding >= span && w + 2 * padding >= span);
+        let (c_in, c_out) = (c_in_g * groups, c_out_g * groups);
+        let geometry = (padding, stride, dilation, groups);
+        for dtype in [DType::F32, DType::BF16] {
+            let var = |dims: &[usize], seed| candle_core::Var::from_tensor(&values::<F32>(dims, seed).unwrap().as_candle().to_dtype(dtype).unwrap()).unwrap();
+            let (x, k) = (var(&[batch, c_in, h, w], 12), var(&[c_out, c_in_g, kernel, kernel], 13));
+            let y = match dtype {
+                DType::BF16 => Tensor::<BF16>::from_candle(x.as_tensor().clone()).unwrap().conv2d(&Tensor::<BF16>::from_candle(k.as_tensor().clone()).unwrap(), padding, stride, dilation, groups).unwrap().into_candle(),
+                _ => Tensor::<F32>::from_candle(x.as_tensor().clone()).unwrap().conv2d(&Tensor::<F32>::from_candle(k.as_tensor().clone()).unwrap(), padding, stride, dilation, groups).unwrap().into_candle(),
+            };
+            let r = values::<F32>(y.dims(), 14).unwrap().as_candle().to_dtype(dtype).unwrap();
+            let grads = (&y * &r).unwrap().to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+            let (want_x, want_k) = conv2d_grads_by_hand(x.as_tensor(), k.as_tensor(), &r, geometry).unwrap();
+            let rel = if dtype == DType::BF16 { half_ulp::<BF16>() } else { 0.0 };
+            let (oh, ow) = (y.dim(2).unwrap(), y.dim(3).unwrap());
+            assert_close(grads.get(x.as_tensor()).unwrap(), &want_x, rel, c_out_g * kernel * kernel);
+            assert_close(grads.get(k.as_tensor()).unwrap(), &want_k, rel, batch * oh * ow);
+        }
+    }
+}
+
+/// The gradients of `sum(r * conv2d(x, k))` by hand, in f64: `(d/dx, d/dk)`, each output's
+/// weight `r` sent back along every product that formed it.
+fn conv2d_grads_by_hand(
+    x: &candle_core::Tensor,
+    k: &candle_core::Tensor,
+    r: &candle_core::Tensor,
+    (padding, stride, dilation, groups): (usize, usize, usize, usize),
+) -> Result<(candle_core::Tensor, candle_core::Tensor)> {
+    let flat = |t: &candle_core::Tensor| t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>();
+    let (xv, kv, rv) = (flat(x)?, flat(k)?, flat(r)?);
+    let (&[batch, c_in, h, w], &[c_out, c_in_g, kh, kw], &[_, _, oh, ow]) =
+        (x.dims(), k.dims(), r.dims())
+    else {
+        candle_core::bail!("conv2d_grads_by_hand: 4-D tensors")
+    };
+    let (mut gx, mut gk) = (vec![0f64; xv.len()], vec![0f64; kv.len()]);
+    let c_out_g = c_out / groups;
+    for (b, co, oy, ox) in indices4(batch, c_out, oh, ow) {
+        let weight = rv[((b * c_out + co) * oh + oy) * ow + ox];
+        let g = co / c_out_g;
+        for (ci, ky, kx) in (0..c_in_g)
+            .flat_map(|ci| (0..kh).flat_map(move |ky| (0..kw).map(move |kx| (ci, ky, kx))))
+        {
+            let y = (oy * stride + ky * dilation) as isize - padding as isize;
+            let xx = (ox * stride + kx * dilation) as isize - padding as isize;
+            if y < 0 || xx < 0 || y >= h as isize || xx >= w as isize {
+                continue;
+            }
+            let xi = ((b * c_in + g * c_in_g + ci) * h + y as usize) * w + xx as usize;
+            let ki = ((co * c_in_g + ci) * kh + ky) * kw + kx;
+            gx[xi] += weight * kv[ki];
+            gk[ki] += weight * xv[xi];
+        }
+    }
+    let to = |v: Vec<f64>, like: &candle_core::Tensor| {
+        candle_core::Tensor::from_vec(v, like.shape(), &dev())?.to_dtype(DType::F32)
+    };
+    Ok((to(gx, x)?, to(gk, k)?))
+}
+
+/// Every `(a, b, c, d)` below the bounds, in row-major order.
+fn indices4(
+    a: usize,
+    b: usize,
+    c: usize,
+    d: usize,
+) -> impl Iterator<Item = (usize, usize, usize, usize)> {
+    (0..a).flat_map(move |i| {
+        (0..b).flat_map(move |j| (0..c).flat_map(move |k| (0..d).map(move |l| (i, j, k, l))))
+    })
+}
+
+/// A shape of rank 1 to 4 for a broadcast sum, and the other operand's: each dimension kept or
+/// made 1, and some leading ones dropped.
+fn broadcast_shapes() -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
+    prop::collection::vec(prop_oneof![1usize..6, Just(17)], 1..5).prop_flat_map(|out| {
+        let rank = out.len();
+        (
+            Just(out),
+            prop::collection::vec(any::<bool>(), rank),
+            0..rank,
+        )
+            .prop_map(|(out, keep, drop)| {
+                let other = out
+                    .iter()
+                    .zip(&keep)
+                    .map(|(&d, &k)| if k { d } else { 1 })
+                    .skip(drop)
+                    .collect();
+                (out, other)
+            })
+    })
+}
+
+/// `values` in `dtype` of `dims`, the rows `offset..` of a taller tensor: contiguous, but
+/// starting inside its storage (a narrowed view, as a split of a fused projection gives).
+fn offset_values(
+    dims: &[usize],
+    offset: usize,
+    seed: u32,
+    dtype: DType,
+) -> Result<candle_core::Tensor> {
+    let mut tall = dims.to_vec();
+    tall[0] += offset;
+    values::<F32>(&tall, seed)?
+        .as_candle()
+        .to_dtype(dtype)?
+        .narrow(0, offset, dims[0])
+}
+
+/// Values of `n` in [-2, 2] on a grid of quarters: many ties in a max-pool window.
+fn coarse(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i as f32 * 0.618_034 + seed as f32 * 1.7).sin() * 8.0).round() / 4.0)
+        .collect()
+}
+
+/// The max pool of a `(h, w)` plane by hand: each output's window clipped to the plane (the
+/// -inf padding never wins), the first maximum in row-major order and its position.
+fn pool_by_hand(
+    plane: &[f32],
+    (h, w): (usize, usize),
+    (kernel, stride, padding): (usize, usize, usize),
+) -> Vec<(f32, usize)> {
+    let out = |n: usize| (n + 2 * padding - kernel) / stride + 1;
+    let mut pooled = Vec::new();
+    for oy in 0..out(h) {
+        for ox in 0..out(w) {
+            let mut best: Option<(f32, usize)> = None;
+            for ky in 0..kernel {
+                for kx in 0..kernel {
+                    let (y, x) = (
+                        (oy * stride + ky) as isize - padding as isize,
+                        (ox * stride + kx) as isize - padding as isize,
+                    );
+                    if y < 0 || x < 0 || y >= h as isize || x >= w as isize {
+                        continue;
+                    }
+                    let at = y as usize * w + x as usize;
+                    if best.is_none_or(|(top, _)| plane[at] > top) {
+                        best = Some((plane[at], at));
+                    }
+                }
+            }
+            pooled.push(best.expect("padding <= kernel / 2 leaves every window a value"));
+        }
+    }
+    pooled
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// `+` and `-` with broadcasting, on operands that start inside their storage, give candle's
+    /// values to the bit in every float dtype; the gradients of tracked operands are the
+    /// incoming gradient and its sum over the broadcast dimensions (against an f64 sum).
+    #[test]
+    fn broadcast_sums_match_candle_and_sum_their_gradients(
+        (out, other) in broadcast_shapes(),
+        (offset_a, offset_b) in (0usize..3, 0usize..3),
+        swap in any::<bool>(),
+    ) {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let a = offset_values(&out, offset_a, 7, dtype).unwrap();
+            let b = offset_values(&other, offset_b, 8, dtype).unwrap();
+            let (a, b) = if swap { (b, a) } else { (a, b) };
+            macro_rules! check {
+                ($p:ty) => {{
+                    let (ta, tb) = (Tensor::<$p>::from_candle(a.clone()).unwrap(), Tensor::<$p>::from_candle(b.clone()).unwrap());
+                    for (got, want) in [
+                        (ta.broadcast_add(&tb).unwrap(), a.broadcast_add(&b).unwrap()),
+                        (ta.broadcast_sub(&tb).unwrap(), a.broadcast_sub(&b).unwrap()),
+                    ] {
+                        let bits = |t: &candle_core::Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                        prop_assert_eq!(got.dims(), want.dims());
+                        prop_assert_eq!(bits(got.as_candle()), bits(&want), "{:?}", dtype);
+                    }
+                }};
+            }
+            match dtype {
+                DType::BF16 => check!(BF16),
+                DType::F16 => check!(F16),
+                _ => check!(F32),
+            }
+        }
+        // Gradients, in bf16: `sum(r * (a - b))` gives `a` the weights `r` and `b` minus their
+        // sums over where it was broadcast.
+        let va = candle_core::Var::from_tensor(&offset_values(&out, 0, 7, DType::BF16).unwrap()).unwrap();
+        let vb = candle_core::Var::from_tensor(&offset_values(&other, 0, 8, DType::BF16).unwrap()).unwrap();
+        let (ta, tb) = (Tensor::<BF16>::from_candle(va.as_tensor().clone()).unwrap(), Tensor::<BF16>::from_candle(vb.as_tensor().clone()).unwrap());
+        let r = offset_values(&out, 0, 9, DType::BF16).unwrap();
+        let y = ta.broadcast_sub(&tb).unwrap();
+        let grads = (y.as_candle() * &r).unwrap().to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+        let ga = grads.get(va.as_tensor()).unwrap();
+        prop_assert_eq!(ga.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(), r.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        // -r summed over the broadcast dimensions, in f64.
+        let lead = out.len() - other.len();
+        let mut want = r.to_dtype(DType::F64).unwrap();
+        for d in (0..out.len()).rev() {
+            if d < lead {
+                want = want.sum(d).unwrap();
+            } else if other[d - lead] == 1 {
+                want = want.sum_keepdim(d).unwrap();
+            }
+        }
+        let want = want.neg().unwrap().to_dtype(DType::F32).unwrap();
+        let summed = out.iter().product::<usize>() / other.iter().product::<usize>();
+        let gb = grads.get(vb.as_tensor()).unwrap();
+        prop_assert_eq!(gb.dims(), &other[..]);
+        assert_close(gb, &want, half_ulp::<BF16>(), summed);
+    }
+
+    /// Max pooling with any window, stride and padding (up to half the window, PyTorch's
+    /// limit), in every float dtype, against a pool by hand: each output the first maximum of
+    /// its window to the bit, and the gradient of `sum(r * pool(x))` each `r` added onto its
+    /// output's maximum (overlapping windows add up).
+    #[test]
+    fn max_pool_matches_a_pool_by_hand(
+        (planes, stride) in (1usize..4, 1usize..4),
+        (kernel, padding, h, w) in (1usize..5).prop_flat_map(|k| (Just(k), 0..=k / 2)).prop_flat_map(|(k, p)| {
+            let least = k.saturating_sub(2 * p).max(1);
+            (Just(k), Just(p), least..13, least..13)
+        }),
+    ) {
+        let pool = candle_amp::nn::MaxPool2d::with_stride(kernel, stride).with_padding(padding);
+        let xs = coarse(planes * h * w, 10);
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let x = candle_core::Var::from_tensor(&candle_core::Tensor::from_vec(xs.clone(), (1, planes, h, w), &dev()).unwrap().to_dtype(dtype).unwrap()).unwrap();
+            let y = match dtype {
+                DType::BF16 => pool.forward(&Tensor::<BF16>::from_candle(x.as_tensor().clone()).unwrap()).unwrap().into_candle(),
+                DType::F16 => pool.forward(&Tensor::<F16>::from_candle(x.as_tensor().clone()).unwrap()).unwrap().into_candle(),
+                _ => pool.forward(&Tensor::<F32>::from_candle(x.as_tensor().clone()).unwrap()).unwrap().into_candle(),
+            };
+            let (oh, ow) = (y.dim(2).unwrap(), y.dim(3).unwrap());
+            let r = coarse(planes * oh * ow, 11);
+            let rt = candle_core::Tensor::from_vec(r.clone(), y.shape(), &dev()).unwrap().to_dtype(dtype).unwrap();
+            let grads = (&y * &rt).unwrap().to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+            let got = y.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let grad = grads.get(x.as_tensor()).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let mut want_grad = vec![0f32; planes * h * w];
+            for c in 0..planes {
+                let pooled = pool_by_hand(&xs[c * h * w..][..h * w], (h, w), (kernel, stride, padding));
+                prop_assert_eq!(pooled.len(), oh * ow);
+                for (o, (top, at)) in pooled.into_iter().enumerate() {
+                    prop_assert_eq!(got[c * oh * ow + o].to_bits(), top.to_bits(), "{:?} plane {} output {}", dtype, c, o);
+                    want_grad[c * h * w + at] += r[c * oh * ow + o];
+                }
+            }
+            // Quarters summed over at most a few windows are exact in every dtype.
+            prop_assert_eq!(grad, want_grad, "{:?}", dtype);
         }
     }
 }
