@@ -18,6 +18,7 @@
 //! cargo run --release --example quantized_sine -- --precision fp16 # fp16 + GradScaler
 //! cargo run --release --example quantized_sine -- --json           # one JSON object on stdout
 //! cargo run --release --example quantized_sine -- --seed 7         # other initial weights
+//! cargo run --release --example quantized_sine -- --seeds 16       # final losses of seeds 0-15
 //! cargo run --release --example quantized_sine -- --size 512 --hidden 256 --epochs 512  # the blog
 //! ```
 //!
@@ -82,6 +83,12 @@ struct Args {
     /// as with `torch.manual_seed`.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Train `--seed` and the next seeds, `seeds` in all, and report only each seed's final
+    /// losses and how far AMP ends from f32 (each seed's gap, their median and largest): one
+    /// seed's final loss is one trajectory, and how far two runs end apart moves by several
+    /// percent from seed to seed.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    seeds: u64,
     /// Device: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
@@ -211,6 +218,96 @@ fn train<Pol: Policy>(
     Ok((f32_run, amp_run))
 }
 
+/// Both runs from the initial weights of `seed`.
+fn train_seed(
+    args: &Args,
+    precision: AmpPrecision,
+    seed: u64,
+    x: &Tensor<F32>,
+    target: &Tensor<F32>,
+) -> Result<(Run, Run)> {
+    // One set of initial weights from the seed, copied into each mode's fresh model.
+    let init = common::seeded_init(seed, x.device(), |vb| {
+        Model::new(args.hidden, vb).map(|_| ())
+    })?;
+    // The policy is a type: pick it once from the flag (PyTorch: `dtype = torch.bfloat16 if
+    // args.precision == "bf16" else torch.float16`), the rest is the same generic code.
+    match precision {
+        AmpPrecision::Bf16 => train::<Bf16Policy>(args, x, target, &init),
+        AmpPrecision::Fp16 => train::<Fp16Policy>(args, x, target, &init),
+    }
+}
+
+/// One seed of a `--seeds` sweep: both final losses and AMP's gap, `(amp - f32) / f32`.
+#[derive(serde::Serialize)]
+struct SeedResult {
+    seed: u64,
+    f32: f32,
+    amp: f32,
+    gap: f64,
+}
+
+/// `--seeds`: each seed's final losses and AMP's gap to f32, then the median gap and the
+/// largest in size; `{"precision": .., "seeds": [{"seed", "f32", "amp", "gap"}, ..],
+/// "median_gap": .., "largest_gap": ..}` with `--json`.
+fn sweep(
+    args: &Args,
+    precision: AmpPrecision,
+    x: &Tensor<F32>,
+    target: &Tensor<F32>,
+) -> Result<()> {
+    let mut seeds = Vec::new();
+    for seed in args.seed..args.seed + args.seeds {
+        let (f32_run, amp_run) = train_seed(args, precision, seed, x, target)?;
+        let (f32, amp) = (f32_run.result.final_loss, amp_run.result.final_loss);
+        let row = SeedResult {
+            seed,
+            f32,
+            amp,
+            gap: f64::from(amp - f32) / f64::from(f32),
+        };
+        if !args.json {
+            println!(
+                "seed {seed:>3}: f32 {f32:.6}  {} {amp:.6}  gap {:+.2}%",
+                precision.label(),
+                row.gap * 100.0
+            );
+        }
+        seeds.push(row);
+    }
+    let mut gaps: Vec<f64> = seeds.iter().map(|r| r.gap).collect();
+    gaps.sort_by(f64::total_cmp);
+    let mid = gaps.len() / 2;
+    let median = if gaps.len().is_multiple_of(2) {
+        f64::midpoint(gaps[mid - 1], gaps[mid])
+    } else {
+        gaps[mid]
+    };
+    let largest = gaps
+        .iter()
+        .copied()
+        .max_by(|a, b| a.abs().total_cmp(&b.abs()))
+        .unwrap_or(f64::NAN);
+    if args.json {
+        let out = serde_json::json!({
+            "precision": precision,
+            "seeds": seeds,
+            "median_gap": median,
+            "largest_gap": largest,
+        });
+        println!("{out}");
+    } else {
+        println!(
+            "{} final loss against f32 over {} seeds: median gap {:+.2}%, largest {:+.2}%",
+            precision.label(),
+            seeds.len(),
+            median * 100.0,
+            largest * 100.0
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     common::keep_freed_memory();
     let args = Args::parse();
@@ -222,16 +319,10 @@ fn main() -> Result<()> {
         candle_core::bail!("--size must be >= 2, --hidden and --epochs >= 1");
     }
     let (x, target) = data(args.size, &dev)?;
-    // One set of initial weights from the seed, copied into each mode's fresh model.
-    let init = common::seeded_init(args.seed, &dev, |vb| {
-        Model::new(args.hidden, vb).map(|_| ())
-    })?;
-    // The policy is a type: pick it once from the flag (PyTorch: `dtype = torch.bfloat16 if
-    // args.precision == "bf16" else torch.float16`), the rest is the same generic code.
-    let (f32_run, amp_run) = match precision {
-        AmpPrecision::Bf16 => train::<Bf16Policy>(&args, &x, &target, &init)?,
-        AmpPrecision::Fp16 => train::<Fp16Policy>(&args, &x, &target, &init)?,
-    };
+    if args.seeds > 1 {
+        return sweep(&args, precision, &x, &target);
+    }
+    let (f32_run, amp_run) = train_seed(&args, precision, args.seed, &x, &target)?;
 
     let target = target.to_flat_vec::<f32>()?;
     let written = plots(&args, precision, &target, &f32_run, &amp_run);
