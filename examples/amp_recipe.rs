@@ -3,8 +3,9 @@
 //! AMP side by side in one process.
 //!
 //! The model is the recipe's MLP: Linear(w, w) + ReLU, Linear(w, w) + ReLU, Linear(w, w), trained
-//! with MSE against random targets by SGD (lr 1e-3) on random data made once up front (the same
-//! batches and the same initial weights for both modes). The "amp" mode is the recipe's
+//! with MSE against random targets by SGD (lr 1e-3) on random data made once up front from
+//! `--seed` (default 0), as are the initial weights: the same batches and weights for both
+//! modes, and on every run. The "amp" mode is the recipe's
 //! `torch.autocast(device_type, dtype=dtype, enabled=use_amp)` forward plus
 //! `GradScaler(enabled=use_amp)` for fp16: one `#[autocast(policy = Pol, enabled = use_amp)]`
 //! forward, generic over the policy `Pol`, serves both modes, and the f32 mode runs the same loop
@@ -16,7 +17,7 @@
 //! range, and, as in PyTorch, trains without a `GradScaler` (the scaler is built disabled).
 //!
 //! ```sh
-//! cargo run --release --example amp_recipe                  # smaller defaults, ~35 s on 2 cores
+//! cargo run --release --example amp_recipe                  # smaller defaults, 10-35 s on 2 cores
 //! cargo run --release --example amp_recipe -- --precision fp16   # the recipe's float16
 //! cargo run --release --example amp_recipe -- --width 4096 --batch 512 --batches 50 --epochs 3
 //! cargo run --release --example amp_recipe -- --json        # one JSON line on stdout
@@ -28,7 +29,7 @@
 //! run, nothing else changed: it then is the f32 program with a disabled scaler and should match
 //! the f32 row), `--json` (print only `{"precision": "bf16", "f32": {...}, "amp": {...}}` and
 //! hide the progress bars), `--device cpu`, or `cuda` / `cuda:N` in a build with
-//! `--features cuda`. The table names the AMP row by its precision: `AMP (bf16)`.
+//! `--features cuda`, `--seed N`. The table names the AMP row by its precision: `AMP (bf16)`.
 //!
 //! Measured per mode: milliseconds per training step (forward, loss, scaled backward, unscale,
 //! optimizer step, scale update), excluding the mode's first step (it is trained on, just not
@@ -43,9 +44,9 @@
 //! has them (Intel Sapphire Rapids and later) and on `vdpbf16ps` on AVX512-BF16 (Zen 4). On this
 //! project's 2-core machines the bf16 step took 0.33-0.55x of the f32 step at the defaults on
 //! Zen 4 and 0.10-0.13x on a Xeon with AMX (README, Results), and the two final losses agree to
-//! about 4 decimals. fp16, which no x86 CPU multiplies, is converted to f32 while packing: its
-//! step is 0.4-0.9x of f32's, from halved memory traffic and from candle-amp's own GEMM (the f32
-//! run's matmuls are candle's). Peak heap with AMP is about 0.6x of f32's: activations are kept
+//! about 4 decimals. fp16, which no x86 CPU multiplies into an f32 sum, is converted to f32 while
+//! packing: its step is 0.4-0.9x of f32's, from halved memory traffic and from candle-amp's own
+//! GEMM (the f32 run's matmuls are candle's). Peak heap with AMP is about 0.6x of f32's: activations are kept
 //! in half precision, and `Linear` keeps no half copy of its f32 weights. The recipe's full size
 //! keeps 840 MB of random data up front.
 
@@ -55,7 +56,7 @@ use candle_amp::nn::{self, loss};
 use candle_amp::optim::{Optimizer, SGD};
 use candle_amp::{autocast, Bf16Policy, Fp16Policy, Policy, Tensor, F32};
 use candle_core::{DType, Device, Result};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarBuilder;
 use clap::Parser;
 use common::AmpPrecision;
 
@@ -63,7 +64,7 @@ use common::AmpPrecision;
 /// by side.
 ///
 /// The defaults are smaller than the recipe (`--width 4096 --batch 512 --batches 50 --epochs 3`)
-/// so that both modes run in about 35 s on 2 CPU cores.
+/// so that both modes run in 10-35 s on 2 CPU cores.
 #[derive(Parser, Debug)]
 struct Args {
     /// Width of the three Linear(w, w) layers (the recipe: 4096).
@@ -92,6 +93,10 @@ struct Args {
     /// the precision it ran in, the casts inserted (to stderr with `--json`).
     #[arg(long)]
     precision_report: bool,
+    /// Seed of the random batches and the initial weights (both modes start from the same
+    /// ones): a run is repeatable, as with `torch.manual_seed`.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Device to train on: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
@@ -128,11 +133,12 @@ impl Mlp {
 /// The random batches `(input, target)`, both `(batch, width)` from N(0, 1).
 fn data(args: &Args) -> Result<Vec<(Tensor<F32>, Tensor<F32>)>> {
     let shape = (args.batch, args.width);
+    let mut rng = common::SeededData::new(args.seed);
     (0..args.batches)
         .map(|_| {
             Ok((
-                Tensor::randn(0.0, 1.0, shape, &args.device)?,
-                Tensor::randn(0.0, 1.0, shape, &args.device)?,
+                rng.randn(shape, &args.device)?,
+                rng.randn(shape, &args.device)?,
             ))
         })
         .collect()
@@ -190,13 +196,10 @@ fn main() -> Result<()> {
         .precision
         .unwrap_or_else(|| AmpPrecision::default_for(&args.device));
     let data = data(&args)?;
-    // One set of initial weights, copied into each mode's fresh model.
-    let init_map = VarMap::new();
-    Mlp::new(
-        args.width,
-        &VarBuilder::from_varmap(&init_map, DType::F32, &args.device),
-    )?;
-    let init = common::snapshot(&init_map)?;
+    // One set of initial weights from the seed, copied into each mode's fresh model.
+    let init = common::seeded_init(args.seed, &args.device, |vb| {
+        Mlp::new(args.width, vb).map(|_| ())
+    })?;
 
     // The policy is a type: pick it once from the flag (PyTorch: `dtype = torch.bfloat16 if
     // args.precision == "bf16" else torch.float16`), the rest is the same generic code.

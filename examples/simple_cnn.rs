@@ -8,8 +8,9 @@
 //! pools above, 32x32 inputs leave 8x8 feature maps, so the head here is Linear(4096, 10), the
 //! shape the layers produce.
 //! Training: cross-entropy against 10 random class labels, Adam (AdamW with weight decay 0) lr
-//! 1e-3, on random 3x32x32 images from N(0, 1) made once up front. Both modes see the same
-//! batches and start from the same weights. The "amp" mode runs the forward under
+//! 1e-3, on random 3x32x32 images from N(0, 1) made once up front from `--seed` (default 0), as
+//! are the initial weights: both modes see the same batches and start from the same weights, and
+//! a run is repeatable. The "amp" mode runs the forward under
 //! `#[autocast(policy = Pol, enabled = use_amp)]` (convolutions and the head in the policy's half
 //! precision on half copies of the f32 masters, ReLU and pooling in that precision, the loss in
 //! f32); the f32 mode is the same loop with `use_amp = false` and a disabled scaler (an exact
@@ -22,9 +23,9 @@
 //! built disabled).
 //!
 //! ```sh
-//! cargo run --release --example simple_cnn                 # small defaults, ~45 s on 2 cores
+//! cargo run --release --example simple_cnn                 # small defaults, a few seconds
 //! cargo run --release --example simple_cnn -- --precision fp16   # fp16 + GradScaler
-//! cargo run --release --example simple_cnn -- --batches 20 --epochs 5   # about 2.5 minutes
+//! cargo run --release --example simple_cnn -- --batches 20 --epochs 5 --seed 3
 //! cargo run --release --example simple_cnn -- --json       # one JSON line on stdout
 //! ```
 //!
@@ -33,8 +34,8 @@
 //! bf16 on CPU, fp16 on CUDA), `--enabled false` (AMP off in the "amp" run, nothing else changed:
 //! it then is the f32 program with a disabled scaler and should match the f32 row), `--json`
 //! (print only `{"precision": "bf16", "f32": {...}, "amp": {...}}` and hide the progress bars),
-//! `--device cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`. The table names the
-//! AMP row by its precision: `AMP (bf16)`.
+//! `--device cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`, `--seed N`. The table
+//! names the AMP row by its precision: `AMP (bf16)`.
 //!
 //! Measured per mode: milliseconds per training step (forward, loss, scaled backward, unscale,
 //! Adam step, scale update), excluding the mode's first step (it is trained on, just not timed);
@@ -45,21 +46,18 @@
 //! one-time allocations count in neither peak: with `--enabled false` the two rows then have the
 //! same peak to the byte and the same loss to the bit.
 //!
-//! What to expect on CPU (the defaults take about 45 s in all on this project's 2 cores):
+//! What to expect on CPU (the defaults take a few seconds on this project's 2 cores):
 //! - The loss starts near 6 rather than ln 10 = 2.3 (unnormalised N(0, 1) images through
 //!   PyTorch-style initialisations give large logits) and falls, noisily, as Adam memorises the
-//!   few random batches. With fp16, the scaler's first 2 or 3 steps are skipped (f16 gradient
-//!   overflow at the initial scale 65536, backed off to 16384 or 8192), so the AMP model ends a
-//!   few updates behind the f32 one: its final loss is comparable, not equal. bf16 skips none
-//!   (it runs without a scaler) but keeps 8 significant bits to fp16's 11.
-//! - fp16 AMP is *slower* (the README's Results, measured in fp16 before `--precision` existed:
-//!   378 ms against f32's 283 ms per step): half convolutions and matmuls are computed in f32 on
-//!   CPU, after a conversion.
+//!   few random batches. bf16 keeps 8 significant bits to fp16's 11 and runs without a scaler;
+//!   fp16 runs with one, which skips a step whenever an f16 gradient overflows (none at the
+//!   defaults with `--seed 0`). The final losses of the three runs are comparable, not equal.
+//! - bf16 is the fast precision on a CPU with AVX512-BF16 or AMX: its convolutions (im2col
+//!   GEMMs) and the head run on the CPU's bf16 products. On this project's 2-core Xeon with AMX
+//!   a bf16 step took 0.50x of the f32 step, an fp16 step 0.87x (f16 is converted to f32 while
+//!   packing: no x86 CPU multiplies it into an f32 sum); README, Results.
 //! - Peak heap halves: the im2col buffers and the activations saved for backward are half
 //!   precision.
-//!
-//! The speed gains of AMP are a GPU (tensor core) effect; this example reports the CPU numbers as
-//! they are.
 
 mod common;
 
@@ -67,7 +65,7 @@ use candle_amp::nn::{self, loss};
 use candle_amp::optim::{AdamW, Optimizer, ParamsAdamW};
 use candle_amp::{autocast, Bf16Policy, Fp16Policy, Policy, Tensor, F32};
 use candle_core::{DType, Device, Result};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarBuilder;
 use clap::Parser;
 use common::AmpPrecision;
 
@@ -79,7 +77,7 @@ const SIDE: usize = 32;
 /// The seed CNN (two conv blocks and a linear head, cross-entropy, Adam) trained in f32 and with
 /// AMP (bf16 or fp16) side by side on random 3x32x32 images.
 ///
-/// The defaults run both modes in about 45 s on 2 CPU cores.
+/// The defaults run both modes in a few seconds on 2 CPU cores.
 #[derive(Parser, Debug)]
 struct Args {
     /// Batch size.
@@ -105,6 +103,10 @@ struct Args {
     /// the precision it ran in, the casts inserted (to stderr with `--json`).
     #[arg(long)]
     precision_report: bool,
+    /// Seed of the random batches and the initial weights (both modes start from the same
+    /// ones): a run is repeatable, as with `torch.manual_seed`.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Device to train on: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
@@ -150,14 +152,11 @@ impl Cnn {
 /// The random batches: images `(batch, 3, 32, 32)` from N(0, 1) and u32 labels `(batch)` in
 /// `0..10`.
 fn data(args: &Args) -> Result<Vec<(Tensor<F32>, candle_core::Tensor)>> {
+    let mut rng = common::SeededData::new(args.seed);
     (0..args.batches)
         .map(|_| {
-            let x = Tensor::randn(0.0, 1.0, (args.batch, 3, SIDE, SIDE), &args.device)?;
-            let labels = candle_core::Tensor::rand(0f32, CLASSES as f32, args.batch, &args.device)?
-                .floor()?
-                .clamp(0f32, (CLASSES - 1) as f32)?
-                .to_dtype(DType::U32)?;
-            Ok((x, labels))
+            let x = rng.randn((args.batch, 3, SIDE, SIDE), &args.device)?;
+            Ok((x, rng.labels(args.batch, CLASSES as u32, &args.device)?))
         })
         .collect()
 }
@@ -219,14 +218,8 @@ fn main() -> Result<()> {
         .precision
         .unwrap_or_else(|| AmpPrecision::default_for(&args.device));
     let data = data(&args)?;
-    // One set of initial weights, copied into each mode's fresh model.
-    let init_map = VarMap::new();
-    Cnn::new(&VarBuilder::from_varmap(
-        &init_map,
-        DType::F32,
-        &args.device,
-    ))?;
-    let init = common::snapshot(&init_map)?;
+    // One set of initial weights from the seed, copied into each mode's fresh model.
+    let init = common::seeded_init(args.seed, &args.device, |vb| Cnn::new(vb).map(|_| ()))?;
 
     // The policy is a type: pick it once from the flag (PyTorch: `dtype = torch.bfloat16 if
     // args.precision == "bf16" else torch.float16`), the rest is the same generic code.

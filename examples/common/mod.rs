@@ -285,6 +285,41 @@ pub fn seeded_init(
         .map_err(|_| candle_core::Error::Msg("the seeded weights' lock is poisoned".into()))
 }
 
+/// Random data from a fixed seed (candle's CPU generator cannot be seeded): the examples' random
+/// batches, the same on every run with the same `--seed`.
+pub struct SeededData(rand::rngs::StdRng);
+
+impl SeededData {
+    /// A generator for `seed`, its stream apart from [`seeded_init`]'s weights of that seed.
+    pub fn new(seed: u64) -> Self {
+        use rand::SeedableRng;
+        Self(rand::rngs::StdRng::seed_from_u64(
+            seed ^ 0x6461_7461_5f73_6565, // "data_see": not a weight name's hash
+        ))
+    }
+
+    /// A tensor of `shape` from N(0, 1).
+    pub fn randn<S: Into<candle_core::Shape>>(
+        &mut self,
+        shape: S,
+        dev: &Device,
+    ) -> Result<Tensor<F32>> {
+        use rand_distr::{Distribution, StandardNormal};
+        let shape = shape.into();
+        let values: Vec<f32> = (0..shape.elem_count())
+            .map(|_| StandardNormal.sample(&mut self.0))
+            .collect();
+        Tensor::from_vec(values, shape, dev)
+    }
+
+    /// `n` class labels (u32), uniform in `0..classes`.
+    pub fn labels(&mut self, n: usize, classes: u32, dev: &Device) -> Result<candle_core::Tensor> {
+        use rand::Rng;
+        let labels: Vec<u32> = (0..n).map(|_| self.0.random_range(0..classes)).collect();
+        candle_core::Tensor::from_vec(labels, n, dev)
+    }
+}
+
 /// The `VarBuilder` backend of [`seeded_init`].
 struct Seeded {
     seed: u64,
