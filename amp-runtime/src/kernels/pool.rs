@@ -44,14 +44,94 @@ impl Pool2d {
         start..end.max(start)
     }
 
-    /// Each output row's input rows and each output column's input columns.
-    fn spans(&self, (h, w): (usize, usize)) -> (Vec<Range<usize>>, Vec<Range<usize>>) {
+    /// The windows of a `(h, w)` plane.
+    fn windows(&self, (h, w): (usize, usize)) -> Windows {
         let (oh, ow) = self.out((h, w));
         let (k, s, pad) = (self.kernel, self.stride, self.padding);
-        (
-            (0..oh).map(|o| Self::span(o, s.0, k.0, pad, h)).collect(),
-            (0..ow).map(|o| Self::span(o, s.1, k.1, pad, w)).collect(),
-        )
+        let cols: Vec<Range<usize>> = (0..ow).map(|o| Self::span(o, s.1, k.1, pad, w)).collect();
+        // Clipping shortens the windows of a prefix and a suffix of the output columns only.
+        let whole = |c: &Range<usize>| c.len() == k.1;
+        let inner = match cols.iter().position(whole) {
+            Some(first) => first..cols.iter().rposition(whole).map_or(first, |last| last + 1),
+            None => 0..0,
+        };
+        Windows {
+            rows: (0..oh).map(|o| Self::span(o, s.0, k.0, pad, h)).collect(),
+            cols,
+            inner,
+            w,
+            kw: k.1,
+            stride: s.1,
+        }
+    }
+}
+
+/// Where each window of a plane lies: its in-bounds rows (per output row) and columns (per
+/// output column), and the run of output columns whose windows lie wholly inside the plane.
+struct Windows {
+    rows: Vec<Range<usize>>,
+    cols: Vec<Range<usize>>,
+    inner: Range<usize>,
+    /// The plane's width, the window's, and the stride along them.
+    w: usize,
+    kw: usize,
+    stride: usize,
+}
+
+/// `best` of a window wholly in the padding.
+const NO_VALUE: usize = usize::MAX;
+
+impl Windows {
+    /// The first maximum of each window of output row `oy` (as [`argmax`]): `best[ox]` its
+    /// offset in `plane`, or [`NO_VALUE`]; `top` is scratch of the row's length.
+    fn row_argmax(&self, plane: &[f32], oy: usize, best: &mut [usize], top: &mut [f32]) {
+        let (w, rows) = (self.w, &self.rows[oy]);
+        let tiled = match (self.stride == self.kw && !rows.is_empty(), self.kw) {
+            (true, 2) => self.tiled_argmax::<2>(plane, rows, best, top),
+            (true, 3) => self.tiled_argmax::<3>(plane, rows, best, top),
+            _ => 0..0,
+        };
+        for (ox, cols) in self.cols.iter().enumerate() {
+            if !tiled.contains(&ox) {
+                best[ox] = argmax(plane, w, rows, cols).unwrap_or(NO_VALUE);
+            }
+        }
+    }
+
+    /// [`Self::row_argmax`] of the inner columns (returned) when the windows tile the row
+    /// (`stride` = window width = `K`) and `rows` is not empty: all of them advance together,
+    /// one window position at a time, so that the compiler vectorises across windows (one
+    /// window at a time, the comparisons are one dependent chain).
+    fn tiled_argmax<const K: usize>(
+        &self,
+        plane: &[f32],
+        rows: &Range<usize>,
+        best: &mut [usize],
+        top: &mut [f32],
+    ) -> Range<usize> {
+        let n = self.inner.len();
+        if n == 0 {
+            return 0..0;
+        }
+        let x0 = self.cols[self.inner.start].start;
+        let (best, top) = (&mut best[self.inner.clone()], &mut top[..n]);
+        for y in rows.clone() {
+            let start = y * self.w + x0;
+            let (windows, _) = plane[start..][..n * K].as_chunks::<K>();
+            let first = y == rows.start;
+            for (i, ((b, t), win)) in best.iter_mut().zip(top.iter_mut()).zip(windows).enumerate() {
+                let at = start + i * K;
+                let (mut b_, mut t_) = if first { (at, win[0]) } else { (*b, *t) };
+                for (kx, &v) in win.iter().enumerate().skip(usize::from(first)) {
+                    let better = (v > t_) | (v.is_nan() & !t_.is_nan());
+                    b_ = if better { at + kx } else { b_ };
+                    t_ = if better { v } else { t_ };
+                }
+                *b = b_;
+                *t = t_;
+            }
+        }
+        self.inner.clone()
     }
 }
 
@@ -123,16 +203,21 @@ impl MaxPool {
         let p = self.0;
         let (n, h, w) = planes(l);
         let (oh, ow) = p.out((h, w));
-        let (rows, cols) = p.spans((h, w));
+        let windows = p.windows((h, w));
         parallel::filled(n * oh * ow, oh * ow, |c, out| {
             let mut buf = Vec::new();
             let plane = plane_f32(x, c, h * w, &mut buf);
             let source = &x[c * h * w..][..h * w];
-            for (oy, rows) in rows.iter().enumerate() {
-                for (ox, cols) in cols.iter().enumerate() {
+            let (mut best, mut top) = (vec![0; ow], vec![0f32; ow]);
+            for (oy, out) in out.chunks_exact_mut(ow).enumerate() {
+                windows.row_argmax(plane, oy, &mut best, &mut top);
+                for (o, &at) in out.iter_mut().zip(&best) {
                     // The maximum's own value, to the bit (a NaN keeps its payload).
-                    out[oy * ow + ox] = argmax(plane, w, rows, cols)
-                        .map_or(T::put(f32::NEG_INFINITY), |at| source[at]);
+                    *o = if at == NO_VALUE {
+                        T::put(f32::NEG_INFINITY)
+                    } else {
+                        source[at]
+                    };
                 }
             }
         })
@@ -170,17 +255,19 @@ impl MaxPoolGrad {
         let p = self.0;
         let (n, h, w) = planes(lx);
         let (oh, ow) = p.out((h, w));
-        let (rows, cols) = p.spans((h, w));
+        let windows = p.windows((h, w));
         parallel::filled(n * h * w, h * w, |c, out| {
             let mut buf = Vec::new();
             let plane = plane_f32(x, c, h * w, &mut buf);
             let mut grads = vec![0f32; oh * ow];
             T::widen(&g[c * oh * ow..][..oh * ow], &mut grads);
             let mut acc = vec![0f32; h * w];
-            for (oy, rows) in rows.iter().enumerate() {
-                for (ox, cols) in cols.iter().enumerate() {
-                    if let Some(at) = argmax(plane, w, rows, cols) {
-                        acc[at] += grads[oy * ow + ox];
+            let (mut best, mut top) = (vec![0; ow], vec![0f32; ow]);
+            for (oy, grads) in grads.chunks_exact(ow).enumerate() {
+                windows.row_argmax(plane, oy, &mut best, &mut top);
+                for (&at, &g) in best.iter().zip(grads) {
+                    if at != NO_VALUE {
+                        acc[at] += g;
                     }
                 }
             }
