@@ -183,6 +183,14 @@ pub(crate) fn max_pool2d(x: &Tensor, p: Pool2d) -> Result<Tensor> {
                 p.padding
             );
         }
+        if 2 * p.padding > p.kernel.0.min(p.kernel.1) {
+            // PyTorch's rule too: a wider padding leaves windows with nothing but padding.
+            candle_core::bail!(
+                "max_pool2d: padding {} is more than half the {:?} window",
+                p.padding,
+                p.kernel
+            );
+        }
         x.contiguous()?.apply_op1(MaxPool(p))
     } else if p.padding == 0 {
         x.max_pool2d_with_stride(p.kernel, p.stride)
@@ -399,6 +407,27 @@ mod tests {
         let want = [1., 0., 0., 1., 1., 0.,
                     0., 0., 0., 0., 0., 0.];
         assert_eq!(g, want);
+        Ok(())
+    }
+
+    /// A padding of more than half the window is an error, as in PyTorch (such windows could
+    /// hold nothing but padding); half is allowed.
+    #[test]
+    fn padding_beyond_half_the_window_is_an_error() -> Result<()> {
+        let x = Tensor::zeros((1, 1, 5, 5), DType::F32, &Device::Cpu)?;
+        let pool = |kernel, padding| Pool2d {
+            kernel,
+            stride: (1, 1),
+            padding,
+        };
+        let err = max_pool2d(&x, pool((3, 3), 2)).unwrap_err().to_string();
+        assert!(err.contains("more than half"), "{err}");
+        assert!(
+            max_pool2d(&x, pool((3, 4), 2)).is_err(),
+            "checked per dimension"
+        );
+        assert_eq!(max_pool2d(&x, pool((3, 3), 1))?.dims(), [1, 1, 5, 5]);
+        assert_eq!(max_pool2d(&x, pool((4, 4), 2))?.dims(), [1, 1, 6, 6]);
         Ok(())
     }
 }

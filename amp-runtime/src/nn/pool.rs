@@ -110,7 +110,8 @@ impl MaxPool2d {
         }
     }
 
-    /// The same pool with `padding` -inf rows and columns on each side.
+    /// The same pool with `padding` -inf rows and columns on each side: at most half the window,
+    /// as PyTorch requires (a wider padding is an error at `forward`).
     pub fn with_padding(self, padding: usize) -> Self {
         Self { padding, ..self }
     }
