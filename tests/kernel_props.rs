@@ -276,37 +276,112 @@ fn coarse(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
-/// The max pool of a `(h, w)` plane by hand: each output's window clipped to the plane (the
-/// -inf padding never wins), the first maximum in row-major order and its position.
-fn pool_by_hand(
-    plane: &[f32],
+/// The in-bounds positions of each window of a `(h, w)` plane (row-major offsets, in
+/// row-major order), output by output: the -inf or zero padding is left out.
+fn windows_by_hand(
     (h, w): (usize, usize),
     (kernel, stride, padding): (usize, usize, usize),
-) -> Vec<(f32, usize)> {
+) -> Vec<Vec<usize>> {
     let out = |n: usize| (n + 2 * padding - kernel) / stride + 1;
-    let mut pooled = Vec::new();
+    let inside = |o: usize, k: usize, n: usize| {
+        let at = (o * stride + k) as isize - padding as isize;
+        (0..n as isize).contains(&at).then_some(at as usize)
+    };
+    let mut windows = Vec::new();
     for oy in 0..out(h) {
         for ox in 0..out(w) {
-            let mut best: Option<(f32, usize)> = None;
-            for ky in 0..kernel {
-                for kx in 0..kernel {
-                    let (y, x) = (
-                        (oy * stride + ky) as isize - padding as isize,
-                        (ox * stride + kx) as isize - padding as isize,
-                    );
-                    if y < 0 || x < 0 || y >= h as isize || x >= w as isize {
-                        continue;
-                    }
-                    let at = y as usize * w + x as usize;
-                    if best.is_none_or(|(top, _)| plane[at] > top) {
-                        best = Some((plane[at], at));
-                    }
-                }
-            }
-            pooled.push(best.expect("padding <= kernel / 2 leaves every window a value"));
+            let window = (0..kernel)
+                .filter_map(|ky| inside(oy, ky, h))
+                .flat_map(|y| {
+                    (0..kernel)
+                        .filter_map(move |kx| inside(ox, kx, w))
+                        .map(move |x| y * w + x)
+                })
+                .collect();
+            windows.push(window);
         }
     }
-    pooled
+    windows
+}
+
+/// A pool layer run on a candle tensor of any float dtype, through the typed API.
+enum Pool {
+    Max(candle_amp::nn::MaxPool2d),
+    Avg(candle_amp::nn::AvgPool2d),
+}
+
+impl Pool {
+    fn forward(&self, x: &candle_core::Tensor) -> candle_core::Tensor {
+        macro_rules! run {
+            ($p:ty) => {{
+                let x = Tensor::<$p>::from_candle(x.clone()).unwrap();
+                match self {
+                    Self::Max(pool) => pool.forward(&x),
+                    Self::Avg(pool) => pool.forward(&x),
+                }
+                .unwrap()
+                .into_candle()
+            }};
+        }
+        match x.dtype() {
+            DType::BF16 => run!(BF16),
+            DType::F16 => run!(F16),
+            _ => run!(F32),
+        }
+    }
+}
+
+/// A pool's window geometry for the property tests: kernel 1-4, stride 1-3, padding up to half
+/// the window (PyTorch's limit), planes at least as large as the padded window needs.
+fn pool_geometry() -> impl Strategy<Value = (usize, usize, usize, usize, usize, usize)> {
+    (1usize..4, 1usize..4, 1usize..5)
+        .prop_flat_map(|(planes, stride, k)| (Just(planes), Just(stride), Just(k), 0..=k / 2))
+        .prop_flat_map(|(planes, stride, k, p)| {
+            let least = k.saturating_sub(2 * p).max(1);
+            (
+                Just(planes),
+                Just(stride),
+                Just(k),
+                Just(p),
+                least..13,
+                least..13,
+            )
+        })
+}
+
+/// `pool` of `xs` (`planes` planes of `(h, w)`) in `dtype`: the output as f32, and the gradient
+/// of `sum(r * pool(x))` for the weights `r` = [`coarse`] values, with those weights.
+fn pool_and_grad(
+    pool: &Pool,
+    xs: &[f32],
+    (planes, h, w): (usize, usize, usize),
+    dtype: DType,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let flat = |t: &candle_core::Tensor| {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    let x = candle_core::Tensor::from_vec(xs.to_vec(), (1, planes, h, w), &dev()).unwrap();
+    let x = candle_core::Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap();
+    let y = pool.forward(x.as_tensor());
+    let r = coarse(y.elem_count(), 11);
+    let rt = candle_core::Tensor::from_vec(r.clone(), y.shape(), &dev())
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
+    let grads = (&y * &rt)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    (flat(&y), flat(grads.get(x.as_tensor()).unwrap()), r)
 }
 
 proptest! {
@@ -371,44 +446,55 @@ proptest! {
         assert_close(gb, &want, half_ulp::<BF16>(), summed);
     }
 
-    /// Max pooling with any window, stride and padding (up to half the window, PyTorch's
-    /// limit), in every float dtype, against a pool by hand: each output the first maximum of
-    /// its window to the bit, and the gradient of `sum(r * pool(x))` each `r` added onto its
-    /// output's maximum (overlapping windows add up).
+    /// Max pooling with any window, stride and padding, in every float dtype, against a pool
+    /// by hand: each output the first maximum of its window to the bit, and the gradient of
+    /// `sum(r * pool(x))` each `r` added onto its output's maximum (overlapping windows add up).
     #[test]
-    fn max_pool_matches_a_pool_by_hand(
-        (planes, stride) in (1usize..4, 1usize..4),
-        (kernel, padding, h, w) in (1usize..5).prop_flat_map(|k| (Just(k), 0..=k / 2)).prop_flat_map(|(k, p)| {
-            let least = k.saturating_sub(2 * p).max(1);
-            (Just(k), Just(p), least..13, least..13)
-        }),
-    ) {
-        let pool = candle_amp::nn::MaxPool2d::with_stride(kernel, stride).with_padding(padding);
+    fn max_pool_matches_a_pool_by_hand((planes, stride, kernel, padding, h, w) in pool_geometry()) {
+        let pool = Pool::Max(candle_amp::nn::MaxPool2d::with_stride(kernel, stride).with_padding(padding));
         let xs = coarse(planes * h * w, 10);
+        let windows = windows_by_hand((h, w), (kernel, stride, padding));
         for dtype in [DType::F32, DType::BF16, DType::F16] {
-            let x = candle_core::Var::from_tensor(&candle_core::Tensor::from_vec(xs.clone(), (1, planes, h, w), &dev()).unwrap().to_dtype(dtype).unwrap()).unwrap();
-            let y = match dtype {
-                DType::BF16 => pool.forward(&Tensor::<BF16>::from_candle(x.as_tensor().clone()).unwrap()).unwrap().into_candle(),
-                DType::F16 => pool.forward(&Tensor::<F16>::from_candle(x.as_tensor().clone()).unwrap()).unwrap().into_candle(),
-                _ => pool.forward(&Tensor::<F32>::from_candle(x.as_tensor().clone()).unwrap()).unwrap().into_candle(),
-            };
-            let (oh, ow) = (y.dim(2).unwrap(), y.dim(3).unwrap());
-            let r = coarse(planes * oh * ow, 11);
-            let rt = candle_core::Tensor::from_vec(r.clone(), y.shape(), &dev()).unwrap().to_dtype(dtype).unwrap();
-            let grads = (&y * &rt).unwrap().to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
-            let got = y.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let grad = grads.get(x.as_tensor()).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let (got, grad, r) = pool_and_grad(&pool, &xs, (planes, h, w), dtype);
+            prop_assert_eq!(got.len(), planes * windows.len());
             let mut want_grad = vec![0f32; planes * h * w];
-            for c in 0..planes {
-                let pooled = pool_by_hand(&xs[c * h * w..][..h * w], (h, w), (kernel, stride, padding));
-                prop_assert_eq!(pooled.len(), oh * ow);
-                for (o, (top, at)) in pooled.into_iter().enumerate() {
-                    prop_assert_eq!(got[c * oh * ow + o].to_bits(), top.to_bits(), "{:?} plane {} output {}", dtype, c, o);
-                    want_grad[c * h * w + at] += r[c * oh * ow + o];
-                }
+            for (o, (window, r)) in windows.iter().cycle().zip(&r).enumerate() {
+                let plane = &xs[o / windows.len() * h * w..][..h * w];
+                // The first maximum: ties keep the earlier position.
+                let at = window.iter().copied().reduce(|a, b| if plane[b] > plane[a] { b } else { a }).unwrap();
+                prop_assert_eq!(got[o].to_bits(), plane[at].to_bits(), "{:?} output {}", dtype, o);
+                want_grad[o / windows.len() * h * w + at] += r;
             }
             // Quarters summed over at most a few windows are exact in every dtype.
             prop_assert_eq!(grad, want_grad, "{:?}", dtype);
+        }
+    }
+
+    /// Average pooling with any window, stride and zero padding (counted in the area, PyTorch's
+    /// default), in every float dtype, against a pool by hand in f64: each output the window's
+    /// mean rounded once (to within half an ulp), and the gradient of `sum(r * pool(x))` each
+    /// `r / area` added onto every position of its window.
+    #[test]
+    fn avg_pool_matches_a_pool_by_hand((planes, stride, kernel, padding, h, w) in pool_geometry()) {
+        let pool = Pool::Avg(candle_amp::nn::AvgPool2d::with_stride(kernel, stride).with_padding(padding));
+        let xs = coarse(planes * h * w, 10);
+        let windows = windows_by_hand((h, w), (kernel, stride, padding));
+        let area = (kernel * kernel) as f64;
+        for (dtype, rel) in [(DType::F32, 2f64.powi(-23)), (DType::BF16, 2f64.powi(-8)), (DType::F16, 2f64.powi(-11))] {
+            let (got, grad, r) = pool_and_grad(&pool, &xs, (planes, h, w), dtype);
+            prop_assert_eq!(got.len(), planes * windows.len());
+            let mut want_grad = vec![0f64; planes * h * w];
+            for (o, (window, r)) in windows.iter().cycle().zip(&r).enumerate() {
+                let base = o / windows.len() * h * w;
+                let mean = window.iter().map(|&at| f64::from(xs[base + at])).sum::<f64>() / area;
+                prop_assert!((f64::from(got[o]) - mean).abs() <= rel * mean.abs(), "{:?} output {}: {} vs {}", dtype, o, got[o], mean);
+                for &at in window {
+                    want_grad[base + at] += f64::from(*r) / area;
+                }
+            }
+            for (i, (g, want)) in grad.iter().zip(&want_grad).enumerate() {
+                prop_assert!((f64::from(*g) - want).abs() <= rel * want.abs() + 1e-7, "{:?} gradient {}: {} vs {}", dtype, i, g, want);
+            }
         }
     }
 }

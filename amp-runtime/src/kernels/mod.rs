@@ -18,7 +18,7 @@
 //!   and have their own backward.
 //! - this module: [`Real`], the element types, and the widened passes through which the
 //!   element-wise kernels read and write half values 16 at a time ([`map_widened`]).
-//! - `pool`: max pooling with any window, stride and padding, and its backward.
+//! - `pool`: max and average pooling with any window, stride and padding, and their backward.
 //! - `simd`: the AVX-512 f32 <-> bf16/f16 conversions, bit-identical to `half`.
 //! - `mse`: the mean squared error reading half predictions and targets as they are.
 //! - `batch_norm`: batch norm as one op with its own backward on CPU, keeping only its input and
@@ -119,7 +119,7 @@ pub(crate) use embedding::embedding;
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use matmul::{broadcast_matmul, linear, matmul};
 pub(crate) use mse::mse;
-pub(crate) use pool::{max_pool2d, Pool2d};
+pub(crate) use pool::{avg_pool2d, max_pool2d, Pool2d};
 pub(crate) use softmax::{log_softmax_last_dim, softmax_last_dim};
 
 use candle_core::Layout;

@@ -1,10 +1,18 @@
-//! 2-D max pooling on CPU with any window, stride and padding, forward and backward.
+//! 2-D max and average pooling on CPU with any window, stride and padding, forward and
+//! backward.
 //!
 //! candle's `max_pool2d` has no backward when the stride differs from the window (ResNet's 3x3
-//! stride-2 stem pool) and no padding. This op pools `(batch, channels, h, w)` in its input's
-//! dtype, padding with -inf as PyTorch does; its backward sends each output's gradient to the
-//! first position holding the window's maximum (PyTorch's choice too), summing where windows
-//! overlap.
+//! stride-2 stem pool) and no padding. The max pool pools `(batch, channels, h, w)` in its
+//! input's dtype, padding with -inf as PyTorch does; its backward sends each output's gradient
+//! to the first position holding the window's maximum (PyTorch's choice too), summing where
+//! windows overlap.
+//!
+//! candle's `avg_pool2d` has no backward either unless stride = window, and on half inputs it
+//! sums in the half type (a rounding per addition) and multiplies by `1 / area` rounded to it
+//! (1/9 -> 0.111328125 in bf16: every 3x3 average 0.2% high, its gradient too). The average
+//! pool here sums each window in f32, divides by the window's area (zero padding counted, as
+//! PyTorch's default `count_include_pad=True`) and rounds once, as PyTorch's CPU kernel does;
+//! its backward spreads each output's gradient evenly over the window, in f32.
 
 use std::ops::Range;
 
@@ -170,32 +178,50 @@ fn plane_f32<'a, T: Real>(x: &'a [T], c: usize, len: usize, buf: &'a mut Vec<f32
     buf
 }
 
+/// Whether `p` pools a `(h, w)` plane: the window fits the padded plane, and the padding is at
+/// most half the window (PyTorch's rule too: a wider one leaves windows of nothing but padding).
+fn check(op: &str, p: Pool2d, (h, w): (usize, usize)) -> Result<()> {
+    if !p.fits((h, w)) {
+        candle_core::bail!(
+            "{op}: a {:?} window with stride {:?} does not fit a {h}x{w} input padded by {}",
+            p.kernel,
+            p.stride,
+            p.padding
+        );
+    }
+    if 2 * p.padding > p.kernel.0.min(p.kernel.1) {
+        candle_core::bail!(
+            "{op}: padding {} is more than half the {:?} window",
+            p.padding,
+            p.kernel
+        );
+    }
+    Ok(())
+}
+
 /// Max pooling of `x` as this op on CPU (float dtypes); elsewhere candle's, which needs no
 /// padding (and, to train, stride = window).
 pub(crate) fn max_pool2d(x: &Tensor, p: Pool2d) -> Result<Tensor> {
     if let (true, &[_, _, h, w]) = (super::cpu_float(x), x.dims()) {
-        if !p.fits((h, w)) {
-            candle_core::bail!(
-                "max_pool2d: a {:?} window with stride {:?} does not fit a {h}x{w} input padded \
-                 by {}",
-                p.kernel,
-                p.stride,
-                p.padding
-            );
-        }
-        if 2 * p.padding > p.kernel.0.min(p.kernel.1) {
-            // PyTorch's rule too: a wider padding leaves windows with nothing but padding.
-            candle_core::bail!(
-                "max_pool2d: padding {} is more than half the {:?} window",
-                p.padding,
-                p.kernel
-            );
-        }
+        check("max_pool2d", p, (h, w))?;
         x.contiguous()?.apply_op1(MaxPool(p))
     } else if p.padding == 0 {
         x.max_pool2d_with_stride(p.kernel, p.stride)
     } else {
         candle_core::bail!("max_pool2d with padding is implemented on CPU only")
+    }
+}
+
+/// Average pooling of `x` as this op on CPU (float dtypes); elsewhere candle's, which needs no
+/// padding (and, to train, stride = window).
+pub(crate) fn avg_pool2d(x: &Tensor, p: Pool2d) -> Result<Tensor> {
+    if let (true, &[_, _, h, w]) = (super::cpu_float(x), x.dims()) {
+        check("avg_pool2d", p, (h, w))?;
+        x.contiguous()?.apply_op1(AvgPool(p))
+    } else if p.padding == 0 {
+        x.avg_pool2d_with_stride(p.kernel, p.stride)
+    } else {
+        candle_core::bail!("avg_pool2d with padding is implemented on CPU only")
     }
 }
 
@@ -303,9 +329,109 @@ impl CustomOp2 for MaxPoolGrad {
     }
 }
 
+/// The average pool's op: `x -> y`.
+struct AvgPool(Pool2d);
+
+impl AvgPool {
+    fn forward<T: Real + Send + Sync>(&self, x: &[T], l: &Layout) -> Vec<T> {
+        let p = self.0;
+        let (n, h, w) = planes(l);
+        let (oh, ow) = p.out((h, w));
+        let windows = p.windows((h, w));
+        let area = (p.kernel.0 * p.kernel.1) as f32;
+        parallel::filled(n * oh * ow, oh * ow, |c, out| {
+            let mut buf = Vec::new();
+            let plane = plane_f32(x, c, h * w, &mut buf);
+            let mut means = vec![0f32; ow];
+            for (rows, out) in windows.rows.iter().zip(out.chunks_exact_mut(ow)) {
+                for (mean, cols) in means.iter_mut().zip(&windows.cols) {
+                    let sum: f32 = rows
+                        .clone()
+                        .map(|y| plane[y * w..][cols.clone()].iter().sum::<f32>())
+                        .sum();
+                    *mean = sum / area;
+                }
+                T::narrow(&means, out);
+            }
+        })
+    }
+}
+
+impl CustomOp1 for AvgPool {
+    fn name(&self) -> &'static str {
+        "amp-avg-pool2d"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let d = l.dims();
+        let out = with_floats!("avg pool", s, l, |x| WithDType::to_cpu_storage_owned(
+            self.forward(x, l)
+        ));
+        let (oh, ow) = self.0.out((d[2], d[3]));
+        Ok((out, Shape::from((d[0], d[1], oh, ow))))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let (h, w) = (arg.dim(2)?, arg.dim(3)?);
+        Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&AvgPoolGrad {
+            pool: self.0,
+            input: (h, w),
+        })?))
+    }
+}
+
+/// `grad_y -> grad_x` of the average pool of a `input`-sized plane: each output's gradient
+/// divided by the window's area and added over the window's in-bounds positions, in f32.
+struct AvgPoolGrad {
+    pool: Pool2d,
+    input: (usize, usize),
+}
+
+impl AvgPoolGrad {
+    fn run<T: Real + Send + Sync>(&self, g: &[T], l: &Layout) -> Vec<T> {
+        let p = self.pool;
+        let (h, w) = self.input;
+        let d = l.dims();
+        let (n, oh, ow) = (d[0] * d[1], d[2], d[3]);
+        let windows = p.windows((h, w));
+        let area = (p.kernel.0 * p.kernel.1) as f32;
+        parallel::filled(n * h * w, h * w, |c, out| {
+            let mut grads = vec![0f32; oh * ow];
+            T::widen(&g[c * oh * ow..][..oh * ow], &mut grads);
+            let mut acc = vec![0f32; h * w];
+            for (rows, grads) in windows.rows.iter().zip(grads.chunks_exact(ow)) {
+                for (&g, cols) in grads.iter().zip(&windows.cols) {
+                    let share = g / area;
+                    for y in rows.clone() {
+                        for a in &mut acc[y * w..][cols.clone()] {
+                            *a += share;
+                        }
+                    }
+                }
+            }
+            T::narrow(&acc, out);
+        })
+    }
+}
+
+impl CustomOp1 for AvgPoolGrad {
+    fn name(&self) -> &'static str {
+        "amp-avg-pool2d-grad"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let d = l.dims();
+        let out = with_floats!("avg pool grad", s, l, |g| WithDType::to_cpu_storage_owned(
+            self.run(g, l)
+        ));
+        Ok((out, Shape::from((d[0], d[1], self.input.0, self.input.1))))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::{DType, Device, Var};
+    use half::bf16;
 
     use super::*;
 
@@ -407,6 +533,27 @@ mod tests {
         let want = [1., 0., 0., 1., 1., 0.,
                     0., 0., 0., 0., 0., 0.];
         assert_eq!(g, want);
+        Ok(())
+    }
+
+    /// A bf16 3x3 average of 1 and eight 2^-8 is the exact mean rounded once (0.1145..);
+    /// candle's sums in bf16, where each 1 + 2^-8 rounds back to 1, and multiplies by 1/9
+    /// rounded to bf16: 0.111328125, six bf16 ulps low.
+    #[test]
+    fn an_average_rounds_once_from_the_exact_mean() -> Result<()> {
+        let mut v = vec![2f32.powi(-8); 9];
+        v[0] = 1.0;
+        let x = Tensor::from_vec(v, (1, 1, 3, 3), &Device::Cpu)?.to_dtype(DType::BF16)?;
+        let pool = Pool2d {
+            kernel: (3, 3),
+            stride: (3, 3),
+            padding: 0,
+        };
+        let got = avg_pool2d(&x, pool)?.flatten_all()?.to_vec1::<bf16>()?;
+        let exact = (1.0 + 8.0 / 256.0) / 9.0;
+        assert_eq!(got, [bf16::from_f64(exact)]);
+        let candle = x.avg_pool2d(3)?.flatten_all()?.to_vec1::<bf16>()?;
+        assert_eq!(candle, [bf16::from_f32(0.111_328_125)]);
         Ok(())
     }
 

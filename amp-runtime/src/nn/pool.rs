@@ -45,13 +45,16 @@ use crate::op;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
 
+/// A square-window pooling layer over `crate::kernels::$kernel`: `new`, `with_stride`,
+/// `with_padding` (`$pad` names what the padding holds) and `forward`.
 macro_rules! pool_layer {
-    ($(#[$doc:meta])* $name:ident, $op:ident, $with_stride:ident) => {
+    ($(#[$doc:meta])* $name:ident, $kernel:ident, $pad:literal) => {
         $(#[$doc])*
         #[derive(Clone, Copy, Debug, PartialEq, Eq)]
         pub struct $name {
             kernel: usize,
             stride: usize,
+            padding: usize,
         }
 
         impl $name {
@@ -62,7 +65,18 @@ macro_rules! pool_layer {
 
             /// A square window of `kernel` moved by `stride`.
             pub fn with_stride(kernel: usize, stride: usize) -> Self {
-                Self { kernel, stride }
+                Self {
+                    kernel,
+                    stride,
+                    padding: 0,
+                }
+            }
+
+            #[doc = concat!("The same pool with `padding` ", $pad, " rows and columns on each side:")]
+            /// at most half the window, as PyTorch requires (a wider padding is an error at
+            /// `forward`).
+            pub fn with_padding(self, padding: usize) -> Self {
+                Self { padding, ..self }
             }
 
             /// Pools the last two dimensions of `(batch, channels, h, w)`, in `x`'s precision.
@@ -73,73 +87,39 @@ macro_rules! pool_layer {
                         stringify!($name)
                     )
                 }
-                x.$with_stride(self.kernel, self.stride)
+                let pool = crate::kernels::Pool2d {
+                    kernel: (self.kernel, self.kernel),
+                    stride: (self.stride, self.stride),
+                    padding: self.padding,
+                };
+                crate::kernels::$kernel(x.as_candle(), pool).map(Tensor::wrap)
             }
         }
 
         impl AmpLayer for $name {
-            type Op = op::$op;
+            type Op = op::$kernel;
         }
         region_forward!($name);
     };
 }
 
-/// 2-D max pooling, precision-preserving, with optional -inf padding (PyTorch's `MaxPool2d`):
-/// ResNet's stem is `MaxPool2d::with_stride(3, 2).with_padding(1)`. On CPU it trains with any
-/// stride, each output's gradient going whole to its window's maximum (candle's own backward
-/// needs stride = window and divides the gradient by the window's area).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MaxPool2d {
-    kernel: usize,
-    stride: usize,
-    padding: usize,
-}
-
-impl MaxPool2d {
-    /// A square window of `kernel`, stride = kernel (PyTorch's default).
-    pub fn new(kernel: usize) -> Self {
-        Self::with_stride(kernel, kernel)
-    }
-
-    /// A square window of `kernel` moved by `stride`.
-    pub fn with_stride(kernel: usize, stride: usize) -> Self {
-        Self {
-            kernel,
-            stride,
-            padding: 0,
-        }
-    }
-
-    /// The same pool with `padding` -inf rows and columns on each side: at most half the window,
-    /// as PyTorch requires (a wider padding is an error at `forward`).
-    pub fn with_padding(self, padding: usize) -> Self {
-        Self { padding, ..self }
-    }
-
-    /// Pools the last two dimensions of `(batch, channels, h, w)`, in `x`'s precision.
-    pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
-        if self.kernel == 0 || self.stride == 0 {
-            candle_core::bail!("MaxPool2d: kernel and stride must be positive")
-        }
-        let pool = crate::kernels::Pool2d {
-            kernel: (self.kernel, self.kernel),
-            stride: (self.stride, self.stride),
-            padding: self.padding,
-        };
-        crate::kernels::max_pool2d(x.as_candle(), pool).map(Tensor::wrap)
-    }
-}
-
-impl AmpLayer for MaxPool2d {
-    type Op = op::max_pool2d;
-}
-region_forward!(MaxPool2d);
 pool_layer!(
-    /// 2-D average pooling, precision-preserving.
-    ///
-    /// candle 0.11 has no backward for average pooling with a stride other than the kernel
-    /// size; training through `with_stride(k, s)`, `s != k`, returns candle's error.
+    /// 2-D max pooling, precision-preserving, with optional -inf padding (PyTorch's
+    /// `MaxPool2d`): ResNet's stem is `MaxPool2d::with_stride(3, 2).with_padding(1)`. On CPU it
+    /// trains with any stride, each output's gradient going whole to its window's maximum
+    /// (candle's own backward needs stride = window and divides the gradient by the window's
+    /// area).
+    MaxPool2d,
+    max_pool2d,
+    "-inf"
+);
+pool_layer!(
+    /// 2-D average pooling, precision-preserving, with optional zero padding counted in each
+    /// window's area (PyTorch's `AvgPool2d` with its default `count_include_pad=True`). On CPU
+    /// each window is summed in f32 and the mean rounded once, and it trains with any stride,
+    /// each output's gradient spread evenly over its window (candle's own average pool sums half
+    /// values in half precision, and has no backward unless stride = window).
     AvgPool2d,
     avg_pool2d,
-    avg_pool2d_with_stride
+    "zero"
 );

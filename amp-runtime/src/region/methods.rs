@@ -159,7 +159,13 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     }
     /// Routed `avg_pool2d`.
     pub fn avg_pool2d<K: candle_core::ToUsize2>(&self, k: K) -> Result<AmpTensor> {
-        unary::<Pol, op::avg_pool2d>(&self.amp(), |x| x.avg_pool2d(k))
+        let k = k.to_usize2();
+        let pool = crate::kernels::Pool2d {
+            kernel: k,
+            stride: k,
+            padding: 0,
+        };
+        unary::<Pol, op::avg_pool2d>(&self.amp(), |x| crate::kernels::avg_pool2d(x, pool))
     }
     /// Routed `chunk`.
     pub fn chunk<D: candle_core::shape::Dim>(

@@ -234,21 +234,26 @@ impl<P: Precision> Tensor<P> {
         crate::kernels::max_pool2d(&self.inner, pool).map(Self::wrap)
     }
 
-    /// 2-D average pooling, stride = kernel size. Averages a few values only, so it stays in
-    /// `P` (PyTorch's autocast does not upcast pooling).
+    /// 2-D average pooling, stride = kernel size. Stays in `P` (PyTorch's autocast does not
+    /// upcast pooling); on CPU each window is summed in f32 and the mean rounded once.
     pub fn avg_pool2d<T: candle_core::ToUsize2>(&self, kernel: T) -> Result<Self> {
-        Ok(Self::wrap(self.inner.avg_pool2d(kernel)?))
+        let kernel = kernel.to_usize2();
+        self.avg_pool2d_with_stride(kernel, kernel)
     }
 
-    /// 2-D average pooling with an explicit stride.
+    /// 2-D average pooling with an explicit stride (on CPU with a backward for any stride,
+    /// where candle's has none unless stride = window).
     pub fn avg_pool2d_with_stride<T: candle_core::ToUsize2>(
         &self,
         kernel: T,
         stride: T,
     ) -> Result<Self> {
-        Ok(Self::wrap(
-            self.inner.avg_pool2d_with_stride(kernel, stride)?,
-        ))
+        let pool = crate::kernels::Pool2d {
+            kernel: kernel.to_usize2(),
+            stride: stride.to_usize2(),
+            padding: 0,
+        };
+        crate::kernels::avg_pool2d(&self.inner, pool).map(Self::wrap)
     }
 
     /// Concatenates tensors of one precision along `dim`.
