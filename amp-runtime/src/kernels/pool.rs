@@ -28,6 +28,15 @@ pub(crate) struct Pool2d {
 }
 
 impl Pool2d {
+    /// Windows of `kernel` side by side: stride = window, no padding (`max_pool2d(k)`).
+    pub fn tiling(kernel: (usize, usize)) -> Self {
+        Self {
+            kernel,
+            stride: kernel,
+            padding: 0,
+        }
+    }
+
     fn out(&self, (h, w): (usize, usize)) -> (usize, usize) {
         (
             (h + 2 * self.padding - self.kernel.0) / self.stride.0 + 1,

@@ -149,22 +149,12 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     }
     /// Routed `max_pool2d`.
     pub fn max_pool2d<K: candle_core::ToUsize2>(&self, k: K) -> Result<AmpTensor> {
-        let k = k.to_usize2();
-        let pool = crate::kernels::Pool2d {
-            kernel: k,
-            stride: k,
-            padding: 0,
-        };
+        let pool = crate::kernels::Pool2d::tiling(k.to_usize2());
         unary::<Pol, op::max_pool2d>(&self.amp(), |x| crate::kernels::max_pool2d(x, pool))
     }
     /// Routed `avg_pool2d`.
     pub fn avg_pool2d<K: candle_core::ToUsize2>(&self, k: K) -> Result<AmpTensor> {
-        let k = k.to_usize2();
-        let pool = crate::kernels::Pool2d {
-            kernel: k,
-            stride: k,
-            padding: 0,
-        };
+        let pool = crate::kernels::Pool2d::tiling(k.to_usize2());
         unary::<Pol, op::avg_pool2d>(&self.amp(), |x| crate::kernels::avg_pool2d(x, pool))
     }
     /// Routed `chunk`.
