@@ -14,7 +14,7 @@
 //! picks `Bf16Policy` or `Fp16Policy` once from the flag.
 //!
 //! ```text
-//! cargo run --release --example quantized_sine                     # about a minute on 2 cores
+//! cargo run --release --example quantized_sine                     # a few seconds on 2 cores
 //! cargo run --release --example quantized_sine -- --precision fp16 # fp16 + GradScaler
 //! cargo run --release --example quantized_sine -- --json           # one JSON object on stdout
 //! cargo run --release --example quantized_sine -- --seed 7         # other initial weights
