@@ -66,6 +66,10 @@ struct Args {
     /// Linear warm-up steps of the learning rate.
     #[arg(long, default_value_t = 50)]
     warmup: usize,
+    /// Seed of the initial weights (every mode starts from the same ones): a run is
+    /// repeatable, as with `torch.manual_seed`.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Print one JSON line on stdout instead of the table.
     #[arg(long)]
     json: bool,
@@ -209,12 +213,10 @@ fn main() -> Result<()> {
         max_position_embeddings: args.seq.max(16),
         ..Config::small(data.vocab_size())
     };
-    let init_vars = VarMap::new();
-    BertForMaskedLM::load(
-        VarBuilder::from_varmap(&init_vars, DType::F32, &Device::Cpu),
-        &cfg,
-    )?;
-    let init = common::snapshot(&init_vars)?;
+    // One set of initial weights from the seed, copied into each mode's fresh model.
+    let init = common::seeded_init(args.seed, &Device::Cpu, |vb| {
+        BertForMaskedLM::load(vb.clone(), &cfg).map(|_| ())
+    })?;
 
     // One untimed step of each mode first: the thread pool and gemm's buffers stay allocated
     // afterwards, which would otherwise count in the first mode's peak only.

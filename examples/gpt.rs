@@ -49,6 +49,10 @@ struct Args {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
+    /// Seed of the initial weights (every mode starts from the same ones): a run is
+    /// repeatable, as with `torch.manual_seed`.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Print one JSON line on stdout instead of the table.
     #[arg(long)]
     json: bool,
@@ -114,12 +118,10 @@ fn main() -> Result<()> {
         n_positions: args.seq.max(32) + 32,
         ..Config::small(args.vocab)
     };
-    let init_vars = VarMap::new();
-    Gpt::new(
-        &cfg,
-        VarBuilder::from_varmap(&init_vars, DType::F32, &Device::Cpu),
-    )?;
-    let init = common::snapshot(&init_vars)?;
+    // One set of initial weights from the seed, copied into each mode's fresh model.
+    let init = common::seeded_init(args.seed, &Device::Cpu, |vb| {
+        Gpt::new(&cfg, vb.clone()).map(|_| ())
+    })?;
 
     // One untimed step of each mode first: the thread pool and gemm's buffers stay allocated
     // afterwards, which would otherwise count in the first mode's peak only.

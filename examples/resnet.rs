@@ -95,6 +95,10 @@ struct Args {
     /// Where the PNGs go.
     #[arg(long, default_value = "target/resnet")]
     out: PathBuf,
+    /// Seed of the initial weights (the backbone's too unless `--weights` gives it): every mode
+    /// starts from the same ones, and a run is repeatable, as with `torch.manual_seed`.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Device: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
@@ -350,12 +354,15 @@ fn main() -> Result<()> {
         .precision
         .unwrap_or_else(|| AmpPrecision::default_for(&args.device));
     // One set of initial weights (with `--weights` over the backbone), copied into every model.
-    let init_map = VarMap::new();
-    ResNet::new(
-        args.depth,
-        args.classes,
-        &VarBuilder::from_varmap(&init_map, DType::F32, &args.device),
-    )?;
+    let mut init_map = VarMap::new();
+    let build = |vb: &VarBuilder| ResNet::new(args.depth, args.classes, vb).map(|_| ());
+    build(&VarBuilder::from_varmap(
+        &init_map,
+        DType::F32,
+        &args.device,
+    ))?;
+    let seeded = common::seeded_init(args.seed, &args.device, build)?;
+    init_map.set(seeded.iter().map(|(name, t)| (name, t)))?;
     if let Some(path) = &args.weights {
         let loaded = resnet::load_backbone(&init_map, path, &args.device)?;
         if !args.json {
