@@ -15,7 +15,7 @@
 //!   (see README, "See where precision goes").
 //!
 //! When neither is on, the cost is one relaxed atomic load per op (the site guards and the
-//! routing check [`active`]): the report machinery is not touched.
+//! routing check `active`): the report machinery is not touched.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;

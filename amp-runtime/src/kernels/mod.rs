@@ -16,8 +16,8 @@
 //! - `parallel`: the pool every parallel kernel runs on (candle's own).
 //! - `softmax`, `layer_norm`: fp32-class ops that read half inputs as they are, compute in f32,
 //!   and have their own backward.
-//! - this module: [`Real`], the element types, and the widened passes through which the
-//!   element-wise kernels read and write half values 16 at a time ([`map_widened`]).
+//! - this module: `Real`, the element types, and the widened passes through which the
+//!   element-wise kernels read and write half values 16 at a time (`map_widened`).
 //! - `pool`: max and average pooling with any window, stride and padding, and their backward.
 //! - `simd`: the AVX-512 f32 <-> bf16/f16 conversions, bit-identical to `half`.
 //! - `mse`: the mean squared error reading half predictions and targets as they are.

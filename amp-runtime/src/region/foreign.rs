@@ -14,7 +14,7 @@ pub fn foreign_arg<T: ForeignArg<U>, U>(x: T) -> U {
     x.__amp_arg()
 }
 
-/// The first argument of candle-amp's routed free ops: any [`AsAmp`], unchanged.
+/// The first argument of candle-amp's routed free ops: any [`AsAmp`](super::AsAmp), unchanged.
 pub fn routed_arg<T>(x: T) -> T {
     x
 }
