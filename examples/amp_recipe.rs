@@ -17,7 +17,7 @@
 //! range, and, as in PyTorch, trains without a `GradScaler` (the scaler is built disabled).
 //!
 //! ```sh
-//! cargo run --release --example amp_recipe                  # smaller defaults, 10-35 s on 2 cores
+//! cargo run --release --example amp_recipe                  # smaller defaults, 10-15 s on 2 cores
 //! cargo run --release --example amp_recipe -- --precision fp16   # the recipe's float16
 //! cargo run --release --example amp_recipe -- --width 4096 --batch 512 --batches 50 --epochs 3
 //! cargo run --release --example amp_recipe -- --json        # one JSON line on stdout
@@ -46,9 +46,9 @@
 //! Zen 4 and 0.10-0.13x on a Xeon with AMX (README, Results), and the two final losses agree to
 //! about 4 decimals. fp16, which no x86 CPU multiplies into an f32 sum, is converted to f32 while
 //! packing: its step is 0.4-0.9x of f32's, from halved memory traffic and from candle-amp's own
-//! GEMM (the f32 run's matmuls are candle's). Peak heap with AMP is about 0.6x of f32's: activations are kept
-//! in half precision, and `Linear` keeps no half copy of its f32 weights. The recipe's full size
-//! keeps 840 MB of random data up front.
+//! GEMM (the f32 run's matmuls are candle's). Peak heap with AMP is 0.6-0.8x of f32's:
+//! activations are kept in half precision, and `Linear` keeps no half copy of its f32 weights.
+//! The recipe's full size keeps 840 MB of random data up front.
 
 mod common;
 
@@ -64,7 +64,7 @@ use common::AmpPrecision;
 /// by side.
 ///
 /// The defaults are smaller than the recipe (`--width 4096 --batch 512 --batches 50 --epochs 3`)
-/// so that both modes run in 10-35 s on 2 CPU cores.
+/// so that both modes run in 10-15 s on 2 CPU cores.
 #[derive(Parser, Debug)]
 struct Args {
     /// Width of the three Linear(w, w) layers (the recipe: 4096).

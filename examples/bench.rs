@@ -23,8 +23,8 @@
 //!   CPU, fp16 with a `GradScaler` on CUDA, as PyTorch's defaults), over the same step in plain
 //!   f32 (the same function with `enabled = false`, `backward` and `opt.step`).
 //! - `bf16_matmul_vs_candle_f32` (target >= 1.8): GFLOP/s of a 1024^3 matmul of two
-//!   `Tensor<BF16>` (candle-amp's GEMM, `vdpbf16ps` where the CPU has AVX512-BF16) over candle's
-//!   f32 matmul of the same shape.
+//!   `Tensor<BF16>` (candle-amp's GEMM: AMX tiles where the CPU has them, else `vdpbf16ps` where
+//!   it has AVX512-BF16) over candle's f32 matmul of the same shape.
 //! - `conv1x1_train_step_vs_candle` (target <= 0.5): forward and backward of candle-amp's f32
 //!   `Conv2d` (1x1, 256 -> 256 channels on 128 x 128, batch 1: `quantized_sine`'s hidden layer
 //!   at `--size 128 --hidden 256`) over `candle_nn::Conv2d` with the same weights.

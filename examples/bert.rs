@@ -16,7 +16,7 @@
 //! unpredictable). The final loss is the mean of the last tenth of the steps' losses.
 //!
 //! The defaults (one layer, no dropout, 700 steps with BERT's linear warm-up and decay of the
-//! learning rate) let the model learn the task on two CPU cores in about 70 s for all three
+//! learning rate) let the model learn the task on two CPU cores in about 15 s for all three
 //! modes; a second layer or BERT's dropout of 0.1 (`--layers 2 --dropout 0.1`) need more
 //! steps.
 

@@ -28,7 +28,7 @@
 //! `target/quantized_sine`). `--json` prints `{"precision": "bf16", "f32": {...}, "amp":
 //! {...}}`. On a CPU with AVX512-BF16 the bf16 run's GEMMs use its bf16 dot product, and AMX
 //! tiles where it has them: at the blog's width (`--size 128 --hidden 256`) an AMP step takes
-//! 0.5-0.6x the f32 step on Zen 4 and 0.34-0.52x on a Xeon with AMX; at the toy default sizes
+//! 0.5-0.7x the f32 step on Zen 4 and 0.34-0.41x on a Xeon with AMX; at the toy default sizes
 //! per-op overheads dominate and the gain is smaller. x86 CPUs have no f16 product that
 //! accumulates in f32 (AVX512-FP16 accumulates in f16), so fp16 runs at f32's speed or slower
 //! there. The blog's GPU figures need `--device cuda` in a

@@ -12,8 +12,8 @@
 //! are the initial weights: both modes see the same batches and start from the same weights, and
 //! a run is repeatable. The "amp" mode runs the forward under
 //! `#[autocast(policy = Pol, enabled = use_amp)]` (convolutions and the head in the policy's half
-//! precision on half copies of the f32 masters, ReLU and pooling in that precision, the loss in
-//! f32); the f32 mode is the same loop with `use_amp = false` and a disabled scaler (an exact
+//! precision, the f32 masters rounded inside the op with no half copy kept, ReLU and pooling in
+//! that precision, the loss in f32); the f32 mode is the same loop with `use_amp = false` and a disabled scaler (an exact
 //! pass-through).
 //!
 //! `--precision bf16|fp16` chooses the policy, as `dtype=` does for `torch.autocast`: `main`
