@@ -95,13 +95,14 @@ struct ConvCase {
     batch: usize,
 }
 
-/// Convolutions with channels per group below `channels`, sides below `side`, batches below
-/// `batch`, up to 2 groups, kernel 1-3, padding 0-2, stride and dilation 1-2, whose (dilated)
-/// window fits the padded image.
+/// Convolutions with channels per group below `channels`, heights below `side` and widths below
+/// `side` or 16-33, batches below `batch`, up to 2 groups, kernel 1-3, padding 0-2, stride and
+/// dilation 1-2, whose (dilated) window fits the padded image.
 fn conv_geometry(channels: usize, side: usize, batch: usize) -> impl Strategy<Value = ConvCase> {
     (
         (1..channels, 1..channels, 1usize..3),
-        (1..side, 1..side),
+        // Rows of 8 or more output pixels: im2col's row copies; shorter: its gathers.
+        (1..side, prop_oneof![1..side, 16usize..34]),
         1usize..4,
         (0usize..3, 1usize..3, 1usize..3),
         1..batch,

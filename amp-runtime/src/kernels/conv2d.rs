@@ -25,6 +25,12 @@ use super::gemm::{gemm, GemmElem, MatRef};
 use super::leaf_grads::{offer, wanted};
 use super::{parallel, Real};
 
+/// Output rows shorter than this go through [`Geometry::taps`] in im2col and col2im.
+const GATHER_BELOW: usize = 8;
+
+/// A tap's entry in [`Geometry::taps`] where it reads the padding.
+const PADDING: u32 = u32::MAX;
+
 /// Convolution hyper-parameters, as candle's `conv2d` takes them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Conv2dParams {
@@ -167,13 +173,25 @@ impl Geometry {
         let mut col = vec![zero; self.col_rows() * n];
         let plane = self.h * self.w;
         let per_channel = self.kh * self.kw;
+        let taps = self.taps();
         parallel::for_each_chunk_mut(&mut col, per_channel * n.max(1), |c, rows| {
             for (k, row) in rows.chunks_mut(n.max(1)).enumerate() {
                 let (i, j) = (k / self.kw, k % self.kw);
                 for (slot, b) in images.clone().enumerate() {
                     let src = &x[b * self.image_in() + (g * self.c_in_g() + c) * plane..][..plane];
                     let dst = &mut row[slot * pw..][..pw];
-                    self.im2col_row(src, (i, j), zero, dst);
+                    match &taps {
+                        Some(taps) => {
+                            for (d, &at) in dst.iter_mut().zip(&taps[k * pw..][..pw]) {
+                                *d = if at == PADDING {
+                                    zero
+                                } else {
+                                    src[at as usize]
+                                };
+                            }
+                        }
+                        None => self.im2col_row(src, (i, j), zero, dst),
+                    }
                 }
             }
         });
@@ -206,7 +224,16 @@ impl Geometry {
 
     /// Adds the im2col-shaped gradient `col` (`(col_rows, n)`, image `slot`'s columns at
     /// `slot * pixels`) of group `g` into `image`'s f32 gradient.
-    fn col2im(&self, col: &[f32], n: usize, slot: usize, g: usize, image: &mut [f32]) {
+    /// `taps`: [`Self::taps`], scattered through when given.
+    fn col2im(
+        &self,
+        col: &[f32],
+        n: usize,
+        slot: usize,
+        g: usize,
+        image: &mut [f32],
+        taps: Option<&[u32]>,
+    ) {
         let (pw, ow, stride) = (self.pixels(), self.out_w, self.p.stride);
         let plane = self.h * self.w;
         for c in 0..self.c_in_g() {
@@ -214,6 +241,15 @@ impl Geometry {
             for i in 0..self.kh {
                 for j in 0..self.kw {
                     let row = &col[((c * self.kh + i) * self.kw + j) * n + slot * pw..][..pw];
+                    if let Some(taps) = taps {
+                        let taps = &taps[(i * self.kw + j) * pw..][..pw];
+                        for (&at, &v) in taps.iter().zip(row) {
+                            if at != PADDING {
+                                dst[at as usize] += v;
+                            }
+                        }
+                        continue;
+                    }
                     let (cols, first) = self.inside_columns(j);
                     for oy in 0..self.out_h {
                         let Some(iy) = self.source(oy, i) else {
@@ -262,6 +298,36 @@ impl Geometry {
         (oy * self.p.stride + i * self.p.dilation)
             .checked_sub(self.p.padding)
             .filter(|&y| y < self.h)
+    }
+
+    /// For images whose output rows are short (under [`GATHER_BELOW`] pixels), the plane offset
+    /// each kernel tap `(i, j)` reads for each output pixel, tap by tap (`(i * kw + j) *
+    /// pixels + p`), [`PADDING`] where it reads the padding: im2col and col2im then gather and
+    /// scatter through it, where copying each output row's in-image run would spend more on
+    /// range arithmetic and copy calls than on the few elements (a ResNet's late stages on small
+    /// images: 1-4 pixels a row). `None` for longer rows: there the runs are faster (gathering
+    /// rows of 8, 16 or 32 measured slower).
+    fn taps(&self) -> Option<Vec<u32>> {
+        if self.out_w >= GATHER_BELOW || self.h * self.w >= PADDING as usize {
+            return None;
+        }
+        let mut taps = Vec::with_capacity(self.kh * self.kw * self.pixels());
+        for i in 0..self.kh {
+            for j in 0..self.kw {
+                let (cols, first) = self.inside_columns(j);
+                for oy in 0..self.out_h {
+                    let iy = self.source(oy, i);
+                    taps.extend((0..self.out_w).map(|ox| match iy {
+                        #[allow(clippy::cast_possible_truncation)] // below PADDING, checked
+                        Some(iy) if cols.contains(&ox) => {
+                            (iy * self.w + first + (ox - cols.start) * self.p.stride) as u32
+                        }
+                        _ => PADDING,
+                    }));
+                }
+            }
+        }
+        Some(taps)
     }
 
     /// Group `g`'s rows of `images` of an output-shaped tensor (`grad_y`), side by side:
@@ -367,6 +433,7 @@ impl Geometry {
     fn grad_input<T: GemmElem>(&self, w: &[T], gy: &[T]) -> Vec<T> {
         let (rows, pw, cog) = (self.col_rows(), self.pixels(), self.c_out_g());
         let mut gx = vec![T::put(0.0); self.batch * self.image_in()];
+        let taps = self.taps();
         for start in (0..self.batch).step_by(self.chunk()) {
             let images = start..(start + self.chunk()).min(self.batch);
             let n = images.len() * pw;
@@ -389,7 +456,7 @@ impl Geometry {
                 let mut col = vec![0f32; rows * n];
                 gemm(rows, n, cog, wt, gm, &mut col, false, true);
                 parallel::for_each_chunk_mut(&mut sums, self.image_in(), |slot, image| {
-                    self.col2im(&col, n, slot, g, image);
+                    self.col2im(&col, n, slot, g, image, taps.as_deref());
                 });
             }
             super::convert::convert_into(&sums, &mut gx[start * self.image_in()..][..sums.len()]);
