@@ -256,8 +256,15 @@ fn sweep(
     x: &Tensor<F32>,
     target: &Tensor<F32>,
 ) -> Result<()> {
+    let Some(end) = args.seed.checked_add(args.seeds) else {
+        candle_core::bail!(
+            "--seed {} plus --seeds {} is past u64",
+            args.seed,
+            args.seeds
+        )
+    };
     let mut seeds = Vec::new();
-    for seed in args.seed..args.seed + args.seeds {
+    for seed in args.seed..end {
         let (f32_run, amp_run) = train_seed(args, precision, seed, x, target)?;
         let (f32, amp) = (f32_run.result.final_loss, amp_run.result.final_loss);
         let row = SeedResult {
