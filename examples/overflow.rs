@@ -14,7 +14,8 @@
 //! with its source line (from `#[autocast]`, which knows every op call's span); the scaler
 //! names the parameters whose gradients were non-finite. `--json` prints
 //! `{"first_nonfinite": {"file", "line", "column", "function", "op", "dtype", "input_absmax",
-//! "output_absmax"}, "nonfinite_grads": [..], "skipped_steps": n}`.
+//! "output_absmax"}, "nonfinite_grads": [..], "skipped_steps": n}` (`output_absmax` null when
+//! no value of the op's output was finite).
 
 use candle_amp::nn::{self, loss};
 use candle_amp::optim::{Optimizer, SGD};

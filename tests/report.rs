@@ -144,6 +144,54 @@ fn the_locator_names_the_line_and_op_of_a_planted_overflow_and_the_params_it_rea
     Ok(())
 }
 
+/// `x x^T` in an fp16 region, the scores of an attention without its `1/sqrt(d)`.
+#[autocast(fp16)]
+fn gram(x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    Ok(x.matmul(&x.t()?)?) // gram overflow
+}
+
+/// The locator's largest finite output is that of the values that stayed finite, and says so
+/// when none did (it read 0 there).
+#[test]
+fn the_locator_reports_the_largest_finite_output_or_that_there_was_none() -> Result<()> {
+    let _check = CHECK_FINITE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut found = Vec::new();
+    // Rows (300, 300) and (1, 1): x x^T = [[180000, 600], [600, 2]], 180000 past f16's 65504.
+    // Then every row (300, 300): all four products overflow.
+    for rows in [[300f32, 300.0, 1.0, 1.0], [300.0; 4]] {
+        let x = Tensor::<F32>::from_vec(rows.to_vec(), (2, 2), &dev())?;
+        report::set_check_finite(true);
+        report::take_first_nonfinite();
+        let y = gram(&x);
+        report::set_check_finite(false);
+        y?;
+        found.push(report::take_first_nonfinite().expect("an overflow located"));
+    }
+    assert_eq!(
+        found[0].site.map(|s| s.line),
+        Some(line_of("// gram overflow"))
+    );
+    assert_eq!(
+        found[0].output_absmax.map(f32::to_bits),
+        Some(600f32.to_bits())
+    );
+    assert!(
+        found[0].to_string().contains("largest finite output 6e2"),
+        "{}",
+        found[0]
+    );
+    assert_eq!(found[1].output_absmax, None);
+    assert!(
+        found[1].to_string().contains("no finite output"),
+        "{}",
+        found[1]
+    );
+    assert_eq!(found[1].input_absmax.to_bits(), 300f32.to_bits());
+    Ok(())
+}
+
 #[path = "../examples/models/sine.rs"]
 mod sine;
 

@@ -113,8 +113,9 @@ pub struct NonFinite {
     pub dtype: DType,
     /// The largest |value| of its inputs, before the region's casts (finite).
     pub input_absmax: f32,
-    /// The largest finite |value| of its output (its inf/NaN aside).
-    pub output_absmax: f32,
+    /// The largest finite |value| of its output (its inf/NaN aside); `None` when no value of
+    /// the output is finite.
+    pub output_absmax: Option<f32>,
 }
 
 impl fmt::Display for NonFinite {
@@ -123,14 +124,17 @@ impl fmt::Display for NonFinite {
             || "an op outside #[autocast] code".to_string(),
             |s| format!("{s} in {}", s.function),
         );
+        let output = self.output_absmax.map_or_else(
+            || "no finite output".to_string(),
+            |m| format!("largest finite output {m:e}"),
+        );
         write!(
             f,
-            "first inf/NaN from finite inputs: `{}` in {:?} at {at} (inputs |x| <= {:e}, largest \
-             finite output {:e}; {} tops out at {:e})",
+            "first inf/NaN from finite inputs: `{}` in {:?} at {at} (inputs |x| <= {:e}, {output}; \
+             {} tops out at {:e})",
             self.op,
             self.dtype,
             self.input_absmax,
-            self.output_absmax,
             dtype_name(self.dtype),
             max_finite(self.dtype)
         )
@@ -361,7 +365,7 @@ pub(crate) fn observe(
                 if bad {
                     return Ok(()); // it came in non-finite: an earlier op is to blame
                 }
-                in_max = in_max.max(m);
+                in_max = in_max.max(m.unwrap_or(0.0));
             }
             let found = NonFinite {
                 site,
@@ -377,17 +381,18 @@ pub(crate) fn observe(
     Ok(())
 }
 
-/// The largest finite |value| of `t` and whether it holds inf or NaN.
-fn finite_stats(t: &Tensor) -> Result<(f32, bool)> {
+/// The largest finite |value| of `t` (`None` when none is finite, or for an integer tensor)
+/// and whether it holds inf or NaN.
+fn finite_stats(t: &Tensor) -> Result<(Option<f32>, bool)> {
     if !t.dtype().is_float() {
-        return Ok((0.0, false));
+        return Ok((None, false));
     }
     let v = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-    let mut max = 0f32;
+    let mut max = None;
     let mut bad = false;
     for x in v {
         if x.is_finite() {
-            max = max.max(x.abs());
+            max = Some(max.map_or(x.abs(), |m: f32| m.max(x.abs())));
         } else {
             bad = true;
         }
