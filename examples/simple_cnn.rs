@@ -54,8 +54,8 @@
 //!   defaults with `--seed 0`). The final losses of the three runs are comparable, not equal.
 //! - bf16 is the fast precision on a CPU with AVX512-BF16 or AMX: its convolutions (im2col
 //!   GEMMs) and the head run on the CPU's bf16 products. On this project's 2-core Xeon with AMX
-//!   a bf16 step took 0.48x of the f32 step, an fp16 step 0.87-0.93x (f16 is converted to f32 while
-//!   packing: no x86 CPU multiplies it into an f32 sum); README, Results.
+//!   a bf16 step took 0.48x of the f32 step, an fp16 step 0.87-0.93x (f16 is converted to f32
+//!   while packing: no x86 CPU multiplies it into an f32 sum); README, Results.
 //! - Peak heap halves: the im2col buffers and the activations saved for backward are half
 //!   precision.
 
