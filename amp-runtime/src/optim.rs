@@ -267,11 +267,49 @@ fn tensor_adamw(
     s: &AdamWStep,
 ) -> Result<(Tensor, Tensor)> {
     let dtype = moment_dtype(var);
-    let (w, g) = (var.as_tensor().to_dtype(dtype)?, grad.to_dtype(dtype)?);
+    // A parameter's gradient can reference the step's whole forward graph (candle detaches
+    // only the gradients of intermediate nodes), and moments kept from step to step would
+    // then hold every step's activations: they are computed from the detached gradient.
+    let (w, g) = (
+        var.as_tensor().to_dtype(dtype)?,
+        grad.detach().to_dtype(dtype)?,
+    );
     let m = ((m * s.beta1)? + (&g * (1.0 - s.beta1))?)?;
     let v = ((v * s.beta2)? + (g.sqr()? * (1.0 - s.beta2))?)?;
     let step = ((&m * s.scale_m)? / ((&v * s.scale_v)?.sqrt()? + s.eps)?)?;
     let w = ((w * s.decay)? - (step * s.lr)?)?;
     var.set(&w.to_dtype(var.dtype())?)?;
     Ok((m, v))
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    /// Moments kept as tensors (parameters the in-place pass does not take: f64 here, every
+    /// parameter on CUDA) hold no autograd history. Without the detach, each moment held the
+    /// gradient it was made from, the gradient the step's forward graph, and the moment the
+    /// previous step's moment: every step's activations stayed alive (on CUDA,
+    /// `quantized_sine --size 512 --hidden 256` ran out of 141 GB of GPU memory within 50 steps).
+    #[test]
+    fn tensor_moments_hold_no_graph() -> Result<()> {
+        let dev = Device::Cpu;
+        let u = Var::new(&[1f64, 2.0, 3.0], &dev)?;
+        let w = Var::new(&[0.5f64, -1.0, 2.0], &dev)?;
+        let mut opt = AdamW::new(vec![w.clone()], ParamsAdamW::default())?;
+        for _ in 0..2 {
+            let x = (u.as_tensor() * 2.0)?.exp()?;
+            let grads = (w.as_tensor() * &x)?.sum_all()?.backward()?;
+            let g = grads.get(&w).expect("a gradient");
+            assert!(g.track_op(), "the gradient references the forward graph");
+            opt.step(&grads)?;
+        }
+        match &opt.params[0].moments {
+            Moments::Device { m, v } => assert!(!m.track_op() && !v.track_op()),
+            Moments::Host { .. } => panic!("f64 moments are tensors"),
+        }
+        Ok(())
+    }
 }
