@@ -13,11 +13,18 @@
 //! pool here sums each window in f32, divides by the window's area (zero padding counted, as
 //! PyTorch's default `count_include_pad=True`) and rounds once, as PyTorch's CPU kernel does;
 //! its backward spreads each output's gradient evenly over the window, in f32.
+//!
+//! Off the CPU both pools are compositions of candle ops with the same semantics
+//! ([`max_pool2d_composed`], [`avg_pool2d_composed`]): every window tap gathered by
+//! `index_select`, then the argmax gathered or the f32 sum divided; they cost a copy of the
+//! output per tap, and train at any stride and padding.
 
 use std::ops::Range;
 
 use super::{parallel, Real};
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType,
+};
 
 /// Window `(h, w)`, stride `(h, w)` and padding (both sides of both dimensions) of a max pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -208,30 +215,82 @@ fn check(op: &str, p: Pool2d, (h, w): (usize, usize)) -> Result<()> {
     Ok(())
 }
 
-/// Max pooling of `x` as this op on CPU (float dtypes); elsewhere candle's, which needs no
-/// padding (and, to train, stride = window).
+/// Max pooling of `x`: this op on CPU (float dtypes), [`max_pool2d_composed`] elsewhere.
 pub(crate) fn max_pool2d(x: &Tensor, p: Pool2d) -> Result<Tensor> {
-    if let (true, &[_, _, h, w]) = (super::cpu_float(x), x.dims()) {
-        check("max_pool2d", p, (h, w))?;
+    let (_, _, h, w) = x.dims4()?;
+    check("max_pool2d", p, (h, w))?;
+    if super::cpu_float(x) {
         x.contiguous()?.apply_op1(MaxPool(p))
-    } else if p.padding == 0 {
-        x.max_pool2d_with_stride(p.kernel, p.stride)
     } else {
-        candle_core::bail!("max_pool2d with padding is implemented on CPU only")
+        max_pool2d_composed(x, p)
     }
 }
 
-/// Average pooling of `x` as this op on CPU (float dtypes); elsewhere candle's, which needs no
-/// padding (and, to train, stride = window).
+/// Average pooling of `x`: this op on CPU (float dtypes), [`avg_pool2d_composed`] elsewhere.
 pub(crate) fn avg_pool2d(x: &Tensor, p: Pool2d) -> Result<Tensor> {
-    if let (true, &[_, _, h, w]) = (super::cpu_float(x), x.dims()) {
-        check("avg_pool2d", p, (h, w))?;
+    let (_, _, h, w) = x.dims4()?;
+    check("avg_pool2d", p, (h, w))?;
+    if super::cpu_float(x) {
         x.contiguous()?.apply_op1(AvgPool(p))
-    } else if p.padding == 0 {
-        x.avg_pool2d_with_stride(p.kernel, p.stride)
     } else {
-        candle_core::bail!("avg_pool2d with padding is implemented on CPU only")
+        avg_pool2d_composed(x, p)
     }
+}
+
+/// Every window of `x` padded by `fill`, as `(taps, n, c, oh, ow)`: tap `ky * kw + kx` holds each
+/// window's element at `(ky, kx)`. Made of candle ops with a backward on every device (padding
+/// by concatenation, one `index_select` of rows and one of columns per tap), so the pools below
+/// train off the CPU at any stride and padding, where candle's own pools cannot (no padding;
+/// a backward only for stride = window).
+fn window_taps(x: &Tensor, p: Pool2d, fill: f32) -> Result<Tensor> {
+    let (n, c, h, w) = x.dims4()?;
+    let (oh, ow) = p.out((h, w));
+    let pad = p.padding;
+    let mut padded = x.clone();
+    if pad > 0 {
+        let dev = x.device();
+        let side = Tensor::full(fill, (n, c, h, pad), dev)?.to_dtype(x.dtype())?;
+        padded = Tensor::cat(&[&side, &padded, &side], 3)?;
+        let band = Tensor::full(fill, (n, c, pad, w + 2 * pad), dev)?.to_dtype(x.dtype())?;
+        padded = Tensor::cat(&[&band, &padded, &band], 2)?;
+    }
+    let positions = |first: usize, count: usize, stride: usize| {
+        let at: Vec<u32> = (0..count)
+            .map(|o| u32::try_from(first + o * stride))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|_| candle_core::Error::Msg("pool: an index past u32".into()))?;
+        Tensor::from_vec(at, count, x.device())
+    };
+    let (kh, kw) = p.kernel;
+    let mut taps = Vec::with_capacity(kh * kw);
+    for ky in 0..kh {
+        let rows = padded.index_select(&positions(ky, oh, p.stride.0)?, 2)?;
+        for kx in 0..kw {
+            taps.push(rows.index_select(&positions(kx, ow, p.stride.1)?, 3)?);
+        }
+    }
+    Tensor::stack(&taps, 0)
+}
+
+/// Max pooling from candle ops (off the CPU): each window's maximum gathered at its argmax, so
+/// its gradient goes to that one element, as in PyTorch (candle's own backward hands the whole
+/// gradient to every tied maximum, and ties are common in half precision); a window holding a
+/// NaN gives NaN, as in PyTorch. Padding is `-inf`.
+pub(crate) fn max_pool2d_composed(x: &Tensor, p: Pool2d) -> Result<Tensor> {
+    let taps = window_taps(x, p, f32::NEG_INFINITY)?;
+    let at = taps.argmax_keepdim(0)?;
+    let top = taps.gather(&at, 0)?.squeeze(0)?;
+    let nan = taps.ne(&taps)?.max_keepdim(0)?.squeeze(0)?;
+    let nans = Tensor::full(f32::NAN, top.shape(), x.device())?.to_dtype(x.dtype())?;
+    nan.where_cond(&nans, &top)
+}
+
+/// Average pooling from candle ops (off the CPU): each window summed in f32 and divided by its
+/// area (padding counted, as zeros), rounded once to `x`'s dtype, as this module's CPU op does.
+pub(crate) fn avg_pool2d_composed(x: &Tensor, p: Pool2d) -> Result<Tensor> {
+    let taps = window_taps(&x.to_dtype(DType::F32)?, p, 0.0)?;
+    let area = (p.kernel.0 * p.kernel.1) as f64;
+    (taps.sum(0)? / area)?.to_dtype(x.dtype())
 }
 
 struct MaxPool(Pool2d);
@@ -581,6 +640,78 @@ mod tests {
         );
         assert_eq!(max_pool2d(&x, pool((3, 3), 1))?.dims(), [1, 1, 5, 5]);
         assert_eq!(max_pool2d(&x, pool((4, 4), 2))?.dims(), [1, 1, 6, 6]);
+        Ok(())
+    }
+
+    /// Off the CPU the pools are compositions of candle ops; run on CPU they must agree with
+    /// this module's ops (which the property tests check against pools by hand). Inputs are
+    /// quarters in [-2, 2] (many tied maxima) and output gradients small integers, so every
+    /// sum is exact: the max pool and its gradient agree to the bit, ties included (the first
+    /// maximum gets the gradient in both); the average pool within one rounding of its dtype.
+    #[test]
+    fn composed_pools_agree_with_the_cpu_ops() -> Result<()> {
+        let dev = Device::Cpu;
+        let geometries = [
+            ((2, 2), (2, 2), 0),
+            ((3, 3), (2, 2), 1),
+            ((3, 2), (1, 2), 1),
+            ((2, 3), (3, 1), 0),
+        ];
+        let bits = |t: &Tensor| -> Result<Vec<u32>> {
+            let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            Ok(v.iter().map(|x| x.to_bits()).collect())
+        };
+        for (kernel, stride, padding) in geometries {
+            let p = Pool2d {
+                kernel,
+                stride,
+                padding,
+            };
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let quarters = (Tensor::randn(0f32, 1.0, (2, 3, 7, 9), &dev)? * 4.0)?
+                    .round()?
+                    .clamp(-8f32, 8f32)?;
+                let x = Var::from_tensor(&(quarters / 4.0)?.to_dtype(dtype)?)?;
+                let max = [max_pool2d(&x, p)?, max_pool2d_composed(&x, p)?];
+                let avg = [avg_pool2d(&x, p)?, avg_pool2d_composed(&x, p)?];
+                assert_eq!(bits(&max[0])?, bits(&max[1])?, "{p:?} {dtype:?}");
+                let w = (Tensor::randn(0f32, 1.0, max[0].shape(), &dev)? * 2.0)?
+                    .round()?
+                    .to_dtype(dtype)?;
+                let grad = |y: &Tensor| -> Result<Tensor> {
+                    let g = (y * &w)?.to_dtype(DType::F32)?.sum_all()?.backward()?;
+                    Ok(g.get(&x).expect("a gradient").clone())
+                };
+                let (g_op, g_composed) = (grad(&max[0])?, grad(&max[1])?);
+                assert_eq!(bits(&g_op)?, bits(&g_composed)?, "{p:?} {dtype:?}");
+                let eps = match dtype {
+                    DType::F32 => 1e-6,
+                    DType::F16 => 1e-3,
+                    _ => 8e-3,
+                };
+                let close = |a: &Tensor, b: &Tensor| -> Result<()> {
+                    let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+                    let worst = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                    let scale = a.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+                    assert!(worst <= eps * scale, "{p:?} {dtype:?}: {worst}");
+                    Ok(())
+                };
+                close(&avg[0], &avg[1])?;
+                close(&grad(&avg[0])?, &grad(&avg[1])?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A window holding a NaN pools to NaN off the CPU too (candle's argmax skips a NaN).
+    #[test]
+    fn a_composed_max_pool_propagates_nan() -> Result<()> {
+        let v = [1f32, f32::NAN, 2., 3., 4., 5., 6., 7.];
+        let x = Tensor::from_vec(v.to_vec(), (1, 1, 2, 4), &Device::Cpu)?;
+        let y = max_pool2d_composed(&x, Pool2d::tiling((2, 2)))?;
+        let y = y.flatten_all()?.to_vec1::<f32>()?;
+        assert!(y[0].is_nan());
+        assert_eq!(y[1].to_bits(), 7f32.to_bits());
         Ok(())
     }
 }
