@@ -12,6 +12,8 @@ use candle_amp::{Tensor, F32};
 use candle_core::{DType, Device, Result};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 
+mod common;
+
 #[derive(Clone, Copy, Debug)]
 enum Mode {
     F32,
@@ -40,8 +42,7 @@ impl Mode {
 
 /// Three AdamW steps of a one-layer, width-16 model with dropout on, checking the gradients and
 /// the attention dtypes at each step.
-fn train_tiny(mode: Mode) -> Result<()> {
-    let dev = Device::Cpu;
+fn train_tiny(mode: Mode, dev: &Device) -> Result<()> {
     let mut data = MaskedCounting::new(6, 3);
     let cfg = Config {
         hidden_size: 16,
@@ -53,7 +54,7 @@ fn train_tiny(mode: Mode) -> Result<()> {
         ..Config::small(data.vocab_size())
     };
     let vars = VarMap::new();
-    let model = BertForMaskedLM::load(VarBuilder::from_varmap(&vars, DType::F32, &dev), &cfg)?;
+    let model = BertForMaskedLM::load(VarBuilder::from_varmap(&vars, DType::F32, dev), &cfg)?;
     let mut opt = AdamW::new(vars.all_vars(), ParamsAdamW::default())?;
     let names: Vec<(String, candle_core::Var)> = vars
         .data()
@@ -66,7 +67,7 @@ fn train_tiny(mode: Mode) -> Result<()> {
     // (dense, LayerNorm, bias).
     assert_eq!(names.len(), 5 + 16 + 5, "{names:?}");
     for step in 0..3 {
-        let batch = data.batch(4, 12, &dev)?;
+        let batch = data.batch(4, 12, dev)?;
         let l = mode.loss(&model, &batch)?;
         let value = l.to_scalar::<f32>()?;
         assert!(value.is_finite(), "{mode:?} step {step}: loss {value}");
@@ -96,20 +97,29 @@ fn train_tiny(mode: Mode) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn bert_trains_in_f32() -> Result<()> {
-    train_tiny(Mode::F32)
+fn trains_in_f32(dev: &Device) -> Result<()> {
+    train_tiny(Mode::F32, dev)
 }
 
-#[test]
-fn bert_trains_in_fp16() -> Result<()> {
-    train_tiny(Mode::Fp16)
+fn trains_in_fp16(dev: &Device) -> Result<()> {
+    train_tiny(Mode::Fp16, dev)
 }
 
-#[test]
-fn bert_trains_in_bf16() -> Result<()> {
-    train_tiny(Mode::Bf16)
+fn trains_in_bf16(dev: &Device) -> Result<()> {
+    train_tiny(Mode::Bf16, dev)
 }
+
+test_device!(trains_in_f32, bert_trains_in_f32, bert_trains_in_f32_cuda);
+test_device!(
+    trains_in_fp16,
+    bert_trains_in_fp16,
+    bert_trains_in_fp16_cuda
+);
+test_device!(
+    trains_in_bf16,
+    bert_trains_in_bf16,
+    bert_trains_in_bf16_cuda
+);
 
 /// The padding mask: a padded sequence's logits at its tokens do not depend on what the padding
 /// holds.

@@ -10,6 +10,8 @@ use candle_core::{DType, Device, Result};
 use candle_nn::{VarBuilder, VarMap};
 use gpt_model::{Config, Counting, Gpt};
 
+mod common;
+
 type Loss = fn(&mut Gpt, &candle_core::Tensor) -> Result<Tensor<F32>>;
 
 fn tiny() -> Config {
@@ -32,12 +34,12 @@ fn modes() -> [(&'static str, Loss, DType); 3] {
     ]
 }
 
-#[test]
-fn attention_runs_in_the_lower_precision_and_every_parameter_learns_in_each_mode() -> Result<()> {
-    let dev = Device::Cpu;
+fn attention_runs_in_the_lower_precision_and_every_parameter_learns_in_each_mode(
+    dev: &Device,
+) -> Result<()> {
     let vars = VarMap::new();
-    let mut m = Gpt::new(&tiny(), VarBuilder::from_varmap(&vars, DType::F32, &dev))?;
-    let ids = Counting::new(8, 1).batch(2, 9, &dev)?;
+    let mut m = Gpt::new(&tiny(), VarBuilder::from_varmap(&vars, DType::F32, dev))?;
+    let ids = Counting::new(8, 1).batch(2, 9, dev)?;
     for (name, loss, lower) in modes() {
         let l = loss(&mut m, &ids)?;
         assert_eq!(l.dims(), &[] as &[usize], "{name}: a scalar loss");
@@ -67,6 +69,12 @@ fn attention_runs_in_the_lower_precision_and_every_parameter_learns_in_each_mode
     }
     Ok(())
 }
+
+test_device!(
+    attention_runs_in_the_lower_precision_and_every_parameter_learns_in_each_mode,
+    precision_and_learning_cpu,
+    precision_and_learning_cuda
+);
 
 #[test]
 fn cached_generation_matches_a_full_recompute_in_f32() -> Result<()> {

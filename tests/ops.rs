@@ -1,4 +1,5 @@
-//! Every typed op against an f32 reference, in each precision it runs in on CPU.
+//! Every typed op against an f32 reference, in each precision it runs in, on CPU (and, with the
+//! `cuda` feature, on the first CUDA device: the `*_cuda` tests, which need a GPU).
 //!
 //! The reference is the same op in f32 on the *same* values (inputs rounded to the precision
 //! under test, then widened), so the difference measures the op's own rounding. Tolerances, as a
@@ -54,20 +55,23 @@ fn assert_close<P: Precision, Q: Precision>(
 }
 
 /// A random f32 tensor and its rounding to `P`, widened back: the reference's input.
-fn input<P: Precision>(shape: &[usize]) -> Result<(Tensor<P>, candle_core::Tensor)> {
-    let x = Tensor::<F32>::randn(0.0, 1.0, shape, &dev())?.cast::<P>()?;
+fn input<P: Precision>(dev: &Device, shape: &[usize]) -> Result<(Tensor<P>, candle_core::Tensor)> {
+    let x = Tensor::<F32>::randn(0.0, 1.0, shape, dev)?.cast::<P>()?;
     let reference = x.cast::<F32>()?.into_candle();
     Ok((x, reference))
 }
 
-fn positive<P: Precision>(shape: &[usize]) -> Result<(Tensor<P>, candle_core::Tensor)> {
-    let x = Tensor::<F32>::rand(0.5, 2.0, shape, &dev())?.cast::<P>()?;
+fn positive<P: Precision>(
+    dev: &Device,
+    shape: &[usize],
+) -> Result<(Tensor<P>, candle_core::Tensor)> {
+    let x = Tensor::<F32>::rand(0.5, 2.0, shape, dev)?.cast::<P>()?;
     let reference = x.cast::<F32>()?.into_candle();
     Ok((x, reference))
 }
 
-fn unary_and_shape_ops<P: Precision>() -> Result<()> {
-    let (x, r) = input::<P>(&[4, 6])?;
+fn unary_and_shape_ops<P: Precision>(dev: &Device) -> Result<()> {
+    let (x, r) = input::<P>(dev, &[4, 6])?;
     assert_close::<P, P>("relu", &x.relu()?, &r.relu()?)?;
     assert_close::<P, P>("gelu", &x.gelu()?, &r.gelu()?)?;
     assert_close::<P, P>("gelu_erf", &x.gelu_erf()?, &r.gelu_erf()?)?;
@@ -81,7 +85,7 @@ fn unary_and_shape_ops<P: Precision>() -> Result<()> {
     assert_close::<P, P>("mul scalar", &(&x * 3.0)?, &(&r * 3.0)?)?;
     assert_close::<P, P>("div scalar", &(&x / 4.0)?, &(&r / 4.0)?)?;
     assert_close::<P, P>("sub scalar", &(&x - 1.5)?, &(&r - 1.5)?)?;
-    let (p, rp) = positive::<P>(&[4, 6])?;
+    let (p, rp) = positive::<P>(dev, &[4, 6])?;
     assert_close::<P, P>("sqrt", &p.sqrt()?, &rp.sqrt()?)?;
 
     assert_close::<P, P>("reshape", &x.reshape((6, 4))?, &r.reshape((6, 4))?)?;
@@ -118,10 +122,10 @@ fn unary_and_shape_ops<P: Precision>() -> Result<()> {
     Ok(())
 }
 
-fn binary_ops<P: Precision>() -> Result<()> {
-    let (a, ra) = input::<P>(&[3, 5])?;
-    let (b, rb) = positive::<P>(&[3, 5])?;
-    let (row, rrow) = positive::<P>(&[1, 5])?;
+fn binary_ops<P: Precision>(dev: &Device) -> Result<()> {
+    let (a, ra) = input::<P>(dev, &[3, 5])?;
+    let (b, rb) = positive::<P>(dev, &[3, 5])?;
+    let (row, rrow) = positive::<P>(dev, &[1, 5])?;
     assert_close::<P, P>("add", &a.add(&b)?, &ra.add(&rb)?)?;
     assert_close::<P, P>("sub", &(&a - &b)?, &(&ra - &rb)?)?;
     assert_close::<P, P>("mul", &(&a * &b)?, &(&ra * &rb)?)?;
@@ -152,45 +156,51 @@ fn binary_ops<P: Precision>() -> Result<()> {
     Ok(())
 }
 
-fn lower_precision_ops<P: Precision>() -> Result<()> {
-    let (a, ra) = input::<P>(&[8, 16])?;
-    let (b, rb) = input::<P>(&[16, 4])?;
+fn lower_precision_ops<P: Precision>(dev: &Device) -> Result<()> {
+    let (a, ra) = input::<P>(dev, &[8, 16])?;
+    let (b, rb) = input::<P>(dev, &[16, 4])?;
     assert_close::<P, P>("matmul", &a.matmul(&b)?, &ra.matmul(&rb)?)?;
-    let (batched, rbatched) = input::<P>(&[3, 8, 16])?;
+    let (batched, rbatched) = input::<P>(dev, &[3, 8, 16])?;
     assert_close::<P, P>(
         "broadcast_matmul",
         &batched.broadcast_matmul(&b)?,
         &rbatched.broadcast_matmul(&rb)?,
     )?;
 
-    let (x1, rx1) = input::<P>(&[2, 4, 10])?;
-    let (k1, rk1) = input::<P>(&[6, 4, 3])?;
+    let (x1, rx1) = input::<P>(dev, &[2, 4, 10])?;
+    let (k1, rk1) = input::<P>(dev, &[6, 4, 3])?;
     assert_close::<P, P>(
         "conv1d",
         &x1.conv1d(&k1, 1, 1, 1, 1)?,
         &rx1.conv1d(&rk1, 1, 1, 1, 1)?,
     )?;
-    let (kt1, rkt1) = input::<P>(&[4, 3, 3])?;
+    let (kt1, rkt1) = input::<P>(dev, &[4, 3, 3])?;
     assert_close::<P, P>(
         "conv_transpose1d",
         &x1.conv_transpose1d(&kt1, 0, 0, 2, 1, 1)?,
         &rx1.conv_transpose1d(&rkt1, 0, 0, 2, 1, 1)?,
     )?;
 
-    let (x2, rx2) = input::<P>(&[2, 4, 8, 8])?;
-    let (k2, rk2) = input::<P>(&[6, 4, 3, 3])?;
+    let (x2, rx2) = input::<P>(dev, &[2, 4, 8, 8])?;
+    let (k2, rk2) = input::<P>(dev, &[6, 4, 3, 3])?;
     assert_close::<P, P>(
         "conv2d",
         &x2.conv2d(&k2, 1, 1, 1, 1)?,
         &rx2.conv2d(&rk2, 1, 1, 1, 1)?,
     )?;
-    let (kg, rkg) = input::<P>(&[6, 2, 3, 3])?;
+    let (kg, rkg) = input::<P>(dev, &[6, 2, 3, 3])?;
     assert_close::<P, P>(
         "conv2d grouped, strided",
         &x2.conv2d(&kg, 1, 2, 1, 2)?,
         &rx2.conv2d(&rkg, 1, 2, 1, 2)?,
     )?;
-    let (kt2, rkt2) = input::<P>(&[4, 3, 3, 3])?;
+    let (k11, rk11) = input::<P>(dev, &[6, 4, 1, 1])?;
+    assert_close::<P, P>(
+        "conv2d 1x1",
+        &x2.conv2d(&k11, 0, 1, 1, 1)?,
+        &rx2.conv2d(&rk11, 0, 1, 1, 1)?,
+    )?;
+    let (kt2, rkt2) = input::<P>(dev, &[4, 3, 3, 3])?;
     assert_close::<P, P>(
         "conv_transpose2d",
         &x2.conv_transpose2d(&kt2, 1, 0, 1, 1)?,
@@ -198,13 +208,23 @@ fn lower_precision_ops<P: Precision>() -> Result<()> {
     )?;
     assert_close::<P, P>("max_pool2d", &x2.max_pool2d(2)?, &rx2.max_pool2d(2)?)?;
     assert_close::<P, P>("avg_pool2d", &x2.avg_pool2d(2)?, &rx2.avg_pool2d(2)?)?;
+    assert_close::<P, P>(
+        "max_pool2d_with_stride",
+        &x2.max_pool2d_with_stride(3, 2)?,
+        &rx2.max_pool2d_with_stride(3, 2)?,
+    )?;
+    assert_close::<P, P>(
+        "avg_pool2d_with_stride",
+        &x2.avg_pool2d_with_stride(3, 2)?,
+        &rx2.avg_pool2d_with_stride(3, 2)?,
+    )?;
     Ok(())
 }
 
 /// fp32-class ops from each input precision: f32 output, within `P`'s tolerance of the f32 op.
-fn fp32_class_ops<P: Precision>() -> Result<()> {
-    let (x, r) = input::<P>(&[4, 6])?;
-    let (p, rp) = positive::<P>(&[4, 6])?;
+fn fp32_class_ops<P: Precision>(dev: &Device) -> Result<()> {
+    let (x, r) = input::<P>(dev, &[4, 6])?;
+    let (p, rp) = positive::<P>(dev, &[4, 6])?;
     let same = |t: &Tensor<F32>| assert_eq!(t.dtype(), DType::F32);
     let s = fp32::sum_keepdim(&x, 1)?;
     same(&s);
@@ -239,10 +259,10 @@ fn fp32_class_ops<P: Precision>() -> Result<()> {
         &fp32::log_softmax(&x, 1)?,
         &candle_nn::ops::log_softmax(&r, 1)?,
     )?;
-    let (t, rt) = input::<P>(&[4, 6])?;
+    let (t, rt) = input::<P>(dev, &[4, 6])?;
     assert_close::<P, F32>("mse", &fp32::mse(&x, &t)?, &(&r - &rt)?.sqr()?.mean_all()?)?;
     assert_close::<P, F32>("l1", &fp32::l1(&x, &t)?, &(&r - &rt)?.abs()?.mean_all()?)?;
-    let ids = candle_core::Tensor::new(&[0u32, 5, 2, 3], &dev())?;
+    let ids = candle_core::Tensor::new(&[0u32, 5, 2, 3], dev)?;
     assert_close::<P, F32>(
         "cross_entropy",
         &fp32::cross_entropy(&x, &ids)?,
@@ -257,15 +277,30 @@ macro_rules! per_precision {
             use super::*;
             #[test]
             fn f32() -> Result<()> {
-                $check::<F32>()
+                $check::<F32>(&dev())
             }
             #[test]
             fn f16() -> Result<()> {
-                $check::<F16>()
+                $check::<F16>(&dev())
             }
             #[test]
             fn bf16() -> Result<()> {
-                $check::<BF16>()
+                $check::<BF16>(&dev())
+            }
+            #[cfg(feature = "cuda")]
+            #[test]
+            fn f32_cuda() -> Result<()> {
+                $check::<F32>(&Device::new_cuda(0)?)
+            }
+            #[cfg(feature = "cuda")]
+            #[test]
+            fn f16_cuda() -> Result<()> {
+                $check::<F16>(&Device::new_cuda(0)?)
+            }
+            #[cfg(feature = "cuda")]
+            #[test]
+            fn bf16_cuda() -> Result<()> {
+                $check::<BF16>(&Device::new_cuda(0)?)
             }
         }
     )*};

@@ -12,6 +12,8 @@ use candle_core::{DType, Device, Result};
 use candle_nn::{VarBuilder, VarMap};
 use resnet::{Depth, ResNet};
 
+mod common;
+
 #[autocast(policy = Pol, enabled = amp)]
 fn logits<Pol: Policy>(
     model: &ResNet,
@@ -26,12 +28,11 @@ fn logits<Pol: Policy>(
 type Gradients = (Vec<(String, bool)>, Vec<String>);
 
 /// Gradients of every variable after one cross-entropy backward.
-fn gradients(depth: Depth, frozen: bool, amp: bool) -> Result<Gradients> {
-    let dev = Device::Cpu;
+fn gradients(depth: Depth, frozen: bool, amp: bool, dev: &Device) -> Result<Gradients> {
     let vars = VarMap::new();
-    let model = ResNet::new(depth, 3, &VarBuilder::from_varmap(&vars, DType::F32, &dev))?;
-    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 8, 8), &dev)?;
-    let y = candle_core::Tensor::new(&[0u32, 2], &dev)?;
+    let model = ResNet::new(depth, 3, &VarBuilder::from_varmap(&vars, DType::F32, dev))?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 8, 8), dev)?;
+    let y = candle_core::Tensor::new(&[0u32, 2], dev)?;
     let l = loss::cross_entropy(
         &logits::<candle_amp::Bf16Policy>(&model, &x, frozen, amp)?,
         &y,
@@ -61,11 +62,10 @@ fn trainable(name: &str) -> bool {
     !name.ends_with("running_mean") && !name.ends_with("running_var")
 }
 
-#[test]
-fn every_trainable_parameter_gets_a_finite_gradient_in_f32_and_bf16() -> Result<()> {
+fn every_trainable_parameter_gets_a_finite_gradient_in_f32_and_bf16(dev: &Device) -> Result<()> {
     for depth in [Depth::R18, Depth::R50] {
         for amp in [false, true] {
-            let (with, without) = gradients(depth, false, amp)?;
+            let (with, without) = gradients(depth, false, amp, dev)?;
             let missing: Vec<_> = without.iter().filter(|n| trainable(n)).collect();
             assert!(
                 missing.is_empty(),
@@ -81,9 +81,15 @@ fn every_trainable_parameter_gets_a_finite_gradient_in_f32_and_bf16() -> Result<
     Ok(())
 }
 
+test_device!(
+    every_trainable_parameter_gets_a_finite_gradient_in_f32_and_bf16,
+    finite_gradients_cpu,
+    finite_gradients_cuda
+);
+
 #[test]
 fn a_frozen_backbone_gets_no_gradient_and_the_head_trains() -> Result<()> {
-    let (with, _) = gradients(Depth::R18, true, true)?;
+    let (with, _) = gradients(Depth::R18, true, true, &Device::Cpu)?;
     let mut names: Vec<_> = with.iter().map(|(n, _)| n.as_str()).collect();
     names.sort_unstable();
     assert_eq!(names, ["fc.bias", "fc.weight"]);
