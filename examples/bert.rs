@@ -76,6 +76,10 @@ struct Args {
     /// Where `bert_loss.png` goes.
     #[arg(long, default_value = "target/examples-out")]
     out: PathBuf,
+    /// Device: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda` (peak heap then
+    /// counts the host's memory, not the GPU's).
+    #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
+    device: Device,
 }
 
 /// The loss of one batch in `mode`.
@@ -99,11 +103,11 @@ fn train(
     mode: Mode,
     label: bool,
 ) -> Result<(ModeResult, AttentionDtypes, BertForMaskedLM)> {
-    let dev = Device::Cpu;
+    let dev = &args.device;
     let base = common::live_bytes();
     common::reset_peak();
     let mut vars = VarMap::new();
-    let model = BertForMaskedLM::load(VarBuilder::from_varmap(&vars, DType::F32, &dev), cfg)?;
+    let model = BertForMaskedLM::load(VarBuilder::from_varmap(&vars, DType::F32, dev), cfg)?;
     vars.set(init.iter().map(|(name, t)| (name, t)))?;
     let params = ParamsAdamW {
         lr: args.lr,
@@ -115,7 +119,7 @@ fn train(
     let quiet = args.json || !label;
     let result = modes::run_steps(mode, args.steps, quiet, base, &mut opt, |opt, step| {
         opt.set_learning_rate(learning_rate(args, step));
-        let batch = data.batch(args.batch, args.seq, &dev)?;
+        let batch = data.batch(args.batch, args.seq, dev)?;
         loss(mode, &model, &batch)
     })?;
     let attention = model.attention_dtypes()[0];
@@ -214,7 +218,7 @@ fn main() -> Result<()> {
         ..Config::small(data.vocab_size())
     };
     // One set of initial weights from the seed, copied into each mode's fresh model.
-    let init = common::seeded_init(args.seed, &Device::Cpu, |vb| {
+    let init = common::seeded_init(args.seed, &args.device, |vb| {
         BertForMaskedLM::load(vb.clone(), &cfg).map(|_| ())
     })?;
 

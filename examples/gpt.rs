@@ -59,6 +59,10 @@ struct Args {
     /// Where `gpt_loss.png` goes.
     #[arg(long, default_value = "target/examples-out")]
     out: PathBuf,
+    /// Device: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda` (peak heap then
+    /// counts the host's memory, not the GPU's).
+    #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
+    device: Device,
 }
 
 /// The loss of one batch in `mode`.
@@ -78,11 +82,11 @@ fn train(
     mode: Mode,
     label: bool,
 ) -> Result<(ModeResult, Gpt)> {
-    let dev = Device::Cpu;
+    let dev = &args.device;
     let base = common::live_bytes();
     common::reset_peak();
     let mut vars = VarMap::new();
-    let mut model = Gpt::new(cfg, VarBuilder::from_varmap(&vars, DType::F32, &dev))?;
+    let mut model = Gpt::new(cfg, VarBuilder::from_varmap(&vars, DType::F32, dev))?;
     vars.set(init.iter().map(|(name, t)| (name, t)))?;
     let params = ParamsAdamW {
         lr: args.lr,
@@ -93,7 +97,7 @@ fn train(
     let mut data = Counting::new(args.vocab, 7);
     let quiet = args.json || !label;
     let result = modes::run_steps(mode, args.steps, quiet, base, &mut opt, |_, _| {
-        let ids = data.batch(args.batch, args.seq + 1, &dev)?;
+        let ids = data.batch(args.batch, args.seq + 1, dev)?;
         loss(mode, &mut model, &ids)
     })?;
     Ok((result, model))
@@ -119,7 +123,7 @@ fn main() -> Result<()> {
         ..Config::small(args.vocab)
     };
     // One set of initial weights from the seed, copied into each mode's fresh model.
-    let init = common::seeded_init(args.seed, &Device::Cpu, |vb| {
+    let init = common::seeded_init(args.seed, &args.device, |vb| {
         Gpt::new(&cfg, vb.clone()).map(|_| ())
     })?;
 

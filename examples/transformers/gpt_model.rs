@@ -237,6 +237,13 @@ impl Gpt {
     }
 }
 
+impl Gpt {
+    /// The device the weights live on (inputs are made there).
+    pub fn device(&self) -> Device {
+        self.wte.embeddings().device().clone()
+    }
+}
+
 /// Next-token cross-entropy of `ids` `(b, t + 1)`.
 fn next_token_loss(m: &mut Gpt, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
     let t = ids.dim(1)? - 1;
@@ -310,7 +317,7 @@ impl Counting {
 /// Greedy generation of `n` tokens after `prompt` with the KV cache: the prompt in one call,
 /// then one token per call. Returns the tokens and the last-position logits of each call.
 pub fn generate(m: &mut Gpt, prompt: &[u32], n: usize) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
-    let dev = Device::Cpu;
+    let dev = m.device();
     m.set_use_cache(true);
     let (mut tokens, mut logits_seen) = (prompt.to_vec(), Vec::new());
     let mut input = prompt.to_vec();
@@ -332,7 +339,7 @@ pub fn generate(m: &mut Gpt, prompt: &[u32], n: usize) -> Result<(Vec<u32>, Vec<
 /// a full forward without the cache: what [`generate`]'s cached calls must reproduce (given the
 /// generated tokens less the last, which was never an input).
 pub fn recomputed(m: &mut Gpt, tokens: &[u32], from: usize) -> Result<Vec<Vec<f32>>> {
-    let dev = Device::Cpu;
+    let dev = m.device();
     m.set_use_cache(false);
     (from..=tokens.len())
         .map(|n| {
