@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
 """PyTorch's versions of two candle-amp examples on the same sizes, side by side with them.
 
-Runs `quantized_sine --size 128 --hidden 256 --epochs 30` and `amp_recipe` (defaults: width
-1024, batch 256, 50 batches x 3 epochs) in f32 and under CPU autocast (bf16), in PyTorch and in
-candle-amp (release builds of the examples, `--json`), and prints ms per step for each and the
-ratios. Needs a Python with torch (`pip install torch` in a throwaway venv); without one it says
-so and exits 0. Not part of the test suite: a measurement, run by hand:
+On CPU (the default) it runs `quantized_sine --size 128 --hidden 256 --epochs 30` and
+`amp_recipe` (defaults: width 1024, batch 256, 50 batches x 3 epochs) in f32 and under CPU
+autocast (bf16). With `--device cuda` it runs larger sizes (`quantized_sine --size 512`, and
+PyTorch's AMP recipe itself: width 4096, batch 512) in f32 and under CUDA autocast (fp16 with a
+GradScaler, as `torch.autocast("cuda")` and candle-amp's examples do on CUDA). Each runs in
+PyTorch and in candle-amp (release builds of the examples, `--json`), and it prints ms per step
+for each and the ratios. Needs a Python with torch (`pip install torch` in a throwaway venv);
+without one it says so and exits 0. Not part of the test suite: a measurement, run by hand:
 
     python3 benches/peer/pytorch_peer.py            # from the repository root
     python3 benches/peer/pytorch_peer.py --json     # one JSON line
+    python3 benches/peer/pytorch_peer.py --device cuda --examples DIR   # prebuilt examples in DIR
 """
 
 import argparse
@@ -20,11 +24,11 @@ import sys
 import time
 
 
-def quantized_sine_torch(torch, size, hidden, epochs, amp):
+def quantized_sine_torch(torch, dev, size, hidden, epochs, amp):
     """ms per step of the quantized-sine 1x1-conv net, one step per epoch on the whole grid."""
     nn = torch.nn
     torch.manual_seed(0)
-    coords = torch.linspace(0.0, 1.0, size)
+    coords = torch.linspace(0.0, 1.0, size, device=dev.name)
     yy, xx = torch.meshgrid(coords, coords, indexing="ij")
     x = torch.stack([xx, yy]).unsqueeze(0)
     v = torch.cos(2 * math.pi * 4 * xx) + torch.cos(2 * math.pi * 2 * yy)
@@ -33,43 +37,60 @@ def quantized_sine_torch(torch, size, hidden, epochs, amp):
     widths = [2, hidden, hidden, hidden]
     for i in range(3):
         layers += [nn.Conv2d(widths[i], widths[i + 1], 1), nn.BatchNorm2d(hidden), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Conv2d(hidden, 1, 1))
+    model = nn.Sequential(*layers, nn.Conv2d(hidden, 1, 1)).to(dev.name)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            out = model(x)
-        loss = nn.functional.mse_loss(out.float(), target)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return timed(step, epochs)
+    return timed(dev.step(torch, model, opt, amp, lambda: (x, target)), epochs)
 
 
-def amp_recipe_torch(torch, width, batch, batches, epochs, amp):
+def amp_recipe_torch(torch, dev, width, batch, batches, epochs, amp):
     """ms per step of PyTorch's AMP recipe MLP (3 x Linear(w, w), ReLU, MSE, SGD lr 1e-3)."""
     nn = torch.nn
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width)
-    )
+    ).to(dev.name)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    data = [(torch.randn(batch, width), torch.randn(batch, width)) for _ in range(batches)]
+    data = [
+        (torch.randn(batch, width, device=dev.name), torch.randn(batch, width, device=dev.name))
+        for _ in range(batches)
+    ]
     it = iter(range(10**9))
+    return timed(dev.step(torch, model, opt, amp, lambda: data[next(it) % batches]), batches * epochs)
 
-    def step():
-        x, y = data[next(it) % batches]
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            out = model(x)
-        loss = nn.functional.mse_loss(out.float(), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
 
-    return timed(step, batches * epochs)
+class Device:
+    """What differs between the CPU and the CUDA runs: autocast's dtype, the GradScaler, sizes."""
+
+    def __init__(self, name):
+        self.name = name
+        self.cuda = name == "cuda"
+        self.precision = "fp16" if self.cuda else "bf16"
+        if self.cuda:
+            self.sine = dict(size=512, hidden=256, epochs=50)
+            self.recipe = dict(width=4096, batch=512, batches=50, epochs=3)
+        else:
+            self.sine = dict(size=128, hidden=256, epochs=30)
+            self.recipe = dict(width=1024, batch=256, batches=50, epochs=3)
+
+    def step(self, torch, model, opt, amp, batch):
+        """One training step (MSE loss, read back as a float: a sync per step, as ours)."""
+        nn = torch.nn
+        dtype = torch.float16 if self.cuda else torch.bfloat16
+        # fp16 needs loss scaling; bf16 does not (PyTorch's recipes)
+        scaler = torch.amp.GradScaler(self.name, enabled=amp and self.cuda)
+
+        def step():
+            x, y = batch()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(self.name, dtype=dtype, enabled=amp):
+                out = model(x)
+            loss = nn.functional.mse_loss(out.float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            return loss.item()
+
+        return step
 
 
 def timed(step, steps):
@@ -82,16 +103,24 @@ def timed(step, steps):
     return (time.perf_counter() - start) * 1e3 / steps
 
 
-def candle_amp(example, extra):
-    """The example's `--json` figures (release build, bf16 AMP)."""
-    cmd = ["cargo", "run", "-q", "--release", "--example", example, "--", "--json", "--precision", "bf16"]
-    out = subprocess.run(cmd + extra, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+def candle_amp(examples, dev, example, extra):
+    """The example's `--json` figures (release build; from `examples` when given, else cargo)."""
+    if examples:
+        cmd = [os.path.join(examples, example)]
+    else:
+        cmd = ["cargo", "run", "-q", "--release", "--example", example, "--"]
+    cmd += ["--json", "--precision", dev.precision, "--device", dev.name]
+    run = subprocess.run(cmd + extra, capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"{' '.join(cmd + extra)} failed ({run.returncode}):\n{run.stderr}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--examples", help="folder of prebuilt release examples (default: cargo run)")
     args = parser.parse_args()
     try:
         import torch
@@ -102,39 +131,46 @@ def main():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.chdir(root)
 
-    sine = dict(size=128, hidden=256, epochs=30)
-    recipe = dict(width=1024, batch=256, batches=50, epochs=3)
+    dev = Device(args.device)
     rows = {}
+    sine = dev.sine
     ours = candle_amp(
-        "quantized_sine", ["--size", "128", "--hidden", "256", "--epochs", "30", "--out", "target/peer"]
+        args.examples, dev, "quantized_sine",
+        ["--size", str(sine["size"]), "--hidden", str(sine["hidden"]), "--epochs", str(sine["epochs"]),
+         "--out", "target/peer"],
     )
     rows["quantized_sine"] = {
-        "torch_f32": quantized_sine_torch(torch, amp=False, **sine),
-        "torch_bf16": quantized_sine_torch(torch, amp=True, **sine),
+        "torch_f32": quantized_sine_torch(torch, dev, amp=False, **sine),
+        "torch_amp": quantized_sine_torch(torch, dev, amp=True, **sine),
         "ours_f32": ours["f32"]["ms_per_step"],
-        "ours_bf16": ours["amp"]["ms_per_step"],
+        "ours_amp": ours["amp"]["ms_per_step"],
     }
-    ours = candle_amp("amp_recipe", [])
+    recipe = dev.recipe
+    ours = candle_amp(
+        args.examples, dev, "amp_recipe",
+        ["--width", str(recipe["width"]), "--batch", str(recipe["batch"])],
+    )
     rows["amp_recipe"] = {
-        "torch_f32": amp_recipe_torch(torch, amp=False, **recipe),
-        "torch_bf16": amp_recipe_torch(torch, amp=True, **recipe),
+        "torch_f32": amp_recipe_torch(torch, dev, amp=False, **recipe),
+        "torch_amp": amp_recipe_torch(torch, dev, amp=True, **recipe),
         "ours_f32": ours["f32"]["ms_per_step"],
-        "ours_bf16": ours["amp"]["ms_per_step"],
+        "ours_amp": ours["amp"]["ms_per_step"],
     }
     for r in rows.values():
-        r["ours_amp_vs_f32"] = r["ours_bf16"] / r["ours_f32"]
-        r["torch_amp_vs_f32"] = r["torch_bf16"] / r["torch_f32"]
-        r["ours_vs_torch_amp_step"] = r["ours_bf16"] / r["torch_bf16"]
+        r["ours_amp_vs_f32"] = r["ours_amp"] / r["ours_f32"]
+        r["torch_amp_vs_f32"] = r["torch_amp"] / r["torch_f32"]
+        r["ours_vs_torch_amp_step"] = r["ours_amp"] / r["torch_amp"]
         r["ours_vs_torch_f32_step"] = r["ours_f32"] / r["torch_f32"]
     if args.json:
-        print(json.dumps({"torch": torch.__version__, **rows}))
+        print(json.dumps({"torch": torch.__version__, "device": dev.name, "precision": dev.precision, **rows}))
         return 0
-    print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads; ms per step (bf16 = CPU autocast)")
-    print(f"{'workload':<16} {'torch f32':>10} {'torch bf16':>11} {'ours f32':>9} {'ours bf16':>10}"
+    where = torch.cuda.get_device_name() if dev.cuda else f"CPU, {torch.get_num_threads()} threads"
+    print(f"PyTorch {torch.__version__}, {where}; ms per step (amp = {dev.precision} autocast)")
+    print(f"{'workload':<16} {'torch f32':>10} {'torch amp':>10} {'ours f32':>9} {'ours amp':>9}"
           f" {'ours amp/f32':>13} {'torch amp/f32':>14} {'ours/torch amp':>15}")
     for name, r in rows.items():
-        print(f"{name:<16} {r['torch_f32']:>10.1f} {r['torch_bf16']:>11.1f} {r['ours_f32']:>9.1f}"
-              f" {r['ours_bf16']:>10.1f} {r['ours_amp_vs_f32']:>13.2f} {r['torch_amp_vs_f32']:>14.2f}"
+        print(f"{name:<16} {r['torch_f32']:>10.2f} {r['torch_amp']:>10.2f} {r['ours_f32']:>9.2f}"
+              f" {r['ours_amp']:>9.2f} {r['ours_amp_vs_f32']:>13.2f} {r['torch_amp_vs_f32']:>14.2f}"
               f" {r['ours_vs_torch_amp_step']:>15.2f}")
     return 0
 
