@@ -292,7 +292,7 @@ mod tests {
     /// parameter on CUDA) hold no autograd history. Without the detach, each moment held the
     /// gradient it was made from, the gradient the step's forward graph, and the moment the
     /// previous step's moment: every step's activations stayed alive (on CUDA,
-    /// `quantized_sine --size 512 --hidden 256` ran out of 141 GB of GPU memory within 50 steps).
+    /// `quantized_sine --size 512 --hidden 256` ran out of an H200's 140 GiB within 50 steps).
     #[test]
     fn tensor_moments_hold_no_graph() -> Result<()> {
         let dev = Device::Cpu;

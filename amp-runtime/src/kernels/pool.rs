@@ -273,8 +273,8 @@ fn window_taps(x: &Tensor, p: Pool2d, fill: f32) -> Result<Tensor> {
 }
 
 /// Max pooling from candle ops (off the CPU): each window's maximum gathered at its argmax, so
-/// its gradient goes to that one element, as in PyTorch (candle's own backward hands the whole
-/// gradient to every tied maximum, and ties are common in half precision); a window holding a
+/// its gradient goes to that one element, as in PyTorch (candle's own backward gives each tied
+/// maximum the gradient times the number of ties over the window's area); a window holding a
 /// NaN gives NaN, as in PyTorch. Padding is `-inf`.
 pub(crate) fn max_pool2d_composed(x: &Tensor, p: Pool2d) -> Result<Tensor> {
     let taps = window_taps(x, p, f32::NEG_INFINITY)?;
