@@ -1,4 +1,5 @@
-//! Batch norm over `(batch, channels, h, w)` as one custom op with its own backward, on CPU.
+//! Batch norm over `(batch, channels, h, w)` as one custom op with its own backward, on CPU (and
+//! CUDA).
 //!
 //! A batch norm written as candle ops (mean, subtract, square, mean, add, sqrt, divide, multiply,
 //! add) leaves every intermediate in the autograd graph: six full-size f32 tensors per layer,
@@ -9,19 +10,26 @@
 //! All arithmetic is f32 per element (half inputs widened 16 at a time), per-channel sums f32
 //! within runs of 256 values and f64 across runs; outputs and the input gradient
 //! are rounded once to the input's dtype. Work is split over channels (statistics) or over
-//! `(n, c)` rows (elementwise passes) on the kernels' pool (`parallel`). Other devices keep the composition of
-//! candle ops in `nn::BatchNorm2d` until they get a kernel.
+//! `(n, c)` rows (elementwise passes) on the kernels' pool (`parallel`). With the `cuda` feature
+//! the same ops run on CUDA (`batch_norm.cu`, the `cuda` submodule): the same sums (f32 per thread, f64 per
+//! block) and affine pass; other devices keep the composition of candle ops in
+//! `nn::BatchNorm2d`.
+
+#[cfg(feature = "cuda")]
+mod cuda;
 
 use super::leaf_grads::wanted;
 use super::{parallel, Real};
 use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType,
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
 };
 
 /// Whether [`channel_stats`] and [`batch_norm`] handle `x`: a 4-d f32, f16 or bf16 tensor on
-/// CPU.
+/// CPU, or (feature `cuda`) on a CUDA device.
 pub(crate) fn supports(x: &Tensor) -> bool {
-    super::cpu_float(x) && x.rank() == 4
+    let float = matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    let device = x.device().is_cpu() || (cfg!(feature = "cuda") && x.device().is_cuda());
+    float && device && x.rank() == 4
 }
 
 /// Per-channel mean and biased variance of `x` (two passes; see [`super::lane_sums2`]).
@@ -98,6 +106,27 @@ impl CustomOp1 for ChannelStats {
             with_floats!("batch norm", storage, layout, |xs| stats(xs, g));
         Ok((CpuStorage::F64([mean, var].concat()), Shape::from((2, g.c))))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let g = Geometry::of(layout)?;
+        let m = g.count() as f64;
+        let zeros = vec![0f32; g.c];
+        let (sums, _) = cuda::sums(storage, layout, None, 0, &zeros, &zeros)?;
+        let mean: Vec<f64> = sums.iter().map(|s| s / m).collect();
+        let center: Vec<f32> = mean.iter().map(|&v| v as f32).collect();
+        let (squares, _) = cuda::sums(storage, layout, None, 1, &center, &zeros)?;
+        let var: Vec<f64> = squares
+            .iter()
+            .zip(&mean)
+            .map(|(&sq, &mean)| variance(sq, mean, m))
+            .collect();
+        cuda::upload_pair(&storage.device, &mean, &var)
+    }
 }
 
 fn stats<T: Real>(xs: &[T], g: Geometry) -> (Vec<f64>, Vec<f64>) {
@@ -105,13 +134,18 @@ fn stats<T: Real>(xs: &[T], g: Geometry) -> (Vec<f64>, Vec<f64>) {
     parallel::map_indices(g.c, |c| {
         let mean = channel_sum(xs, g, c, |x| x) / m;
         let center = mean as f32;
-        let shift = f64::from(center) - mean;
-        // Centred on the f32 mean; the (tiny) offset of that mean is corrected exactly.
-        let var = channel_sum(xs, g, c, |x| (x - center) * (x - center)) / m - shift * shift;
-        (mean, var.max(0.0))
+        let squares = channel_sum(xs, g, c, |x| (x - center) * (x - center));
+        (mean, variance(squares, mean, m))
     })
     .into_iter()
     .unzip()
+}
+
+/// The biased variance from the sum of squares about the f32-rounded mean (the values are
+/// centred on it), the (tiny) offset of that mean corrected exactly.
+fn variance(squares: f64, mean: f64, count: f64) -> f64 {
+    let shift = f64::from(mean as f32) - mean;
+    (squares / count - shift * shift).max(0.0)
 }
 
 /// The sum of `f(x)` over channel `c` of `xs`.
@@ -165,6 +199,26 @@ impl CustomOp3 for Normalisation {
             affine.apply(xs, None, g)
         ));
         Ok((y, lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        weight: &candle_core::CudaStorage,
+        lw: &Layout,
+        bias: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::Apply {
+            center: &self.mean,
+            scale: &self.invstd,
+            mul: Some((weight, lw)),
+            shift: cuda::Shift::Device(bias, lb),
+            dy: None,
+        }
+        .run(x, lx)
     }
 
     fn bwd(
@@ -279,6 +333,19 @@ impl CustomOp2 for GradSums {
             Shape::from((2, g.c)),
         ))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        dy: &candle_core::CudaStorage,
+        ldy: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let n = &self.0;
+        let (sum_dy, sum_dy_xhat) = cuda::sums(x, lx, Some((dy, ldy)), 2, &n.mean, &n.invstd)?;
+        cuda::upload_pair(&x.device, &sum_dy, &sum_dy_xhat)
+    }
 }
 
 fn grad_sums<T: Real>(xs: &[T], dys: &[T], n: &Normalisation, g: Geometry) -> (Vec<f64>, Vec<f64>) {
@@ -329,5 +396,23 @@ impl CustomOp2 for InputGrad {
             WithDType::to_cpu_storage_owned(affine.apply(xs, Some((dys, &self.k)), g))
         });
         Ok((dx, lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        dy: &candle_core::CudaStorage,
+        ldy: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::Apply {
+            center: &self.mean,
+            scale: &self.p,
+            mul: None,
+            shift: cuda::Shift::Host(&self.q),
+            dy: Some((dy, ldy, &self.k)),
+        }
+        .run(x, lx)
     }
 }

@@ -4,8 +4,9 @@
 //! (the caller must learn whether to skip the step, as PyTorch's `scaler.step` does with its
 //! `.item()`), so a training step has no other host synchronisation.
 //!
-//! The kernel source (`unscale.cu`) is compiled at run time by NVRTC, once per process; building
-//! the crate needs no CUDA toolkit, and neither does the CPU path.
+//! The kernel sources (`unscale.cu`, and `batch_norm.cu` for `kernels::batch_norm`, each after
+//! `half.cuh`) are compiled at run time by NVRTC, once per process ([`Module`]); building the
+//! crate needs no CUDA toolkit, and neither does the CPU path.
 //!
 //! Gradients are borrowed together through nested `inplace_op1` calls (the CPU pass does the
 //! same): each frame holds one storage's write guard, so candle's event tracking orders the
@@ -22,27 +23,48 @@ use candle_core::cuda_backend::cudarc::nvrtc;
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, InplaceOp1, Layout, Result, Tensor};
 
-/// The kernels, CUDA C.
-pub(crate) const SOURCE: &str = include_str!("unscale.cu");
+/// A CUDA C source of this crate, compiled by NVRTC on first use (after `half.cuh`, the half and
+/// bfloat16 conversions every source shares) and loaded by candle under `name`.
+pub(crate) struct Module {
+    pub name: &'static str,
+    source: &'static str,
+    ptx: OnceLock<std::result::Result<String, String>>,
+}
 
-/// Name under which candle caches the compiled module.
-const MODULE: &str = "candle_amp_unscale";
+impl Module {
+    const fn new(name: &'static str, source: &'static str) -> Self {
+        Self {
+            name,
+            source,
+            ptx: OnceLock::new(),
+        }
+    }
+
+    /// The module's PTX, compiled on first use.
+    pub(crate) fn ptx(&self) -> Result<&str> {
+        self.ptx
+            .get_or_init(|| {
+                nvrtc::compile_ptx(format!("{}\n{}", include_str!("half.cuh"), self.source))
+                    .map(|ptx| ptx.to_src())
+                    .map_err(|e| e.to_string())
+            })
+            .as_deref()
+            .map_err(|e| {
+                candle_core::Error::Msg(format!("NVRTC could not compile {}: {e}", self.name))
+            })
+    }
+}
+
+/// The multi-tensor unscale (`unscale.cu`).
+pub(crate) static UNSCALE: Module = Module::new("candle_amp_unscale", include_str!("unscale.cu"));
+
+/// Batch norm's per-channel sums and affine pass (`batch_norm.cu`).
+pub(crate) static BATCH_NORM: Module =
+    Module::new("candle_amp_batch_norm", include_str!("batch_norm.cu"));
 
 /// Elements per block: one block walks its chunk with `THREADS` threads.
 pub(crate) const CHUNK: usize = 1 << 16;
 const THREADS: u32 = 512;
-
-/// The PTX of [`SOURCE`], compiled by NVRTC on first use.
-pub(crate) fn ptx() -> Result<&'static str> {
-    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    PTX.get_or_init(|| {
-        nvrtc::compile_ptx(SOURCE)
-            .map(|ptx| ptx.to_src())
-            .map_err(|e| e.to_string())
-    })
-    .as_deref()
-    .map_err(|e| candle_core::Error::Msg(format!("NVRTC could not compile unscale.cu: {e}")))
-}
 
 /// The per-block table of one launch: chunk `c` covers elements `starts[c]..` of gradient
 /// `tensors[c]` (at most `chunk` of them). Empty gradients get no chunk.
@@ -115,8 +137,8 @@ fn launch_all(
         let d_chunk_start = stream.clone_htod(&chunk_start).w()?;
         let func = dev.get_or_load_custom_func(
             &format!("amp_unscale_{}", dtype.as_str()),
-            MODULE,
-            ptx()?,
+            UNSCALE.name,
+            UNSCALE.ptx()?,
         )?;
         let chunk = CHUNK as u32;
         let cfg = LaunchConfig {
@@ -214,14 +236,21 @@ mod tests {
         assert_eq!(starts, [0, 0, 0, chunk, 0, chunk, 2 * chunk]);
     }
 
-    /// NVRTC accepts the kernel source (needs the NVRTC library, not a GPU).
+    /// NVRTC accepts the kernel sources (needs the NVRTC library, not a GPU).
     #[test]
     fn kernels_compile_with_nvrtc() {
-        let ptx = ptx().unwrap();
+        let ptx = UNSCALE.ptx().unwrap();
         for dtype in ["f32", "f64", "f16", "bf16"] {
             assert!(
                 ptx.contains(&format!(".entry amp_unscale_{dtype}(")),
                 "{dtype} kernel missing from the PTX"
+            );
+        }
+        let ptx = BATCH_NORM.ptx().unwrap();
+        for kernel in ["amp_bn_sums", "amp_bn_apply"] {
+            assert!(
+                ptx.contains(&format!(".entry {kernel}(")),
+                "{kernel} missing"
             );
         }
     }

@@ -21,11 +21,11 @@
 //! - `pool`: max and average pooling with any window, stride and padding, and their backward.
 //! - `simd`: the AVX-512 f32 <-> bf16/f16 conversions, bit-identical to `half`.
 //! - `mse`: the mean squared error reading half predictions and targets as they are.
-//! - `batch_norm`: batch norm as one op with its own backward on CPU, keeping only its input and
-//!   per-channel statistics for the backward pass (a composition of candle ops keeps six f32
-//!   intermediates per layer).
-//! - `cuda` (feature `cuda`): the CUDA backend of the unscale pass, compiled at run time by
-//!   NVRTC.
+//! - `batch_norm`: batch norm as one op with its own backward on CPU and CUDA, keeping only its
+//!   input and per-channel statistics for the backward pass (a composition of candle ops keeps
+//!   six f32 intermediates per layer).
+//! - `cuda` (feature `cuda`): the CUDA C modules (compiled at run time by NVRTC) and the CUDA
+//!   backend of the unscale pass; batch norm's CUDA forwards are in `batch_norm::cuda`.
 //! - [`unscale`]: the multi-tensor "multiply by inv_scale in place and record non-finite values"
 //!   pass behind `GradScaler`, one pass over every gradient.
 

@@ -2,38 +2,12 @@
 // every gradient of one dtype is multiplied by inv_scale in place, in ONE launch, and each
 // gradient holding an inf or NaN after the multiplication (as stored) sets its flag in `found`.
 //
-// Compiled at run time by NVRTC (no CUDA toolkit needed to build the crate), so it includes no
-// headers: half and bfloat16 values travel as 16-bit integers and are converted here.
+// Compiled at run time by NVRTC (no CUDA toolkit needed to build the crate) after half.cuh,
+// which converts half and bfloat16 values (they travel as 16-bit integers).
 //
 // Launch: one block per chunk. The host builds the chunk table: chunk c covers elements
 // [chunk_start[c], min(chunk_start[c] + chunk, lens[t])) of gradient t = chunk_tensor[c], whose
 // first element is at address ptrs[t]; flag_index[t] is t's slot in `found`.
-
-__device__ __forceinline__ float amp_load(const unsigned short* p, bool bf) {
-    unsigned short bits = *p;
-    if (bf) {
-        return __uint_as_float(((unsigned int)bits) << 16);
-    }
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
-    return f;
-}
-
-__device__ __forceinline__ void amp_store(unsigned short* p, float v, bool bf) {
-    unsigned short bits;
-    if (bf) {
-        unsigned int u = __float_as_uint(v);
-        if ((u & 0x7fffffffu) > 0x7f800000u) {
-            bits = (unsigned short)((u >> 16) | 0x40u); // NaN stays a (quiet) NaN
-        } else {
-            u += 0x7fffu + ((u >> 16) & 1u);           // round to nearest, ties to even
-            bits = (unsigned short)(u >> 16);
-        }
-    } else {
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(v));
-    }
-    *p = bits;
-}
 
 #define AMP_CHUNK_PROLOGUE                                                   \
     const unsigned int c = blockIdx.x;                                       \

@@ -1,0 +1,91 @@
+// The CUDA half of kernels::batch_norm: per-channel sums and the per-channel affine pass over
+// (n, c, hw) tensors of f32, f16 or bf16 (dt 0, 1, 2; see half.cuh), all arithmetic in f32.
+// Compiled at run time by NVRTC after half.cuh.
+
+// Per-channel sums. Grid (channels, splits), AMP_BN_THREADS threads: block (c, s) takes the
+// s-th of `splits` equal ranges of channel c's n * hw values. Each thread sums its values in
+// f32, the block adds the threads' sums in f64 and adds its total to the f64 outputs (zeroed
+// by the caller). Modes:
+//   0: out0[c] = sum(x)
+//   1: out0[c] = sum((x - center[c])^2)
+//   2: out0[c] = sum(dy), out1[c] = sum(dy * (x - center[c]) * scale[c])
+#define AMP_BN_THREADS 256
+
+extern "C" __global__ void amp_bn_sums(
+    const void* x, const void* dy, int dt, int mode,
+    unsigned int channels, unsigned long long hw, unsigned long long count,
+    unsigned long long per_split,
+    const float* center, const float* scale,
+    double* out0, double* out1)
+{
+    const unsigned int c = blockIdx.x;
+    const unsigned long long begin = (unsigned long long)blockIdx.y * per_split;
+    const unsigned long long end = begin + per_split < count ? begin + per_split : count;
+    const float m = mode == 0 ? 0.0f : center[c];
+    const float s = mode == 2 ? scale[c] : 0.0f;
+    float a = 0.0f, b = 0.0f;
+    for (unsigned long long j = begin + threadIdx.x; j < end; j += AMP_BN_THREADS) {
+        const unsigned long long n = j / hw;
+        const unsigned long long at = (n * channels + c) * hw + (j - n * hw);
+        const float v = amp_get(x, at, dt);
+        if (mode == 0) {
+            a += v;
+        } else if (mode == 1) {
+            a += (v - m) * (v - m);
+        } else {
+            const float g = amp_get(dy, at, dt);
+            a += g;
+            b += g * (v - m) * s;
+        }
+    }
+    __shared__ double sa[AMP_BN_THREADS];
+    __shared__ double sb[AMP_BN_THREADS];
+    sa[threadIdx.x] = a;
+    sb[threadIdx.x] = b;
+    __syncthreads();
+    for (unsigned int half = AMP_BN_THREADS / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) {
+            sa[threadIdx.x] += sa[threadIdx.x + half];
+            sb[threadIdx.x] += sb[threadIdx.x + half];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        atomicAdd(out0 + c, sa[0]);
+        if (mode == 2) {
+            atomicAdd(out1 + c, sb[0]);
+        }
+    }
+}
+
+// The per-channel affine pass, rounded once to dt:
+//   out = (x - center[c]) * (scale[c] * mul[c]) + shift[c] (+ k[c] * dy)
+// `mul`, `dy` and `k` may be null (mul then 1, no dy term). The forward is center = mean,
+// scale = invstd, mul = weight, shift = bias; the input gradient center = mean, scale = p,
+// shift = q, k * dy (kernels::batch_norm's InputGrad). Grid (rows, chunks of AMP_BN_SPAN
+// values of a row's hw): a block's row fixes its channel.
+#define AMP_BN_SPAN (AMP_BN_THREADS * 8)
+
+extern "C" __global__ void amp_bn_apply(
+    const void* x, const void* dy, void* out, int dt,
+    unsigned int channels, unsigned long long hw,
+    const float* center, const float* scale, const float* mul, const float* shift,
+    const float* k)
+{
+    const unsigned long long row = blockIdx.x;
+    const unsigned int c = (unsigned int)(row % channels);
+    const float m = center[c];
+    const float s = mul ? scale[c] * mul[c] : scale[c];
+    const float t = shift[c];
+    const float kc = k ? k[c] : 0.0f;
+    const unsigned long long begin = (unsigned long long)blockIdx.y * AMP_BN_SPAN;
+    const unsigned long long end = begin + AMP_BN_SPAN < hw ? begin + AMP_BN_SPAN : hw;
+    for (unsigned long long i = begin + threadIdx.x; i < end; i += AMP_BN_THREADS) {
+        const unsigned long long at = row * hw + i;
+        float v = (amp_get(x, at, dt) - m) * s + t;
+        if (dy) {
+            v = kc * amp_get(dy, at, dt) + v;
+        }
+        amp_put(out, at, v, dt);
+    }
+}

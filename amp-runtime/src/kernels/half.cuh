@@ -1,0 +1,47 @@
+// Shared by candle-amp's CUDA kernels (prepended to each source before NVRTC compiles it).
+// The sources include no headers: half and bfloat16 values travel as 16-bit integers and are
+// converted here, f16 by the PTX conversions, bf16 by bit arithmetic (round to nearest even).
+
+__device__ __forceinline__ float amp_load(const unsigned short* p, bool bf) {
+    unsigned short bits = *p;
+    if (bf) {
+        return __uint_as_float(((unsigned int)bits) << 16);
+    }
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
+    return f;
+}
+
+__device__ __forceinline__ void amp_store(unsigned short* p, float v, bool bf) {
+    unsigned short bits;
+    if (bf) {
+        unsigned int u = __float_as_uint(v);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            bits = (unsigned short)((u >> 16) | 0x40u); // NaN stays a (quiet) NaN
+        } else {
+            u += 0x7fffu + ((u >> 16) & 1u);           // round to nearest, ties to even
+            bits = (unsigned short)(u >> 16);
+        }
+    } else {
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(v));
+    }
+    *p = bits;
+}
+
+// An element of an f32 (dt 0), f16 (dt 1) or bf16 (dt 2) array, as f32; `dt` is uniform
+// across a launch, so the branch costs nothing.
+__device__ __forceinline__ float amp_get(const void* p, unsigned long long i, int dt) {
+    if (dt == 0) {
+        return ((const float*)p)[i];
+    }
+    return amp_load((const unsigned short*)p + i, dt == 2);
+}
+
+// Stores `v` rounded once to the array's dtype.
+__device__ __forceinline__ void amp_put(void* p, unsigned long long i, float v, int dt) {
+    if (dt == 0) {
+        ((float*)p)[i] = v;
+    } else {
+        amp_store((unsigned short*)p + i, v, dt == 2);
+    }
+}
