@@ -88,15 +88,27 @@ fn pointwise(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
     simple && x.rank() == 4 && matches!(k.dims(), &[_, c_in, 1, 1] if x.dim(1).ok() == Some(c_in))
 }
 
-/// A pointwise conv off the CPU as one batched matrix product `(c_out, c_in) x (c_in, h*w)`
-/// per image, forward and backward on the device's BLAS. candle's conv there goes through
-/// im2col, and its input gradient through a direct transposed convolution: on an H200,
-/// `quantized_sine --size 512 --hidden 256` took 165 ms a step in f32 against PyTorch's 5.9.
+/// A pointwise conv off the CPU as one matrix product `(c_out, c_in) x (c_in, b*h*w)`, forward
+/// and backward on the device's BLAS. candle's conv there goes through im2col, and its input
+/// gradient through a direct transposed convolution: on an H200, `quantized_sine --size 512
+/// --hidden 256` took 165 ms a step in f32 against PyTorch's 5.9. The images are one matrix
+/// (a copy when there are several) rather than a batch of products, so that the weight
+/// gradient's sum over the batch is the BLAS's f32-accumulated one: a batched product's
+/// gradient would sum the per-image gradients in the input's (half) precision.
 fn pointwise_product(x: &Tensor, k: &Tensor) -> Result<Tensor> {
     let (b, c_in, h, w) = x.dims4()?;
     let c_out = k.dim(0)?;
-    let k = k.reshape((c_out, c_in))?.broadcast_left(b)?;
-    k.matmul(&x.reshape((b, c_in, h * w))?)?
+    let k = k.reshape((c_out, c_in))?;
+    if b == 1 {
+        return k
+            .matmul(&x.reshape((c_in, h * w))?)?
+            .reshape((1, c_out, h, w));
+    }
+    let columns = x.reshape((b, c_in, h * w))?.transpose(0, 1)?.contiguous()?;
+    k.matmul(&columns.reshape((c_in, b * h * w))?)?
+        .reshape((c_out, b, h * w))?
+        .transpose(0, 1)?
+        .contiguous()?
         .reshape((b, c_out, h, w))
 }
 
@@ -963,30 +975,46 @@ mod tests {
     #[test]
     fn a_pointwise_product_is_the_1x1_convolution() -> Result<()> {
         let dev = Device::Cpu;
-        let x = Var::randn(0f32, 1.0, (3, 5, 4, 6), &dev)?;
-        let k = Var::randn(0f32, 1.0, (7, 5, 1, 1), &dev)?;
         let p = Conv2dParams {
             padding: 0,
             stride: 1,
             dilation: 1,
             groups: 1,
         };
-        assert!(pointwise(&x, &k, p));
-        assert!(!pointwise(&x, &k, Conv2dParams { stride: 2, ..p }));
-        let ours = pointwise_product(&x, &k)?;
-        let theirs = x.conv2d(&k, 0, 1, 1, 1)?;
-        let w = Tensor::randn(0f32, 1.0, theirs.shape(), &dev)?;
-        let grads = |y: &Tensor| (y * &w)?.sum_all()?.backward();
-        let (g_ours, g_theirs) = (grads(&ours)?, grads(&theirs)?);
         let worst = |a: &Tensor, b: &Tensor| -> Result<f32> {
             (a - b)?.abs()?.max_all()?.to_scalar::<f32>()
         };
-        assert!(worst(&ours, &theirs)? < 1e-5);
-        for v in [&x, &k] {
-            let (a, b) = (g_ours.get(v).unwrap(), g_theirs.get(v).unwrap());
-            assert_eq!(a.dims(), v.dims());
-            assert!(worst(a, b)? < 1e-4);
+        for batch in [1, 3] {
+            let x = Var::randn(0f32, 1.0, (batch, 5, 4, 6), &dev)?;
+            let k = Var::randn(0f32, 1.0, (7, 5, 1, 1), &dev)?;
+            assert!(pointwise(&x, &k, p));
+            assert!(!pointwise(&x, &k, Conv2dParams { stride: 2, ..p }));
+            let ours = pointwise_product(&x, &k)?;
+            let theirs = x.conv2d(&k, 0, 1, 1, 1)?;
+            let w = Tensor::randn(0f32, 1.0, theirs.shape(), &dev)?;
+            let grads = |y: &Tensor| (y * &w)?.sum_all()?.backward();
+            let (g_ours, g_theirs) = (grads(&ours)?, grads(&theirs)?);
+            assert!(worst(&ours, &theirs)? < 1e-5, "batch {batch}");
+            for v in [&x, &k] {
+                let (a, b) = (g_ours.get(v).unwrap(), g_theirs.get(v).unwrap());
+                assert_eq!(a.dims(), v.dims());
+                assert!(worst(a, b)? < 1e-4, "batch {batch}");
+            }
         }
+        Ok(())
+    }
+
+    /// The weight gradient of a pointwise conv sums over the batch in f32, rounded once: 300
+    /// images of ones give exactly 300 in bf16, where a sum in bf16 sticks at 256 (256 + 1
+    /// rounds back to 256).
+    #[test]
+    fn a_pointwise_weight_gradient_sums_the_batch_in_f32() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::ones((300, 1, 1, 1), DType::BF16, &dev)?;
+        let k = Var::ones((1, 1, 1, 1), DType::BF16, &dev)?;
+        let grads = pointwise_product(&x, &k)?.sum_all()?.backward()?;
+        let g = grads.get(&k).expect("a gradient").to_dtype(DType::F32)?;
+        assert_eq!(g.flatten_all()?.to_vec1::<f32>()?, [300.0]);
         Ok(())
     }
 }

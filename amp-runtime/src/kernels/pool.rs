@@ -285,10 +285,16 @@ pub(crate) fn max_pool2d_composed(x: &Tensor, p: Pool2d) -> Result<Tensor> {
     nan.where_cond(&nans, &top)
 }
 
-/// Average pooling from candle ops (off the CPU): each window summed in f32 and divided by its
-/// area (padding counted, as zeros), rounded once to `x`'s dtype, as this module's CPU op does.
+/// Average pooling from candle ops (off the CPU): each window summed in f32 (f64 for f64) and
+/// divided by its area (padding counted, as zeros), rounded once to `x`'s dtype, as this
+/// module's CPU op does.
 pub(crate) fn avg_pool2d_composed(x: &Tensor, p: Pool2d) -> Result<Tensor> {
-    let taps = window_taps(&x.to_dtype(DType::F32)?, p, 0.0)?;
+    let wide = if x.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let taps = window_taps(&x.to_dtype(wide)?, p, 0.0)?;
     let area = (p.kernel.0 * p.kernel.1) as f64;
     (taps.sum(0)? / area)?.to_dtype(x.dtype())
 }
