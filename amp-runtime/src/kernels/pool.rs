@@ -275,28 +275,34 @@ fn window_taps(x: &Tensor, p: Pool2d, fill: f32) -> Result<Tensor> {
 /// Max pooling from candle ops (off the CPU): each window's maximum gathered at its argmax, so
 /// its gradient goes to that one element, as in PyTorch (candle's own backward gives each tied
 /// maximum the gradient times the number of ties over the window's area); a window holding a
-/// NaN gives NaN, as in PyTorch. Padding is `-inf`.
+/// NaN gives NaN, as in PyTorch. Padding is `-inf`. The windows are taken from an f32 copy, so
+/// that where windows overlap the gradients add in f32 and are rounded once, as on CPU (the
+/// values themselves pass through unchanged).
 pub(crate) fn max_pool2d_composed(x: &Tensor, p: Pool2d) -> Result<Tensor> {
-    let taps = window_taps(x, p, f32::NEG_INFINITY)?;
+    let taps = window_taps(&x.to_dtype(wide(x.dtype()))?, p, f32::NEG_INFINITY)?;
     let at = taps.argmax_keepdim(0)?;
     let top = taps.gather(&at, 0)?.squeeze(0)?;
     let nan = taps.ne(&taps)?.max_keepdim(0)?.squeeze(0)?;
-    let nans = Tensor::full(f32::NAN, top.shape(), x.device())?.to_dtype(x.dtype())?;
-    nan.where_cond(&nans, &top)
+    let nans = Tensor::full(f32::NAN, top.shape(), x.device())?.to_dtype(top.dtype())?;
+    nan.where_cond(&nans, &top)?.to_dtype(x.dtype())
 }
 
 /// Average pooling from candle ops (off the CPU): each window summed in f32 (f64 for f64) and
 /// divided by its area (padding counted, as zeros), rounded once to `x`'s dtype, as this
 /// module's CPU op does.
 pub(crate) fn avg_pool2d_composed(x: &Tensor, p: Pool2d) -> Result<Tensor> {
-    let wide = if x.dtype() == DType::F64 {
+    let taps = window_taps(&x.to_dtype(wide(x.dtype()))?, p, 0.0)?;
+    let area = (p.kernel.0 * p.kernel.1) as f64;
+    (taps.sum(0)? / area)?.to_dtype(x.dtype())
+}
+
+/// The dtype the composed pools work in: f64 for f64, f32 for every other.
+fn wide(dtype: DType) -> DType {
+    if dtype == DType::F64 {
         DType::F64
     } else {
         DType::F32
-    };
-    let taps = window_taps(&x.to_dtype(wide)?, p, 0.0)?;
-    let area = (p.kernel.0 * p.kernel.1) as f64;
-    (taps.sum(0)? / area)?.to_dtype(x.dtype())
+    }
 }
 
 struct MaxPool(Pool2d);
@@ -704,6 +710,36 @@ mod tests {
                 };
                 close(&avg[0], &avg[1])?;
                 close(&grad(&avg[0])?, &grad(&avg[1])?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Where overlapping windows share their maximum, its gradient is their sum rounded once,
+    /// by both paths: 1 + 8 * 2^-8 is 1.03125 in bf16, where adding 2^-8 to 1 one at a time in
+    /// bf16 stays at 1. (candle's CPU backward happens to add the small terms first, so on CPU
+    /// this does not tell the composed pool's f32 widening from none; off the CPU the order is
+    /// the device's.)
+    #[test]
+    fn overlapping_max_gradients_add_in_f32() -> Result<()> {
+        let mut v = vec![0f32; 25];
+        v[12] = 10.0; // the centre of a 5x5 plane: the maximum of all nine 3x3 windows
+        let x = Tensor::from_vec(v, (1, 1, 5, 5), &Device::Cpu)?.to_dtype(DType::BF16)?;
+        let x = Var::from_tensor(&x)?;
+        let p = Pool2d {
+            kernel: (3, 3),
+            stride: (1, 1),
+            padding: 0,
+        };
+        // The 1 first or last among the windows, whichever order the backward adds them in.
+        for big in [0, 8] {
+            let mut w = vec![2f32.powi(-8); 9];
+            w[big] = 1.0;
+            let w = Tensor::from_vec(w, (1, 1, 3, 3), &Device::Cpu)?.to_dtype(DType::BF16)?;
+            for y in [max_pool2d(&x, p)?, max_pool2d_composed(&x, p)?] {
+                let grads = (y * &w)?.to_dtype(DType::F32)?.sum_all()?.backward()?;
+                let g = grads.get(&x).expect("a gradient").to_dtype(DType::F32)?;
+                assert_eq!(g.flatten_all()?.to_vec1::<f32>()?[12], 1.031_25, "{big}");
             }
         }
         Ok(())
