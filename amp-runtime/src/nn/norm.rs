@@ -198,10 +198,10 @@ pub fn rms_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<RmsNorm> {
 /// statistics and computation inside (cuDNN's behaviour). Training normalises with the batch's
 /// biased variance and updates the running statistics with the unbiased one, as PyTorch.
 ///
-/// On CPU (f32, f16, bf16) it is one op with its own backward that keeps only its input and two
-/// f32 numbers per channel for the backward pass, as cuDNN does; on other devices it is a
-/// composition of candle ops whose intermediates (six f32 tensors of the input's size) stay in
-/// the graph until `backward`.
+/// On CPU and CUDA (f32, f16, bf16) it is one op with its own backward that keeps only its input
+/// and two f32 numbers per channel for the backward pass, as cuDNN does; on other devices it is
+/// a composition of candle ops whose intermediates (six f32 tensors of the input's size) stay
+/// in the graph until `backward`.
 #[derive(Clone, Debug)]
 pub struct BatchNorm2d {
     weight: Option<Var>,
@@ -309,7 +309,7 @@ impl BatchNorm2d {
         .and_then(Tensor::<P>::from_candle)
     }
 
-    /// The CPU kernel: the graph keeps `x` and per-channel statistics, nothing else.
+    /// The CPU and CUDA kernels: the graph keeps `x` and per-channel statistics, nothing else.
     fn forward_fused(&self, x: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
         let x = &x.contiguous()?; // once, for the statistics and the op
         let c = self.running_mean.dim(0)?;
