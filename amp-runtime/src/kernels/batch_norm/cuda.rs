@@ -102,8 +102,8 @@ pub(super) fn sums(
     let (xp, _x_guard) = address(x, lx, &stream)?;
     let (dyp, _dy_guard) = match dy {
         Some((s, l)) => {
-            if s.dtype() != x.dtype() {
-                candle_core::bail!("batch norm kernel: dy and x differ in dtype")
+            if s.dtype() != x.dtype() || l.shape() != lx.shape() {
+                candle_core::bail!("batch norm kernel: dy and x differ in dtype or shape")
             }
             let (p, guard) = address(s, l, &stream)?;
             (p, Some(guard))
@@ -203,8 +203,8 @@ impl Apply<'_> {
         let host_k;
         let (dyp, kp, _dy_guard, _k_guard) = match self.dy {
             Some((s, l, k)) => {
-                if s.dtype() != x.dtype() {
-                    candle_core::bail!("batch norm kernel: dy and x differ in dtype")
+                if s.dtype() != x.dtype() || l.shape() != lx.shape() {
+                    candle_core::bail!("batch norm kernel: dy and x differ in dtype or shape")
                 }
                 per_channel("k", k.len())?;
                 let (p, dy_guard) = address(s, l, &stream)?;
