@@ -42,8 +42,8 @@ pub(crate) struct Conv2dParams {
 
 /// `conv2d` with candle's semantics plus an optional per-channel `bias` `(c_out)` of the
 /// kernel's dtype; on CPU as GEMMs with the bias added before the one rounding of each output
-/// (see the module docs), elsewhere candle's conv (a matrix product for a pointwise conv) and a
-/// broadcast add. The kernel and bias may
+/// (see the module docs), elsewhere candle's conv (a matrix product for a pointwise conv) and
+/// [`super::add_bias`] (the bias's gradient summed in f32). The kernel and bias may
 /// be f32 masters of a half `x`: they are rounded to `x`'s dtype inside the op (the cast a
 /// region inserts, bit for bit) and get f32 gradients, never rounded to half; no half copy of
 /// the weight joins the autograd graph.
@@ -69,7 +69,7 @@ pub(crate) fn conv2d(
             x.conv2d(&k, p.padding, p.stride, p.dilation, p.groups)?
         };
         match bias {
-            Some(b) => y.broadcast_add(&super::to_dtype(b, x.dtype())?.reshape((1, (), 1, 1))?),
+            Some(b) => super::add_bias(&y, b, 1),
             None => Ok(y),
         }
     }

@@ -64,8 +64,8 @@ pub(crate) fn broadcast_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// from the f32 accumulators: `grad_w = grad^T * x` and `grad_b` the column sums of `grad`,
 /// never rounded to half (PyTorch rounds them to half, then widens), with `grad_x = grad * w`.
 /// No half copy of the weight joins the autograd graph, so candle's backward does not allocate
-/// and add a half gradient for one. Elsewhere: the masters cast to `x`'s dtype, candle's
-/// matmul and a broadcast add.
+/// and add a half gradient for one. Elsewhere: the weight cast to `x`'s dtype, candle's matmul
+/// and [`super::add_bias`] (the bias's gradient summed in f32).
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let masters = w.dtype() == DType::F32 && b.is_none_or(|b| b.dtype() == DType::F32);
     let shapes = match (x.dims(), w.dims()) {
@@ -81,7 +81,7 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
     } else {
         let y = x.matmul(&super::to_dtype(w, x.dtype())?.t()?)?;
         match b {
-            Some(b) => y.broadcast_add(&super::to_dtype(b, x.dtype())?),
+            Some(b) => super::add_bias(&y, b, y.rank().saturating_sub(1)),
             None => Ok(y),
         }
     }

@@ -159,6 +159,29 @@ impl Real for f32 {
     }
 }
 
+/// `y + bias` for an f32 master `bias` of `y`'s size along `dim` (the outputs' channels), with
+/// the bias's gradient summed in f32: the composed paths' bias add (off the CPU, where the
+/// layers' fused ops do not run). For a half `y` the bias is broadcast in f32 and then rounded
+/// to `y`'s dtype (a copy of `y`'s size), so that candle's backward sums the gradient over the
+/// broadcast dimensions in f32: rounding the bias first would have it summed in half (candle's
+/// CUDA f16 sum accumulates in f16, so would its CPU one; 300 bf16 ones summed to 256).
+pub(crate) fn add_bias(
+    y: &candle_core::Tensor,
+    bias: &candle_core::Tensor,
+    dim: usize,
+) -> candle_core::Result<candle_core::Tensor> {
+    let mut shape = vec![1; y.rank()];
+    let Some(at) = shape.get_mut(dim) else {
+        candle_core::bail!("bias add: dimension {dim} of a rank-{} output", y.rank())
+    };
+    *at = bias.elem_count();
+    let bias = bias.reshape(shape)?.broadcast_as(y.shape())?;
+    if bias.dtype() == y.dtype() {
+        return y + bias;
+    }
+    y + to_dtype(&bias, y.dtype())?
+}
+
 /// Whether `t` is an f32, f16 or bf16 tensor on CPU: what every kernel here reads.
 pub(crate) fn cpu_float(t: &candle_core::Tensor) -> bool {
     use candle_core::DType;
@@ -444,5 +467,33 @@ mod tests {
         let scale: f64 = x.iter().map(|&v| f64::from(v.abs())).sum();
         assert!((a - exact_a).abs() < 1e-6 * scale, "{a} vs {exact_a}");
         assert!((b - exact_b).abs() < 1e-6 * scale, "{b} vs {exact_b}");
+    }
+
+    /// The composed bias add: values `y + b` rounded once to `y`'s dtype, and the bias's
+    /// gradient summed over the broadcast dimensions in f32: 300 rows of a bf16 output give 300
+    /// (rounding the bias to bf16 before the add has candle sum its gradient in bf16: 256).
+    #[test]
+    fn a_composed_bias_gets_its_gradient_summed_in_f32() -> candle_core::Result<()> {
+        use super::add_bias;
+        use candle_core::{DType, Device, Tensor, Var};
+        let dev = Device::Cpu;
+        let y = Tensor::ones((300, 2), DType::BF16, &dev)?;
+        let b = Var::new(&[0.5f32, -2.0], &dev)?;
+        let out = add_bias(&y, &b, 1)?;
+        assert_eq!(out.dtype(), DType::BF16);
+        let rows = out.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        assert!(rows.iter().all(|r| r == &[1.5, -1.0]));
+        let grads = out.to_dtype(DType::F32)?.sum_all()?.backward()?;
+        let g = grads.get(&b).expect("a gradient").to_vec1::<f32>()?;
+        assert_eq!(g, [300.0, 300.0]);
+        let rounded_first = y.broadcast_add(&b.to_dtype(DType::BF16)?)?;
+        let grads = rounded_first.to_dtype(DType::F32)?.sum_all()?.backward()?;
+        let g = grads.get(&b).expect("a gradient").to_vec1::<f32>()?;
+        assert_eq!(g, [256.0, 256.0], "candle sums a bf16 gradient in bf16");
+        // Per channel along dimension 1 of a conv output.
+        let y = Tensor::zeros((2, 2, 3, 3), DType::F16, &dev)?;
+        let out = add_bias(&y, &b, 1)?.to_dtype(DType::F32)?;
+        assert_eq!(out.sum((0, 2, 3))?.to_vec1::<f32>()?, [9.0, -36.0]);
+        Ok(())
     }
 }

@@ -77,7 +77,9 @@ fn conv_params(
 }
 
 impl Conv1d {
-    /// The convolution on the masters cast to `P`, then the bias added per channel.
+    /// The convolution on the weight cast to `P`, then the f32 master bias added per channel
+    /// (`kernels::add_bias`: rounded once with the sum, its gradient summed in f32; counted as
+    /// the cast it stands for).
     fn apply<P: Precision>(
         x: &Tensor<P>,
         w: &Var,
@@ -92,7 +94,13 @@ impl Conv1d {
             c.groups,
         )?;
         match bias {
-            Some(b) => y.broadcast_add(&weight_as::<P>(b)?.reshape((1, (), 1))?),
+            Some(b) => {
+                if P::DTYPE != candle_core::DType::F32 {
+                    crate::cast::count_casts(1, b.elem_count(), P::DTYPE);
+                }
+                let y = crate::kernels::add_bias(y.as_candle(), b.as_tensor(), 1)?;
+                Ok(Tensor::wrap(y))
+            }
             None => Ok(y),
         }
     }

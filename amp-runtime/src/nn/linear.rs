@@ -41,7 +41,7 @@
 use candle_core::{Result, Var};
 use candle_nn::VarBuilder;
 
-use super::{count_master_casts, master_weight_and_bias, region_forward, weight_as, AmpLayer};
+use super::{count_master_casts, master_weight_and_bias, region_forward, AmpLayer};
 use crate::op;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
@@ -73,44 +73,29 @@ impl Linear {
 
     /// Applies the layer to `x` of shape `(..., in)`, in `x`'s precision.
     ///
-    /// A contiguous input (or any 2-D one) is flattened to one 2-D product `(rows, in) x (in,
-    /// out)` and reshaped back, as candle-nn's `Linear` does: one large GEMM instead of a batched
-    /// matmul over a broadcast weight. In bf16 and f16 on CPU that product is one op with the
-    /// bias added before its one rounding (`kernels::linear`). A strided input of rank 3 or 4
-    /// takes the broadcast form.
+    /// The input is flattened to one 2-D product `(rows, in) x (in, out)` and reshaped back, as
+    /// candle-nn's `Linear` does for contiguous inputs: one large GEMM instead of a batched
+    /// matmul over a broadcast weight (a strided input is copied first: a broadcast weight's
+    /// gradient would be summed over the batch in the input's half precision). In bf16 and f16
+    /// on CPU that product is one op with the bias added before its one rounding
+    /// (`kernels::linear`).
     pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
         let dims = x.dims().to_vec();
         let Some((&k, lead)) = dims.split_last() else {
             candle_core::bail!("Linear: expected an input of rank >= 1, got a scalar")
         };
-        if x.rank() <= 2 || x.is_contiguous() {
-            // One 2-D product on the f32 masters; in half precision on CPU, one op that rounds
-            // them inside (counted as the two casts it stands for).
-            count_master_casts::<P>(&self.weight, self.bias.as_ref());
-            let rows = lead.iter().product::<usize>();
-            let y = crate::kernels::linear(
-                x.reshape((rows, k))?.as_candle(),
-                self.weight.as_tensor(),
-                self.bias.as_ref().map(Var::as_tensor),
-            )?;
-            let mut out = lead.to_vec();
-            out.push(self.weight.dim(0)?);
-            return Tensor::wrap(y).reshape(out);
-        }
-        let w = weight_as::<P>(&self.weight)?;
-        let b = self.bias.as_ref().map(weight_as::<P>).transpose()?;
-        let y = match *lead {
-            [b1, b2, _] => x.matmul(&w.broadcast_left((b1, b2))?.t()?)?,
-            [b, _] => x.matmul(&w.broadcast_left(b)?.t()?)?,
-            _ => candle_core::bail!(
-                "Linear: a strided input of rank {} is not supported",
-                x.rank()
-            ),
-        };
-        match b {
-            Some(b) => y.broadcast_add(&b),
-            None => Ok(y),
-        }
+        // One 2-D product on the f32 masters; in half precision on CPU, one op that rounds
+        // them inside (counted as the two casts it stands for).
+        count_master_casts::<P>(&self.weight, self.bias.as_ref());
+        let rows = lead.iter().product::<usize>();
+        let y = crate::kernels::linear(
+            x.reshape((rows, k))?.as_candle(),
+            self.weight.as_tensor(),
+            self.bias.as_ref().map(Var::as_tensor),
+        )?;
+        let mut out = lead.to_vec();
+        out.push(self.weight.dim(0)?);
+        Tensor::wrap(y).reshape(out)
     }
 }
 
