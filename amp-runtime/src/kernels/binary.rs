@@ -10,7 +10,9 @@
 //! tracks nothing (a mask, a constant bias, data) gets none ([`leaf_grads::wanted`]); a
 //! broadcast operand that tracks gets the gradient summed over the dimensions it was broadcast
 //! along, in f32 (candle sums a half gradient in half precision). The values are candle's to
-//! the bit: each element computed in f32 and rounded once.
+//! the bit: each element computed in f32 and rounded once. Off the CPU the broadcast forms are
+//! candle's ops, with a broadcast half operand that tracks widened first so that its gradient
+//! too is summed in f32 (`broadcast_composed`).
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
 
@@ -29,12 +31,36 @@ pub(crate) fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `a + b` with broadcasting.
 pub(crate) fn broadcast_add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    apply(a, b, Sum::Add, true, || a.broadcast_add(b))
+    apply(a, b, Sum::Add, true, || broadcast_composed(a, b, Sum::Add))
 }
 
 /// `a - b` with broadcasting.
 pub(crate) fn broadcast_sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    apply(a, b, Sum::Sub, true, || a.broadcast_sub(b))
+    apply(a, b, Sum::Sub, true, || broadcast_composed(a, b, Sum::Sub))
+}
+
+/// candle's broadcast sum or difference (off the CPU), except that a half operand that is
+/// broadcast and tracks gets its gradient summed in f32, as the CPU op's: it is broadcast in
+/// f32 and rounded back (exactly: its values are half already), a copy of the result's size,
+/// so that candle's backward sums over the broadcast dimensions in f32. candle's own backward
+/// sums a half gradient in half (its CUDA f16 sum accumulates in f16, its CPU sums too).
+fn broadcast_composed(a: &Tensor, b: &Tensor, sum: Sum) -> Result<Tensor> {
+    let shape = a.shape().broadcast_shape_binary_op(b.shape(), sum.name())?;
+    let spread = |t: &Tensor| -> Result<Tensor> {
+        let half = matches!(t.dtype(), DType::F16 | DType::BF16);
+        if half && t.shape() != &shape && t.track_op() {
+            t.to_dtype(DType::F32)?
+                .broadcast_as(&shape)?
+                .to_dtype(t.dtype())
+        } else {
+            t.broadcast_as(&shape)
+        }
+    };
+    let (a, b) = (spread(a)?, spread(b)?);
+    match sum {
+        Sum::Add => a + b,
+        Sum::Sub => a - b,
+    }
 }
 
 /// Through [`Sum`] for two float tensors of one dtype on CPU whose shapes are equal (or
@@ -328,6 +354,44 @@ mod tests {
         let grads = long.to_dtype(DType::F32)?.sum_all()?.backward()?;
         let gw = grads.get(w.as_tensor()).expect("w's gradient");
         assert_eq!(gw.to_vec1::<bf16>()?, [bf16::from_f32(1000.0)]);
+        Ok(())
+    }
+
+    /// Off the CPU: a broadcast half operand's gradient is summed in f32 (300 rows of bf16 ones
+    /// give 300; candle's own broadcast sums it in bf16 and gives 256), the values are candle's
+    /// to the bit, and the difference's gradient carries the sign.
+    #[test]
+    fn the_composed_broadcast_sums_gradients_in_f32() -> Result<()> {
+        let dev = Device::Cpu;
+        let a = Tensor::ones((300, 2), DType::BF16, &dev)?;
+        let b = Var::from_tensor(&Tensor::new(&[0.5f32, -2.0], &dev)?.to_dtype(DType::BF16)?)?;
+        let grad_of = |y: &Tensor| -> Result<Vec<f32>> {
+            let grads = y.to_dtype(DType::F32)?.sum_all()?.backward()?;
+            grads
+                .get(&b)
+                .expect("a gradient")
+                .to_dtype(DType::F32)?
+                .to_vec1()
+        };
+        let ours = broadcast_composed(&a, &b, Sum::Add)?;
+        let candle = a.broadcast_add(&b)?;
+        let bits = |t: &Tensor| -> Result<Vec<u16>> {
+            Ok(t.flatten_all()?
+                .to_vec1::<bf16>()?
+                .iter()
+                .map(|v| v.to_bits())
+                .collect())
+        };
+        assert_eq!(bits(&ours)?, bits(&candle)?);
+        assert_eq!(grad_of(&ours)?, [300.0, 300.0]);
+        assert_eq!(
+            grad_of(&candle)?,
+            [256.0, 256.0],
+            "candle sums a bf16 gradient in bf16"
+        );
+        let ours = broadcast_composed(&a, &b, Sum::Sub)?;
+        assert_eq!(bits(&ours)?, bits(&a.broadcast_sub(&b)?)?);
+        assert_eq!(grad_of(&ours)?, [-300.0, -300.0]);
         Ok(())
     }
 }
