@@ -12,7 +12,8 @@
 //! along, in f32 (candle sums a half gradient in half precision). The values are candle's to
 //! the bit: each element computed in f32 and rounded once. Off the CPU the broadcast forms are
 //! candle's ops, with a broadcast half operand that tracks widened first so that its gradient
-//! too is summed in f32 (`broadcast_composed`).
+//! too is summed in f32 ([`broadcast_spread`]); so are the broadcast products, quotients,
+//! maxima and minima, on every device.
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
 
@@ -31,21 +32,53 @@ pub(crate) fn sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `a + b` with broadcasting.
 pub(crate) fn broadcast_add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    apply(a, b, Sum::Add, true, || broadcast_composed(a, b, Sum::Add))
+    apply(a, b, Sum::Add, true, || {
+        broadcast_spread(a, b, "add", |a, b| a + b)
+    })
 }
 
 /// `a - b` with broadcasting.
 pub(crate) fn broadcast_sub(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    apply(a, b, Sum::Sub, true, || broadcast_composed(a, b, Sum::Sub))
+    apply(a, b, Sum::Sub, true, || {
+        broadcast_spread(a, b, "sub", |a, b| a - b)
+    })
 }
 
-/// candle's broadcast sum or difference (off the CPU), except that a half operand that is
-/// broadcast and tracks gets its gradient summed in f32, as the CPU op's: it is broadcast in
-/// f32 and rounded back (exactly: its values are half already), a copy of the result's size,
-/// so that candle's backward sums over the broadcast dimensions in f32. candle's own backward
-/// sums a half gradient in half (its CUDA f16 sum accumulates in f16, its CPU sums too).
-fn broadcast_composed(a: &Tensor, b: &Tensor, sum: Sum) -> Result<Tensor> {
-    let shape = a.shape().broadcast_shape_binary_op(b.shape(), sum.name())?;
+/// `a * b` with broadcasting (candle's product; see [`broadcast_spread`]).
+pub(crate) fn broadcast_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    broadcast_spread(a, b, "mul", |a, b| a * b)
+}
+
+/// `a / b` with broadcasting (candle's quotient; see [`broadcast_spread`]).
+pub(crate) fn broadcast_div(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    broadcast_spread(a, b, "div", |a, b| a / b)
+}
+
+/// The elementwise maximum with broadcasting (candle's; see [`broadcast_spread`]).
+pub(crate) fn broadcast_maximum(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    broadcast_spread(a, b, "maximum", |a, b| a.maximum(b))
+}
+
+/// The elementwise minimum with broadcasting (candle's; see [`broadcast_spread`]).
+pub(crate) fn broadcast_minimum(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    broadcast_spread(a, b, "minimum", |a, b| a.minimum(b))
+}
+
+/// `op` (candle's, same shapes) on `a` and `b` broadcast to their common shape, where a half
+/// operand that is broadcast and tracks is broadcast in f32 and rounded back (exactly: its
+/// values are half already), a copy of the result's size, so that candle's backward sums its
+/// gradient over the broadcast dimensions in f32, as PyTorch's does. candle's own broadcast
+/// ops sum a half gradient in half (its CUDA f16 sum accumulates in f16, its CPU sums too:
+/// 300 bf16 ones sum to 256). The values are candle's broadcast op's to the bit. The sums and
+/// differences take this path off the CPU only (on CPU they are [`Sum`]); products, quotients,
+/// maxima and minima everywhere.
+fn broadcast_spread(
+    a: &Tensor,
+    b: &Tensor,
+    name: &'static str,
+    op: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let shape = a.shape().broadcast_shape_binary_op(b.shape(), name)?;
     let spread = |t: &Tensor| -> Result<Tensor> {
         let half = matches!(t.dtype(), DType::F16 | DType::BF16);
         if half && t.shape() != &shape && t.track_op() {
@@ -56,11 +89,7 @@ fn broadcast_composed(a: &Tensor, b: &Tensor, sum: Sum) -> Result<Tensor> {
             t.broadcast_as(&shape)
         }
     };
-    let (a, b) = (spread(a)?, spread(b)?);
-    match sum {
-        Sum::Add => a + b,
-        Sum::Sub => a - b,
-    }
+    op(&spread(a)?, &spread(b)?)
 }
 
 /// Through [`Sum`] for two float tensors of one dtype on CPU whose shapes are equal (or
@@ -357,9 +386,9 @@ mod tests {
         Ok(())
     }
 
-    /// Off the CPU: a broadcast half operand's gradient is summed in f32 (300 rows of bf16 ones
-    /// give 300; candle's own broadcast sums it in bf16 and gives 256), the values are candle's
-    /// to the bit, and the difference's gradient carries the sign.
+    /// A broadcast half operand's gradient is summed in f32 (300 rows of bf16 ones give 300;
+    /// candle's own broadcast sums it in bf16 and gives 256), the values are candle's to the
+    /// bit, and the difference's gradient carries the sign.
     #[test]
     fn the_composed_broadcast_sums_gradients_in_f32() -> Result<()> {
         let dev = Device::Cpu;
@@ -373,7 +402,7 @@ mod tests {
                 .to_dtype(DType::F32)?
                 .to_vec1()
         };
-        let ours = broadcast_composed(&a, &b, Sum::Add)?;
+        let ours = broadcast_spread(&a, &b, "add", |a, b| a + b)?;
         let candle = a.broadcast_add(&b)?;
         let bits = |t: &Tensor| -> Result<Vec<u16>> {
             Ok(t.flatten_all()?
@@ -389,9 +418,16 @@ mod tests {
             [256.0, 256.0],
             "candle sums a bf16 gradient in bf16"
         );
-        let ours = broadcast_composed(&a, &b, Sum::Sub)?;
+        let ours = broadcast_spread(&a, &b, "sub", |a, b| a - b)?;
         assert_eq!(bits(&ours)?, bits(&a.broadcast_sub(&b)?)?);
         assert_eq!(grad_of(&ours)?, [-300.0, -300.0]);
+        // Products everywhere: d(a * b)/db = a, summed over the 300 rows.
+        let ours = broadcast_mul(&a, &b)?;
+        assert_eq!(bits(&ours)?, bits(&a.broadcast_mul(&b)?)?);
+        assert_eq!(grad_of(&ours)?, [300.0, 300.0]);
+        assert_eq!(grad_of(&a.broadcast_mul(&b)?)?, [256.0, 256.0]);
+        let ours = broadcast_div(&a, &b)?;
+        assert_eq!(bits(&ours)?, bits(&a.broadcast_div(&b)?)?);
         Ok(())
     }
 }

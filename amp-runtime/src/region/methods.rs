@@ -64,6 +64,11 @@ macro_rules! routed {
     (@binary sub) => { routed!(@kernel sub); };
     (@binary broadcast_add) => { routed!(@kernel broadcast_add); };
     (@binary broadcast_sub) => { routed!(@kernel broadcast_sub); };
+    // The other broadcast ops sum a broadcast half operand's gradient in f32 there.
+    (@binary broadcast_mul) => { routed!(@kernel broadcast_mul); };
+    (@binary broadcast_div) => { routed!(@kernel broadcast_div); };
+    (@binary broadcast_maximum) => { routed!(@kernel broadcast_maximum); };
+    (@binary broadcast_minimum) => { routed!(@kernel broadcast_minimum); };
     (@kernel $name:ident) => {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
         pub fn $name(&self, rhs: impl Operand) -> Result<AmpTensor> {

@@ -19,8 +19,9 @@ macro_rules! binary {
     )*};
 }
 
-/// Binary ops on candle-amp's kernel (`crate::kernels`): sums and differences, which give no
-/// gradient to an operand that tracks nothing.
+/// Binary ops through `crate::kernels`: sums and differences (candle-amp's op on CPU, which
+/// gives no gradient to an operand that tracks nothing) and the broadcast ops (a broadcast
+/// half operand's gradient summed in f32).
 macro_rules! kernel {
     ($($(#[$doc:meta])* $name:ident),* $(,)?) => {$(
         $(#[$doc])*
@@ -56,6 +57,14 @@ impl<P: Precision> Tensor<P> {
         broadcast_add,
         /// Difference with broadcasting.
         broadcast_sub,
+        /// Product with broadcasting (a broadcast operand's gradient summed in f32).
+        broadcast_mul,
+        /// Quotient with broadcasting (a broadcast operand's gradient summed in f32).
+        broadcast_div,
+        /// Elementwise maximum with broadcasting (a broadcast operand's gradient summed in f32).
+        broadcast_maximum,
+        /// Elementwise minimum with broadcasting (a broadcast operand's gradient summed in f32).
+        broadcast_minimum,
     );
 
     binary!(
@@ -63,18 +72,10 @@ impl<P: Precision> Tensor<P> {
         mul,
         /// Elementwise quotient (same shapes).
         div,
-        /// Product with broadcasting.
-        broadcast_mul,
-        /// Quotient with broadcasting.
-        broadcast_div,
         /// Elementwise maximum.
         maximum,
         /// Elementwise minimum.
         minimum,
-        /// Elementwise maximum with broadcasting.
-        broadcast_maximum,
-        /// Elementwise minimum with broadcasting.
-        broadcast_minimum,
     );
 
     compare!(
