@@ -472,9 +472,9 @@ mod tests {
         assert!((b - exact_b).abs() < 1e-6 * scale, "{b} vs {exact_b}");
     }
 
-    /// The composed bias add: values `y + b` rounded once to `y`'s dtype, and the bias's
-    /// gradient summed over the broadcast dimensions in f32: 300 rows of a bf16 output give 300
-    /// (rounding the bias to bf16 before the add has candle sum its gradient in bf16: 256).
+    /// The composed bias add: values `y + b` in `y`'s dtype, and the bias's gradient summed over
+    /// the broadcast dimensions in f32: 300 rows of a bf16 output give 300 (rounding the bias
+    /// to bf16 before broadcasting it has candle sum its gradient in bf16: 256).
     #[test]
     fn a_composed_bias_gets_its_gradient_summed_in_f32() -> candle_core::Result<()> {
         use super::add_bias;

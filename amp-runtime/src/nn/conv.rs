@@ -78,8 +78,7 @@ fn conv_params(
 
 impl Conv1d {
     /// The convolution on the weight cast to `P`, then the f32 master bias added per channel
-    /// (`kernels::add_bias`: rounded once with the sum, its gradient summed in f32; counted as
-    /// the cast it stands for).
+    /// (`kernels::add_bias`: its gradient summed in f32; counted as the cast it stands for).
     fn apply<P: Precision>(
         x: &Tensor<P>,
         w: &Var,
