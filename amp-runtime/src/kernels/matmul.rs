@@ -33,8 +33,14 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// `a.broadcast_matmul(b)`: the batch dimensions broadcast to a common shape (as views, no
-/// copy), then [`matmul`].
+/// `a.broadcast_matmul(b)`: the batch dimensions broadcast to a common shape, then [`matmul`].
+///
+/// A broadcast operand's gradient is the sum of its per-batch gradients, which candle's
+/// backward of a broadcast view adds up in the operand's dtype (in half for half operands). So a
+/// right operand without batch (a weight shared by every matrix of `a`) is one product on `a`'s
+/// rows flattened, its gradient one GEMM's f32-accumulated sum; any other broadcast half
+/// operand that tracks is broadcast in f32 and rounded back (exactly), a copy, so that its
+/// gradient is summed in f32. Operands that do not track are broadcast as views.
 pub(crate) fn broadcast_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let (da, db) = (a.dims(), b.dims());
     if da.len() < 2 || db.len() < 2 {
@@ -42,10 +48,24 @@ pub(crate) fn broadcast_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
     let (ba, bb) = (&da[..da.len() - 2], &db[..db.len() - 2]);
     let batch = Shape::from(ba).broadcast_shape_binary_op(&Shape::from(bb), "broadcast_matmul")?;
+    let (m, k, n) = (da[da.len() - 2], da[da.len() - 1], db[db.len() - 1]);
+    let shared = bb.iter().all(|&d| d == 1) && a.elem_count() == batch.elem_count() * m * k;
+    if shared && db[db.len() - 2] == k && batch.elem_count() > 1 {
+        let y = matmul(
+            &a.reshape((batch.elem_count() * m, k))?,
+            &b.reshape((k, n))?,
+        )?;
+        return y.reshape([batch.dims(), &[m, n]].concat());
+    }
     let with = |t: &Tensor, tail: &[usize]| -> Result<Tensor> {
         let dims = [batch.dims(), tail].concat();
+        let half = matches!(t.dtype(), DType::F16 | DType::BF16);
         if dims == t.dims() {
             Ok(t.clone())
+        } else if half && t.track_op() {
+            t.to_dtype(DType::F32)?
+                .broadcast_as(dims)?
+                .to_dtype(t.dtype())
         } else {
             t.broadcast_as(dims)
         }
@@ -626,5 +646,28 @@ mod tests {
         let b = Tensor::zeros((4, 5), DType::BF16, &dev).unwrap();
         let err = matmul(&a, &b).unwrap_err().to_string();
         assert!(err.contains("shape mismatch"), "{err}");
+    }
+
+    /// A broadcast operand of `broadcast_matmul` gets its gradient summed over the batch in f32:
+    /// 300 matrices of bf16 ones give 300 (summed in bf16, as candle's backward of a broadcast
+    /// view does, they stick at 256), for a shared right operand and a broadcast left one.
+    #[test]
+    fn a_broadcast_operand_gets_its_gradient_summed_in_f32() -> Result<()> {
+        let dev = Device::Cpu;
+        let ones = |shape: &[usize]| Tensor::ones(shape, DType::BF16, &dev);
+        let grad_of = |y: &Tensor, v: &candle_core::Var| -> Result<Vec<f32>> {
+            let grads = y.to_dtype(DType::F32)?.sum_all()?.backward()?;
+            let g = grads.get(v).expect("a gradient").to_dtype(DType::F32)?;
+            g.flatten_all()?.to_vec1()
+        };
+        let w = candle_core::Var::from_tensor(&ones(&[1, 2])?)?;
+        let y = broadcast_matmul(&ones(&[300, 1, 1])?, &w)?;
+        assert_eq!(y.dims(), [300, 1, 2]);
+        assert_eq!(grad_of(&y, &w)?, [300.0, 300.0]);
+        let v = candle_core::Var::from_tensor(&ones(&[1, 2])?)?;
+        let y = broadcast_matmul(&v, &ones(&[300, 2, 1])?)?;
+        assert_eq!(y.dims(), [300, 1, 1]);
+        assert_eq!(grad_of(&y, &v)?, [300.0, 300.0]);
+        Ok(())
     }
 }
