@@ -79,17 +79,22 @@ fn broadcast_spread(
     op: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let shape = a.shape().broadcast_shape_binary_op(b.shape(), name)?;
-    let spread = |t: &Tensor| -> Result<Tensor> {
-        let half = matches!(t.dtype(), DType::F16 | DType::BF16);
-        if half && t.shape() != &shape && t.track_op() {
-            t.to_dtype(DType::F32)?
-                .broadcast_as(&shape)?
-                .to_dtype(t.dtype())
-        } else {
-            t.broadcast_as(&shape)
-        }
-    };
-    op(&spread(a)?, &spread(b)?)
+    op(&spread(a, &shape)?, &spread(b, &shape)?)
+}
+
+/// `t` broadcast to `shape`: a view, except for a half `t` that tracks and is broadcast, which
+/// is broadcast in f32 and rounded back (exactly: its values are half already), a copy of
+/// `shape`'s size, so that candle's backward sums its gradient over the broadcast dimensions
+/// in f32 (of a view, it sums in the view's dtype, half).
+pub(crate) fn spread(t: &Tensor, shape: &Shape) -> Result<Tensor> {
+    let half = matches!(t.dtype(), DType::F16 | DType::BF16);
+    if half && t.shape() != shape && t.track_op() {
+        t.to_dtype(DType::F32)?
+            .broadcast_as(shape)?
+            .to_dtype(t.dtype())
+    } else {
+        t.broadcast_as(shape)
+    }
 }
 
 /// Through [`Sum`] for two float tensors of one dtype on CPU whose shapes are equal (or
@@ -428,6 +433,10 @@ mod tests {
         assert_eq!(grad_of(&a.broadcast_mul(&b)?)?, [256.0, 256.0]);
         let ours = broadcast_div(&a, &b)?;
         assert_eq!(bits(&ours)?, bits(&a.broadcast_div(&b)?)?);
+        // The broadcast alone (typed and region `broadcast_as`/`broadcast_left`).
+        let shape = Shape::from((300, 2));
+        assert_eq!(grad_of(&spread(&b, &shape)?)?, [300.0, 300.0]);
+        assert_eq!(grad_of(&b.broadcast_as(shape)?)?, [256.0, 256.0]);
         Ok(())
     }
 }

@@ -59,15 +59,10 @@ pub(crate) fn broadcast_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
     let with = |t: &Tensor, tail: &[usize]| -> Result<Tensor> {
         let dims = [batch.dims(), tail].concat();
-        let half = matches!(t.dtype(), DType::F16 | DType::BF16);
         if dims == t.dims() {
             Ok(t.clone())
-        } else if half && t.track_op() {
-            t.to_dtype(DType::F32)?
-                .broadcast_as(dims)?
-                .to_dtype(t.dtype())
         } else {
-            t.broadcast_as(dims)
+            super::spread(t, &Shape::from(dims))
         }
     };
     matmul(

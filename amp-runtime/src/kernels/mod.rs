@@ -114,7 +114,7 @@ pub(crate) use activation::{gelu, gelu_erf, relu, silu};
 pub(crate) use affine::{affine, masked_scale};
 pub(crate) use binary::{
     add, broadcast_add, broadcast_div, broadcast_maximum, broadcast_minimum, broadcast_mul,
-    broadcast_sub, sub,
+    broadcast_sub, spread, sub,
 };
 pub(crate) use conv2d::{conv2d, Conv2dParams};
 pub(crate) use convert::to_dtype;

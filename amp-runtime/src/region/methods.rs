@@ -127,13 +127,17 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     ) -> Result<AmpTensor> {
         unary::<Pol, op::flatten>(&self.amp(), |x| x.flatten(a, b))
     }
-    /// Routed `broadcast_as`.
+    /// Routed `broadcast_as` (a half value that tracks is copied through f32, so that its
+    /// gradient is summed in f32).
     pub fn broadcast_as<S: Into<candle_core::Shape>>(&self, s: S) -> Result<AmpTensor> {
-        unary::<Pol, op::broadcast_as>(&self.amp(), |x| x.broadcast_as(s))
+        unary::<Pol, op::broadcast_as>(&self.amp(), |x| crate::kernels::spread(x, &s.into()))
     }
-    /// Routed `broadcast_left`.
+    /// Routed `broadcast_left` (as `broadcast_as`).
     pub fn broadcast_left<S: Into<candle_core::Shape>>(&self, s: S) -> Result<AmpTensor> {
-        unary::<Pol, op::broadcast_left>(&self.amp(), |x| x.broadcast_left(s))
+        unary::<Pol, op::broadcast_left>(&self.amp(), |x| {
+            let shape = [s.into().dims(), x.dims()].concat();
+            crate::kernels::spread(x, &candle_core::Shape::from(shape))
+        })
     }
     /// Routed `pad_with_zeros`.
     pub fn pad_with_zeros<D: candle_core::shape::Dim>(

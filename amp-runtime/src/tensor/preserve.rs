@@ -124,14 +124,17 @@ impl<P: Precision> Tensor<P> {
         Ok(Self::wrap(self.inner.flatten(start, end)?))
     }
 
-    /// Broadcasts to `shape`.
+    /// Broadcasts to `shape`: a view, except that a half tensor that tracks is copied through
+    /// f32, so that its gradient is summed over the new dimensions in f32 (candle sums a view's
+    /// gradient in half).
     pub fn broadcast_as<S: Into<Shape>>(&self, shape: S) -> Result<Self> {
-        Ok(Self::wrap(self.inner.broadcast_as(shape)?))
+        crate::kernels::spread(&self.inner, &shape.into()).map(Self::wrap)
     }
 
-    /// Broadcasts by adding leading dimensions.
+    /// Broadcasts by adding leading dimensions (as [`Self::broadcast_as`]).
     pub fn broadcast_left<S: Into<Shape>>(&self, left: S) -> Result<Self> {
-        Ok(Self::wrap(self.inner.broadcast_left(left)?))
+        let shape = [left.into().dims(), self.dims()].concat();
+        crate::kernels::spread(&self.inner, &Shape::from(shape)).map(Self::wrap)
     }
 
     /// Pads `dim` with zeros on both sides.
