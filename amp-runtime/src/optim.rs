@@ -249,11 +249,7 @@ impl Optimizer for AdamW {
 /// The dtype AdamW's moments and arithmetic use off the in-place pass: f64 for f64 parameters,
 /// f32 for every other.
 fn moment_dtype(var: &Var) -> DType {
-    if var.dtype() == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
+    crate::kernels::wide(var.dtype())
 }
 
 /// The AdamW step as candle tensor ops (parameters the in-place pass does not take), in

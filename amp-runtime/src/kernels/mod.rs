@@ -162,6 +162,16 @@ impl Real for f32 {
     }
 }
 
+/// The dtype composed paths compute a float dtype's values in: f64 for f64, f32 for every
+/// other (the half types widened).
+pub(crate) fn wide(dtype: candle_core::DType) -> candle_core::DType {
+    if dtype == candle_core::DType::F64 {
+        candle_core::DType::F64
+    } else {
+        candle_core::DType::F32
+    }
+}
+
 /// `y + bias` for an f32 master `bias` of `y`'s size along `dim` (the outputs' channels), with
 /// the bias's gradient summed in f32: the composed paths' bias add (off the CPU, where the
 /// layers' fused ops do not run). For a half `y` the bias is broadcast in f32 and then rounded

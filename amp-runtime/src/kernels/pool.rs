@@ -22,9 +22,7 @@
 use std::ops::Range;
 
 use super::{parallel, Real};
-use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType,
-};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 
 /// Window `(h, w)`, stride `(h, w)` and padding (both sides of both dimensions) of a max pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -279,7 +277,7 @@ fn window_taps(x: &Tensor, p: Pool2d, fill: f32) -> Result<Tensor> {
 /// that where windows overlap the gradients add in f32 and are rounded once, as on CPU (the
 /// values themselves pass through unchanged).
 pub(crate) fn max_pool2d_composed(x: &Tensor, p: Pool2d) -> Result<Tensor> {
-    let taps = window_taps(&x.to_dtype(wide(x.dtype()))?, p, f32::NEG_INFINITY)?;
+    let taps = window_taps(&x.to_dtype(super::wide(x.dtype()))?, p, f32::NEG_INFINITY)?;
     let at = taps.argmax_keepdim(0)?;
     let top = taps.gather(&at, 0)?.squeeze(0)?;
     let nan = taps.ne(&taps)?.max_keepdim(0)?.squeeze(0)?;
@@ -291,18 +289,9 @@ pub(crate) fn max_pool2d_composed(x: &Tensor, p: Pool2d) -> Result<Tensor> {
 /// divided by its area (padding counted, as zeros), rounded once to `x`'s dtype, as this
 /// module's CPU op does.
 pub(crate) fn avg_pool2d_composed(x: &Tensor, p: Pool2d) -> Result<Tensor> {
-    let taps = window_taps(&x.to_dtype(wide(x.dtype()))?, p, 0.0)?;
+    let taps = window_taps(&x.to_dtype(super::wide(x.dtype()))?, p, 0.0)?;
     let area = (p.kernel.0 * p.kernel.1) as f64;
     (taps.sum(0)? / area)?.to_dtype(x.dtype())
-}
-
-/// The dtype the composed pools work in: f64 for f64, f32 for every other.
-fn wide(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
 }
 
 struct MaxPool(Pool2d);

@@ -94,9 +94,7 @@ impl Conv1d {
         )?;
         match bias {
             Some(b) => {
-                if P::DTYPE != candle_core::DType::F32 {
-                    crate::cast::count_casts(1, b.elem_count(), P::DTYPE);
-                }
+                count_master_casts::<P>(b, None);
                 let y = crate::kernels::add_bias(y.as_candle(), b.as_tensor(), 1)?;
                 Ok(Tensor::wrap(y))
             }
