@@ -142,6 +142,113 @@ test_device!(
     lower_precision_layers_learn_bf16_cuda
 );
 
+/// Every biased layer sums its bias's and weight's gradients in f32 in every precision: 3000
+/// output positions of ones give 3000, where a half sum stops at 2048 (f16) or 256 (bf16), as
+/// candle's broadcast backward did off the CPU. Linear and Conv2d: the output is `sum(w) + b`
+/// rounded once, the weight's gradient reaches the master in f32. Conv1d (candle's convolution
+/// on the weight cast to P, as PyTorch's autocast): the product is rounded before the bias is
+/// added and the weight's gradient is P's, so 3000 rounded to P (bf16: 3008).
+fn biased_layers_sum_gradients_in_f32<P: Precision>(dev: &Device) -> Result<()> {
+    let check = |what: &str, map: &VarMap, y: &Tensor<P>, fan_in: usize| -> Result<()> {
+        let conv1d = what == "c1";
+        let data = map.data().lock().unwrap();
+        let (w, b) = (
+            &data[&format!("{what}.weight")],
+            &data[&format!("{what}.bias")],
+        );
+        // The product runs on the weight rounded to P; then the bias, then one rounding to P
+        // (one unit in P's last place of slack for the summation order).
+        let w_p = w.to_dtype(P::DTYPE)?.to_dtype(DType::F32)?;
+        let sum_w = w_p
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .chunks(fan_in)
+            .map(|r| r.iter().sum::<f32>())
+            .collect::<Vec<_>>();
+        let ulp = if P::DTYPE == DType::BF16 {
+            2f32.powi(-7)
+        } else {
+            2f32.powi(-10)
+        };
+        let bias = b.to_vec1::<f32>()?;
+        // Channels are the last dimension of a Linear output, the second of a conv's.
+        let y = if what == "fc" {
+            y.cast::<F32>()?.as_candle().flatten_to(1)?
+        } else {
+            y.cast::<F32>()?
+                .as_candle()
+                .transpose(0, 1)?
+                .flatten_from(1)?
+                .t()?
+        };
+        for row in y.to_vec2::<f32>()? {
+            for (c, &v) in row.iter().enumerate() {
+                let want = candle_core::Tensor::new(&[sum_w[c] + bias[c]], dev)?
+                    .to_dtype(P::DTYPE)?
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?[0];
+                let slack = if conv1d {
+                    ulp * (sum_w[c].abs() + want.abs())
+                } else {
+                    ulp * want.abs()
+                };
+                assert!((v - want).abs() <= slack, "{what}: {v} vs {want}");
+            }
+        }
+        let grads = y.sum_all()?.backward()?;
+        let in_p = |v: f32| -> Result<f32> {
+            candle_core::Tensor::new(&[v], dev)?
+                .to_dtype(P::DTYPE)?
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()
+                .map(|v| v[0])
+        };
+        let weight_sum = if conv1d { in_p(3000.0)? } else { 3000.0 };
+        for (name, var, want) in [("weight", w, weight_sum), ("bias", b, 3000.0)] {
+            let g = grads
+                .get(var)
+                .unwrap_or_else(|| panic!("{what}: no {name} gradient"));
+            let g = g.flatten_all()?.to_vec1::<f32>()?;
+            assert!(
+                g.iter().all(|&v| v == want),
+                "{what} {name}: {:?}, not {want}",
+                &g[..3]
+            );
+        }
+        Ok(())
+    };
+    let (map, vb) = vars_on(dev);
+    let fc = nn::linear(4, 3, vb.pp("fc"))?;
+    let y = fc.forward(&Tensor::<F32>::ones((3, 1000, 4), dev)?.cast::<P>()?)?;
+    check("fc", &map, &y, 4)?;
+    let (map, vb) = vars_on(dev);
+    let c1 = nn::conv1d(4, 3, 1, nn::Conv1dConfig::default(), vb.pp("c1"))?;
+    let y = c1.forward(&Tensor::<F32>::ones((3, 4, 1000), dev)?.cast::<P>()?)?;
+    check("c1", &map, &y, 4)?;
+    let (map, vb) = vars_on(dev);
+    let c2 = nn::conv2d(4, 3, 1, nn::Conv2dConfig::default(), vb.pp("c2"))?;
+    let y = c2.forward(&Tensor::<F32>::ones((3, 4, 20, 50), dev)?.cast::<P>()?)?;
+    check("c2", &map, &y, 4)
+}
+
+fn biased_layers_sum_gradients_in_f32_f16(dev: &Device) -> Result<()> {
+    biased_layers_sum_gradients_in_f32::<F16>(dev)
+}
+test_device!(
+    biased_layers_sum_gradients_in_f32_f16,
+    biased_layers_sum_gradients_in_f32_f16_cpu,
+    biased_layers_sum_gradients_in_f32_f16_cuda
+);
+
+fn biased_layers_sum_gradients_in_f32_bf16(dev: &Device) -> Result<()> {
+    biased_layers_sum_gradients_in_f32::<BF16>(dev)
+}
+test_device!(
+    biased_layers_sum_gradients_in_f32_bf16,
+    biased_layers_sum_gradients_in_f32_bf16_cpu,
+    biased_layers_sum_gradients_in_f32_bf16_cuda
+);
+
 #[test]
 fn fp32_layers_learn_from_every_precision() -> Result<()> {
     let (map, vb) = vars();

@@ -1,5 +1,6 @@
-// The CUDA half of kernels::batch_norm: per-channel sums and the per-channel affine pass over
-// (n, c, hw) tensors of f32, f16 or bf16 (dt 0, 1, 2; see half.cuh), all arithmetic in f32.
+// The CUDA half of kernels::batch_norm: per-channel sums, the per-channel affine pass and the
+// bias add over (n, c, hw) tensors of f32, f16 or bf16 (dt 0, 1, 2; see half.cuh), all
+// arithmetic in f32.
 // Compiled at run time by NVRTC after half.cuh.
 
 // Per-channel sums. Grid (channels, splits), AMP_BN_THREADS threads: block (c, s) takes the
@@ -87,5 +88,23 @@ extern "C" __global__ void amp_bn_apply(
             v = kc * amp_get(dy, at, dt) + v;
         }
         amp_put(out, at, v, dt);
+    }
+}
+
+// The bias add: out = y + bias[c], rounded once to dt, over (n, channels, inner) values, one
+// thread per value in a grid-stride loop. The channel index takes a 32-bit division where the
+// tensor allows (a 64-bit one costs several times more).
+extern "C" __global__ void amp_bias_add(
+    const void* y, void* out, int dt, const float* bias,
+    unsigned int channels, unsigned long long inner, unsigned long long total)
+{
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const bool narrow = total <= 0xffffffffull;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < total; i += stride) {
+        const unsigned int c = narrow
+            ? ((unsigned int)i / (unsigned int)inner) % channels
+            : (unsigned int)((i / inner) % channels);
+        amp_put(out, i, amp_get(y, i, dt) + bias[c], dt);
     }
 }

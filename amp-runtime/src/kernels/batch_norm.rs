@@ -20,6 +20,7 @@ mod cuda;
 
 use super::leaf_grads::wanted;
 use super::{parallel, Real};
+use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
 };
@@ -65,7 +66,8 @@ pub(crate) struct Normalisation {
     pub affine: bool,
 }
 
-/// `(n, c, h * w)` of a 4-d layout.
+/// `(n, c, h * w)` of a 4-d layout; for the bias add, `(outer, channels, inner)` around any
+/// one dimension.
 #[derive(Clone, Copy, Debug)]
 struct Geometry {
     n: usize,
@@ -79,6 +81,19 @@ impl Geometry {
             &[n, c, h, w] => Ok(Self { n, c, hw: h * w }),
             dims => candle_core::bail!("batch norm kernel: expected 4 dims, got {dims:?}"),
         }
+    }
+
+    /// The channels along dimension `dim` of `dims`, the dimensions before it as `n` and
+    /// after it as `hw`.
+    fn along(dims: &[usize], dim: usize) -> Result<Self> {
+        let Some(&c) = dims.get(dim) else {
+            candle_core::bail!("bias add: dimension {dim} of a rank-{} tensor", dims.len())
+        };
+        Ok(Self {
+            n: dims[..dim].iter().product(),
+            c,
+            hw: dims[dim + 1..].iter().product(),
+        })
     }
 
     /// Values per channel.
@@ -116,10 +131,10 @@ impl CustomOp1 for ChannelStats {
         let g = Geometry::of(layout)?;
         let m = g.count() as f64;
         let zeros = vec![0f32; g.c];
-        let (sums, _) = cuda::sums(storage, layout, None, 0, &zeros, &zeros)?;
+        let (sums, _) = cuda::sums(storage, layout, g, None, 0, &zeros, &zeros)?;
         let mean: Vec<f64> = sums.iter().map(|s| s / m).collect();
         let center: Vec<f32> = mean.iter().map(|&v| v as f32).collect();
-        let (squares, _) = cuda::sums(storage, layout, None, 1, &center, &zeros)?;
+        let (squares, _) = cuda::sums(storage, layout, g, None, 1, &center, &zeros)?;
         let var: Vec<f64> = squares
             .iter()
             .zip(&mean)
@@ -343,7 +358,15 @@ impl CustomOp2 for GradSums {
         ldy: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let n = &self.0;
-        let (sum_dy, sum_dy_xhat) = cuda::sums(x, lx, Some((dy, ldy)), 2, &n.mean, &n.invstd)?;
+        let (sum_dy, sum_dy_xhat) = cuda::sums(
+            x,
+            lx,
+            Geometry::of(lx)?,
+            Some((dy, ldy)),
+            2,
+            &n.mean,
+            &n.invstd,
+        )?;
         cuda::upload_pair(&x.device, &sum_dy, &sum_dy_xhat)
     }
 }
@@ -414,5 +437,141 @@ impl CustomOp2 for InputGrad {
             dy: Some((dy, ldy, &self.k)),
         }
         .run(x, lx)
+    }
+}
+
+/// Whether [`bias_add`] handles `y + bias`: an f32, f16 or bf16 `y` and an f32 `bias` on CPU,
+/// or (feature `cuda`) on a CUDA device.
+pub(crate) fn bias_supported(y: &Tensor, bias: &Tensor) -> bool {
+    let float = matches!(y.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    let device = y.device().is_cpu() || (cfg!(feature = "cuda") && y.device().is_cuda());
+    float && device && bias.dtype() == DType::F32 && y.device().same_device(bias.device())
+}
+
+/// `y + bias` for an f32 `bias` of one value per index of dimension `dim` of `y`: each value
+/// computed in f32 and rounded once to `y`'s dtype, as one op with its own backward. The
+/// bias's gradient is summed per channel in f32 runs and f64 totals (the batch-norm sums);
+/// composed of candle ops, the broadcast bias would be a full-size node of the graph and
+/// candle would sum its gradient in the gradient's dtype (half under autocast).
+pub(crate) fn bias_add(y: &Tensor, bias: &Tensor, dim: usize) -> Result<Tensor> {
+    y.contiguous()?.apply_op2(bias, BiasAdd { dim })
+}
+
+struct BiasAdd {
+    dim: usize,
+}
+
+impl BiasAdd {
+    /// The geometry of `y` around `dim`, after checking that `bias` has one f32 per channel.
+    fn geometry(&self, ly: &Layout, bias: DType, lb: &Layout) -> Result<Geometry> {
+        let g = Geometry::along(ly.dims(), self.dim)?;
+        if bias != DType::F32 || lb.shape().elem_count() != g.c {
+            candle_core::bail!(
+                "bias add: the bias must be {} f32 values, got {:?} {:?}",
+                g.c,
+                lb.shape(),
+                bias
+            )
+        }
+        Ok(g)
+    }
+}
+
+impl CustomOp2 for BiasAdd {
+    fn name(&self) -> &'static str {
+        "amp-bias-add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        y: &CpuStorage,
+        ly: &Layout,
+        bias: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let g = self.geometry(ly, bias.dtype(), lb)?;
+        let CpuStorage::F32(b) = bias else {
+            unreachable!("geometry checked the dtype")
+        };
+        let b = super::contiguous(b, lb, "bias add")?;
+        let (zeros, ones) = (vec![0f32; g.c], vec![1f32; g.c]);
+        // (y - 0) * 1 + b: the affine pass's arithmetic is then exactly y + b.
+        let affine = Affine {
+            center: &zeros,
+            scale: &ones,
+            shift: b,
+        };
+        let out = with_floats!("bias add", y, ly, |ys| WithDType::to_cpu_storage_owned(
+            affine.apply(ys, None, g)
+        ));
+        Ok((out, ly.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        y: &candle_core::CudaStorage,
+        ly: &Layout,
+        bias: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let g = self.geometry(ly, bias.dtype(), lb)?;
+        cuda::bias_add(y, ly, bias, lb, g)
+    }
+
+    fn bwd(
+        &self,
+        y: &Tensor,
+        bias: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dim = self.dim;
+        Ok((
+            wanted(y, || Ok(grad.clone()))?,
+            wanted(bias, || {
+                grad.contiguous()?
+                    .apply_op1_no_bwd(&ChannelSums { dim })?
+                    .reshape(bias.shape())
+            })?,
+        ))
+    }
+}
+
+/// Per-channel sums along dimension `dim` as `(channels)` f32 values, summed as the
+/// batch-norm statistics are: f32 within runs, f64 across them, rounded to f32 at the end.
+struct ChannelSums {
+    dim: usize,
+}
+
+impl CustomOp1 for ChannelSums {
+    fn name(&self) -> &'static str {
+        "amp-channel-sums"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::along(layout.dims(), self.dim)?;
+        let sums: Vec<f64> = with_floats!("bias add", storage, layout, |xs| {
+            parallel::map_indices(g.c, |c| channel_sum(xs, g, c, |x| x))
+        });
+        let sums = sums.into_iter().map(|s| s as f32).collect();
+        Ok((CpuStorage::F32(sums), Shape::from(g.c)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let g = Geometry::along(layout.dims(), self.dim)?;
+        let zeros = vec![0f32; g.c];
+        let (sums, _) = cuda::sums(storage, layout, g, None, 0, &zeros, &zeros)?;
+        let sums: Vec<f32> = sums.into_iter().map(|s| s as f32).collect();
+        let dev = &storage.device;
+        Ok((
+            candle_core::CudaStorage::wrap_cuda_slice(dev.clone_htod(&sums)?, dev.clone()),
+            Shape::from(g.c),
+        ))
     }
 }

@@ -247,7 +247,7 @@ mod tests {
             );
         }
         let ptx = BATCH_NORM.ptx().unwrap();
-        for kernel in ["amp_bn_sums", "amp_bn_apply"] {
+        for kernel in ["amp_bn_sums", "amp_bn_apply", "amp_bias_add"] {
             assert!(
                 ptx.contains(&format!(".entry {kernel}(")),
                 "{kernel} missing"

@@ -174,15 +174,20 @@ pub(crate) fn wide(dtype: candle_core::DType) -> candle_core::DType {
 
 /// `y + bias` for an f32 master `bias` of `y`'s size along `dim` (the outputs' channels), with
 /// the bias's gradient summed in f32: the composed paths' bias add (off the CPU, where the
-/// layers' fused ops do not run). For a half `y` the bias is broadcast in f32 and then rounded
-/// to `y`'s dtype (a copy of `y`'s size), so that candle's backward sums the gradient over the
-/// broadcast dimensions in f32: rounding the bias first would have it summed in half (candle's
-/// CUDA f16 sum accumulates in f16, so would its CPU one; 300 bf16 ones summed to 256).
+/// layers' fused ops do not run). On CPU and CUDA, for f32, f16 and bf16 outputs, one op
+/// ([`batch_norm::bias_add`]). Elsewhere candle ops: for a half `y` the bias is broadcast in
+/// f32 and then rounded to `y`'s dtype (a copy of `y`'s size), so that candle's backward sums
+/// the gradient over the broadcast dimensions in f32: rounding the bias first would have it
+/// summed in half (candle's CUDA f16 sum accumulates in f16, so would its CPU one; 300 bf16
+/// ones summed to 256).
 pub(crate) fn add_bias(
     y: &candle_core::Tensor,
     bias: &candle_core::Tensor,
     dim: usize,
 ) -> candle_core::Result<candle_core::Tensor> {
+    if batch_norm::bias_supported(y, bias) {
+        return batch_norm::bias_add(y, bias, dim);
+    }
     let mut shape = vec![1; y.rank()];
     let Some(at) = shape.get_mut(dim) else {
         candle_core::bail!("bias add: dimension {dim} of a rank-{} output", y.rank())
@@ -482,11 +487,11 @@ mod tests {
         assert!((b - exact_b).abs() < 1e-6 * scale, "{b} vs {exact_b}");
     }
 
-    /// The composed bias add: values `y + b` in `y`'s dtype, and the bias's gradient summed over
-    /// the broadcast dimensions in f32: 300 rows of a bf16 output give 300 (rounding the bias
-    /// to bf16 before broadcasting it has candle sum its gradient in bf16: 256).
+    /// The bias add: values `y + b` in `y`'s dtype, and the bias's gradient summed over the
+    /// other dimensions in f32: 300 rows of a bf16 output give 300 (rounding the bias to bf16
+    /// before broadcasting it has candle sum its gradient in bf16: 256).
     #[test]
-    fn a_composed_bias_gets_its_gradient_summed_in_f32() -> candle_core::Result<()> {
+    fn the_bias_add_sums_its_gradient_in_f32() -> candle_core::Result<()> {
         use super::add_bias;
         use candle_core::{DType, Device, Tensor, Var};
         let dev = Device::Cpu;
@@ -507,6 +512,95 @@ mod tests {
         let y = Tensor::zeros((2, 2, 3, 3), DType::F16, &dev)?;
         let out = add_bias(&y, &b, 1)?.to_dtype(DType::F32)?;
         assert_eq!(out.sum((0, 2, 3))?.to_vec1::<f32>()?, [9.0, -36.0]);
+        Ok(())
+    }
+
+    /// The bias add's values are `y + b` computed in f32 and rounded once to `y`'s dtype, its
+    /// input gradient is the output gradient itself and its bias gradient the per-channel sum
+    /// of it (against f64), for any dimension, strided inputs and every float dtype.
+    #[test]
+    fn the_bias_add_matches_an_f64_reference() -> candle_core::Result<()> {
+        use super::add_bias;
+        use candle_core::{DType, Device, Tensor, Var};
+        let dev = Device::Cpu;
+        let draw = |n: usize, seed: u64| -> Vec<f32> {
+            let mut s = seed;
+            (0..n)
+                .map(|_| {
+                    s = s
+                        .wrapping_mul(6_364_136_223_846_793_005)
+                        .wrapping_add(1_442_695);
+                    ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * 3.0
+                })
+                .collect()
+        };
+        let cases: [(&[usize], usize); 5] = [
+            (&[3, 5, 4, 2], 1),
+            (&[7, 300], 1),
+            (&[2, 4, 9], 1),
+            (&[6], 0),
+            (&[4, 3, 2], 2),
+        ];
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            for (case, &(dims, dim)) in cases.iter().enumerate() {
+                for strided in [false, true] {
+                    let n: usize = dims.iter().product();
+                    let y = Tensor::from_vec(draw(n, case as u64 + 1), dims, &dev)?;
+                    // The same values through a transposed view when asked (rank >= 2).
+                    let y = if strided && dims.len() >= 2 {
+                        y.t()?.contiguous()?.t()?
+                    } else {
+                        y
+                    };
+                    let y = Var::from_tensor(&y.to_dtype(dtype)?)?;
+                    let c = dims[dim];
+                    let b = Var::new(draw(c, 99 + case as u64), &dev)?;
+                    let out = add_bias(&y, &b, dim)?;
+                    assert_eq!((out.dtype(), out.dims()), (dtype, dims));
+                    // Reference: y and b are f32 values, so their f32 sum is the exact sum
+                    // rounded to f32; then one rounding to the dtype.
+                    let inner: usize = dims[dim + 1..].iter().product();
+                    let ys = y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                    let bs = b.to_vec1::<f32>()?;
+                    let channel = |i: usize| (i / inner) % c;
+                    let expect: Vec<f32> = ys
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &v)| v + bs[channel(i)])
+                        .collect();
+                    let expect = Tensor::new(expect, &dev)?
+                        .to_dtype(dtype)?
+                        .to_dtype(DType::F32)?;
+                    let got = out.to_dtype(DType::F32)?.flatten_all()?;
+                    let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
+                        Ok(t.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+                    };
+                    assert_eq!(bits(&got)?, bits(&expect)?, "{dtype:?} {dims:?} dim {dim}");
+
+                    let w = Tensor::from_vec(draw(n, 7 + case as u64), dims, &dev)?;
+                    let grads = (out.to_dtype(DType::F32)? * &w)?.sum_all()?.backward()?;
+                    let dy = grads.get(&y).expect("a gradient for y");
+                    let dout = w.to_dtype(dtype)?; // candle's to_dtype backward rounds
+                    assert_eq!(dy.dtype(), dtype);
+                    assert_eq!(
+                        bits(&dy.to_dtype(DType::F32)?.flatten_all()?)?,
+                        bits(&dout.to_dtype(DType::F32)?.flatten_all()?)?
+                    );
+                    let dout = dout.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                    let mut exact = vec![0f64; c];
+                    let mut scale = vec![0f64; c];
+                    for (i, &g) in dout.iter().enumerate() {
+                        exact[channel(i)] += f64::from(g);
+                        scale[channel(i)] += f64::from(g.abs());
+                    }
+                    let db = grads.get(&b).expect("a gradient for b").to_vec1::<f32>()?;
+                    for ((&got, &want), &scale) in db.iter().zip(&exact).zip(&scale) {
+                        let tol = 1e-6 * scale + f64::from(f32::EPSILON) * want.abs();
+                        assert!((f64::from(got) - want).abs() <= tol, "{got} vs {want}");
+                    }
+                }
+            }
+        }
         Ok(())
     }
 }

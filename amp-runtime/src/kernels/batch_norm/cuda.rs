@@ -76,16 +76,20 @@ pub(super) fn upload_pair(dev: &CudaDevice, a: &[f64], b: &[f64]) -> Result<(Cud
     ))
 }
 
-/// Per-channel sums over `x` (and `dy`, mode 2) as batch_norm.cu's `amp_bn_sums` defines them.
+/// Per-channel sums over `x` (and `dy`, mode 2) as batch_norm.cu's `amp_bn_sums` defines them,
+/// `x` of geometry `g`.
 pub(super) fn sums(
     x: &CudaStorage,
     lx: &Layout,
+    g: Geometry,
     dy: Option<(&CudaStorage, &Layout)>,
     mode: i32,
     center: &[f32],
     scale: &[f32],
 ) -> Result<(Vec<f64>, Vec<f64>)> {
-    let g = Geometry::of(lx)?;
+    if lx.shape().elem_count() != g.n * g.c * g.hw {
+        candle_core::bail!("batch norm kernel: {:?} is not of {g:?}", lx.shape())
+    }
     let dev = &x.device;
     let count = g.count() as u64;
     if g.c == 0 || count == 0 {
@@ -254,6 +258,57 @@ impl Apply<'_> {
         drop(out_guard); // ends the borrow of `out`
         Ok((out, lx.shape().clone()))
     }
+}
+
+/// `y + bias` per channel of the `(n, c, hw)` geometry `g` (`amp_bias_add`) into a fresh
+/// storage of `y`'s dtype.
+pub(super) fn bias_add(
+    y: &CudaStorage,
+    ly: &Layout,
+    bias: &CudaStorage,
+    lb: &Layout,
+    g: Geometry,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &y.device;
+    let total = g.n * g.c * g.hw;
+    let mut out = alloc(dev, y.dtype(), total)?;
+    if total == 0 {
+        return Ok((out, ly.shape().clone()));
+    }
+    let stream = dev.cuda_stream();
+    let dt = code(y.dtype())?;
+    let (yp, _y_guard) = address(y, ly, &stream)?;
+    let (bp, _b_guard) = f32_address(bias, lb, &stream, "bias", g.c)?;
+    let (out_ptr, out_guard) = match &mut out.slice {
+        CudaStorageSlice::F32(s) => s.device_ptr_mut(&stream),
+        CudaStorageSlice::F16(s) => s.device_ptr_mut(&stream),
+        CudaStorageSlice::BF16(s) => s.device_ptr_mut(&stream),
+        _ => unreachable!("alloc makes f32, f16 or bf16"),
+    };
+    let channels = u32::try_from(g.c).map_err(|_| too_many("channels"))?;
+    let (inner, total) = (g.hw as u64, total as u64);
+    // A grid-stride loop: enough blocks to fill the GPU, at most one per THREADS values.
+    let blocks = total.div_ceil(u64::from(THREADS)).min(1 << 16) as u32;
+    let func = dev.get_or_load_custom_func("amp_bias_add", BATCH_NORM.name, BATCH_NORM.ptx()?)?;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut builder = func.builder();
+    builder.arg(&yp);
+    builder.arg(&out_ptr);
+    builder.arg(&dt);
+    builder.arg(&bp);
+    builder.arg(&channels);
+    builder.arg(&inner);
+    builder.arg(&total);
+    // SAFETY: the arguments match `amp_bias_add`; `yp` and `out_ptr` address `total` values of
+    // the kernel's dtype in storages held for the launch (`out` freshly allocated), `bp`
+    // `channels` f32 values (checked by `f32_address`).
+    unsafe { builder.launch(cfg) }.w()?;
+    drop(out_guard); // ends the borrow of `out`
+    Ok((out, ly.shape().clone()))
 }
 
 /// The address of a per-channel f32 storage (weight or bias) of `c` values.
