@@ -271,6 +271,101 @@ fn fp32_class_ops<P: Precision>(dev: &Device) -> Result<()> {
     Ok(())
 }
 
+/// The activations' values and gradients against their f64 formulas on the same (rounded)
+/// inputs, through the crate's own ops (on CUDA as well as CPU): computed in f32 and rounded
+/// once, so within a few f32 ulps for f32 and one rounding of `P` for the half types. ReLU keeps
+/// NaN on every device (candle's CUDA ReLU maps it to 0).
+fn activation_values_and_gradients<P: Precision>(dev: &Device) -> Result<()> {
+    type Act<P> = fn(&Tensor<P>) -> Result<Tensor<P>>;
+    let forms: [(&str, Act<P>, fn(f64) -> (f64, f64)); 4] = [
+        ("gelu", Tensor::gelu, |x| {
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            let t = (c * (x + 0.044_715 * x * x * x)).tanh();
+            let du = c * (1.0 + 3.0 * 0.044_715 * x * x);
+            (
+                0.5 * x * (1.0 + t),
+                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du,
+            )
+        }),
+        ("gelu_erf", Tensor::gelu_erf, |x| {
+            let cdf = 0.5 * candle_core::cpu::erf::erfc_f64(-x / 2f64.sqrt());
+            let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            (x * cdf, cdf + x * pdf)
+        }),
+        ("silu", Tensor::silu, |x| {
+            let s = 1.0 / (1.0 + (-x).exp());
+            (x * s, s * (1.0 + x * (1.0 - s)))
+        }),
+        ("relu", Tensor::relu, |x| {
+            (x.max(0.0), if x > 0.0 { 1.0 } else { 0.0 })
+        }),
+    ];
+    // Both tails, zero and values near it.
+    let xs: Vec<f32> = (0..=96)
+        .map(|i| -6.0 + 12.0 * i as f32 / 96.0)
+        .chain([1e-3, -1e-3])
+        .collect();
+    let ws: Vec<f32> = (0..xs.len())
+        .map(|i| 0.25 + (i % 7) as f32 * 0.125)
+        .collect();
+    let x = candle_core::Var::from_tensor(
+        &candle_core::Tensor::new(xs.as_slice(), dev)?.to_dtype(P::DTYPE)?,
+    )?;
+    let w = candle_core::Tensor::new(ws.as_slice(), dev)?;
+    let rounded = |t: &candle_core::Tensor| -> Result<Vec<f64>> {
+        Ok(t.to_dtype(DType::F32)?
+            .to_vec1::<f32>()?
+            .into_iter()
+            .map(f64::from)
+            .collect())
+    };
+    let (xr, dy) = (rounded(x.as_tensor())?, rounded(&w.to_dtype(P::DTYPE)?)?);
+    // One ulp of P (an f32 result a few f32 ulps off may round to either neighbour; f32
+    // itself: the tails' exp amplifies its argument's rounding 2|u| times), below P's
+    // smallest subnormal the value's underflow, and f32 arithmetic's cancellation where the
+    // slope is a small difference of terms near 0.5 (GELU's below -0.5).
+    let (rel, tiny) = match P::DTYPE {
+        DType::F32 => (1e-5, 1e-40),
+        DType::F16 => (2f64.powi(-10), 2f64.powi(-24)),
+        _ => (2f64.powi(-7), 1e-38),
+    };
+    let cancel = 4.0 * f64::from(f32::EPSILON);
+    for (name, act, formula) in forms {
+        let t = Tensor::<P>::from_candle(x.as_tensor().clone())?;
+        let y = act(&t)?;
+        assert_eq!(y.dtype(), P::DTYPE, "{name}");
+        let loss = (y.cast::<F32>()?.into_candle() * &w)?.sum_all()?;
+        let grads = loss.backward()?;
+        let dx = grads.get(x.as_tensor()).expect("a gradient for x");
+        assert_eq!(dx.dtype(), P::DTYPE, "{name} gradient");
+        let (values, dx) = (rounded(y.as_candle())?, rounded(dx)?);
+        for i in 0..xr.len() {
+            let (v, slope) = formula(xr[i]);
+            let g = dy[i] * slope;
+            for (what, got, want, terms) in [
+                ("value", values[i], v, 0.0),
+                ("gradient", dx[i], g, dy[i].abs()),
+            ] {
+                let tol = rel * want.abs() + cancel * terms + tiny;
+                assert!(
+                    (got - want).abs() <= tol,
+                    "{name} {what} at {}: {got} vs {want} in {}",
+                    xr[i],
+                    P::NAME
+                );
+            }
+        }
+    }
+    let nan = Tensor::<F32>::from_candle(candle_core::Tensor::new(&[f32::NAN, 1.0], dev)?)?
+        .cast::<P>()?;
+    assert!(
+        nan.relu()?.to_flat_vec::<f32>()?[0].is_nan(),
+        "relu keeps NaN in {}",
+        P::NAME
+    );
+    Ok(())
+}
+
 macro_rules! per_precision {
     ($($name:ident => $check:ident),* $(,)?) => {$(
         mod $name {
@@ -311,6 +406,7 @@ per_precision! {
     binary => binary_ops,
     lower_precision => lower_precision_ops,
     fp32_class => fp32_class_ops,
+    activations => activation_values_and_gradients,
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! The activations on CPU, GELU (the tanh approximation, candle's `gelu` and PyTorch's
+//! The activations on CPU and CUDA, GELU (the tanh approximation, candle's `gelu` and PyTorch's
 //! `approximate="tanh"`; the erf form, candle's `gelu_erf` and PyTorch's default), SiLU and
 //! ReLU, as one op each with a one-pass backward.
 //!
@@ -26,28 +26,35 @@ const INV_SQRT_2PI: f32 = 0.398_942_3;
 /// The cubic coefficient of the tanh approximation.
 const CUBIC: f32 = 0.044_715;
 
-/// GELU, tanh approximation: through this op for a float tensor on CPU, candle's elsewhere.
+/// GELU, tanh approximation: through this op for a float tensor on CPU or CUDA, candle's elsewhere.
 pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
     apply(x, Form::Tanh)
 }
 
-/// GELU, erf form: through this op for a float tensor on CPU, candle's elsewhere.
+/// GELU, erf form: through this op for a float tensor on CPU or CUDA, candle's elsewhere.
 pub(crate) fn gelu_erf(x: &Tensor) -> Result<Tensor> {
     apply(x, Form::Erf)
 }
 
-/// SiLU, `x * sigmoid(x)`: through this op for a float tensor on CPU, candle's elsewhere.
+/// SiLU, `x * sigmoid(x)`: through this op for a float tensor on CPU or CUDA, candle's elsewhere.
 pub(crate) fn silu(x: &Tensor) -> Result<Tensor> {
     apply(x, Form::Silu)
 }
 
-/// ReLU, NaN kept: through this op for a float tensor on CPU, candle's elsewhere.
+/// ReLU, NaN kept: through this op for a float tensor on CPU or CUDA, candle's elsewhere.
 pub(crate) fn relu(x: &Tensor) -> Result<Tensor> {
     apply(x, Form::Relu)
 }
 
+/// Whether the op runs `x`: an f32, f16 or bf16 tensor on CPU, or (feature `cuda`) on CUDA.
+fn supported(x: &Tensor) -> bool {
+    use candle_core::DType;
+    let float = matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    float && (x.device().is_cpu() || (cfg!(feature = "cuda") && x.device().is_cuda()))
+}
+
 fn apply(x: &Tensor, form: Form) -> Result<Tensor> {
-    if super::cpu_float(x) {
+    if supported(x) {
         x.contiguous()?.apply_op1(Activation(form))
     } else {
         match form {
@@ -191,6 +198,15 @@ impl CustomOp1 for Activation {
         Ok((out, l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::run(self.0, s, l, None)
+    }
+
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(arg.apply_op2_no_bwd(
             &grad.contiguous()?,
@@ -219,6 +235,90 @@ impl CustomOp2 for ActivationGrad {
             WithDType::to_cpu_storage_owned(form.grads(x, g))
         });
         Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::run(self.0, s1, l1, Some((s2, l2)))
+    }
+}
+
+/// The CUDA launch of `activation.cu`.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+    use candle_core::{CudaStorage, Layout, Result, Shape};
+
+    use super::Form;
+    use crate::kernels::cuda::{address, alloc, code, out_address, ACTIVATION};
+
+    const THREADS: u32 = 256;
+
+    /// `f(x)`, or `dy * f'(x)` with `dy`, into a fresh storage of `x`'s dtype.
+    pub(super) fn run(
+        form: Form,
+        x: &CudaStorage,
+        lx: &Layout,
+        dy: Option<(&CudaStorage, &Layout)>,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dev = &x.device;
+        let n = lx.shape().elem_count();
+        let mut out = alloc(dev, x.dtype(), n)?;
+        if n == 0 {
+            return Ok((out, lx.shape().clone()));
+        }
+        let stream = dev.cuda_stream();
+        let dt = code(x.dtype())?;
+        let (xp, _x_guard) = address(x, lx, &stream)?;
+        let (dyp, _dy_guard) = match dy {
+            Some((s, l)) => {
+                if s.dtype() != x.dtype() || l.shape() != lx.shape() {
+                    candle_core::bail!(
+                        "activation grad: the gradient and x differ in dtype or shape"
+                    )
+                }
+                let (p, guard) = address(s, l, &stream)?;
+                (p, Some(guard))
+            }
+            None => (0u64, None),
+        };
+        let (out_ptr, out_guard) = out_address(&mut out, &stream);
+        let form: i32 = match form {
+            Form::Tanh => 0,
+            Form::Erf => 1,
+            Form::Silu => 2,
+            Form::Relu => 3,
+        };
+        let n64 = n as u64;
+        let blocks = n64.div_ceil(u64::from(THREADS)).min(1 << 16) as u32;
+        let func =
+            dev.get_or_load_custom_func("amp_activation", ACTIVATION.name, ACTIVATION.ptx()?)?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut builder = func.builder();
+        builder.arg(&xp);
+        builder.arg(&dyp);
+        builder.arg(&out_ptr);
+        builder.arg(&dt);
+        builder.arg(&form);
+        builder.arg(&n64);
+        // SAFETY: the arguments match `amp_activation`; `xp`, `dyp` (when not null) and
+        // `out_ptr` address `n` values of the kernel's dtype in storages held for the launch
+        // (`out` freshly allocated, distinct from the inputs).
+        unsafe { builder.launch(cfg) }.w()?;
+        drop(out_guard); // ends the borrow of `out`
+        Ok((out, lx.shape().clone()))
     }
 }
 

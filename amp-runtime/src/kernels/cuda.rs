@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda_backend::cudarc::nvrtc;
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
@@ -58,9 +58,75 @@ impl Module {
 /// The multi-tensor unscale (`unscale.cu`).
 pub(crate) static UNSCALE: Module = Module::new("candle_amp_unscale", include_str!("unscale.cu"));
 
-/// Batch norm's per-channel sums and affine pass (`batch_norm.cu`).
+/// Batch norm's per-channel sums and affine pass, and the bias add (`batch_norm.cu`).
 pub(crate) static BATCH_NORM: Module =
     Module::new("candle_amp_batch_norm", include_str!("batch_norm.cu"));
+
+/// The activations and their gradients (`activation.cu`).
+pub(crate) static ACTIVATION: Module =
+    Module::new("candle_amp_activation", include_str!("activation.cu"));
+
+/// The dtype code of the kernels that take f32, f16 or bf16 arrays (`dt` in `half.cuh`).
+pub(crate) fn code(dtype: DType) -> Result<i32> {
+    match dtype {
+        DType::F32 => Ok(0),
+        DType::F16 => Ok(1),
+        DType::BF16 => Ok(2),
+        other => candle_core::bail!("cuda kernel: f32, f16 or bf16, got {other:?}"),
+    }
+}
+
+/// The address of the first element of a contiguous f32, f16 or bf16 storage, and the guard
+/// that orders the launch after earlier writes to it (drop it after the launch).
+pub(crate) fn address<'a>(
+    storage: &'a CudaStorage,
+    layout: &Layout,
+    stream: &'a CudaStream,
+) -> Result<(u64, SyncOnDrop<'a>)> {
+    let Some((start, _)) = layout.contiguous_offsets() else {
+        candle_core::bail!("cuda kernel: inputs must be contiguous")
+    };
+    let (base, guard) = match &storage.slice {
+        CudaStorageSlice::F32(s) => s.device_ptr(stream),
+        CudaStorageSlice::F16(s) => s.device_ptr(stream),
+        CudaStorageSlice::BF16(s) => s.device_ptr(stream),
+        _ => candle_core::bail!("cuda kernel: f32, f16 or bf16 storage expected"),
+    };
+    Ok((
+        base + (start * storage.dtype().size_in_bytes()) as u64,
+        guard,
+    ))
+}
+
+/// A fresh storage of `len` values of `dtype` (f32, f16 or bf16), to be written whole by the
+/// caller's kernel before anything reads it.
+pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaStorage> {
+    // SAFETY: every caller's kernel writes each element before the storage is read.
+    Ok(match dtype {
+        DType::F32 => CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(len) }?, dev.clone()),
+        DType::F16 => {
+            CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<half::f16>(len) }?, dev.clone())
+        }
+        DType::BF16 => {
+            CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<half::bf16>(len) }?, dev.clone())
+        }
+        other => candle_core::bail!("cuda kernel: f32, f16 or bf16, got {other:?}"),
+    })
+}
+
+/// The writable address of a storage made by [`alloc`], and its guard (drop it after the
+/// launch).
+pub(crate) fn out_address<'a>(
+    out: &'a mut CudaStorage,
+    stream: &'a CudaStream,
+) -> (u64, SyncOnDrop<'a>) {
+    match &mut out.slice {
+        CudaStorageSlice::F32(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::F16(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::BF16(s) => s.device_ptr_mut(stream),
+        _ => unreachable!("alloc makes f32, f16 or bf16"),
+    }
+}
 
 /// Elements per block: one block walks its chunk with `THREADS` threads.
 pub(crate) const CHUNK: usize = 1 << 16;
@@ -253,5 +319,6 @@ mod tests {
                 "{kernel} missing"
             );
         }
+        assert!(ACTIVATION.ptx().unwrap().contains(".entry amp_activation("));
     }
 }

@@ -5,13 +5,13 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
+    CudaStream, DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
-use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
 
 use super::Geometry;
-use crate::kernels::cuda::BATCH_NORM;
+use crate::kernels::cuda::{address, alloc, code, out_address, BATCH_NORM};
 
 /// `AMP_BN_THREADS` in batch_norm.cu.
 const THREADS: u32 = 256;
@@ -19,53 +19,6 @@ const THREADS: u32 = 256;
 const SPAN: usize = THREADS as usize * 8;
 /// Values one thread of the sums sums in f32 at most (then f64).
 const PER_THREAD: u64 = 256;
-
-/// The dtype code of batch_norm.cu.
-fn code(dtype: DType) -> Result<i32> {
-    match dtype {
-        DType::F32 => Ok(0),
-        DType::F16 => Ok(1),
-        DType::BF16 => Ok(2),
-        other => candle_core::bail!("batch norm kernel: f32, f16 or bf16, got {other:?}"),
-    }
-}
-
-/// The address of the first element of a contiguous storage, and the guard that orders the
-/// launch after earlier writes to it (drop it after the launch).
-fn address<'a>(
-    storage: &'a CudaStorage,
-    layout: &Layout,
-    stream: &'a CudaStream,
-) -> Result<(u64, SyncOnDrop<'a>)> {
-    let Some((start, _)) = layout.contiguous_offsets() else {
-        candle_core::bail!("batch norm kernel: inputs must be contiguous")
-    };
-    let (base, guard) = match &storage.slice {
-        CudaStorageSlice::F32(s) => s.device_ptr(stream),
-        CudaStorageSlice::F16(s) => s.device_ptr(stream),
-        CudaStorageSlice::BF16(s) => s.device_ptr(stream),
-        _ => candle_core::bail!("batch norm kernel: f32, f16 or bf16 storage expected"),
-    };
-    Ok((
-        base + (start * storage.dtype().size_in_bytes()) as u64,
-        guard,
-    ))
-}
-
-/// A fresh storage of `len` values of `dtype` (f32, f16 or bf16), written whole by the caller.
-fn alloc(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaStorage> {
-    // SAFETY: the affine pass writes every element before anything reads the storage.
-    Ok(match dtype {
-        DType::F32 => CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(len) }?, dev.clone()),
-        DType::F16 => {
-            CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<half::f16>(len) }?, dev.clone())
-        }
-        DType::BF16 => {
-            CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<half::bf16>(len) }?, dev.clone())
-        }
-        other => candle_core::bail!("batch norm kernel: f32, f16 or bf16, got {other:?}"),
-    })
-}
 
 /// `(2, channels)` f64 values as a storage on `dev`: what the sum ops return.
 pub(super) fn upload_pair(dev: &CudaDevice, a: &[f64], b: &[f64]) -> Result<(CudaStorage, Shape)> {
@@ -219,12 +172,7 @@ impl Apply<'_> {
             None => (0u64, 0u64, None, None),
         };
         let (d_center, d_scale) = (dev.clone_htod(self.center)?, dev.clone_htod(self.scale)?);
-        let (out_ptr, out_guard) = match &mut out.slice {
-            CudaStorageSlice::F32(s) => s.device_ptr_mut(&stream),
-            CudaStorageSlice::F16(s) => s.device_ptr_mut(&stream),
-            CudaStorageSlice::BF16(s) => s.device_ptr_mut(&stream),
-            _ => unreachable!("alloc makes f32, f16 or bf16"),
-        };
+        let (out_ptr, out_guard) = out_address(&mut out, &stream);
         let rows = u32::try_from(g.n * g.c).map_err(|_| too_many("rows"))?;
         let chunks = u32::try_from(g.hw.div_ceil(SPAN))
             .ok()
@@ -279,12 +227,7 @@ pub(super) fn bias_add(
     let dt = code(y.dtype())?;
     let (yp, _y_guard) = address(y, ly, &stream)?;
     let (bp, _b_guard) = f32_address(bias, lb, &stream, "bias", g.c)?;
-    let (out_ptr, out_guard) = match &mut out.slice {
-        CudaStorageSlice::F32(s) => s.device_ptr_mut(&stream),
-        CudaStorageSlice::F16(s) => s.device_ptr_mut(&stream),
-        CudaStorageSlice::BF16(s) => s.device_ptr_mut(&stream),
-        _ => unreachable!("alloc makes f32, f16 or bf16"),
-    };
+    let (out_ptr, out_guard) = out_address(&mut out, &stream);
     let channels = u32::try_from(g.c).map_err(|_| too_many("channels"))?;
     let (inner, total) = (g.hw as u64, total as u64);
     // A grid-stride loop: enough blocks to fill the GPU, at most one per THREADS values.
