@@ -144,13 +144,15 @@ test_device!(
 
 /// Every biased layer sums its bias's and weight's gradients in f32 in every precision: 3000
 /// output positions of ones give 3000, where a half sum stops at 2048 (f16) or 256 (bf16), as
-/// candle's broadcast backward did off the CPU. Linear and Conv2d: the output is `sum(w) + b`
-/// rounded once, the weight's gradient reaches the master in f32. Conv1d (candle's convolution
-/// on the weight cast to P, as PyTorch's autocast): the product is rounded before the bias is
-/// added and the weight's gradient is P's, so 3000 rounded to P (bf16: 3008).
+/// candle's broadcast backward did off the CPU. Linear and Conv2d on CPU (fused ops): the output
+/// is `sum(w) + b` (`w` and `b` rounded to P) rounded once, the weight's gradient reaches the
+/// master in f32. Conv1d, and
+/// every layer off the CPU (candle's product on the weight cast to P, as PyTorch's autocast;
+/// cuBLAS accumulates in f32): the product is rounded before the bias is added and the weight's
+/// gradient is P's, 3000 rounded to P once (bf16: 3008).
 fn biased_layers_sum_gradients_in_f32<P: Precision>(dev: &Device) -> Result<()> {
     let check = |what: &str, map: &VarMap, y: &Tensor<P>, fan_in: usize| -> Result<()> {
-        let conv1d = what == "c1";
+        let composed = what == "c1" || !dev.is_cpu();
         let data = map.data().lock().unwrap();
         let (w, b) = (
             &data[&format!("{what}.weight")],
@@ -170,7 +172,11 @@ fn biased_layers_sum_gradients_in_f32<P: Precision>(dev: &Device) -> Result<()> 
         } else {
             2f32.powi(-10)
         };
-        let bias = b.to_vec1::<f32>()?;
+        // The bias too is rounded to P, as autocast casts a lower-precision op's bias.
+        let bias = b
+            .to_dtype(P::DTYPE)?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?;
         // Channels are the last dimension of a Linear output, the second of a conv's.
         let y = if what == "fc" {
             y.cast::<F32>()?.as_candle().flatten_to(1)?
@@ -187,7 +193,7 @@ fn biased_layers_sum_gradients_in_f32<P: Precision>(dev: &Device) -> Result<()> 
                     .to_dtype(P::DTYPE)?
                     .to_dtype(DType::F32)?
                     .to_vec1::<f32>()?[0];
-                let slack = if conv1d {
+                let slack = if composed {
                     ulp * (sum_w[c].abs() + want.abs())
                 } else {
                     ulp * want.abs()
@@ -203,7 +209,7 @@ fn biased_layers_sum_gradients_in_f32<P: Precision>(dev: &Device) -> Result<()> 
                 .to_vec1::<f32>()
                 .map(|v| v[0])
         };
-        let weight_sum = if conv1d { in_p(3000.0)? } else { 3000.0 };
+        let weight_sum = if composed { in_p(3000.0)? } else { 3000.0 };
         for (name, var, want) in [("weight", w, weight_sum), ("bias", b, 3000.0)] {
             let g = grads
                 .get(var)

@@ -277,7 +277,9 @@ fn fp32_class_ops<P: Precision>(dev: &Device) -> Result<()> {
 /// NaN on every device (candle's CUDA ReLU maps it to 0).
 fn activation_values_and_gradients<P: Precision>(dev: &Device) -> Result<()> {
     type Act<P> = fn(&Tensor<P>) -> Result<Tensor<P>>;
-    let forms: [(&str, Act<P>, fn(f64) -> (f64, f64)); 4] = [
+    /// The f64 value and slope at x.
+    type Formula = fn(f64) -> (f64, f64);
+    let forms: [(&str, Act<P>, Formula); 4] = [
         ("gelu", Tensor::gelu, |x| {
             let c = (2.0 / std::f64::consts::PI).sqrt();
             let t = (c * (x + 0.044_715 * x * x * x)).tanh();

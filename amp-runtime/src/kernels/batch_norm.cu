@@ -91,9 +91,10 @@ extern "C" __global__ void amp_bn_apply(
     }
 }
 
-// The bias add: out = y + bias[c], rounded once to dt, over (n, channels, inner) values, one
-// thread per value in a grid-stride loop. The channel index takes a 32-bit division where the
-// tensor allows (a 64-bit one costs several times more).
+// The bias add: out = y + bias[c], the f32 bias rounded to dt first (the cast autocast gives
+// a lower-precision op's bias), the sum computed in f32 and rounded once to dt, over
+// (n, channels, inner) values, one thread per value in a grid-stride loop. The channel index
+// takes a 32-bit division where the tensor allows (a 64-bit one costs several times more).
 extern "C" __global__ void amp_bias_add(
     const void* y, void* out, int dt, const float* bias,
     unsigned int channels, unsigned long long inner, unsigned long long total)
@@ -105,6 +106,12 @@ extern "C" __global__ void amp_bias_add(
         const unsigned int c = narrow
             ? ((unsigned int)i / (unsigned int)inner) % channels
             : (unsigned int)((i / inner) % channels);
-        amp_put(out, i, amp_get(y, i, dt) + bias[c], dt);
+        float b = bias[c];
+        if (dt != 0) {
+            unsigned short rounded;
+            amp_store(&rounded, b, dt == 2);
+            b = amp_load(&rounded, dt == 2);
+        }
+        amp_put(out, i, amp_get(y, i, dt) + b, dt);
     }
 }

@@ -448,8 +448,10 @@ pub(crate) fn bias_supported(y: &Tensor, bias: &Tensor) -> bool {
     float && device && bias.dtype() == DType::F32 && y.device().same_device(bias.device())
 }
 
-/// `y + bias` for an f32 `bias` of one value per index of dimension `dim` of `y`: each value
-/// computed in f32 and rounded once to `y`'s dtype, as one op with its own backward. The
+/// `y + bias` for an f32 `bias` of one value per index of dimension `dim` of `y`: the bias
+/// rounded to `y`'s dtype (the cast autocast gives a lower-precision op's bias, as the fused
+/// CPU layers do), each sum computed in f32 and rounded once to `y`'s dtype, as one op with
+/// its own backward. The
 /// bias's gradient is summed per channel in f32 runs and f64 totals (the batch-norm sums);
 /// composed of candle ops, the broadcast bias would be a full-size node of the graph and
 /// candle would sum its gradient in the gradient's dtype (half under autocast).
@@ -457,8 +459,9 @@ pub(crate) fn bias_add(y: &Tensor, bias: &Tensor, dim: usize) -> Result<Tensor> 
     y.contiguous()?.apply_op2(bias, BiasAdd { dim })
 }
 
-struct BiasAdd {
-    dim: usize,
+/// The op of [`bias_add`]; its forwards also finish the pointwise convolution's op.
+pub(crate) struct BiasAdd {
+    pub dim: usize,
 }
 
 impl BiasAdd {
@@ -495,15 +498,17 @@ impl CustomOp2 for BiasAdd {
         };
         let b = super::contiguous(b, lb, "bias add")?;
         let (zeros, ones) = (vec![0f32; g.c], vec![1f32; g.c]);
-        // (y - 0) * 1 + b: the affine pass's arithmetic is then exactly y + b.
-        let affine = Affine {
-            center: &zeros,
-            scale: &ones,
-            shift: b,
-        };
-        let out = with_floats!("bias add", y, ly, |ys| WithDType::to_cpu_storage_owned(
-            affine.apply(ys, None, g)
-        ));
+        let out = with_floats!("bias add", y, ly, |ys| {
+            // The bias rounded to y's dtype (the identity for f32), then (y - 0) * 1 + b: the
+            // affine pass's arithmetic is then exactly y + b.
+            let b = rounded_like(ys, b);
+            let affine = Affine {
+                center: &zeros,
+                scale: &ones,
+                shift: &b,
+            };
+            WithDType::to_cpu_storage_owned(affine.apply(ys, None, g))
+        });
         Ok((out, ly.shape().clone()))
     }
 
@@ -529,13 +534,22 @@ impl CustomOp2 for BiasAdd {
         let dim = self.dim;
         Ok((
             wanted(y, || Ok(grad.clone()))?,
-            wanted(bias, || {
-                grad.contiguous()?
-                    .apply_op1_no_bwd(&ChannelSums { dim })?
-                    .reshape(bias.shape())
-            })?,
+            wanted(bias, || channel_sums(grad, dim, bias.shape()))?,
         ))
     }
+}
+
+/// The gradient of a bias added along dimension `dim` of an output whose gradient is `grad`:
+/// its per-channel sums (see [`ChannelSums`]), shaped as the bias.
+pub(crate) fn channel_sums(grad: &Tensor, dim: usize, shape: &Shape) -> Result<Tensor> {
+    grad.contiguous()?
+        .apply_op1_no_bwd(&ChannelSums { dim })?
+        .reshape(shape)
+}
+
+/// `values` rounded to `T` and widened back (the identity for f32); `_like` only names `T`.
+fn rounded_like<T: Real>(_like: &[T], values: &[f32]) -> Vec<f32> {
+    values.iter().map(|&v| T::put(v).get()).collect()
 }
 
 /// Per-channel sums along dimension `dim` as `(channels)` f32 values, summed as the

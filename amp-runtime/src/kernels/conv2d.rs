@@ -63,11 +63,17 @@ pub(crate) fn conv2d(
         }
     } else {
         let k = super::to_dtype(k, x.dtype())?;
-        let y = if pointwise(x, &k, p) {
-            pointwise_product(x, &k)?
-        } else {
-            x.conv2d(&k, p.padding, p.stride, p.dilation, p.groups)?
-        };
+        // The pointwise op runs on CPU and CUDA (its forward is the backend's matmul); it adds
+        // an f32 bias of an f32, f16 or bf16 output itself.
+        if pointwise(x, &k, p) && (x.device().is_cpu() || x.device().is_cuda()) {
+            return match bias {
+                Some(b) if !super::batch_norm::bias_supported(x, b) => {
+                    super::add_bias(&pointwise_product(x, &k, None)?, b, 1)
+                }
+                _ => pointwise_product(x, &k, bias),
+            };
+        }
+        let y = x.conv2d(&k, p.padding, p.stride, p.dilation, p.groups)?;
         match bias {
             Some(b) => super::add_bias(&y, b, 1),
             None => Ok(y),
@@ -88,28 +94,171 @@ fn pointwise(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
     simple && x.rank() == 4 && matches!(k.dims(), &[_, c_in, 1, 1] if x.dim(1).ok() == Some(c_in))
 }
 
-/// A pointwise conv off the CPU as one matrix product `(c_out, c_in) x (c_in, b*h*w)`, forward
-/// and backward on the device's BLAS. candle's conv there goes through im2col, and its input
+/// A pointwise conv off the CPU (and an f32 master `bias`, when given) as one op whose forward
+/// is one matrix product `(c_out, c_in) x (c_in, h*w)` per image on the device's BLAS (the
+/// weight shared by every image: a zero batch stride), then the bias add of
+/// [`super::batch_norm::bias_add`]. candle's conv there goes through im2col, and its input
 /// gradient through a direct transposed convolution: on an H200, `quantized_sine --size 512
-/// --hidden 256` took 165 ms a step in f32 against PyTorch's 5.9. The images are one matrix
-/// (a copy when there are several) rather than a batch of products, so that the weight
-/// gradient's sum over the batch is the BLAS's f32-accumulated one: a batched product's
-/// gradient would sum the per-image gradients in the input's (half) precision.
-fn pointwise_product(x: &Tensor, k: &Tensor) -> Result<Tensor> {
-    let (b, c_in, h, w) = x.dims4()?;
-    let c_out = k.dim(0)?;
-    let k = k.reshape((c_out, c_in))?;
-    if b == 1 {
-        return k
-            .matmul(&x.reshape((c_in, h * w))?)?
-            .reshape((1, c_out, h, w));
+/// --hidden 256` took 165 ms a step in f32 against PyTorch's 5.9. As one node of the graph it
+/// spares the reshapes around a product and the separate bias add, each a full-size node that
+/// candle's backward fills with a zero tensor plus an add (half of that step's GPU time).
+/// The backward takes the images as one matrix for the weight gradient (a copy when there are
+/// several), so that its sum over the batch is the BLAS's f32-accumulated one: a batched
+/// product's gradient would sum the per-image gradients in the input's (half) precision.
+fn pointwise_product(x: &Tensor, k: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let (x, k) = (x.contiguous()?, k.contiguous()?);
+    match bias {
+        Some(b) => x.apply_op3(&k, &b.contiguous()?, Pointwise),
+        None => x.apply_op2(&k, Pointwise),
     }
-    let columns = x.reshape((b, c_in, h * w))?.transpose(0, 1)?.contiguous()?;
-    k.matmul(&columns.reshape((c_in, b * h * w))?)?
-        .reshape((c_out, b, h * w))?
-        .transpose(0, 1)?
-        .contiguous()?
-        .reshape((b, c_out, h, w))
+}
+
+/// The op of [`pointwise_product`]: `(x, k)` or `(x, k, bias)`.
+struct Pointwise;
+
+impl Pointwise {
+    /// `k (c_out, c_in) x x[i] (c_in, h*w)` for every image `i`, on any backend's matmul.
+    fn product<S: candle_core::backend::BackendStorage>(
+        x: &S,
+        lx: &Layout,
+        k: &S,
+        lk: &Layout,
+    ) -> Result<(S, Shape)> {
+        let (&[b, c_in, h, w], &[c_out, c_in_k, 1, 1]) = (lx.dims(), lk.dims()) else {
+            candle_core::bail!("pointwise conv: {:?} by {:?}", lx.dims(), lk.dims())
+        };
+        let (Some((x0, _)), Some((k0, _))) = (lx.contiguous_offsets(), lk.contiguous_offsets())
+        else {
+            candle_core::bail!("pointwise conv: operands must be contiguous")
+        };
+        if c_in_k != c_in {
+            candle_core::bail!("pointwise conv: {c_in} input channels, kernel for {c_in_k}")
+        }
+        let lhs =
+            Layout::contiguous_with_offset((c_out, c_in), k0).broadcast_as((b, c_out, c_in))?;
+        let rhs = Layout::contiguous_with_offset((b, c_in, h * w), x0);
+        let y = k.matmul(x, (b, c_out, h * w, c_in), &lhs, &rhs)?;
+        Ok((y, Shape::from((b, c_out, h, w))))
+    }
+
+    /// The input and weight gradients from the output gradient `dy`.
+    fn grads(x: &Tensor, k: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (b, c_in, h, w) = x.dims4()?;
+        let c_out = k.dim(0)?;
+        let k2 = k.reshape((c_out, c_in))?;
+        let dy3 = dy.reshape((b, c_out, h * w))?;
+        let dx = wanted(x, || {
+            let kt = k2.t()?.contiguous()?;
+            let per_image = if b == 1 {
+                kt.unsqueeze(0)?
+            } else {
+                kt.broadcast_left(b)?
+            };
+            per_image.matmul(&dy3)?.reshape((b, c_in, h, w))
+        })?;
+        let dk = wanted(k, || {
+            // The images side by side: one product sums the batch in f32.
+            let columns = |t: &Tensor, c: usize| -> Result<Tensor> {
+                if b == 1 {
+                    t.reshape((c, h * w))
+                } else {
+                    t.reshape((b, c, h * w))?
+                        .transpose(0, 1)?
+                        .contiguous()?
+                        .reshape((c, b * h * w))
+                }
+            };
+            columns(dy, c_out)?
+                .matmul(&columns(x, c_in)?.t()?)?
+                .reshape((c_out, c_in, 1, 1))
+        })?;
+        Ok((dx, dk))
+    }
+}
+
+impl CustomOp2 for Pointwise {
+    fn name(&self) -> &'static str {
+        "amp-pointwise-conv"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        k: &CpuStorage,
+        lk: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Self::product(x, lx, k, lk)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        k: &candle_core::CudaStorage,
+        lk: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Self::product(x, lx, k, lk)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        k: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Self::grads(x, k, dy)
+    }
+}
+
+impl CustomOp3 for Pointwise {
+    fn name(&self) -> &'static str {
+        "amp-pointwise-conv-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        k: &CpuStorage,
+        lk: &Layout,
+        bias: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (y, shape) = Self::product(x, lx, k, lk)?;
+        super::batch_norm::BiasAdd { dim: 1 }.cpu_fwd(&y, &Layout::contiguous(&shape), bias, lb)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        k: &candle_core::CudaStorage,
+        lk: &Layout,
+        bias: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (y, shape) = Self::product(x, lx, k, lk)?;
+        super::batch_norm::BiasAdd { dim: 1 }.cuda_fwd(&y, &Layout::contiguous(&shape), bias, lb)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        k: &Tensor,
+        bias: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dk) = Self::grads(x, k, dy)?;
+        let db = wanted(bias, || {
+            super::batch_norm::channel_sums(dy, 1, bias.shape())
+        })?;
+        Ok((dx, dk, db))
+    }
 }
 
 /// Whether [`conv2d`] takes its own path: CPU, one float dtype, shapes candle accepts.
@@ -970,8 +1119,8 @@ mod tests {
         Ok(())
     }
 
-    /// The pointwise product (the off-CPU path of a 1x1 conv) against candle's conv2d, values
-    /// and both gradients, in f32 on CPU where both run.
+    /// The pointwise op (the off-CPU path of a 1x1 conv) against candle's conv2d and a
+    /// broadcast bias add, values and every gradient, in f32 on CPU where both run.
     #[test]
     fn a_pointwise_product_is_the_1x1_convolution() -> Result<()> {
         let dev = Device::Cpu;
@@ -989,13 +1138,21 @@ mod tests {
             let k = Var::randn(0f32, 1.0, (7, 5, 1, 1), &dev)?;
             assert!(pointwise(&x, &k, p));
             assert!(!pointwise(&x, &k, Conv2dParams { stride: 2, ..p }));
-            let ours = pointwise_product(&x, &k)?;
-            let theirs = x.conv2d(&k, 0, 1, 1, 1)?;
+            let bias = Var::randn(0f32, 1.0, 7, &dev)?;
+            let ours = pointwise_product(&x, &k, Some(&bias))?;
+            let theirs = x
+                .conv2d(&k, 0, 1, 1, 1)?
+                .broadcast_add(&bias.reshape((1, 7, 1, 1))?)?;
             let w = Tensor::randn(0f32, 1.0, theirs.shape(), &dev)?;
             let grads = |y: &Tensor| (y * &w)?.sum_all()?.backward();
             let (g_ours, g_theirs) = (grads(&ours)?, grads(&theirs)?);
             assert!(worst(&ours, &theirs)? < 1e-5, "batch {batch}");
-            for v in [&x, &k] {
+            let no_bias = pointwise_product(&x, &k, None)?;
+            assert!(
+                worst(&no_bias, &x.conv2d(&k, 0, 1, 1, 1)?)? < 1e-5,
+                "batch {batch}"
+            );
+            for v in [&x, &k, &bias] {
                 let (a, b) = (g_ours.get(v).unwrap(), g_theirs.get(v).unwrap());
                 assert_eq!(a.dims(), v.dims());
                 assert!(worst(a, b)? < 1e-4, "batch {batch}");
@@ -1012,9 +1169,16 @@ mod tests {
         let dev = Device::Cpu;
         let x = Tensor::ones((300, 1, 1, 1), DType::BF16, &dev)?;
         let k = Var::ones((1, 1, 1, 1), DType::BF16, &dev)?;
-        let grads = pointwise_product(&x, &k)?.sum_all()?.backward()?;
+        let grads = pointwise_product(&x, &k, None)?.sum_all()?.backward()?;
         let g = grads.get(&k).expect("a gradient").to_dtype(DType::F32)?;
         assert_eq!(g.flatten_all()?.to_vec1::<f32>()?, [300.0]);
+        // So does the f32 bias's, with the bias in the op.
+        let bias = Var::zeros(1, DType::F32, &dev)?;
+        let y = pointwise_product(&x, &k, Some(&bias))?;
+        assert_eq!(y.dtype(), DType::BF16);
+        let grads = y.to_dtype(DType::F32)?.sum_all()?.backward()?;
+        let g = grads.get(&bias).expect("a gradient");
+        assert_eq!(g.to_vec1::<f32>()?, [300.0]);
         Ok(())
     }
 }

@@ -515,7 +515,8 @@ mod tests {
         Ok(())
     }
 
-    /// The bias add's values are `y + b` computed in f32 and rounded once to `y`'s dtype, its
+    /// The bias add's values are `y + b` (`b` rounded to `y`'s dtype) computed in f32 and rounded
+    /// once to `y`'s dtype, its
     /// input gradient is the output gradient itself and its bias gradient the per-channel sum
     /// of it (against f64), for any dimension, strided inputs and every float dtype.
     #[test]
@@ -557,11 +558,12 @@ mod tests {
                     let b = Var::new(draw(c, 99 + case as u64), &dev)?;
                     let out = add_bias(&y, &b, dim)?;
                     assert_eq!((out.dtype(), out.dims()), (dtype, dims));
-                    // Reference: y and b are f32 values, so their f32 sum is the exact sum
-                    // rounded to f32; then one rounding to the dtype.
+                    // Reference: the bias rounded to the dtype; y and b are then f32 values,
+                    // so their f32 sum is the exact sum rounded to f32; then one rounding to
+                    // the dtype.
                     let inner: usize = dims[dim + 1..].iter().product();
                     let ys = y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                    let bs = b.to_vec1::<f32>()?;
+                    let bs = b.to_dtype(dtype)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
                     let channel = |i: usize| (i / inner) % c;
                     let expect: Vec<f32> = ys
                         .iter()
