@@ -79,8 +79,9 @@ pub(crate) fn broadcast_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// from the f32 accumulators: `grad_w = grad^T * x` and `grad_b` the column sums of `grad`,
 /// never rounded to half (PyTorch rounds them to half, then widens), with `grad_x = grad * w`.
 /// No half copy of the weight joins the autograd graph, so candle's backward does not allocate
-/// and add a half gradient for one. Elsewhere: the weight cast to `x`'s dtype, candle's matmul
-/// and [`super::add_bias`] (the bias's gradient summed in f32).
+/// and add a half gradient for one. On CUDA, for f32, f16 and bf16 inputs, one op as well
+/// ([`MasterLinear`]). Elsewhere: the weight cast to `x`'s dtype, candle's matmul and
+/// [`super::add_bias`] (the bias's gradient summed in f32).
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let masters = w.dtype() == DType::F32 && b.is_none_or(|b| b.dtype() == DType::F32);
     let shapes = match (x.dims(), w.dims()) {
@@ -93,12 +94,146 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
             Some(b) => x.apply_op3(w, b, HalfLinear),
             None => x.apply_op2(w, HalfLinear),
         }
+    } else if x.device().is_cuda() && (half || x.dtype() == DType::F32) && masters && shapes {
+        master_linear(x, w, b)
     } else {
         let y = x.matmul(&super::to_dtype(w, x.dtype())?.t()?)?;
         match b {
             Some(b) => super::add_bias(&y, b, y.rank().saturating_sub(1)),
             None => Ok(y),
         }
+    }
+}
+
+/// [`MasterLinear`] on `x (rows, in)`, `w (out, in)` and `b (out)`, f32 masters.
+fn master_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    match b {
+        Some(b) => x.apply_op3(&w, &b.contiguous()?, MasterLinear),
+        None => x.apply_op2(&w, MasterLinear),
+    }
+}
+
+/// `Linear` off the CPU as one op on `(x, w[, b])` with f32 masters `w` and `b`: the weight cast
+/// to `x`'s dtype inside the forward (a storage, not a graph node), the backend's matmul on it,
+/// then the bias add of [`super::batch_norm::bias_add`]. Composed of candle ops the cast, the
+/// transpose and the bias add were graph nodes of the weight's or the output's size, each of
+/// which candle's backward fills with a zero tensor plus an add (`GradStore::or_insert`). The
+/// backward: `grad_x = grad * w` (the weight cast again), `grad_w = grad^T * x` in `x`'s dtype
+/// (the BLAS accumulates in f32 and rounds once, as PyTorch's half weight gradient) widened to
+/// f32, `grad_b` the per-channel sums in f32; the masters' gradients go to the gradient
+/// scaler's collector ([`offer`]) past candle's accumulation.
+struct MasterLinear;
+
+impl MasterLinear {
+    /// `x (rows, in) * w^T` with `w` rounded to `x`'s dtype.
+    fn product<S: BackendStorage>(x: &S, lx: &Layout, w: &S, lw: &Layout) -> Result<(S, Shape)> {
+        let (&[rows, k], &[out, k_w]) = (lx.dims(), lw.dims()) else {
+            candle_core::bail!("linear: {:?} by {:?}", lx.dims(), lw.dims())
+        };
+        if k != k_w {
+            candle_core::bail!("linear: {k} inputs, weight for {k_w}")
+        }
+        let cast;
+        let (w, lw) = if w.dtype() == x.dtype() {
+            (w, lw.clone())
+        } else {
+            cast = w.to_dtype(lw, x.dtype())?;
+            (&cast, Layout::contiguous((out, k)))
+        };
+        let y = x.matmul(w, (1, rows, out, k), lx, &lw.transpose(0, 1)?)?;
+        Ok((y, Shape::from((rows, out))))
+    }
+
+    fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad_x = wanted(x, || {
+            grad.matmul(&super::to_dtype(&w.detach(), grad.dtype())?)
+        })?;
+        let grad_w = offer(w, || grad.t()?.matmul(x)?.to_dtype(w.dtype()))?;
+        Ok((grad_x, grad_w))
+    }
+}
+
+impl CustomOp2 for MasterLinear {
+    fn name(&self) -> &'static str {
+        "amp-master-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Self::product(x, lx, w, lw)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Self::product(x, lx, w, lw)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Self::grads(x, w, grad)
+    }
+}
+
+impl CustomOp3 for MasterLinear {
+    fn name(&self) -> &'static str {
+        "amp-master-linear-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (y, shape) = Self::product(x, lx, w, lw)?;
+        super::batch_norm::BiasAdd { dim: 1 }.cpu_fwd(&y, &Layout::contiguous(&shape), b, lb)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (y, shape) = Self::product(x, lx, w, lw)?;
+        super::batch_norm::BiasAdd { dim: 1 }.cuda_fwd(&y, &Layout::contiguous(&shape), b, lb)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (gx, gw) = Self::grads(x, w, grad)?;
+        let gb = offer(b, || super::batch_norm::channel_sums(grad, 1, b.shape()))?;
+        Ok((gx, gw, gb))
     }
 }
 
@@ -484,6 +619,54 @@ mod tests {
             .max(0)?;
         let scale = b.abs()?.flatten_all()?.max(0)?;
         Ok(diff.to_scalar::<f32>()? / scale.to_scalar::<f32>()?.max(1e-30))
+    }
+
+    /// The off-CPU `Linear` op (run here on CPU, where its forward is candle's matmul on
+    /// storages) against the candle composition: the master cast to the input's dtype, `x *
+    /// w^T + b` with the bias rounded to that dtype, and all three gradients (the weight's
+    /// rounded to that dtype once, then widened; the bias's summed in f32), in f32 and bf16.
+    #[test]
+    fn the_master_linear_op_is_the_composition() -> Result<()> {
+        let dev = Device::Cpu;
+        for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 8e-3)] {
+            for bias in [true, false] {
+                let x =
+                    Var::from_tensor(&Tensor::randn(0f32, 1., (37, 19), &dev)?.to_dtype(dtype)?)?;
+                let w = Var::randn(0f32, 1., (11, 19), &dev)?;
+                let b = Var::randn(0f32, 1., 11, &dev)?;
+                let ours = master_linear(&x, &w, bias.then_some(b.as_tensor()))?;
+                assert_eq!((ours.dtype(), ours.dims()), (dtype, &[37, 11][..]));
+                let product = x.matmul(&w.to_dtype(dtype)?.t()?)?;
+                let theirs = if bias {
+                    product.broadcast_add(&b.to_dtype(dtype)?)?
+                } else {
+                    product
+                };
+                assert!(
+                    max_rel_diff(&ours, &theirs.to_dtype(DType::F32)?)? <= tol,
+                    "{dtype:?}"
+                );
+                let r = Tensor::randn(0f32, 1., (37, 11), &dev)?;
+                let loss = |y: &Tensor| (y.to_dtype(DType::F32)? * &r)?.sum_all()?.backward();
+                let (g_ours, g_theirs) = (loss(&ours)?, loss(&theirs)?);
+                let vars: Vec<&Var> = if bias { vec![&x, &w, &b] } else { vec![&x, &w] };
+                for v in vars {
+                    let (a, e) = (
+                        g_ours.get(v).expect("ours"),
+                        g_theirs.get(v).expect("theirs"),
+                    );
+                    assert_eq!((a.dtype(), a.dims()), (v.dtype(), v.dims()));
+                    // candle's own bias gradient is summed in bf16: compare with room for it.
+                    let tol = if v.dims() == [11] { 4.0 * tol } else { tol };
+                    assert!(
+                        max_rel_diff(a, &e.to_dtype(DType::F32)?)? <= tol,
+                        "{dtype:?} {:?}",
+                        v.dims()
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Forward and both gradients against candle's f32 matmul on the same rounded values,

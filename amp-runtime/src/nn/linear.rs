@@ -77,7 +77,8 @@ impl Linear {
     /// candle-nn's `Linear` does for contiguous inputs: one large GEMM instead of a batched
     /// matmul over a broadcast weight (a strided input is copied first: a broadcast weight's
     /// gradient would be summed over the batch in the input's half precision). In bf16 and f16
-    /// on CPU that product is one op with the bias added before its one rounding
+    /// on CPU that product is one op with the bias added before its one rounding; on CUDA one
+    /// op too, the weight cast inside it and the bias added after the product's rounding
     /// (`kernels::linear`).
     pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
         let dims = x.dims().to_vec();
