@@ -17,8 +17,9 @@ use crate::kernels::cuda::{address, alloc, code, out_address, BATCH_NORM};
 const THREADS: u32 = 256;
 /// `AMP_BN_SPAN`: values of a row one block of the affine pass covers.
 const SPAN: usize = THREADS as usize * 8;
-/// Values one thread of the sums sums in f32 at most (then f64).
-const PER_THREAD: u64 = 256;
+/// Values one thread of the sums sums in f32 at most (then f64); small enough that a channel
+/// of a large activation splits over several blocks (more loads in flight).
+const PER_THREAD: u64 = 64;
 
 /// `(2, channels)` f64 values as a storage on `dev`: what the sum ops return.
 pub(super) fn upload_pair(dev: &CudaDevice, a: &[f64], b: &[f64]) -> Result<(CudaStorage, Shape)> {
