@@ -3,7 +3,7 @@
 //! a synthetic masked-LM task in f32, fp16 (with `GradScaler`) and bf16, from the same initial
 //! weights and batches; then the f32 model fills in the masks of a fixed example.
 //!
-//! `cargo run --release --example bert` prints a table (ms/step, final loss, peak heap, skipped
+//! `cargo run --release --example bert` prints a table (ms/step, final loss, peak memory, skipped
 //! steps per mode), writes `bert_loss.png` into `--out`, and prints the filled-in example;
 //! `--json` prints one line `{"f32": {..}, "fp16": {..}, "bf16": {..}}`.
 //!
@@ -76,8 +76,8 @@ struct Args {
     /// Where `bert_loss.png` goes.
     #[arg(long, default_value = "target/examples-out")]
     out: PathBuf,
-    /// Device: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda` (peak heap then
-    /// counts the host's memory, not the GPU's).
+    /// Device: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda` (the peak is then
+    /// the GPU's memory pool's).
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
 }
@@ -104,8 +104,7 @@ fn train(
     label: bool,
 ) -> Result<(ModeResult, AttentionDtypes, BertForMaskedLM)> {
     let dev = &args.device;
-    let base = common::live_bytes();
-    common::reset_peak();
+    let peak = common::Peak::start(dev)?;
     let mut vars = VarMap::new();
     let model = BertForMaskedLM::load(VarBuilder::from_varmap(&vars, DType::F32, dev), cfg)?;
     vars.set(init.iter().map(|(name, t)| (name, t)))?;
@@ -117,7 +116,7 @@ fn train(
     let mut opt = AdamW::new(vars.all_vars(), params)?;
     let mut data = MaskedCounting::new(args.letters, 7);
     let quiet = args.json || !label;
-    let result = modes::run_steps(mode, args.steps, quiet, base, &mut opt, |opt, step| {
+    let result = modes::run_steps(mode, args.steps, quiet, &peak, &mut opt, |opt, step| {
         opt.set_learning_rate(learning_rate(args, step));
         let batch = data.batch(args.batch, args.seq, dev)?;
         loss(mode, &model, &batch)

@@ -3,7 +3,7 @@
 //! `GradScaler`) and bf16, from the same initial weights and batches; then greedy generation
 //! with the KV cache from a prompt, checked against a full recompute.
 //!
-//! `cargo run --release --example gpt` prints a table (ms/step, final loss, peak heap, skipped
+//! `cargo run --release --example gpt` prints a table (ms/step, final loss, peak memory, skipped
 //! steps per mode), writes `gpt_loss.png` into `--out`, and prints the generated text;
 //! `--json` prints one line `{"f32": {..}, "fp16": {..}, "bf16": {..},
 //! "kv_cache_max_abs_diff": x}`.
@@ -59,8 +59,8 @@ struct Args {
     /// Where `gpt_loss.png` goes.
     #[arg(long, default_value = "target/examples-out")]
     out: PathBuf,
-    /// Device: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda` (peak heap then
-    /// counts the host's memory, not the GPU's).
+    /// Device: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda` (the peak is then
+    /// the GPU's memory pool's).
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
 }
@@ -83,8 +83,7 @@ fn train(
     label: bool,
 ) -> Result<(ModeResult, Gpt)> {
     let dev = &args.device;
-    let base = common::live_bytes();
-    common::reset_peak();
+    let peak = common::Peak::start(dev)?;
     let mut vars = VarMap::new();
     let mut model = Gpt::new(cfg, VarBuilder::from_varmap(&vars, DType::F32, dev))?;
     vars.set(init.iter().map(|(name, t)| (name, t)))?;
@@ -96,7 +95,7 @@ fn train(
     let mut opt = AdamW::new(vars.all_vars(), params)?;
     let mut data = Counting::new(args.vocab, 7);
     let quiet = args.json || !label;
-    let result = modes::run_steps(mode, args.steps, quiet, base, &mut opt, |_, _| {
+    let result = modes::run_steps(mode, args.steps, quiet, &peak, &mut opt, |_, _| {
         let ids = data.batch(args.batch, args.seq + 1, dev)?;
         loss(mode, &mut model, &ids)
     })?;

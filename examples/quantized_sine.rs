@@ -22,7 +22,7 @@
 //! cargo run --release --example quantized_sine -- --size 512 --hidden 256 --epochs 512  # the blog
 //! ```
 //!
-//! Prints a table (time per step, peak heap, final loss, skipped steps, final scale; AMP's
+//! Prints a table (time per step, peak memory (heap on CPU, GPU memory pool on CUDA), final loss, skipped steps, final scale; AMP's
 //! speedup and memory saving), the AMP row named by its precision (`AMP (bf16)`), and writes
 //! `outputs.png` (target | f32 | AMP) and `loss.png` (both loss curves) to `--out` (default
 //! `target/quantized_sine`). `--json` prints `{"precision": "bf16", "f32": {...}, "amp":
@@ -131,7 +131,7 @@ struct Run {
 }
 
 /// Trains a fresh model from the `init` weights in one mode (with `amp`, under the policy
-/// `Pol`), then runs inference; peak heap counted from model creation.
+/// `Pol`), then runs inference; peak memory counted from model creation.
 fn run<Pol: Policy>(
     args: &Args,
     amp: bool,
@@ -139,8 +139,7 @@ fn run<Pol: Policy>(
     target: &Tensor<F32>,
     init: &common::Init,
 ) -> Result<Run> {
-    let base = common::live_bytes();
-    common::reset_peak();
+    let peak = common::Peak::start(x.device())?;
     let dev = x.device().clone();
     let mut vars = VarMap::new();
     let model = Model::new(
@@ -192,7 +191,7 @@ fn run<Pol: Policy>(
     let output = output.to_flat_vec::<f32>()?;
     let result = ModeResult {
         ms_per_step,
-        peak_bytes: common::peak_since(base),
+        peak_bytes: peak.bytes()?,
         final_loss: *losses.last().unwrap_or(&f32::NAN),
         skipped_steps: scaler.skipped_steps(),
         final_scale: scaler.scale_value(),

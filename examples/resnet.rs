@@ -10,9 +10,10 @@
 //! ```
 //!
 //! The seed (ResNet-50 on Caltech-256 with a 6 GB GPU) finds that AMP doubles the batch that fits
-//! at equal accuracy. Here, on CPU, the budget is the peak of live heap bytes of one training
-//! step (forward, backward, optimizer step), counted by the example's allocator, weights
-//! included: `torch.cuda.max_memory_allocated`'s analogue.
+//! at equal accuracy. Here the budget is the peak memory of one training step (forward,
+//! backward, optimizer step), weights included: on CPU the live heap bytes counted by the
+//! example's allocator, `torch.cuda.max_memory_allocated`'s analogue; on CUDA the GPU memory
+//! pool's high-water mark, that function itself.
 //!
 //! Data, made in code (no download): `--classes` kinds of 3-channel images, each class a
 //! grating at its own orientation (jittered), with a random frequency, phase and colour tint and
@@ -24,7 +25,7 @@
 //! variable names; the head `fc.*` is always new). AMP: bf16 on CPU (no loss scaling), fp16 on
 //! CUDA (with a GradScaler), as PyTorch's autocast defaults; `--precision` overrides.
 //!
-//! Prints a table per mode (ms per step, peak heap, final training loss, validation accuracy)
+//! Prints a table per mode (ms per step, peak memory, final training loss, validation accuracy)
 //! and writes `loss.png` and `accuracy.png` to `--out`; `--json` prints `{"precision": ..,
 //! "f32": {..}, "amp": {..}}`, per mode `ms_per_step`, `peak_bytes`, `final_loss`,
 //! `val_accuracy` (per epoch), `skipped_steps`. With `--max-batch`: `{"f32": {"max_batch",
@@ -86,7 +87,8 @@ struct Args {
     /// Find the largest batch whose training step fits `--budget-mb`, in f32 and in AMP.
     #[arg(long)]
     max_batch: bool,
-    /// The memory budget of `--max-batch`, in MiB of peak live heap.
+    /// The memory budget of `--max-batch`, in MiB of peak memory (the live heap on CPU, the
+    /// GPU memory pool on CUDA).
     #[arg(long, default_value_t = 1024, value_parser = common::positive)]
     budget_mb: usize,
     /// Print one JSON line instead of the table.
@@ -203,8 +205,7 @@ fn train<Pol: Policy>(
     init: &common::Init,
     data: &Data,
 ) -> Result<ModeResult> {
-    let base = common::live_bytes();
-    common::reset_peak();
+    let peak = common::Peak::start(&args.device)?;
     let (vars, model) = model(args, init)?;
     let mut opt = SGD::new(trained_vars(args, &vars), args.lr)?;
     let mut scaler = GradScaler::builder()
@@ -247,7 +248,7 @@ fn train<Pol: Policy>(
     bar.finish_and_clear();
     Ok(ModeResult {
         ms_per_step: timed.as_secs_f64() * 1e3 / losses.len().max(1) as f64,
-        peak_bytes: common::peak_since(base),
+        peak_bytes: peak.bytes()?,
         final_loss: common::mean_tail(&losses),
         val_accuracy,
         skipped_steps: scaler.skipped_steps(),
@@ -282,15 +283,14 @@ struct Data {
     val_y: candle_core::Tensor,
 }
 
-/// Peak live heap of one training step at `batch`, from a fresh model.
+/// Peak memory of one training step at `batch`, from a fresh model (see `common::Peak`).
 fn step_peak<Pol: Policy>(
     args: &Args,
     init: &common::Init,
     batch: usize,
     amp: bool,
 ) -> Result<usize> {
-    let base = common::live_bytes();
-    common::reset_peak();
+    let peak = common::Peak::start(&args.device)?;
     let (vars, model) = model(args, init)?;
     let mut opt = SGD::new(trained_vars(args, &vars), args.lr)?;
     let mut scaler = GradScaler::builder()
@@ -302,7 +302,7 @@ fn step_peak<Pol: Policy>(
     let l = loss::cross_entropy(&logits::<Pol>(&model, &x, true, args.frozen, amp)?, &y)?;
     let _ = scaler.step(&mut opt, scaler.scale(l.as_candle())?.backward()?)?;
     scaler.update()?;
-    Ok(common::peak_since(base))
+    peak.bytes()
 }
 
 /// The largest batch whose step peaks within `budget` bytes: doubling, then bisection.
@@ -379,11 +379,6 @@ fn main() -> Result<()> {
 
 fn run<Pol: Policy>(args: &Args, precision: AmpPrecision, init: &common::Init) -> Result<()> {
     if args.max_batch {
-        if !args.device.is_cpu() {
-            // The budget is the host heap this example's allocator counts; device memory would
-            // need the device's own allocator statistics, which candle does not expose.
-            candle_core::bail!("--max-batch measures host memory: run it with --device cpu");
-        }
         let budget = args.budget_mb << 20;
         if !args.json {
             eprintln!(
@@ -448,7 +443,9 @@ fn run<Pol: Policy>(args: &Args, precision: AmpPrecision, init: &common::Init) -
             args.lr,
             if args.frozen { ", backbone frozen" } else { "" }
         );
-        println!("| mode | ms per step | peak heap MiB | final loss | val accuracy % per epoch | skipped |");
+        println!(
+            "| mode | ms per step | peak MiB | final loss | val accuracy % per epoch | skipped |"
+        );
         println!("|---|---|---|---|---|---|");
         for (name, r) in [("f32".to_string(), &f32_run), (precision.label(), &amp_run)] {
             let acc: Vec<String> = r.val_accuracy.iter().map(|a| format!("{a:.1}")).collect();

@@ -1,4 +1,4 @@
-//! Shared by the seed-experiment examples: peak-heap accounting, the per-mode result record, the
+//! Shared by the seed-experiment examples: peak-memory accounting, the per-mode result record, the
 //! `--precision` choice, the comparison table, the `--json` object, progress bars and the plots'
 //! font.
 #![allow(dead_code)] // each example uses a different subset
@@ -88,19 +88,101 @@ fn grew(bytes: usize) {
     PEAK.fetch_max(live, Ordering::Relaxed);
 }
 
-/// Starts a new peak measurement from the bytes live now (`torch.cuda.reset_peak_memory_stats`).
-pub fn reset_peak() {
-    PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+/// One mode's peak memory on its device, from the bytes in use when it starts (the data set and
+/// anything else both modes share are not counted): `torch.cuda.reset_peak_memory_stats` then
+/// `torch.cuda.max_memory_allocated`. On CPU the live heap bytes ([`CountingAlloc`]: CPU
+/// tensors live on the heap); on CUDA the bytes allocated from the device's default memory pool,
+/// which candle's allocations come from (`cuMemAllocAsync`), and its high-water mark.
+pub struct Peak {
+    dev: Device,
+    base: usize,
 }
 
-/// Peak live heap bytes since the last [`reset_peak`], above `baseline` (the bytes live when
-/// the mode started: data set and anything else both modes share).
-pub fn peak_since(baseline: usize) -> usize {
-    PEAK.load(Ordering::Relaxed).saturating_sub(baseline)
+impl Peak {
+    /// Starts a new peak measurement on `dev` from the bytes in use now.
+    pub fn start(dev: &Device) -> Result<Self> {
+        dev.synchronize()?; // on CUDA, the queued work's allocations and frees first
+        let base = match dev {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => cuda_pool::start(d)?,
+            _ => {
+                let live = LIVE.load(Ordering::Relaxed);
+                PEAK.store(live, Ordering::Relaxed);
+                live
+            }
+        };
+        Ok(Self {
+            dev: dev.clone(),
+            base,
+        })
+    }
+
+    /// The most bytes in use at once since [`Peak::start`], above those in use then.
+    pub fn bytes(&self) -> Result<usize> {
+        self.dev.synchronize()?;
+        let high = match &self.dev {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => cuda_pool::high(d)?,
+            _ => PEAK.load(Ordering::Relaxed),
+        };
+        Ok(high.saturating_sub(self.base))
+    }
 }
 
-pub fn live_bytes() -> usize {
-    LIVE.load(Ordering::Relaxed)
+/// The CUDA default memory pool's accounting: bytes allocated now and their high-water mark.
+#[cfg(feature = "cuda")]
+mod cuda_pool {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    use candle_core::{CudaDevice, Result};
+
+    fn attribute(dev: &CudaDevice, attr: sys::CUmemPool_attribute, reset: bool) -> Result<usize> {
+        let fail =
+            |what: &str, e| candle_core::Error::Msg(format!("CUDA memory pool: {what}: {e:?}"));
+        let ctx = dev.cuda_stream().context().clone();
+        ctx.bind_to_thread().map_err(|e| fail("bind", e))?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let mut value: u64 = 0;
+        // SAFETY: the context is current on this thread; `pool` and `value` are valid out
+        // pointers of the types the driver writes (a pool handle, a cuuint64_t).
+        unsafe {
+            sys::cuDeviceGetDefaultMemPool(&raw mut pool, ctx.cu_device())
+                .result()
+                .map_err(|e| fail("default pool", e))?;
+            if reset {
+                // Setting the high-water mark to 0 resets it to the bytes allocated now.
+                sys::cuMemPoolSetAttribute(pool, attr, std::ptr::from_mut(&mut value).cast())
+                    .result()
+                    .map_err(|e| fail("reset", e))?;
+            }
+            sys::cuMemPoolGetAttribute(pool, attr, std::ptr::from_mut(&mut value).cast())
+                .result()
+                .map_err(|e| fail("read", e))?;
+        }
+        usize::try_from(value).map_err(|_| candle_core::Error::Msg("CUDA memory pool: size".into()))
+    }
+
+    /// Resets the high-water mark; returns the bytes allocated now.
+    pub(super) fn start(dev: &CudaDevice) -> Result<usize> {
+        attribute(
+            dev,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            true,
+        )?;
+        attribute(
+            dev,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+            false,
+        )
+    }
+
+    /// The most bytes allocated at once since [`start`].
+    pub(super) fn high(dev: &CudaDevice) -> Result<usize> {
+        attribute(
+            dev,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            false,
+        )
+    }
 }
 
 /// `--precision`: the lower precision of the AMP run, PyTorch's `torch.autocast(dtype=...)`.
@@ -235,7 +317,7 @@ pub fn table(title: &str, precision: AmpPrecision, f32: &ModeResult, amp: &ModeR
     let label = precision.label();
     format!(
         "{title}\n\
-         | mode       | ms per step | peak heap MiB  | final loss | skipped steps | final scale |\n\
+         | mode       | ms per step | peak MiB       | final loss | skipped steps | final scale |\n\
          |------------|-------------|----------------|------------|---------------|-------------|\n\
          {}{}\
          {label} vs f32: {speedup:+.1}% speed ({:.2}x time), {saving:+.1}% memory saving ({:.2}x \
@@ -420,7 +502,8 @@ pub struct Mode<'a> {
 /// `VarMap`, which then takes the `init` weights; `optimizer` is made from its variables; each
 /// step runs the GradScaler loop on `loss(model, step, amp)`, the scaler enabled only with
 /// `mode.loss_scaling` (disabled, it is an exact pass-through: a plain optimizer step). Every
-/// step but the first (the untimed warm-up) is timed; peak heap counts from model creation.
+/// step but the first (the untimed warm-up) is timed; peak memory ([`Peak`]) counts from model
+/// creation.
 pub fn run_mode<M, O: Optimizer>(
     mode: &Mode,
     init: &Init,
@@ -429,8 +512,7 @@ pub fn run_mode<M, O: Optimizer>(
     optimizer: impl FnOnce(Vec<Var>) -> Result<O>,
     mut loss: impl FnMut(&M, usize, bool) -> Result<Tensor<F32>>,
 ) -> Result<ModeResult> {
-    let base = live_bytes();
-    reset_peak();
+    let peak = Peak::start(dev)?;
 
     let mut vars = VarMap::new();
     let model = build(&VarBuilder::from_varmap(&vars, DType::F32, dev))?;
@@ -476,7 +558,7 @@ pub fn run_mode<M, O: Optimizer>(
 
     Ok(ModeResult {
         ms_per_step,
-        peak_bytes: peak_since(base),
+        peak_bytes: peak.bytes()?,
         final_loss,
         skipped_steps: scaler.skipped_steps(),
         final_scale: scaler.scale_value(),

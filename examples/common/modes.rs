@@ -42,13 +42,13 @@ pub struct ModeResult {
 
 /// `steps` steps of `loss(opt, step)` in `mode`, with the GradScaler loop (enabled for fp16
 /// only: bf16 has f32's range and, as in PyTorch, no loss scaling); `loss` may set the
-/// optimizer's rate first. The first step is the untimed warm-up; the peak counts from `base`
+/// optimizer's rate first. The first step is the untimed warm-up; the peak counts from `peak`'s start
 /// (read before the model was made). `quiet` hides the progress bar.
 pub fn run_steps<O: Optimizer>(
     mode: Mode,
     steps: usize,
     quiet: bool,
-    base: usize,
+    peak: &super::Peak,
     opt: &mut O,
     mut loss: impl FnMut(&mut O, usize) -> Result<Tensor<F32>>,
 ) -> Result<ModeResult> {
@@ -72,7 +72,7 @@ pub fn run_steps<O: Optimizer>(
     Ok(ModeResult {
         ms_per_step: start.elapsed().as_secs_f64() * 1e3 / timed as f64,
         final_loss: super::mean_tail(&losses),
-        peak_bytes: super::peak_since(base),
+        peak_bytes: peak.bytes()?,
         skipped_steps: scaler.skipped_steps(),
         losses,
     })
@@ -80,7 +80,7 @@ pub fn run_steps<O: Optimizer>(
 
 /// The comparison table, one row per mode.
 pub fn print_table(results: &[(Mode, ModeResult)]) {
-    println!("| mode | ms per step | final loss | peak heap MiB | skipped steps |");
+    println!("| mode | ms per step | final loss | peak MiB | skipped steps |");
     println!("|------|-------------|------------|---------------|---------------|");
     for (mode, r) in results {
         println!(
