@@ -14,6 +14,9 @@
 //! the same ops run on CUDA (`batch_norm.cu`, the `cuda` submodule): the same sums (f32 per thread, f64 per
 //! block) and affine pass; other devices keep the composition of candle ops in
 //! `nn::BatchNorm2d`.
+//!
+//! The layers' bias add ([`bias_add`]) lives here too: the affine pass with a unit scale on any
+//! dimension, its gradient the per-channel sums of the statistics pass.
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -451,15 +454,15 @@ pub(crate) fn bias_supported(y: &Tensor, bias: &Tensor) -> bool {
 /// `y + bias` for an f32 `bias` of one value per index of dimension `dim` of `y`: the bias
 /// rounded to `y`'s dtype (the cast autocast gives a lower-precision op's bias, as the fused
 /// CPU layers do), each sum computed in f32 and rounded once to `y`'s dtype, as one op with
-/// its own backward. The
-/// bias's gradient is summed per channel in f32 runs and f64 totals (the batch-norm sums);
-/// composed of candle ops, the broadcast bias would be a full-size node of the graph and
-/// candle would sum its gradient in the gradient's dtype (half under autocast).
+/// its own backward. The bias's gradient is summed per channel in f32 runs and f64 totals (the
+/// batch-norm sums); composed of candle ops, the broadcast bias would be a full-size node of the
+/// graph and candle would sum its gradient in the gradient's dtype (half under autocast).
 pub(crate) fn bias_add(y: &Tensor, bias: &Tensor, dim: usize) -> Result<Tensor> {
     y.contiguous()?.apply_op2(bias, BiasAdd { dim })
 }
 
-/// The op of [`bias_add`]; its forwards also finish the pointwise convolution's op.
+/// The op of [`bias_add`]; its forwards also finish the ops of the pointwise convolution off
+/// the CPU and of `Linear` on CUDA.
 pub(crate) struct BiasAdd {
     pub dim: usize,
 }
