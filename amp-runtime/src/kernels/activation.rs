@@ -253,12 +253,14 @@ impl CustomOp2 for ActivationGrad {
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{CudaStorage, Layout, Result, Shape};
 
     use super::Form;
-    use crate::kernels::cuda::{address, alloc, code, out_address, ACTIVATION};
+    use crate::kernels::cuda::{
+        address, address_like, alloc, code, grid_stride, out_address, ACTIVATION,
+    };
 
     const THREADS: u32 = 256;
 
@@ -278,18 +280,7 @@ mod cuda {
         let stream = dev.cuda_stream();
         let dt = code(x.dtype())?;
         let (xp, _x_guard) = address(x, lx, &stream)?;
-        let (dyp, _dy_guard) = match dy {
-            Some((s, l)) => {
-                if s.dtype() != x.dtype() || l.shape() != lx.shape() {
-                    candle_core::bail!(
-                        "activation grad: the gradient and x differ in dtype or shape"
-                    )
-                }
-                let (p, guard) = address(s, l, &stream)?;
-                (p, Some(guard))
-            }
-            None => (0u64, None),
-        };
+        let (dyp, _dy_guard) = address_like(dy, x, lx, &stream)?;
         let (out_ptr, out_guard) = out_address(&mut out, &stream);
         let form: i32 = match form {
             Form::Tanh => 0,
@@ -298,14 +289,8 @@ mod cuda {
             Form::Relu => 3,
         };
         let n64 = n as u64;
-        let blocks = n64.div_ceil(u64::from(THREADS)).min(1 << 16) as u32;
         let func =
             dev.get_or_load_custom_func("amp_activation", ACTIVATION.name, ACTIVATION.ptx()?)?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let mut builder = func.builder();
         builder.arg(&xp);
         builder.arg(&dyp);
@@ -316,7 +301,7 @@ mod cuda {
         // SAFETY: the arguments match `amp_activation`; `xp`, `dyp` (when not null) and
         // `out_ptr` address `n` values of the kernel's dtype in storages held for the launch
         // (`out` freshly allocated, distinct from the inputs).
-        unsafe { builder.launch(cfg) }.w()?;
+        unsafe { builder.launch(grid_stride(n64, THREADS)) }.w()?;
         drop(out_guard); // ends the borrow of `out`
         Ok((out, lx.shape().clone()))
     }

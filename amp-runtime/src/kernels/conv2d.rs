@@ -106,17 +106,16 @@ fn pointwise(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
 /// several), so that its sum over the batch is the BLAS's f32-accumulated one: a batched
 /// product's gradient would sum the per-image gradients in the input's (half) precision.
 fn pointwise_product(x: &Tensor, k: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let (x, k) = (x.contiguous()?, k.contiguous()?);
-    match bias {
-        Some(b) => x.apply_op3(&k, &b.contiguous()?, Pointwise),
-        None => x.apply_op2(&k, Pointwise),
-    }
+    super::matmul::fused::<Pointwise>(x, k, bias)
 }
 
-/// The op of [`pointwise_product`]: `(x, k)` or `(x, k, bias)`.
+/// The product of [`pointwise_product`].
 struct Pointwise;
 
-impl Pointwise {
+impl super::matmul::Product for Pointwise {
+    const NAME: &'static str = "amp-pointwise-conv";
+    const NAME_WITH_BIAS: &'static str = "amp-pointwise-conv-bias";
+
     /// `k (c_out, c_in) x x[i] (c_in, h*w)` for every image `i`, on any backend's matmul.
     fn product<S: candle_core::backend::BackendStorage>(
         x: &S,
@@ -156,7 +155,7 @@ impl Pointwise {
             };
             per_image.matmul(&dy3)?.reshape((b, c_in, h, w))
         })?;
-        let dk = wanted(k, || {
+        let dk = offer(k, || {
             // The images side by side: one product sums the batch in f32.
             let columns = |t: &Tensor, c: usize| -> Result<Tensor> {
                 if b == 1 {
@@ -173,91 +172,6 @@ impl Pointwise {
                 .reshape((c_out, c_in, 1, 1))
         })?;
         Ok((dx, dk))
-    }
-}
-
-impl CustomOp2 for Pointwise {
-    fn name(&self) -> &'static str {
-        "amp-pointwise-conv"
-    }
-
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        lx: &Layout,
-        k: &CpuStorage,
-        lk: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        Self::product(x, lx, k, lk)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        lx: &Layout,
-        k: &candle_core::CudaStorage,
-        lk: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Self::product(x, lx, k, lk)
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        k: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        Self::grads(x, k, dy)
-    }
-}
-
-impl CustomOp3 for Pointwise {
-    fn name(&self) -> &'static str {
-        "amp-pointwise-conv-bias"
-    }
-
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        lx: &Layout,
-        k: &CpuStorage,
-        lk: &Layout,
-        bias: &CpuStorage,
-        lb: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (y, shape) = Self::product(x, lx, k, lk)?;
-        super::batch_norm::BiasAdd { dim: 1 }.cpu_fwd(&y, &Layout::contiguous(&shape), bias, lb)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        lx: &Layout,
-        k: &candle_core::CudaStorage,
-        lk: &Layout,
-        bias: &candle_core::CudaStorage,
-        lb: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (y, shape) = Self::product(x, lx, k, lk)?;
-        super::batch_norm::BiasAdd { dim: 1 }.cuda_fwd(&y, &Layout::contiguous(&shape), bias, lb)
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        k: &Tensor,
-        bias: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dk) = Self::grads(x, k, dy)?;
-        let db = wanted(bias, || {
-            super::batch_norm::channel_sums(dy, 1, bias.shape())
-        })?;
-        Ok((dx, dk, db))
     }
 }
 

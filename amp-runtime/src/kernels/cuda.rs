@@ -98,6 +98,35 @@ pub(crate) fn address<'a>(
     ))
 }
 
+/// The address of an optional array read beside `x` (a gradient), which must have `x`'s dtype
+/// and shape: 0 and no guard when there is none.
+pub(crate) fn address_like<'a>(
+    array: Option<(&'a CudaStorage, &Layout)>,
+    x: &CudaStorage,
+    lx: &Layout,
+    stream: &'a CudaStream,
+) -> Result<(u64, Option<SyncOnDrop<'a>>)> {
+    let Some((s, l)) = array else {
+        return Ok((0, None));
+    };
+    if s.dtype() != x.dtype() || l.shape() != lx.shape() {
+        candle_core::bail!("cuda kernel: the gradient and the input differ in dtype or shape")
+    }
+    let (p, guard) = address(s, l, stream)?;
+    Ok((p, Some(guard)))
+}
+
+/// The launch of a grid-stride loop over `n` values: `threads` per block, enough blocks to fill
+/// the GPU, at most one per `threads` values.
+pub(crate) fn grid_stride(n: u64, threads: u32) -> LaunchConfig {
+    let blocks = n.div_ceil(u64::from(threads)).min(1 << 16) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// A fresh storage of `len` values of `dtype` (f32, f16 or bf16), to be written whole by the
 /// caller's kernel before anything reads it.
 pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaStorage> {

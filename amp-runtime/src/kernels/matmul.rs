@@ -8,6 +8,7 @@
 //! `grad_a = grad * b^T` and `grad_b = a^T * grad`, are this same op on transposed views
 //! (strides swapped, nothing copied).
 
+use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 
 use super::gemm::{gemm, gemm_uninit, GemmElem, MatRef};
@@ -95,7 +96,7 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
             None => x.apply_op2(w, HalfLinear),
         }
     } else if x.device().is_cuda() && (half || x.dtype() == DType::F32) && masters && shapes {
-        master_linear(x, w, b)
+        fused::<MasterLinear>(x, w, b)
     } else {
         let y = x.matmul(&super::to_dtype(w, x.dtype())?.t()?)?;
         match b {
@@ -105,12 +106,114 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
     }
 }
 
-/// [`MasterLinear`] on `x (rows, in)`, `w (out, in)` and `b (out)`, f32 masters.
-fn master_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+/// A product op whose forward is the backend's matmul on storages (no graph node but its own),
+/// with an optional f32 bias added along dimension 1 of its output by the bias add's forward:
+/// [`MasterLinear`] and the pointwise convolution off the CPU. [`Fused`] makes it a candle op
+/// on `(x, w)` or `(x, w, bias)`.
+pub(crate) trait Product: Send + Sync + 'static {
+    const NAME: &'static str;
+    const NAME_WITH_BIAS: &'static str;
+
+    /// The product of `x` and `w` on any backend (CPU storages in the tests, CUDA in use).
+    fn product<S: BackendStorage>(x: &S, lx: &Layout, w: &S, lw: &Layout) -> Result<(S, Shape)>;
+
+    /// The gradients of `x` and `w` from the output's gradient `grad`.
+    fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)>;
+}
+
+/// The product `P` of `x` and `w` (contiguous), plus `bias` when given, as one graph node; the
+/// bias's gradient is its per-channel f32 sums, offered to the scaler's collector.
+pub(crate) fn fused<P: Product>(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let (x, w) = (x.contiguous()?, w.contiguous()?);
-    match b {
-        Some(b) => x.apply_op3(&w, &b.contiguous()?, MasterLinear),
-        None => x.apply_op2(&w, MasterLinear),
+    match bias {
+        Some(b) => x.apply_op3(&w, &b.contiguous()?, Fused::<P>(PhantomData)),
+        None => x.apply_op2(&w, Fused::<P>(PhantomData)),
+    }
+}
+
+/// The candle op of a [`Product`].
+struct Fused<P>(PhantomData<P>);
+
+impl<P: Product> CustomOp2 for Fused<P> {
+    fn name(&self) -> &'static str {
+        P::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        P::product(x, lx, w, lw)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        P::product(x, lx, w, lw)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        P::grads(x, w, grad)
+    }
+}
+
+impl<P: Product> CustomOp3 for Fused<P> {
+    fn name(&self) -> &'static str {
+        P::NAME_WITH_BIAS
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (y, shape) = P::product(x, lx, w, lw)?;
+        super::batch_norm::BiasAdd { dim: 1 }.cpu_fwd(&y, &Layout::contiguous(&shape), b, lb)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (y, shape) = P::product(x, lx, w, lw)?;
+        super::batch_norm::BiasAdd { dim: 1 }.cuda_fwd(&y, &Layout::contiguous(&shape), b, lb)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (gx, gw) = P::grads(x, w, grad)?;
+        let gb = offer(b, || super::batch_norm::channel_sums(grad, 1, b.shape()))?;
+        Ok((gx, gw, gb))
     }
 }
 
@@ -125,7 +228,10 @@ fn master_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 /// scaler's collector ([`offer`]) past candle's accumulation.
 struct MasterLinear;
 
-impl MasterLinear {
+impl Product for MasterLinear {
+    const NAME: &'static str = "amp-master-linear";
+    const NAME_WITH_BIAS: &'static str = "amp-master-linear-bias";
+
     /// `x (rows, in) * w^T` with `w` rounded to `x`'s dtype.
     fn product<S: BackendStorage>(x: &S, lx: &Layout, w: &S, lw: &Layout) -> Result<(S, Shape)> {
         let (&[rows, k], &[out, k_w]) = (lx.dims(), lw.dims()) else {
@@ -151,89 +257,6 @@ impl MasterLinear {
         })?;
         let grad_w = offer(w, || grad.t()?.matmul(x)?.to_dtype(w.dtype()))?;
         Ok((grad_x, grad_w))
-    }
-}
-
-impl CustomOp2 for MasterLinear {
-    fn name(&self) -> &'static str {
-        "amp-master-linear"
-    }
-
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        lx: &Layout,
-        w: &CpuStorage,
-        lw: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        Self::product(x, lx, w, lw)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        lx: &Layout,
-        w: &candle_core::CudaStorage,
-        lw: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Self::product(x, lx, w, lw)
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        Self::grads(x, w, grad)
-    }
-}
-
-impl CustomOp3 for MasterLinear {
-    fn name(&self) -> &'static str {
-        "amp-master-linear-bias"
-    }
-
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        lx: &Layout,
-        w: &CpuStorage,
-        lw: &Layout,
-        b: &CpuStorage,
-        lb: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (y, shape) = Self::product(x, lx, w, lw)?;
-        super::batch_norm::BiasAdd { dim: 1 }.cpu_fwd(&y, &Layout::contiguous(&shape), b, lb)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        lx: &Layout,
-        w: &candle_core::CudaStorage,
-        lw: &Layout,
-        b: &candle_core::CudaStorage,
-        lb: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (y, shape) = Self::product(x, lx, w, lw)?;
-        super::batch_norm::BiasAdd { dim: 1 }.cuda_fwd(&y, &Layout::contiguous(&shape), b, lb)
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        b: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (gx, gw) = Self::grads(x, w, grad)?;
-        let gb = offer(b, || super::batch_norm::channel_sums(grad, 1, b.shape()))?;
-        Ok((gx, gw, gb))
     }
 }
 
@@ -634,7 +657,7 @@ mod tests {
                     Var::from_tensor(&Tensor::randn(0f32, 1., (37, 19), &dev)?.to_dtype(dtype)?)?;
                 let w = Var::randn(0f32, 1., (11, 19), &dev)?;
                 let b = Var::randn(0f32, 1., 11, &dev)?;
-                let ours = master_linear(&x, &w, bias.then_some(b.as_tensor()))?;
+                let ours = fused::<MasterLinear>(&x, &w, bias.then_some(b.as_tensor()))?;
                 assert_eq!((ours.dtype(), ours.dims()), (dtype, &[37, 11][..]));
                 let product = x.matmul(&w.to_dtype(dtype)?.t()?)?;
                 let theirs = if bias {

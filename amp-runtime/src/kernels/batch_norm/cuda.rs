@@ -11,7 +11,9 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
 
 use super::Geometry;
-use crate::kernels::cuda::{address, alloc, code, out_address, BATCH_NORM};
+use crate::kernels::cuda::{
+    address, address_like, alloc, code, grid_stride, out_address, BATCH_NORM,
+};
 
 /// `AMP_BN_THREADS` in batch_norm.cu.
 const THREADS: u32 = 256;
@@ -58,16 +60,7 @@ pub(super) fn sums(
     let stream = dev.cuda_stream();
     let dt = code(x.dtype())?;
     let (xp, _x_guard) = address(x, lx, &stream)?;
-    let (dyp, _dy_guard) = match dy {
-        Some((s, l)) => {
-            if s.dtype() != x.dtype() || l.shape() != lx.shape() {
-                candle_core::bail!("batch norm kernel: dy and x differ in dtype or shape")
-            }
-            let (p, guard) = address(s, l, &stream)?;
-            (p, Some(guard))
-        }
-        None => (0u64, None),
-    };
+    let (dyp, _dy_guard) = address_like(dy, x, lx, &stream)?;
     let splits = count.div_ceil(u64::from(THREADS) * PER_THREAD).min(65_535);
     let per_split = count.div_ceil(splits);
     let (d_center, d_scale) = (dev.clone_htod(center)?, dev.clone_htod(scale)?);
@@ -158,19 +151,16 @@ impl Apply<'_> {
                 (p, Some(guard))
             }
         };
+        let (dyp, _dy_guard) = address_like(self.dy.map(|(s, l, _)| (s, l)), x, lx, &stream)?;
         let host_k;
-        let (dyp, kp, _dy_guard, _k_guard) = match self.dy {
-            Some((s, l, k)) => {
-                if s.dtype() != x.dtype() || l.shape() != lx.shape() {
-                    candle_core::bail!("batch norm kernel: dy and x differ in dtype or shape")
-                }
+        let (kp, _k_guard) = match self.dy {
+            Some((_, _, k)) => {
                 per_channel("k", k.len())?;
-                let (p, dy_guard) = address(s, l, &stream)?;
                 host_k = dev.clone_htod(k)?;
                 let (kp, k_guard) = host_k.device_ptr(&stream);
-                (p, kp, Some(dy_guard), Some(k_guard))
+                (kp, Some(k_guard))
             }
-            None => (0u64, 0u64, None, None),
+            None => (0u64, None),
         };
         let (d_center, d_scale) = (dev.clone_htod(self.center)?, dev.clone_htod(self.scale)?);
         let (out_ptr, out_guard) = out_address(&mut out, &stream);
@@ -231,14 +221,7 @@ pub(super) fn bias_add(
     let (out_ptr, out_guard) = out_address(&mut out, &stream);
     let channels = u32::try_from(g.c).map_err(|_| too_many("channels"))?;
     let (inner, total) = (g.hw as u64, total as u64);
-    // A grid-stride loop: enough blocks to fill the GPU, at most one per THREADS values.
-    let blocks = total.div_ceil(u64::from(THREADS)).min(1 << 16) as u32;
     let func = dev.get_or_load_custom_func("amp_bias_add", BATCH_NORM.name, BATCH_NORM.ptx()?)?;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
     let mut builder = func.builder();
     builder.arg(&yp);
     builder.arg(&out_ptr);
@@ -250,7 +233,7 @@ pub(super) fn bias_add(
     // SAFETY: the arguments match `amp_bias_add`; `yp` and `out_ptr` address `total` values of
     // the kernel's dtype in storages held for the launch (`out` freshly allocated), `bp`
     // `channels` f32 values (checked by `f32_address`).
-    unsafe { builder.launch(cfg) }.w()?;
+    unsafe { builder.launch(grid_stride(total, THREADS)) }.w()?;
     drop(out_guard); // ends the borrow of `out`
     Ok((out, ly.shape().clone()))
 }
