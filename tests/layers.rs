@@ -958,17 +958,19 @@ fn layer_norm_takes_candle_nn_configs_and_linear_b_its_bias_flag() -> Result<()>
 
 // ---- The scaler's backward takes the masters' gradients straight from the ops. ----
 
-/// Half `Linear`, conv2d and `Embedding` hand their variables' gradients to the scaler's backward directly
-/// (sparing candle's zeros-and-add per weight): the gradients are the ones candle's own backward
-/// computes, for a weight used twice, a weight also used by a candle op, a kernel computed from
-/// a variable (not a leaf: its gradient must flow on to the variable), and an embedding table
-/// looked up with repeated ids.
+/// Half `Linear`, conv2d, batch and layer norm and `Embedding` hand their variables' gradients
+/// to the scaler's backward directly (sparing candle's zeros-and-add per weight): the gradients
+/// are the ones candle's own backward computes, for a weight used twice, a weight also used by a
+/// candle op, a kernel computed from a variable (not a leaf: its gradient must flow on to the
+/// variable), the norms' scales and shifts, and an embedding table looked up with repeated ids.
 #[test]
 fn the_scaler_s_backward_gives_candle_s_gradients() -> Result<()> {
     let (map, vb) = vars();
     let fc = nn::linear(8, 8, vb.pp("fc"))?;
     let conv = nn::conv2d(2, 4, 1, nn::Conv2dConfig::default(), vb.pp("conv"))?;
     let emb = nn::embedding(6, 8, vb.pp("emb"))?;
+    let bn = nn::batch_norm2d(4, 1e-5, vb.pp("bn"))?;
+    let ln = nn::layer_norm(8, 1e-5, vb.pp("ln"))?;
     let ids = candle_core::Tensor::new(&[[4u32, 1, 4], [0, 5, 4]], &dev())?;
     let raw = Var::randn(0f32, 0.5, (3, 2, 1, 1), &dev())?;
     let x = Tensor::<F32>::randn(0.0, 1.0, (3, 8), &dev())?;
@@ -976,19 +978,27 @@ fn the_scaler_s_backward_gives_candle_s_gradients() -> Result<()> {
     let loss = || -> Result<candle_core::Tensor> {
         let h = fc.forward(&fc.forward(&x.cast::<BF16>()?)?.relu()?)?;
         let c = conv.forward(&img.cast::<BF16>()?)?;
+        let c = (&c + &bn.forward_t(&c, true)?.relu()?)?;
+        let normed = ln
+            .forward(&h.cast::<F32>()?)?
+            .as_candle()
+            .sqr()?
+            .sum_all()?;
         let k = Tensor::<F32>::from_candle((raw.as_tensor() * 2.0)?)?.cast::<BF16>()?;
         let d = img.cast::<BF16>()?.conv2d(&k, 0, 1, 1, 1)?;
         let sum = |t: Tensor<BF16>| t.cast::<F32>()?.as_candle().sum_all();
         let tied = fc.weight().as_tensor().sqr()?.sum_all()?;
         let e = (emb.forward(&ids)?.as_candle().sqr()?.sum_all()? * 0.1)?;
-        ((sum(h)? + sum(c)?)? + (sum(d)? + tied)?)? + e
+        (((sum(h)? + sum(c)?)? + (sum(d)? + tied)?)? + e)? + normed
     };
     let plain = loss()?.backward()?;
     let scaler = candle_amp::GradScaler::builder().enabled(false).build()?;
     let scaled = scaler.scale(&loss()?)?.backward()?;
     let mut vars = map.all_vars();
     vars.push(raw.clone());
-    assert_eq!(vars.len(), 6);
+    // The running statistics are variables without a gradient.
+    vars.retain(|v| plain.get(v).is_some());
+    assert_eq!(vars.len(), 10);
     for var in &vars {
         let want = plain.get(var).expect("candle's gradient");
         let got = scaled.get(var).expect("the scaler's gradient");

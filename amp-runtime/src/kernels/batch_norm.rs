@@ -286,8 +286,8 @@ impl CustomOp3 for Normalisation {
         };
         Ok((
             dx,
-            wanted(weight, || per_channel(sum_dy_xhat))?,
-            wanted(bias, || per_channel(sum_dy))?,
+            offer(weight, || per_channel(sum_dy_xhat))?,
+            offer(bias, || per_channel(sum_dy))?,
         ))
     }
 }

@@ -9,7 +9,7 @@
 //! `db = sum over rows of dy` (PyTorch's `native_layer_norm_backward`), in one pass over the
 //! rows.
 
-use super::leaf_grads::wanted;
+use super::leaf_grads::{offer, wanted};
 use super::{parallel, Real};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
@@ -126,8 +126,8 @@ impl CustomOp3 for LayerNorm {
                 x.dtype(),
             )
         })?;
-        let dw = wanted(w, || grads.narrow(0, rows * n, n))?;
-        let db = wanted(b, || grads.narrow(0, rows * n + n, n))?;
+        let dw = offer(w, || grads.narrow(0, rows * n, n))?;
+        let db = offer(b, || grads.narrow(0, rows * n + n, n))?;
         Ok((dx, dw, db))
     }
 }

@@ -6,7 +6,7 @@
 //! each weight, a memset and an add of the weight's size per step (a tenth of the `amp_recipe`
 //! bf16 step's CPU time on 2 cores). While a [`Collect`] is alive on a thread (the scaler's
 //! `ScaledLoss::backward` holds one around candle's `backward`), this crate's ops with their own
-//! backward (half `Linear`, conv2d, `Embedding`) give the gradients of their *variable*
+//! backward (half `Linear`, conv2d, the bias add, layer and batch norm, `Embedding`) give the gradients of their *variable*
 //! operands to [`offer`] instead of returning them to candle: they are kept here (added together
 //! when a variable feeds several such ops) and handed to the scaler when the backward ends, which adds any
 //! gradient candle computed for the same variable through other ops. A variable's gradient is
