@@ -1017,3 +1017,185 @@ fn the_scaler_s_backward_gives_candle_s_gradients() -> Result<()> {
     assert!(vars.iter().all(|v| again.get(v).is_some()));
     Ok(())
 }
+
+// ---- ConvBn2d: a conv and its batch norm, the conv's sums normalised before any rounding. ----
+
+/// A `ConvBn2d` and the two layers it pairs, sharing their variables.
+fn conv_bn(c_in: usize, c_out: usize, k: usize, vb: &VarBuilder) -> Result<nn::ConvBn2d> {
+    let cfg = nn::Conv2dConfig {
+        padding: k / 2,
+        ..Default::default()
+    };
+    nn::ConvBn2d::new(
+        nn::conv2d(c_in, c_out, k, cfg, vb.pp("conv"))?,
+        nn::batch_norm2d(c_out, 1e-5, vb.pp("bn"))?,
+    )
+}
+
+/// Conv outputs far from zero against their spread, as a trained conv's often are: the pair
+/// of layers rounds them to bf16 before subtracting the mean, which leaves errors of a quarter
+/// of the normalised unit; `ConvBn2d` is within bf16's rounding of its own output against
+/// f64 on the same bf16 operands, in training and in eval mode.
+#[test]
+fn conv_bn_normalises_the_conv_s_sums_before_rounding() -> Result<()> {
+    let (_map, vb) = vars();
+    let block = conv_bn(4, 2, 1, &vb)?;
+    let (w, b) = (block.conv().weight(), block.conv().bias().expect("a bias"));
+    // Sums near 240 (bf16 steps of 1 there) with a spread of about 2.
+    w.set(&candle_core::Tensor::ones(
+        (2, 4, 1, 1),
+        DType::F32,
+        &dev(),
+    )?)?;
+    b.set(&candle_core::Tensor::new(&[0.5f32, -3.0], &dev())?)?;
+    let values: Vec<f32> = (0..4 * 64)
+        .map(|i| 60.0 + ((i * 37) % 11) as f32 * 0.25)
+        .collect();
+    let x = Tensor::<F32>::from_vec(values, (1, 4, 8, 8), &dev())?.cast::<BF16>()?;
+    let x64: Vec<f64> = x.to_flat_vec::<f32>()?.into_iter().map(f64::from).collect();
+    // f64: y = sum over channels + bias, normalised with the batch's statistics (biased var).
+    let y: Vec<Vec<f64>> = [0.5, -3.0]
+        .iter()
+        .map(|&bias| {
+            (0..64)
+                .map(|p| (0..4).map(|c| x64[c * 64 + p]).sum::<f64>() + f64::from(bias as f32))
+                .collect()
+        })
+        .collect();
+    let normalised = |ys: &[f64], mean: f64, var: f64| -> Vec<f64> {
+        ys.iter()
+            .map(|v| (v - mean) / (var + 1e-5).sqrt())
+            .collect()
+    };
+    let expected: Vec<f64> = y
+        .iter()
+        .flat_map(|ys| {
+            let mean = ys.iter().sum::<f64>() / 64.0;
+            let var = ys.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 64.0;
+            normalised(ys, mean, var)
+        })
+        .collect();
+    let worst = |got: &Tensor<BF16>, want: &[f64]| -> Result<f64> {
+        let got = got.to_flat_vec::<f32>()?;
+        Ok(got
+            .iter()
+            .zip(want)
+            .map(|(g, w)| (f64::from(*g) - w).abs() / w.abs().max(1.0))
+            .fold(0.0, f64::max))
+    };
+    let fused = block.forward_t(&x, true)?;
+    assert_eq!(fused.dtype(), DType::BF16);
+    // Relative to max(1, |z|): bf16 rounds by at most 2^-9 of |z|.
+    assert!(
+        worst(&fused, &expected)? < 4e-3,
+        "{}",
+        worst(&fused, &expected)?
+    );
+    let pair = block.bn().forward_t(&block.conv().forward(&x)?, true)?;
+    assert!(
+        worst(&pair, &expected)? > 0.1,
+        "{}",
+        worst(&pair, &expected)?
+    );
+    // Eval mode normalises with the running statistics, also before rounding.
+    let (rm, rv) = (
+        block.bn().running_mean().to_vec1::<f32>()?,
+        block.bn().running_var().to_vec1::<f32>()?,
+    );
+    let expected: Vec<f64> = y
+        .iter()
+        .zip(rm.iter().zip(&rv))
+        .flat_map(|(ys, (&m, &v))| normalised(ys, f64::from(m), f64::from(v)))
+        .collect();
+    let eval = block.forward_t(&x, false)?;
+    assert!(
+        worst(&eval, &expected)? < 4e-3,
+        "{}",
+        worst(&eval, &expected)?
+    );
+    Ok(())
+}
+
+/// In f32 `ConvBn2d` is the pair of layers: outputs, the gradients of the input and of every
+/// variable, and the running statistics it leaves, for a padded 3x3 conv (training) and in
+/// eval mode; in bf16 its variables' gradients are f32 and within bf16's error of f32's.
+#[test]
+fn conv_bn_is_the_conv_then_the_batch_norm() -> Result<()> {
+    let (map, vb) = vars();
+    let block = conv_bn(3, 5, 3, &vb)?;
+    let gamma = candle_core::Tensor::new(&[1.5f32, -0.5, 2.0, 0.75, 1.0], &dev())?;
+    let beta = candle_core::Tensor::new(&[0.1f32, -0.2, 0.3, 0.0, 0.5], &dev())?;
+    for (name, t) in [("bn.weight", &gamma), ("bn.bias", &beta)] {
+        map.data().lock().expect("vars")[name].set(t)?;
+    }
+    let x = Var::randn(0f32, 1.0, (2, 3, 6, 7), &dev())?;
+    let weights = candle_core::Tensor::randn(0f32, 1.0, (2, 5, 6, 7), &dev())?;
+    let loss = |y: candle_core::Tensor| y.to_dtype(DType::F32)?.mul(&weights)?.sum_all();
+    let mut tracked: Vec<&Var> = block.vars();
+    tracked.push(&x);
+    assert_eq!(tracked.len(), 5);
+    let running = |bn: &nn::BatchNorm2d| -> Result<Vec<f32>> {
+        Ok([
+            bn.running_mean().to_vec1::<f32>()?,
+            bn.running_var().to_vec1::<f32>()?,
+        ]
+        .concat())
+    };
+    let start = running(block.bn())?;
+    let reset = |bn: &nn::BatchNorm2d| -> Result<()> {
+        bn.running_mean()
+            .set(&candle_core::Tensor::new(&start[..5], &dev())?)?;
+        bn.running_var()
+            .set(&candle_core::Tensor::new(&start[5..], &dev())?)
+    };
+    for train in [true, false] {
+        let x32 = Tensor::<F32>::from_candle(x.as_tensor().clone())?;
+        let fused = block.forward_t(&x32, train)?;
+        let after_fused = running(block.bn())?;
+        reset(block.bn())?;
+        let pair = block.bn().forward_t(&block.conv().forward(&x32)?, train)?;
+        let after_pair = running(block.bn())?;
+        let close = |a: &[f32], b: &[f32], what: &str| {
+            for (a, b) in a.iter().zip(b) {
+                assert!(
+                    (a - b).abs() <= 2e-5 * (1.0 + b.abs()),
+                    "{what} train={train}: {a} vs {b}"
+                );
+            }
+        };
+        close(&fused.to_flat_vec()?, &pair.to_flat_vec()?, "output");
+        close(&after_fused, &after_pair, "running statistics");
+        let (gf, gp) = (
+            loss(fused.into_candle())?.backward()?,
+            loss(pair.into_candle())?.backward()?,
+        );
+        for v in &tracked {
+            let (a, b) = (
+                gf.get(v).expect("a gradient"),
+                gp.get(v).expect("a gradient"),
+            );
+            close(
+                &a.flatten_all()?.to_vec1()?,
+                &b.flatten_all()?.to_vec1()?,
+                "gradient",
+            );
+        }
+        reset(block.bn())?;
+    }
+    // bf16: f32 gradients for the variables, near f32's.
+    let x16 = Tensor::<F32>::from_candle(x.as_tensor().clone())?.cast::<BF16>()?;
+    let g16 = loss(block.forward_t(&x16, true)?.into_candle())?.backward()?;
+    let x32 = Tensor::<F32>::from_candle(x.as_tensor().clone())?;
+    let g32 = loss(block.forward_t(&x32, true)?.into_candle())?.backward()?;
+    for v in block.vars() {
+        let (a, b) = (
+            g16.get(v).expect("a gradient"),
+            g32.get(v).expect("a gradient"),
+        );
+        assert_eq!(a.dtype(), DType::F32);
+        let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+        let err = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(err < 0.05 * scale, "{err} against {scale}");
+    }
+    Ok(())
+}

@@ -6,23 +6,32 @@ use candle_amp::{autocast, Policy, Tensor, F32};
 use candle_core::Result;
 use candle_nn::VarBuilder;
 
-/// Conv(2, h) + BN + ReLU, two hidden Conv(h, h) + BN + ReLU, Conv(h, 1): all 1x1.
+/// Conv(2, h) + BN + ReLU, two hidden Conv(h, h) + BN + ReLU, Conv(h, 1): all 1x1. Each conv
+/// and the batch norm after it are one `ConvBn2d`: the same layers and variables, the conv's
+/// output normalised before it is rounded to the region's precision.
 pub struct Model {
-    convs: Vec<nn::Conv2d>,
-    norms: Vec<nn::BatchNorm2d>,
+    blocks: Vec<nn::ConvBn2d>,
+    head: nn::Conv2d,
 }
 
 impl Model {
     pub fn new(hidden: usize, vb: &VarBuilder) -> Result<Self> {
         let cfg = nn::Conv2dConfig::default();
         let widths = [2, hidden, hidden, hidden, 1];
-        let convs = (0..4)
-            .map(|i| nn::conv2d(widths[i], widths[i + 1], 1, cfg, vb.pp(format!("conv{i}"))))
+        let conv =
+            |i: usize| nn::conv2d(widths[i], widths[i + 1], 1, cfg, vb.pp(format!("conv{i}")));
+        let blocks = (0..3)
+            .map(|i| {
+                nn::ConvBn2d::new(
+                    conv(i)?,
+                    nn::batch_norm2d(hidden, 1e-5, vb.pp(format!("bn{i}")))?,
+                )
+            })
             .collect::<Result<Vec<_>>>()?;
-        let norms = (0..3)
-            .map(|i| nn::batch_norm2d(hidden, 1e-5, vb.pp(format!("bn{i}"))))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self { convs, norms })
+        Ok(Self {
+            blocks,
+            head: conv(3)?,
+        })
     }
 
     /// The forward pass; `amp` switches autocast under the policy `Pol` on (`Bf16Policy`:
@@ -35,9 +44,9 @@ impl Model {
         amp: bool,
     ) -> Result<Tensor<F32>> {
         let mut h = x.clone();
-        for (conv, norm) in self.convs.iter().zip(&self.norms) {
-            h = norm.forward_t(&conv.forward(&h)?, train)?.relu()?;
+        for block in &self.blocks {
+            h = block.forward_t(&h, train)?.relu()?;
         }
-        self.convs[3].forward(&h)
+        self.head.forward(&h)
     }
 }

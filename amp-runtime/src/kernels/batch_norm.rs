@@ -18,8 +18,11 @@
 //! The layers' bias add ([`bias_add`]) lives here too: the affine pass with a unit scale on any
 //! dimension, its gradient the per-channel sums of the statistics pass.
 
+mod after_conv;
 #[cfg(feature = "cuda")]
 mod cuda;
+
+pub(crate) use after_conv::conv_batch_norm;
 
 use super::leaf_grads::{offer, wanted};
 use super::{parallel, Real};

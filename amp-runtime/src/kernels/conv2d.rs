@@ -176,7 +176,7 @@ impl super::matmul::Product for Pointwise {
 }
 
 /// Whether [`conv2d`] takes its own path: CPU, one float dtype, shapes candle accepts.
-fn handles(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
+pub(crate) fn handles(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
     let (&[_, c_in, h, w], &[c_out, c_in_g, kh, kw]) = (x.dims(), k.dims()) else {
         return false;
     };
@@ -492,9 +492,19 @@ impl Geometry {
 
     /// `y = conv(x, w) + bias`, `(batch, c_out, out_h, out_w)` in `T`.
     fn forward<T: GemmElem>(&self, x: &[T], w: &[T], bias: Option<&[T]>) -> Vec<T> {
+        self.forward_as(x, w, bias)
+    }
+
+    /// [`Self::forward`] with the f32 sums stored in `O` (`f32`: not rounded at all).
+    fn forward_as<T: GemmElem, O: Real + Send + Sync>(
+        &self,
+        x: &[T],
+        w: &[T],
+        bias: Option<&[T]>,
+    ) -> Vec<O> {
         let zero = T::put(0.0);
         let (rows, pw, cog) = (self.col_rows(), self.pixels(), self.c_out_g());
-        let mut y = vec![zero; self.batch * self.image_out()];
+        let mut y = vec![O::put(0.0); self.batch * self.image_out()];
         for start in (0..self.batch).step_by(self.chunk()) {
             let images = start..(start + self.chunk()).min(self.batch);
             let n = images.len() * pw;
@@ -505,17 +515,17 @@ impl Geometry {
                 // product goes to a buffer and is scattered per image.
                 let single = images.len() == 1;
                 let mut scratch = Vec::new();
-                let out: &mut [T] = if single {
+                let out: &mut [O] = if single {
                     &mut y[start * self.image_out() + g * cog * pw..][..cog * n]
                 } else {
-                    scratch.resize(cog * n, zero);
+                    scratch.resize(cog * n, O::put(0.0));
                     &mut scratch
                 };
                 // With a bias, each output row starts at its channel's bias and the product is
                 // accumulated onto it in f32: one rounding.
                 if let Some(bias) = bias {
                     for (row, &b) in out.chunks_mut(n.max(1)).zip(&bias[g * cog..][..cog]) {
-                        row.fill(b);
+                        row.fill(O::put(b.get()));
                     }
                 }
                 let wg = self.weight(w, g);
@@ -652,6 +662,57 @@ fn forward_storage(
     }))
 }
 
+/// The convolution of `x` by `k` (an f32 master of a half `x` rounded to `x`'s dtype, as the
+/// op does) plus `bias` (likewise), left in f32: the GEMM's sums before the rounding that
+/// [`conv2d`] gives them, for an op that normalises them first (`batch_norm::after_conv`).
+pub(crate) fn f32_sums(
+    (x, lx): (&CpuStorage, &Layout),
+    (k, lk): (&CpuStorage, &Layout),
+    bias: Option<(&CpuStorage, &Layout)>,
+    p: Conv2dParams,
+) -> Result<(Vec<f32>, Shape)> {
+    let geo = Geometry::new(lx.dims(), lk.dims(), p);
+    let (k, lk) = in_dtype_of(k, lk, x)?;
+    let bias = bias.map(|(b, lb)| in_dtype_of(b, lb, x)).transpose()?;
+    let sums = with_floats!("conv2d", x, lx, k.as_ref(), &lk, |x, w| {
+        let b = match &bias {
+            Some((s, l)) => Some(super::contiguous(s.as_ref().as_slice()?, l, "conv2d")?),
+            None => None,
+        };
+        geo.forward_as::<_, f32>(x, w, b)
+    });
+    Ok((sums, geo.out_shape()))
+}
+
+/// The input and kernel gradients of the convolution of `x` by `k` for the output gradient
+/// `grad` (in `x`'s dtype), as the op's backward computes them (each only if wanted; a
+/// variable kernel's offered to the scaler's collector).
+pub(crate) fn input_and_kernel_grads(
+    x: &Tensor,
+    k: &Tensor,
+    p: Conv2dParams,
+    grad: &Tensor,
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    let geo = Geometry::new(x.dims(), k.dims(), p);
+    let grad = grad.contiguous()?;
+    let grad_x = wanted(x, || {
+        // An f32 master kernel: the input gradient uses it rounded as the forward did.
+        let k_used = if k.dtype() == x.dtype() {
+            k.clone()
+        } else {
+            k.apply_op1_no_bwd(&super::convert::Convert(x.dtype()))?
+        };
+        k_used.apply_op2_no_bwd(&grad, &GradInput(geo))
+    })?;
+    let grad_k = offer(k, || x.apply_op2_no_bwd(&grad, &GradWeight(geo, k.dtype())))?;
+    Ok((grad_x, grad_k))
+}
+
+/// Per-channel sums of `grad (batch, channels, h, w)` in f32: a bias's gradient.
+pub(crate) fn channel_grad_sums(grad: &Tensor) -> Result<Tensor> {
+    grad.contiguous()?.apply_op1_no_bwd(&GradBias(DType::F32))
+}
+
 impl CustomOp2 for GemmConv2d {
     fn name(&self) -> &'static str {
         "amp-gemm-conv2d"
@@ -677,19 +738,7 @@ impl CustomOp2 for GemmConv2d {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let geo = Geometry::new(x.dims(), k.dims(), self.0);
-        let grad = grad.contiguous()?;
-        let grad_x = wanted(x, || {
-            // An f32 master kernel: the input gradient uses it rounded as the forward did.
-            let k_used = if k.dtype() == x.dtype() {
-                k.clone()
-            } else {
-                k.apply_op1_no_bwd(&super::convert::Convert(x.dtype()))?
-            };
-            k_used.apply_op2_no_bwd(&grad, &GradInput(geo))
-        })?;
-        let grad_k = offer(k, || x.apply_op2_no_bwd(&grad, &GradWeight(geo, k.dtype())))?;
-        Ok((grad_x, grad_k))
+        input_and_kernel_grads(x, k, self.0, grad)
     }
 }
 

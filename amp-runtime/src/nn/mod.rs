@@ -32,6 +32,7 @@
 
 mod candle;
 pub mod conv;
+pub mod conv_bn;
 pub mod dropout;
 pub mod embedding;
 pub mod linear;
@@ -45,6 +46,7 @@ pub use crate::loss;
 pub use candle_nn::Activation;
 pub use candle_nn::{BatchNormConfig, Conv1dConfig, Conv2dConfig, LayerNormConfig};
 pub use conv::{conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, Conv1d, Conv2d};
+pub use conv_bn::ConvBn2d;
 pub use dropout::Dropout;
 pub use embedding::{embedding, Embedding};
 pub use linear::{linear, linear_b, linear_no_bias, Linear};

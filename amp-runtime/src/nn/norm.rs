@@ -286,21 +286,7 @@ impl BatchNorm2d {
 
     /// `train` selects batch statistics (and updates the running ones) or running statistics.
     pub fn forward_t<P: Precision>(&self, x: &Tensor<P>, train: bool) -> Result<Tensor<P>> {
-        let (n, c, h, w) = x.as_candle().dims4().map_err(|_| {
-            candle_core::Error::Msg(format!(
-                "BatchNorm2d expects (batch, channels, h, w), got {:?}",
-                x.dims()
-            ))
-        })?;
-        if c != self.running_mean.dim(0)? {
-            candle_core::bail!(
-                "BatchNorm2d: input has {c} channels, the layer {}",
-                self.running_mean.dim(0)?
-            )
-        }
-        if train && n * h * w < 2 {
-            candle_core::bail!("BatchNorm2d: training needs more than one value per channel")
-        }
+        self.check_input(x.dims(), train)?;
         if kernels::batch_norm::supports(x.as_candle()) {
             self.forward_fused(x.as_candle(), train)
         } else {
@@ -309,17 +295,62 @@ impl BatchNorm2d {
         .and_then(Tensor::<P>::from_candle)
     }
 
+    /// The checks of an input of dimensions `dims`: `(batch, channels, h, w)` with the layer's
+    /// channels, and more than one value per channel to train on.
+    pub(crate) fn check_input(&self, dims: &[usize], train: bool) -> Result<()> {
+        let &[n, c, h, w] = dims else {
+            candle_core::bail!("BatchNorm2d expects (batch, channels, h, w), got {dims:?}")
+        };
+        if c != self.channels() {
+            candle_core::bail!(
+                "BatchNorm2d: input has {c} channels, the layer {}",
+                self.channels()
+            )
+        }
+        if train && n * h * w < 2 {
+            candle_core::bail!("BatchNorm2d: training needs more than one value per channel")
+        }
+        Ok(())
+    }
+
+    /// The number of channels.
+    pub fn channels(&self) -> usize {
+        self.running_mean.elem_count()
+    }
+
+    /// The f32 scale and shift, `None` without `affine`.
+    pub(crate) fn affine(&self) -> Option<(&Var, &Var)> {
+        self.weight.as_ref().zip(self.bias.as_ref())
+    }
+
+    /// `eps`, added to the variance.
+    pub(crate) fn eps(&self) -> f64 {
+        self.eps
+    }
+
+    /// The running mean and variance, as f32 values.
+    pub(crate) fn running_stats(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+        Ok((self.running_mean.to_vec1()?, self.running_var.to_vec1()?))
+    }
+
+    /// Folds a batch's per-channel mean and biased variance over `count` values per channel
+    /// into the running statistics (the variance made unbiased first, as PyTorch does).
+    pub(crate) fn record_batch(&self, mean: &[f64], var: &[f64], count: usize) -> Result<()> {
+        let dev = self.running_mean.device();
+        let to_tensor =
+            |v: &[f64]| candle_core::Tensor::from_iter(v.iter().map(|&v| v as f32), dev);
+        let count = count as f64;
+        let unbiased: Vec<f64> = var.iter().map(|v| v * count / (count - 1.0)).collect();
+        self.update_running(&to_tensor(mean)?, &to_tensor(&unbiased)?)
+    }
+
     /// The CPU and CUDA kernels: the graph keeps `x` and per-channel statistics, nothing else.
     fn forward_fused(&self, x: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
         let x = &x.contiguous()?; // once, for the statistics and the op
-        let c = self.running_mean.dim(0)?;
+        let c = self.channels();
         let (mean, var) = if train {
             let (mean, var) = kernels::batch_norm::channel_stats(x)?;
-            let to_tensor =
-                |v: &[f64]| candle_core::Tensor::from_iter(v.iter().map(|&v| v as f32), x.device());
-            let count = (x.elem_count() / c) as f64;
-            let unbiased: Vec<f64> = var.iter().map(|v| v * count / (count - 1.0)).collect();
-            self.update_running(&to_tensor(&mean)?, &to_tensor(&unbiased)?)?;
+            self.record_batch(&mean, &var, x.elem_count() / c)?;
             (mean, var)
         } else {
             let stat = |v: &Var| -> Result<Vec<f64>> {

@@ -1,0 +1,243 @@
+//! A convolution and the batch norm after it as one op (CPU): the convolution's f32 sums are
+//! normalised before anything is rounded.
+//!
+//! Under autocast the conv's output is rounded to half, and batch norm then subtracts each
+//! channel's mean from it. Where that mean is large against the channel's spread (conv outputs
+//! commonly sit a few spreads away from zero), the subtraction keeps few of the rounded value's
+//! bits: a bf16 value 20 spreads from zero carries an error of 20 * 2^-9 spreads, 4% of a
+//! normalised unit, where rounding the normalised value costs 2^-9 of it. This op normalises the
+//! GEMM's f32 sums and rounds only the batch norm's output; the graph keeps what the two ops
+//! keep (the conv's input and a half tensor the size of the output: here the normalised values
+//! instead of the conv's output, so that the backward does not subtract the mean again either)
+//! and one node instead of two, whose backward candle fills with a zero tensor and an add each.
+//! The gradient of the conv's output is rounded to half, as it is between the two ops.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
+
+use super::super::conv2d::{self, Conv2dParams};
+use super::super::leaf_grads::wanted;
+use super::super::{parallel, Real};
+use super::{stats, Geometry, GradSums, InputGrad, Normalisation};
+
+/// `batch_norm(conv2d(x, k) + conv_bias) * gamma + beta` for `params = [conv_bias, gamma, beta]`
+/// (f32, `(3, c_out)`), in `x`'s dtype; `k` may be the f32 master of a half `x` (rounded inside,
+/// as the conv op does). `running` gives the running mean and variance to normalise with
+/// (evaluation); without it the batch's own statistics are used and returned (mean and biased
+/// variance per channel) for the running-statistics update. CPU only, for the convolutions
+/// `conv2d::handles`.
+pub(crate) fn conv_batch_norm(
+    x: &Tensor,
+    k: &Tensor,
+    params: &Tensor,
+    conv: Conv2dParams,
+    eps: f64,
+    running: Option<(Vec<f32>, Vec<f32>)>,
+) -> Result<(Tensor, Option<BatchStats>)> {
+    let saved = Arc::new(Mutex::new(Saved::default()));
+    let op = ConvNorm {
+        conv,
+        eps,
+        running,
+        saved: Arc::clone(&saved),
+    };
+    let z = x
+        .contiguous()?
+        .apply_op3(&k.contiguous()?, &params.contiguous()?, op)?;
+    let batch = lock(&saved)?.batch.take();
+    Ok((z, batch))
+}
+
+/// A batch's per-channel mean and biased variance.
+pub(crate) type BatchStats = (Vec<f64>, Vec<f64>);
+
+/// What the forward leaves for the backward and the running statistics.
+#[derive(Default)]
+struct Saved {
+    /// `(y - mean) * invstd`, in `x`'s dtype.
+    xhat: Option<Tensor>,
+    invstd: Vec<f32>,
+    /// Training: the batch's mean and biased variance.
+    batch: Option<BatchStats>,
+}
+
+fn lock(saved: &Mutex<Saved>) -> Result<std::sync::MutexGuard<'_, Saved>> {
+    saved
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("conv + batch norm: state lock poisoned".into()))
+}
+
+struct ConvNorm {
+    conv: Conv2dParams,
+    eps: f64,
+    running: Option<(Vec<f32>, Vec<f32>)>,
+    saved: Arc<Mutex<Saved>>,
+}
+
+/// `(y - center) * scale + shift` per channel of the f32 `y`, each value rounded once to
+/// `dtype`: one pass, 64 values at a time through an f32 block.
+fn affine_rounded(
+    y: &[f32],
+    g: Geometry,
+    (center, scale, shift): (&[f32], &[f32], &[f32]),
+    dtype: DType,
+) -> CpuStorage {
+    fn pass<T: Real>(y: &[f32], g: Geometry, (m, s, b): (&[f32], &[f32], &[f32])) -> Vec<T> {
+        parallel::filled(y.len(), g.hw.max(1), |row, out: &mut [T]| {
+            let c = row % g.c;
+            let mut block = [0f32; 64];
+            for (ys, out) in y[row * g.hw..][..g.hw].chunks(64).zip(out.chunks_mut(64)) {
+                let block = &mut block[..ys.len()];
+                for (o, &v) in block.iter_mut().zip(ys) {
+                    *o = (v - m[c]) * s[c] + b[c];
+                }
+                T::narrow(block, out);
+            }
+        })
+    }
+    let per_channel = (center, scale, shift);
+    match dtype {
+        DType::BF16 => CpuStorage::BF16(pass(y, g, per_channel)),
+        DType::F16 => CpuStorage::F16(pass(y, g, per_channel)),
+        _ => CpuStorage::F32(pass(y, g, per_channel)),
+    }
+}
+
+/// A CPU storage as a tensor of `shape` (a copy).
+fn tensor(s: CpuStorage, shape: &Shape) -> Result<Tensor> {
+    let dev = &Device::Cpu;
+    match s {
+        CpuStorage::BF16(v) => Tensor::from_vec(v, shape, dev),
+        CpuStorage::F16(v) => Tensor::from_vec(v, shape, dev),
+        CpuStorage::F32(v) => Tensor::from_vec(v, shape, dev),
+        other => candle_core::bail!("conv + batch norm: unexpected {:?}", other.dtype()),
+    }
+}
+
+impl CustomOp3 for ConvNorm {
+    fn name(&self) -> &'static str {
+        "amp-conv-batch-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        k: &CpuStorage,
+        lk: &Layout,
+        params: &CpuStorage,
+        lp: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let CpuStorage::F32(p) = params else {
+            candle_core::bail!("conv + batch norm: the parameters must be f32")
+        };
+        let p = super::super::contiguous(p, lp, "conv + batch norm")?;
+        let c = lk.dims()[0];
+        if p.len() != 3 * c {
+            candle_core::bail!("conv + batch norm: {} parameters for {c} channels", p.len())
+        }
+        let (conv_bias, gamma, beta) = (&p[..c], &p[c..2 * c], &p[2 * c..]);
+        let bias = CpuStorage::F32(conv_bias.to_vec());
+        let (y, shape) = conv2d::f32_sums(
+            (x, lx),
+            (k, lk),
+            Some((&bias, &Layout::contiguous(c))),
+            self.conv,
+        )?;
+        let g = Geometry::of(&Layout::contiguous(shape.clone()))?;
+        let (mean, invstd, batch): (Vec<f32>, Vec<f32>, _) = match &self.running {
+            None => {
+                let (mean, var) = stats(&y, g);
+                let invstd = var.iter().map(|v| (1.0 / (v + self.eps).sqrt()) as f32);
+                let center = mean.iter().map(|&m| m as f32).collect();
+                (center, invstd.collect(), Some((mean, var)))
+            }
+            Some((mean, var)) => {
+                let invstd = var
+                    .iter()
+                    .map(|&v| (1.0 / (f64::from(v) + self.eps).sqrt()) as f32);
+                (mean.clone(), invstd.collect(), None)
+            }
+        };
+        let zeros = vec![0f32; c];
+        let xhat = affine_rounded(&y, g, (&mean, &invstd, &zeros), x.dtype());
+        let xhat = tensor(xhat, &shape)?;
+        let scale: Vec<f32> = invstd.iter().zip(gamma).map(|(s, w)| s * w).collect();
+        let z = affine_rounded(&y, g, (&mean, &scale, beta), x.dtype());
+        *lock(&self.saved)? = Saved {
+            xhat: Some(xhat),
+            invstd,
+            batch,
+        };
+        Ok((z, shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        k: &Tensor,
+        params: &Tensor,
+        _z: &Tensor,
+        dz: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (xhat, invstd) = {
+            let saved = lock(&self.saved)?;
+            let Some(xhat) = saved.xhat.clone() else {
+                candle_core::bail!("conv + batch norm: backward before forward")
+            };
+            (xhat, saved.invstd.clone())
+        };
+        let c = invstd.len();
+        let train = self.running.is_none();
+        let dz = dz.to_dtype(xhat.dtype())?.contiguous()?;
+        // The batch-norm kernel's passes on the normalised values: centre 0, scale 1.
+        let unit = Normalisation {
+            mean: vec![0.0; c],
+            invstd: vec![1.0; c],
+            train,
+            affine: true,
+        };
+        let sums = xhat
+            .apply_op2_no_bwd(&dz, &GradSums(unit))?
+            .to_vec2::<f64>()?;
+        let (sum_dz, sum_dz_xhat) = (&sums[0], &sums[1]);
+        let gamma = params.get(1)?.to_vec1::<f32>()?;
+        let m = xhat.elem_count() as f64 / c as f64;
+        // dy = k * dz + p * xhat + q, k = gamma * invstd; with the batch's statistics
+        // p = -k * sum(dz * xhat) / m and q = -k * sum(dz) / m.
+        let mut grad = InputGrad {
+            mean: vec![0.0; c],
+            k: Vec::with_capacity(c),
+            p: Vec::with_capacity(c),
+            q: Vec::with_capacity(c),
+        };
+        for ch in 0..c {
+            let k = f64::from(gamma[ch]) * f64::from(invstd[ch]);
+            let (p, q) = if train {
+                (-k * sum_dz_xhat[ch] / m, -k * sum_dz[ch] / m)
+            } else {
+                (0.0, 0.0)
+            };
+            grad.k.push(k as f32);
+            grad.p.push(p as f32);
+            grad.q.push(q as f32);
+        }
+        let dy = xhat.apply_op2_no_bwd(&dz, &grad)?;
+        let (dx, dk) = conv2d::input_and_kernel_grads(x, k, self.conv, &dy)?;
+        let dparams = wanted(params, || {
+            let per_channel =
+                |v: &[f64]| Tensor::from_iter(v.iter().map(|&v| v as f32), params.device());
+            Tensor::stack(
+                &[
+                    conv2d::channel_grad_sums(&dy)?,
+                    per_channel(sum_dz_xhat)?,
+                    per_channel(sum_dz)?,
+                ],
+                0,
+            )
+        })?;
+        Ok((dx, dk, dparams))
+    }
+}

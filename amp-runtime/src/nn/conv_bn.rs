@@ -1,0 +1,178 @@
+//! `ConvBn2d`: a `Conv2d` and the `BatchNorm2d` after it, as one layer (PyTorch's fused-module
+//! namespace has the same pair, `torch.ao.nn.intrinsic.ConvBn2d`).
+//!
+//! On CPU it runs as one op (`kernels::batch_norm::conv_batch_norm`) that normalises the
+//! convolution's f32 sums, where the two layers in a row round the conv's output to half first
+//! and batch norm then subtracts each channel's mean from the rounded values. That subtraction
+//! is where a bf16 forward loses most of its accuracy in a conv + batch-norm net: the conv's
+//! outputs commonly sit a few spreads away from zero, so their rounding error, relative to the
+//! value, becomes several times larger relative to the normalised one. PyTorch's autocast rounds
+//! there; this layer does not, and is otherwise the same computation: the conv's operands in the
+//! region's precision (the input cast, the f32 master weight and bias rounded), f32 statistics,
+//! the output in the input's precision, the gradients of every parameter f32. The graph keeps
+//! as much as the two layers' graph (a half tensor the size of the output, the normalised
+//! values, in place of the conv's output) in one node instead of two. On other devices and for
+//! convolutions the CPU kernel does not take (see `Conv2d`), it is the two layers in a row.
+//!
+//! ```
+//! # extern crate amp_runtime as candle_amp;
+//! # use amp_macros::autocast;
+//! use candle_amp::nn::{self, ConvBn2d};
+//! use candle_amp::{Tensor, F32};
+//! use candle_core::{DType, Device};
+//! use candle_nn::{VarBuilder, VarMap};
+//! # fn main() -> candle_core::Result<()> {
+//! let vars = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+//! let cfg = nn::Conv2dConfig { padding: 1, ..Default::default() };
+//! let block = ConvBn2d::new(
+//!     nn::conv2d_no_bias(3, 8, 3, cfg, vb.pp("conv"))?, // the same variables as the two layers
+//!     nn::batch_norm2d(8, 1e-5, vb.pp("bn"))?,
+//! )?;
+//! struct Stem { block: ConvBn2d }
+//! #[autocast(bf16)]
+//! impl Stem {
+//!     fn forward(&self, x: &Tensor<F32>, train: bool) -> candle_core::Result<Tensor<F32>> {
+//!         let h = self.block.forward_t(&x, train)?; // conv in bf16, normalised in f32
+//!         assert_eq!(h.dtype(), DType::BF16);
+//!         Ok(h.relu()?)
+//!     }
+//! }
+//! let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 8, 8), &Device::Cpu)?;
+//! let y = Stem { block }.forward(&x, true)?;
+//! assert_eq!(y.dims(), &[2, 8, 8, 8]);
+//! # Ok(()) }
+//! ```
+
+use candle_core::{Result, Var};
+
+use super::{count_master_casts, AmpLayer, BatchNorm2d, Conv2d};
+use crate::kernels::{self, Conv2dParams};
+use crate::op;
+use crate::precision::Precision;
+use crate::region::{calls, unary, with_precision, AmpTensor, AsAmp, Policy, RegionCall};
+use crate::tensor::Tensor;
+
+/// A `Conv2d` followed by a `BatchNorm2d` over its output channels; see the module docs.
+#[derive(Clone, Debug)]
+pub struct ConvBn2d {
+    conv: Conv2d,
+    bn: BatchNorm2d,
+}
+
+impl ConvBn2d {
+    /// The pair, checked: the batch norm normalises the conv's output channels.
+    pub fn new(conv: Conv2d, bn: BatchNorm2d) -> Result<Self> {
+        let c_out = conv.weight().dim(0)?;
+        if bn.channels() != c_out {
+            candle_core::bail!(
+                "ConvBn2d: the conv has {c_out} output channels, the batch norm {}",
+                bn.channels()
+            )
+        }
+        Ok(Self { conv, bn })
+    }
+
+    /// The convolution.
+    pub fn conv(&self) -> &Conv2d {
+        &self.conv
+    }
+
+    /// The batch norm.
+    pub fn bn(&self) -> &BatchNorm2d {
+        &self.bn
+    }
+
+    /// [`Self::forward_t`] in training mode.
+    pub fn forward_train<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
+        self.forward_t(x, true)
+    }
+
+    /// `bn.forward_t(&conv.forward(x)?, train)`, in `x`'s precision, without rounding the
+    /// conv's output on CPU. `train` as for `BatchNorm2d`.
+    pub fn forward_t<P: Precision>(&self, x: &Tensor<P>, train: bool) -> Result<Tensor<P>> {
+        let (w, bias) = (self.conv.weight(), self.conv.bias());
+        let cfg = self.conv.config();
+        let params = Conv2dParams {
+            padding: cfg.padding,
+            stride: cfg.stride,
+            dilation: cfg.dilation,
+            groups: cfg.groups,
+        };
+        let x = x.as_candle();
+        if !(x.device().is_cpu() && kernels::conv2d_handles(x, w.as_tensor(), params)) {
+            return self
+                .bn
+                .forward_t(&self.conv.forward(&Tensor::<P>::wrap(x.clone()))?, train);
+        }
+        count_master_casts::<P>(w, bias);
+        let c = self.bn.channels();
+        let f32_zeros = || candle_core::Tensor::zeros(c, candle_core::DType::F32, x.device());
+        let f32_ones = || candle_core::Tensor::ones(c, candle_core::DType::F32, x.device());
+        let conv_bias = bias.map_or_else(f32_zeros, |b| Ok(b.as_tensor().clone()))?;
+        let (gamma, beta) = match self.bn.affine() {
+            Some((g, b)) => (g.as_tensor().clone(), b.as_tensor().clone()),
+            None => (f32_ones()?, f32_zeros()?),
+        };
+        let packed = candle_core::Tensor::stack(&[conv_bias, gamma, beta], 0)?;
+        let running = if train {
+            None
+        } else {
+            Some(self.bn.running_stats()?)
+        };
+        let eps = self.bn.eps();
+        let (z, batch) =
+            kernels::batch_norm::conv_batch_norm(x, w.as_tensor(), &packed, params, eps, running)?;
+        self.bn.check_input(z.dims(), train)?;
+        if let Some((mean, var)) = batch {
+            self.bn.record_batch(&mean, &var, z.elem_count() / c)?;
+        }
+        Tensor::from_candle(z)
+    }
+
+    /// The variables: the conv's weight (and bias), the batch norm's scale and shift (if
+    /// affine).
+    pub fn vars(&self) -> Vec<&Var> {
+        let mut vars = vec![self.conv.weight()];
+        vars.extend(self.conv.bias());
+        if let Some((g, b)) = self.bn.affine() {
+            vars.extend([g, b]);
+        }
+        vars
+    }
+}
+
+impl AmpLayer for ConvBn2d {
+    /// A convolution first: it runs in the region's lower precision.
+    type Op = op::conv_bn2d;
+}
+
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_t, (A, bool)> for ConvBn2d {
+    type Output = AmpTensor;
+    fn region_call(&self, (x, train): (A, bool)) -> Result<AmpTensor> {
+        unary::<Pol, op::conv_bn2d>(&x.to_amp(), |x| {
+            with_precision!(x.dtype(), P => self
+                .forward_t(&Tensor::<P>::wrap(x.clone()), train)
+                .map(Tensor::into_candle))
+        })
+    }
+}
+
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_train, (A,)> for ConvBn2d {
+    type Output = AmpTensor;
+    fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
+        RegionCall::<Pol, calls::forward_t, (A, bool)>::region_call(self, (x, true))
+    }
+}
+
+impl candle_nn::ModuleT for ConvBn2d {
+    fn forward_t(&self, xs: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
+        use crate::region::{AmpTensor, CallerPolicy};
+        let x = AmpTensor::from_candle_value(xs)?;
+        RegionCall::<CallerPolicy, calls::forward_t, (AmpTensor, bool)>::region_call(
+            self,
+            (x, train),
+        )
+        .map(|y| y.as_candle().clone())
+    }
+}
