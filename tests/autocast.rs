@@ -1234,3 +1234,88 @@ fn optional_and_sliced_tensor_parameters_take_region_values() -> Result<()> {
     assert!(diff < 0.03 * scale, "bf16 against f32: {diff} of {scale}");
     Ok(())
 }
+
+// ---- Operators, closures and statement forms follow the policy of where they run. ----
+
+candle_amp::policy! {
+    /// Binary ops and affine maps moved to f32.
+    pub struct WideArithmetic: fp16 {
+        add: fp32,
+        mul: fp32,
+        affine: fp32,
+    }
+}
+
+/// Each form next to the method it stands for, inside `#[keep_fp32]` statements and blocks.
+#[autocast(fp16)]
+fn operators_kept(x: &Tensor<F32>) -> Result<Vec<DType>> {
+    let h = x.matmul(x)?; // f16
+    let proj = |t: &AmpTensor| t.matmul(t);
+    let mixed = |t: &AmpTensor| &(t + t)? * 2.0;
+    #[keep_fp32]
+    let a = (&h + &h)?;
+    #[keep_fp32]
+    let b = (&h * 2.0)?;
+    #[keep_fp32]
+    let c = (1.0 - &h)?;
+    #[keep_fp32]
+    let d = (&h * &h)?;
+    #[keep_fp32]
+    let e = proj(&h)?;
+    #[keep_fp32]
+    let f = mixed(&h)?;
+    #[keep_fp32]
+    let Ok(g) = proj(&h) else {
+        candle_core::bail!("unreachable")
+    };
+    let inside;
+    #[keep_fp32]
+    {
+        inside = (&h - &h)?.dtype();
+    }
+    #[keep_fp32]
+    assert_eq!(proj(&h)?.dtype(), DType::F32, "a macro statement's callees");
+    // Outside `#[keep_fp32]`: the region's own classes.
+    let outside = vec![(&h + &h)?.dtype(), (&h * 2.0)?.dtype(), proj(&h)?.dtype()];
+    let mut dtypes = vec![a, b, c, d, e, f, g]
+        .iter()
+        .map(AmpTensor::dtype)
+        .collect::<Vec<_>>();
+    dtypes.push(inside);
+    dtypes.extend(outside);
+    Ok(dtypes)
+}
+
+#[autocast(policy = WideArithmetic)]
+fn operators_under_a_policy(x: &Tensor<F32>) -> Result<Vec<DType>> {
+    let h = x.matmul(x)?; // f16
+    Ok(vec![
+        (&h + &h)?.dtype(),
+        (&h * &h)?.dtype(),
+        (&h * 2.0)?.dtype(),
+        (&h - &h)?.dtype(),
+    ])
+}
+
+#[autocast(fp16, enabled = false)]
+fn operators_disabled(x: &Tensor<F16>) -> Result<Vec<DType>> {
+    Ok(vec![
+        x.add(x)?.dtype(),
+        (x + x)?.dtype(),
+        (x * 2.0)?.dtype(),
+    ])
+}
+
+#[test]
+fn operators_closures_and_statement_forms_run_under_the_policy_where_they_run() -> Result<()> {
+    use DType::{F16 as H, F32 as S};
+    let x = Tensor::<F32>::randn(0.0, 1.0, (4, 4), &dev())?;
+    assert_eq!(operators_kept(&x)?, [S, S, S, S, S, S, S, S, H, H, H]);
+    // `add` and `mul` moved to f32, `affine` too; `sub` still promotes (f16 with f16).
+    assert_eq!(operators_under_a_policy(&x)?, [S, S, S, H]);
+    let x16 = x.cast::<F16>()?;
+    let disabled = operators_disabled(&x16)?;
+    assert_eq!(disabled[1], disabled[0], "{disabled:?}");
+    assert_eq!(disabled[2], disabled[0], "{disabled:?}");
+    Ok(())
+}

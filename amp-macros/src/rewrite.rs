@@ -93,9 +93,14 @@ struct Rewriter {
 }
 
 impl Rewriter {
+    /// Inside a closure (not kept in f32 itself), the policy of the region part running where
+    /// the closure is called, as for a helper fn: a closure written in an fp16 region and
+    /// called from a `#[keep_fp32]` statement runs in f32, as the statement says.
     fn policy(&self) -> TokenStream {
         if self.kept_fp32 > 0 {
             Rt::Fp32Policy.into_token_stream()
+        } else if self.closures > 0 {
+            Rt::CallerPolicy.into_token_stream()
         } else {
             self.policy.clone()
         }
@@ -207,23 +212,33 @@ fn fp32_scope() -> TokenStream {
 
 /// A `#[keep_fp32]` statement's ops are routed under f32 already; this also pushes f32 for the
 /// functions it calls, for the statement's extent.
-/// Input:  `let s = h.sum(1)?;`, `h = f(&h)?;`
-/// Output: `let s = { let _p = ..; h.sum(1)? };`, `{ let _p = ..; h = f(&h)? };`
-/// (a macro statement is left as it is: its own ops are routed under f32, its callees are not
-/// reached).
+/// Input:  `let s = h.sum(1)?;`, `let Ok(s) = f(&h) else { .. };`, `h = f(&h)?;`,
+///         `assert!(f(&h)?.dtype() == ..);`
+/// Output: `let s = { let _p = ..; h.sum(1)? };`, `let Ok(s) = ({ let _p = ..; f(&h) }) else
+///         { .. };` (a `let .. else` takes no block-like expression), `{ let _p = ..; h = f(&h)? };`,
+///         `{ let _p = ..; assert!(..); }`
 fn keep_fp32_for_callees(stmt: &mut Stmt) {
     let scope = fp32_scope();
     match stmt {
         Stmt::Local(local) => {
             if let Some(init) = &mut local.init {
-                if init.diverge.is_none() {
-                    let expr = &init.expr;
-                    *init.expr = Expr::Verbatim(quote!({ #scope #expr }));
-                }
+                let expr = &init.expr;
+                *init.expr = if init.diverge.is_some() {
+                    Expr::Verbatim(quote!(({ #scope #expr })))
+                } else {
+                    Expr::Verbatim(quote!({ #scope #expr }))
+                };
             }
         }
         Stmt::Expr(e, _) => *e = Expr::Verbatim(quote!({ #scope #e })),
-        Stmt::Macro(_) | Stmt::Item(_) => {}
+        Stmt::Macro(m) => {
+            let (attrs, mac, semi) = (&m.attrs, &m.mac, &m.semi_token);
+            *stmt = Stmt::Expr(
+                Expr::Verbatim(quote!(#(#attrs)* { #scope #mac #semi })),
+                None,
+            );
+        }
+        Stmt::Item(_) => {}
     }
 }
 
@@ -258,14 +273,14 @@ impl VisitMut for Rewriter {
                 this.rewrite_macro(&mut m.mac);
             }
         });
-        if kept {
-            keep_fp32_for_callees(stmt);
-        }
         match stmt {
             Stmt::Local(local) => local.attrs = taken,
             Stmt::Macro(m) => m.attrs = taken,
             Stmt::Expr(e, _) => restore_attrs(e, taken),
             Stmt::Item(_) => {}
+        }
+        if kept {
+            keep_fp32_for_callees(stmt);
         }
     }
 

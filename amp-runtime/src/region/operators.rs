@@ -1,18 +1,23 @@
-//! Operators on region values: `+ - * /` are promote-class and carry no policy (the widest
-//! input wins, whatever the region's policy); `* f64` and `+ f64` are affine maps.
+//! Operators on region values: `+ - * /` are promote-class ops and `x * s`, `x + s` (an `f64`
+//! scalar) affine maps, routed like the methods they stand for (`add`, `affine`) under the
+//! policy of the region part running on this thread: the region's own, a `#[keep_fp32]`
+//! statement's f32, a `policy!` that moves `add` or `affine`. An operator is a trait impl and
+//! cannot take the region's policy as a type parameter the way a routed method does; the region
+//! pushes it for the code it runs ([`CallerPolicy`]). Where no region part runs (a candle
+//! module's body called from candle code) they follow the classes `crate::op` declares.
 
 use candle_core::Result;
 
-use super::policy::Policy;
-use super::route::binary;
+use super::policy::{in_region, CallerPolicy, Policy};
+use super::route::{binary, unary};
 use super::value::{AmpTensor, AsAmp, Operand};
 use crate::cast::convert;
 use crate::kernels::affine;
-use crate::op;
+use crate::op::{self, Op};
 use crate::precision::{Precision, F16};
 use crate::tensor::Tensor;
 
-/// The classes as `crate::op` declares them, for operators, which carry no policy.
+/// The classes as `crate::op` declares them, for operators outside any region part.
 #[derive(Clone, Copy, Debug, Default)]
 struct DeclaredClasses;
 impl Policy for DeclaredClasses {
@@ -20,12 +25,35 @@ impl Policy for DeclaredClasses {
     const NAME: &'static str = "declared";
 }
 
+/// A binary operator's op `O`, routed under the running region part's policy.
+fn binary_operator<O: Op>(
+    a: &AmpTensor,
+    b: &AmpTensor,
+    f: impl FnOnce(&candle_core::Tensor, &candle_core::Tensor) -> Result<candle_core::Tensor>,
+) -> Result<AmpTensor> {
+    if in_region() {
+        binary::<CallerPolicy, O>(a, b, f)
+    } else {
+        binary::<DeclaredClasses, O>(a, b, f)
+    }
+}
+
+/// `x * mul + add`, routed as `affine` under the running region part's policy.
+fn affine_operator(x: &AmpTensor, mul: f64, add: f64) -> Result<AmpTensor> {
+    let f = |x: &candle_core::Tensor| affine(x, mul, add);
+    if in_region() {
+        unary::<CallerPolicy, op::affine>(x, f)
+    } else {
+        unary::<DeclaredClasses, op::affine>(x, f)
+    }
+}
+
 macro_rules! region_operator {
     ($trait:ident, $fn:ident, $op:ident, $kernel:expr) => {
         impl<B: Operand> std::ops::$trait<B> for &AmpTensor {
             type Output = Result<AmpTensor>;
             fn $fn(self, rhs: B) -> Result<AmpTensor> {
-                binary::<DeclaredClasses, op::$op>(self, &rhs.operand(), $kernel)
+                binary_operator::<op::$op>(self, &rhs.operand(), $kernel)
             }
         }
         impl<B: Operand> std::ops::$trait<B> for AmpTensor {
@@ -89,16 +117,16 @@ result_operator!(Sub, sub);
 result_operator!(Mul, mul);
 result_operator!(Div, div);
 
-/// `x op s` and `s op x` with an `f64` scalar: affine maps in `x`'s dtype (PyTorch runs a
-/// tensor-scalar op in the tensor's dtype), except `s / x`, which is PyTorch's fp32-class
-/// `rdiv`: computed in f32.
+/// `x op s` and `s op x` with an `f64` scalar: affine maps (PyTorch runs a tensor-scalar op
+/// in the tensor's dtype, `affine` preserves it), routed as `affine`; except `s / x`, which is
+/// PyTorch's fp32-class `rdiv`: computed in f32.
 macro_rules! scalar_operator {
-    ($trait:ident, $fn:ident, |$x:ident, $s:ident| $rhs_scalar:expr, |$y:ident, $t:ident| $lhs_scalar:expr) => {
+    ($trait:ident, $fn:ident, |$s:ident| $rhs_affine:expr, |$x:ident, $t:ident| $lhs_scalar:expr) => {
         impl std::ops::$trait<f64> for &AmpTensor {
             type Output = Result<AmpTensor>;
             fn $fn(self, $s: f64) -> Result<AmpTensor> {
-                let $x = self.as_candle();
-                AmpTensor::new($rhs_scalar?)
+                let (mul, add) = $rhs_affine;
+                affine_operator(self, mul, add)
             }
         }
         impl std::ops::$trait<f64> for AmpTensor {
@@ -116,8 +144,8 @@ macro_rules! scalar_operator {
         impl std::ops::$trait<&AmpTensor> for f64 {
             type Output = Result<AmpTensor>;
             fn $fn(self, x: &AmpTensor) -> Result<AmpTensor> {
-                let ($y, $t) = (x.as_candle(), self);
-                AmpTensor::new($lhs_scalar?)
+                let ($x, $t) = (x, self);
+                $lhs_scalar
             }
         }
         impl std::ops::$trait<AmpTensor> for f64 {
@@ -128,16 +156,14 @@ macro_rules! scalar_operator {
         }
     };
 }
-scalar_operator!(Add, add, |x, s| affine(x, 1.0, s), |x, s| affine(x, 1.0, s));
-scalar_operator!(Sub, sub, |x, s| affine(x, 1.0, -s), |x, s| affine(
-    x, -1.0, s
-));
-scalar_operator!(Mul, mul, |x, s| affine(x, s, 0.0), |x, s| affine(x, s, 0.0));
-scalar_operator!(Div, div, |x, s| affine(x, 1.0 / s, 0.0), |x, s| affine(
-    &convert(x, candle_core::DType::F32)?.recip()?,
+scalar_operator!(Add, add, |s| (1.0, s), |x, s| affine_operator(x, 1.0, s));
+scalar_operator!(Sub, sub, |s| (1.0, -s), |x, s| affine_operator(x, -1.0, s));
+scalar_operator!(Mul, mul, |s| (s, 0.0), |x, s| affine_operator(x, s, 0.0));
+scalar_operator!(Div, div, |s| (1.0 / s, 0.0), |x, s| AmpTensor::new(affine(
+    &convert(x.as_candle(), candle_core::DType::F32)?.recip()?,
     s,
     0.0
-));
+)?));
 
 #[cfg(test)]
 mod tests {
