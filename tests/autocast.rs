@@ -1271,13 +1271,13 @@ fn operators_kept(x: &Tensor<F32>) -> Result<Vec<DType>> {
     let inside;
     #[keep_fp32]
     {
-        inside = (&h - &h)?.dtype();
+        inside = (&h - &h.relu()?)?.dtype();
     }
     #[keep_fp32]
     assert_eq!(proj(&h)?.dtype(), DType::F32, "a macro statement's callees");
     // Outside `#[keep_fp32]`: the region's own classes.
     let outside = vec![(&h + &h)?.dtype(), (&h * 2.0)?.dtype(), proj(&h)?.dtype()];
-    let mut dtypes = vec![a, b, c, d, e, f, g]
+    let mut dtypes = [a, b, c, d, e, f, g]
         .iter()
         .map(AmpTensor::dtype)
         .collect::<Vec<_>>();
@@ -1293,7 +1293,7 @@ fn operators_under_a_policy(x: &Tensor<F32>) -> Result<Vec<DType>> {
         (&h + &h)?.dtype(),
         (&h * &h)?.dtype(),
         (&h * 2.0)?.dtype(),
-        (&h - &h)?.dtype(),
+        (&h - &h.relu()?)?.dtype(),
     ])
 }
 

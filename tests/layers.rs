@@ -144,15 +144,15 @@ test_device!(
 
 /// Every biased layer sums its bias's and weight's gradients in f32 in every precision: 3000
 /// output positions of ones give 3000, where a half sum stops at 2048 (f16) or 256 (bf16), as
-/// candle's broadcast backward did off the CPU. Linear and Conv2d on CPU (fused ops): the output
-/// is `sum(w) + b` (`w` and `b` rounded to P) rounded once, the weight's gradient reaches the
-/// master in f32. Conv1d, and
-/// every layer off the CPU (candle's product on the weight cast to P, as PyTorch's autocast;
+/// candle's broadcast backward did off the CPU. Linear, Conv1d and Conv2d on CPU (fused ops):
+/// the output is `sum(w) + b` (`w` and `b` rounded to P) rounded once, the weight's gradient
+/// reaches the master in f32. Every layer off the CPU (candle's product on the weight cast to P,
+/// as PyTorch's autocast;
 /// cuBLAS accumulates in f32): the product is rounded before the bias is added and the weight's
 /// gradient is P's, 3000 rounded to P once (bf16: 3008).
 fn biased_layers_sum_gradients_in_f32<P: Precision>(dev: &Device) -> Result<()> {
     let check = |what: &str, map: &VarMap, y: &Tensor<P>, fan_in: usize| -> Result<()> {
-        let composed = what == "c1" || !dev.is_cpu();
+        let composed = !dev.is_cpu();
         let data = map.data().lock().unwrap();
         let (w, b) = (
             &data[&format!("{what}.weight")],
@@ -1197,5 +1197,77 @@ fn conv_bn_is_the_conv_then_the_batch_norm() -> Result<()> {
         let err = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(err < 0.05 * scale, "{err} against {scale}");
     }
+    Ok(())
+}
+
+// ---- Sums over many positions stay f32 on every path into a half convolution or product. ----
+
+struct CandleLinear {
+    fc: candle_nn::Linear,
+}
+#[candle_amp::autocast(bf16)]
+impl CandleLinear {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        self.fc.forward(&x)
+    }
+}
+
+struct CandleConv1d {
+    conv: candle_nn::Conv1d,
+}
+#[candle_amp::autocast(bf16)]
+impl CandleConv1d {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        self.conv.forward(&x)
+    }
+}
+
+/// candle-nn's `Linear` and `Conv1d` called from a bf16 region, and this crate's `Conv1d` from
+/// a bf16 input: bias gradients over 300 positions and an input gradient over 300 kernel taps
+/// of ones are 300 (bf16 sums stop at 256), the weights' gradients f32.
+#[test]
+fn half_layers_sum_bias_and_input_gradients_in_f32() -> Result<()> {
+    let (_map, vb) = vars();
+    let ones = |dims: &[usize]| candle_core::Tensor::ones(dims, DType::F32, &dev());
+    let linear = CandleLinear {
+        fc: candle_nn::linear(2, 2, vb.pp("fc"))?,
+    };
+    let y = linear.forward(&Tensor::<F32>::zeros((3, 100, 2), &dev())?)?;
+    assert_eq!(y.dims(), &[3, 100, 2]);
+    let g = y.as_candle().sum_all()?.backward()?;
+    let bias = g
+        .get(linear.fc.bias().expect("a bias"))
+        .expect("a gradient");
+    assert_eq!(bias.to_vec1::<f32>()?, [300.0, 300.0]);
+    let conv = CandleConv1d {
+        conv: candle_nn::conv1d(1, 1, 1, nn::Conv1dConfig::default(), vb.pp("c1"))?,
+    };
+    let y = conv.forward(&Tensor::<F32>::zeros((1, 1, 300), &dev())?)?;
+    let g = y.as_candle().sum_all()?.backward()?;
+    let bias = g
+        .get(conv.conv.bias().expect("a bias"))
+        .expect("a gradient");
+    assert_eq!(bias.to_vec1::<f32>()?, [300.0]);
+    // The crate's Conv1d: a 300-tap kernel of ones over a bf16 input of ones, padded.
+    let cfg = nn::Conv1dConfig {
+        padding: 2,
+        ..Default::default()
+    };
+    let layer = nn::Conv1d::new(Var::from_tensor(&ones(&[1, 1, 300])?)?, None, cfg)?;
+    let x = Var::from_tensor(&ones(&[1, 1, 599])?.to_dtype(DType::BF16)?)?;
+    let y = layer.forward(&Tensor::<BF16>::from_candle(x.as_tensor().clone())?)?;
+    assert_eq!(y.dims(), &[1, 1, 304]);
+    let g = y.cast::<F32>()?.as_candle().sum_all()?.backward()?;
+    let gx = g
+        .get(&x)
+        .expect("a gradient")
+        .to_dtype(DType::F32)?
+        .to_vec3::<f32>()?;
+    // Position 299 is under all 304 outputs' windows but the kernel's 300 taps reach it once each.
+    assert_eq!(gx[0][0][299], 300.0);
+    assert_eq!(
+        g.get(layer.weight()).expect("a gradient").dtype(),
+        DType::F32
+    );
     Ok(())
 }

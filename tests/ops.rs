@@ -641,3 +641,36 @@ fn scalars_on_the_left_shapes_and_indexing_as_candle() -> Result<()> {
     assert_eq!(x.clamp(1.5, 5.0)?.to_vec2::<f32>()?, [[1.5, 2.], [4., 5.]]);
     Ok(())
 }
+
+/// Transposed convolutions of half operands sum in f32 and round once: a bf16 17x17 kernel of
+/// ones over a 17x17 image of ones gives 289 taps at the centre (288 in bf16; adding each tap
+/// into a bf16 output stops at 256), a 300-tap 1-D one 300; typed and in a region alike.
+#[test]
+fn half_transposed_convolutions_sum_in_f32() -> Result<()> {
+    let dev = Device::Cpu;
+    let img = Tensor::<F32>::ones((1, 1, 17, 17), &dev)?.cast::<BF16>()?;
+    let y = img.conv_transpose2d(&img, 0, 0, 1, 1)?;
+    assert_eq!(y.dtype(), DType::BF16);
+    assert_eq!(y.to_flat_vec::<f32>()?[16 * 33 + 16], 288.0);
+    let line = Tensor::<F32>::ones((1, 1, 300), &dev)?.cast::<BF16>()?;
+    assert_eq!(
+        line.conv_transpose1d(&line, 0, 0, 1, 1, 1)?
+            .to_flat_vec::<f32>()?[299],
+        300.0
+    );
+    assert_eq!(
+        routed_transpose(&Tensor::<F32>::ones((1, 1, 300), &dev)?)?,
+        300.0
+    );
+    Ok(())
+}
+
+#[candle_amp::autocast(bf16)]
+fn routed_transpose(x: &Tensor<F32>) -> Result<f32> {
+    let y = x.conv_transpose1d(&x, 0, 0, 1, 1, 1)?;
+    assert_eq!(y.dtype(), DType::BF16);
+    y.as_candle()
+        .to_dtype(DType::F32)?
+        .to_vec3::<f32>()
+        .map(|v| v[0][0][299])
+}

@@ -81,6 +81,45 @@ pub(crate) fn conv2d(
     }
 }
 
+/// `conv1d` as the 2-D convolution of height 1 ([`conv2d`]; the padding applied to the length
+/// first, a copy), with the same master and bias handling. candle's own `conv1d` computes its
+/// input gradient with its `conv_transpose1d`, which adds each kernel tap into an output in the
+/// input's dtype: under bf16 a gradient summed over 300 taps of ones came to 256. On CPU the
+/// GEMM kernel's input gradient (a GEMM, then col2im in f32) rounds once.
+pub(crate) fn conv1d(
+    x: &Tensor,
+    k: &Tensor,
+    bias: Option<&Tensor>,
+    p: Conv2dParams,
+) -> Result<Tensor> {
+    let x = if p.padding > 0 {
+        x.pad_with_zeros(2, p.padding, p.padding)?
+    } else {
+        x.clone()
+    };
+    let flat = Conv2dParams { padding: 0, ..p };
+    conv2d(&x.unsqueeze(2)?, &k.unsqueeze(2)?, bias, flat)?.squeeze(2)
+}
+
+/// A transposed convolution (`f`, candle's) of half operands computed in f32 and rounded once:
+/// candle's CPU kernel adds each tap into an output in the operands' dtype (bf16: 289 taps of
+/// ones summed to 256), where autocast's lower-precision ops accumulate in f32. An f32 `x`
+/// runs as it is.
+pub(crate) fn widened_transpose(
+    x: &Tensor,
+    k: &Tensor,
+    f: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    if x.dtype() == DType::F32 && k.dtype() == DType::F32 {
+        return f(x, k);
+    }
+    let y = f(
+        &super::to_dtype(x, DType::F32)?,
+        &super::to_dtype(k, DType::F32)?,
+    )?;
+    super::to_dtype(&y, x.dtype())
+}
+
 /// Whether the convolution is a matrix product per image: a 1x1 kernel at stride 1, no padding,
 /// dilation or groups (a pointwise conv, the whole of `quantized_sine`'s net).
 fn pointwise(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {

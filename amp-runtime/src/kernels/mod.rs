@@ -116,7 +116,9 @@ pub(crate) use binary::{
     add, broadcast_add, broadcast_div, broadcast_maximum, broadcast_minimum, broadcast_mul,
     broadcast_sub, spread, sub,
 };
-pub(crate) use conv2d::{conv2d, handles as conv2d_handles, Conv2dParams};
+pub(crate) use conv2d::{
+    conv1d, conv2d, handles as conv2d_handles, widened_transpose, Conv2dParams,
+};
 pub(crate) use convert::to_dtype;
 pub(crate) use embedding::embedding;
 pub(crate) use layer_norm::layer_norm;

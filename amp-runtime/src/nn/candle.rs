@@ -4,7 +4,7 @@
 //! the differentiable compositions: candle-nn's fused kernels have no backward), `Embedding`
 //! looks up its table as it is.
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use candle_nn::Module;
 
 use crate::cast::convert;
@@ -12,38 +12,64 @@ use crate::composite;
 use crate::op;
 use crate::region::{calls, unary, unary_widening, AmpTensor, AsAmp, Policy, RegionCall};
 
-/// A weight (and bias) at the dtype the op runs in.
+/// A weight at the dtype the op runs in.
 fn at_dtype(w: &Tensor, like: &Tensor) -> Result<Tensor> {
     convert(w, like.dtype())
 }
 
-fn bias_at(b: Option<&Tensor>, like: &Tensor) -> Result<Option<Tensor>> {
-    b.map(|b| at_dtype(b, like)).transpose()
+/// A weight as the kernels take it: an f32 master as it is (rounded inside the op, its
+/// gradient f32), another dtype cast to `like`'s.
+fn master_or_at(w: &Tensor, like: &Tensor) -> Result<Tensor> {
+    if w.dtype() == DType::F32 {
+        Ok(w.clone())
+    } else {
+        at_dtype(w, like)
+    }
+}
+
+/// A bias in f32, which the kernels add before the output's one rounding and whose gradient
+/// they sum in f32 (a bias rounded to half first would have candle sum it in half: 300 bf16
+/// ones to 256).
+fn f32_bias(b: Option<&Tensor>) -> Result<Option<Tensor>> {
+    b.map(|b| convert(b, DType::F32)).transpose()
 }
 
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::Linear {
     type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         unary::<Pol, op::linear>(&x.to_amp(), |x| {
-            let w = at_dtype(self.weight(), x)?;
-            candle_nn::Linear::new(w, bias_at(self.bias(), x)?).forward(x)
+            // The kernel's 2-D product over the leading dimensions flattened.
+            let dims = x.dims();
+            let Some((&k, lead)) = dims.split_last() else {
+                candle_core::bail!("Linear: a scalar input")
+            };
+            let rows = x.reshape((lead.iter().product::<usize>(), k))?;
+            let w = master_or_at(self.weight(), x)?;
+            let y = crate::kernels::linear(&rows, &w, f32_bias(self.bias())?.as_ref())?;
+            let out: Vec<usize> = lead.iter().copied().chain([y.dim(1)?]).collect();
+            y.reshape(out)
         })
     }
+}
+
+/// candle-nn's convolution configuration as the kernels'.
+macro_rules! params {
+    ($c:expr) => {
+        crate::kernels::Conv2dParams {
+            padding: $c.padding,
+            stride: $c.stride,
+            dilation: $c.dilation,
+            groups: $c.groups,
+        }
+    };
 }
 
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::Conv2d {
     type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         unary::<Pol, op::conv2d>(&x.to_amp(), |x| {
-            let c = self.config();
-            let params = crate::kernels::Conv2dParams {
-                padding: c.padding,
-                stride: c.stride,
-                dilation: c.dilation,
-                groups: c.groups,
-            };
-            let bias = bias_at(self.bias(), x)?;
-            crate::kernels::conv2d(x, &at_dtype(self.weight(), x)?, bias.as_ref(), params)
+            let (w, b) = conv_operands(self.weight(), self.bias(), x)?;
+            crate::kernels::conv2d(x, &w, b.as_ref(), params!(self.config()))
         })
     }
 }
@@ -52,15 +78,18 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
     type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         unary::<Pol, op::conv1d>(&x.to_amp(), |x| {
-            let c = self.config();
-            let w = at_dtype(self.weight(), x)?;
-            let y = x.conv1d(&w, c.padding, c.stride, c.dilation, c.groups)?;
-            match bias_at(self.bias(), x)? {
-                Some(b) => y.broadcast_add(&b.reshape((1, (), 1))?),
-                None => Ok(y),
-            }
+            let (w, b) = conv_operands(self.weight(), self.bias(), x)?;
+            crate::kernels::conv1d(x, &w, b.as_ref(), params!(self.config()))
         })
     }
+}
+
+/// A convolution's kernel and bias as `kernels::conv2d` takes them: f32 masters as they are
+/// (the kernel rounded inside, the gradients f32), otherwise both in `x`'s dtype.
+fn conv_operands(w: &Tensor, b: Option<&Tensor>, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+    let w = master_or_at(w, x)?;
+    let b = b.map(|b| convert(b, w.dtype())).transpose()?;
+    Ok((w, b))
 }
 
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::LayerNorm {

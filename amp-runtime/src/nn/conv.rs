@@ -45,7 +45,7 @@
 use candle_core::{Result, Var};
 use candle_nn::{Conv1dConfig, Conv2dConfig, VarBuilder};
 
-use super::{count_master_casts, master_weight_and_bias, region_forward, weight_as, AmpLayer};
+use super::{count_master_casts, master_weight_and_bias, region_forward, AmpLayer};
 use crate::op;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
@@ -77,29 +77,29 @@ fn conv_params(
 }
 
 impl Conv1d {
-    /// The convolution on the weight cast to `P`, then the f32 master bias added per channel
-    /// (`kernels::add_bias`: its gradient summed in f32; counted as the cast it stands for).
+    /// The convolution with its bias on the f32 masters, as the 2-D convolution of height 1
+    /// (`kernels::conv1d`: on CPU one op, the masters rounded inside and counted as the casts
+    /// they stand for, gradients summed in f32).
     fn apply<P: Precision>(
         x: &Tensor<P>,
         w: &Var,
         bias: Option<&Var>,
         c: &Conv1dConfig,
     ) -> Result<Tensor<P>> {
-        let y = x.conv1d(
-            &weight_as::<P>(w)?,
-            c.padding,
-            c.stride,
-            c.dilation,
-            c.groups,
-        )?;
-        match bias {
-            Some(b) => {
-                count_master_casts::<P>(b, None);
-                let y = crate::kernels::add_bias(y.as_candle(), b.as_tensor(), 1)?;
-                Ok(Tensor::wrap(y))
-            }
-            None => Ok(y),
-        }
+        let params = crate::kernels::Conv2dParams {
+            padding: c.padding,
+            stride: c.stride,
+            dilation: c.dilation,
+            groups: c.groups,
+        };
+        count_master_casts::<P>(w, bias);
+        crate::kernels::conv1d(
+            x.as_candle(),
+            w.as_tensor(),
+            bias.map(Var::as_tensor),
+            params,
+        )
+        .map(Tensor::wrap)
     }
 }
 

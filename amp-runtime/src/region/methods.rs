@@ -193,8 +193,14 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         dilation: usize,
         groups: usize,
     ) -> Result<AmpTensor> {
+        let params = crate::kernels::Conv2dParams {
+            padding,
+            stride,
+            dilation,
+            groups,
+        };
         binary::<Pol, op::conv1d>(&self.amp(), &kernel.operand(), |x, k| {
-            x.conv1d(k, padding, stride, dilation, groups)
+            crate::kernels::conv1d(x, k, None, params)
         })
     }
     /// Routed `relu` (NaN stays NaN, as in PyTorch).
@@ -255,7 +261,9 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         groups: usize,
     ) -> Result<AmpTensor> {
         binary::<Pol, op::conv_transpose1d>(&self.amp(), &kernel.operand(), |x, k| {
-            x.conv_transpose1d(k, padding, output_padding, stride, dilation, groups)
+            crate::kernels::widened_transpose(x, k, |x, k| {
+                x.conv_transpose1d(k, padding, output_padding, stride, dilation, groups)
+            })
         })
     }
     /// Routed `conv_transpose2d`.
@@ -268,7 +276,9 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         dilation: usize,
     ) -> Result<AmpTensor> {
         binary::<Pol, op::conv_transpose2d>(&self.amp(), &kernel.operand(), |x, k| {
-            x.conv_transpose2d(k, padding, output_padding, stride, dilation)
+            crate::kernels::widened_transpose(x, k, |x, k| {
+                x.conv_transpose2d(k, padding, output_padding, stride, dilation)
+            })
         })
     }
     /// Routed `clamp`, to `[min, max]`, in the receiver's dtype.

@@ -127,13 +127,13 @@ impl<P: Precision> Tensor<P> {
     where
         Q: SamePrecision<P, op::conv1d>,
     {
-        Ok(Self::wrap(self.inner.conv1d(
-            &kernel.inner,
+        let params = crate::kernels::Conv2dParams {
             padding,
             stride,
             dilation,
             groups,
-        )?))
+        };
+        crate::kernels::conv1d(&self.inner, &kernel.inner, None, params).map(Self::wrap)
     }
 
     /// 2-D convolution; `self` is `(batch, c_in, h, w)`, `kernel` `(c_out, c_in / groups, kh, kw)`.
@@ -170,14 +170,10 @@ impl<P: Precision> Tensor<P> {
     where
         Q: SamePrecision<P, op::conv_transpose1d>,
     {
-        Ok(Self::wrap(self.inner.conv_transpose1d(
-            &kernel.inner,
-            padding,
-            output_padding,
-            stride,
-            dilation,
-            groups,
-        )?))
+        crate::kernels::widened_transpose(&self.inner, &kernel.inner, |x, k| {
+            x.conv_transpose1d(k, padding, output_padding, stride, dilation, groups)
+        })
+        .map(Self::wrap)
     }
 
     /// 2-D transposed convolution; `kernel` is `(c_in, c_out, kh, kw)`.
@@ -192,13 +188,10 @@ impl<P: Precision> Tensor<P> {
     where
         Q: SamePrecision<P, op::conv_transpose2d>,
     {
-        Ok(Self::wrap(self.inner.conv_transpose2d(
-            &kernel.inner,
-            padding,
-            output_padding,
-            stride,
-            dilation,
-        )?))
+        crate::kernels::widened_transpose(&self.inner, &kernel.inner, |x, k| {
+            x.conv_transpose2d(k, padding, output_padding, stride, dilation)
+        })
+        .map(Self::wrap)
     }
 }
 
