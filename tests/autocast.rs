@@ -1319,3 +1319,41 @@ fn operators_closures_and_statement_forms_run_under_the_policy_where_they_run() 
     assert_eq!(disabled[2], disabled[0], "{disabled:?}");
     Ok(())
 }
+
+/// candle-nn's activations and the dropout layer, module calls on a region value: routed as the
+/// ops they are, so `#[keep_fp32]` and a `policy!` reach them as they reach `h.relu()`.
+#[autocast(fp16)]
+fn layers_kept(x: &Tensor<F32>, act: &candle_nn::Activation) -> Result<Vec<DType>> {
+    let h = x.matmul(x)?; // f16
+    let drop = nn::Dropout::new(0.5);
+    let plain = vec![act.forward(&h)?.dtype(), drop.forward(&h, false)?.dtype()];
+    #[keep_fp32]
+    let a = act.forward(&h)?;
+    #[keep_fp32]
+    let d = drop.forward(&h, false)?;
+    Ok([plain, vec![a.dtype(), d.dtype()]].concat())
+}
+
+#[autocast(policy = AttentionPolicy)]
+fn gelu_module(x: &Tensor<F32>) -> Result<DType> {
+    let h = x.matmul(x)?; // f16
+    Ok(candle_nn::Activation::NewGelu.forward(&h)?.dtype())
+}
+
+#[test]
+fn activation_and_dropout_modules_follow_keep_fp32_and_policies() -> Result<()> {
+    use candle_nn::Activation;
+    use DType::{F16 as H, F32 as S};
+    let x = Tensor::<F32>::randn(0.0, 1.0, (4, 4), &dev())?;
+    for act in [
+        Activation::Relu,
+        Activation::Gelu,
+        Activation::Silu,
+        Activation::Elu(1.0),
+    ] {
+        assert_eq!(layers_kept(&x, &act)?, [H, H, S, S], "{act:?}");
+    }
+    // AttentionPolicy moves gelu to f32.
+    assert_eq!(gelu_module(&x)?, S);
+    Ok(())
+}

@@ -212,6 +212,7 @@ pub(crate) const OPS: &[Row] = rows! {
     max_pool2d: Preserve, method Custom(1);
     avg_pool2d: Preserve, method Custom(1);
     batch_norm: Preserve;
+    dropout: Preserve;
     embedding: Preserve;
 };
 

@@ -129,17 +129,22 @@ impl<Pol: Policy> RegionCall<Pol, calls::forward, (&Tensor,)> for candle_nn::Emb
 /// An activation runs on the value as it is (PyTorch's autocast lists none of them).
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::Activation {
     type Output = AmpTensor;
+    /// Routed as the op it is (`relu`, `gelu`, ...; the others as a precision-preserving op),
+    /// so that a `#[keep_fp32]` statement or a `policy!` reaches it as it reaches `h.relu()`;
+    /// the activations with a kernel of their own run through it, as the routed methods do.
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
+        use crate::kernels;
         use candle_nn::Activation;
-        let x = x.to_amp();
-        let x = x.as_candle();
-        // The activations with a kernel of their own run through it, as the routed methods do.
-        AmpTensor::new(match self {
-            Activation::Gelu => crate::kernels::gelu_erf(x)?,
-            Activation::NewGelu | Activation::GeluPytorchTanh => crate::kernels::gelu(x)?,
-            Activation::Relu => crate::kernels::relu(x)?,
-            Activation::Silu => crate::kernels::silu(x)?,
-            _ => self.forward(x)?,
-        })
+        let x = &x.to_amp();
+        match self {
+            Activation::Gelu => unary::<Pol, op::gelu_erf>(x, kernels::gelu_erf),
+            Activation::NewGelu | Activation::GeluPytorchTanh => {
+                unary::<Pol, op::gelu>(x, kernels::gelu)
+            }
+            Activation::Relu => unary::<Pol, op::relu>(x, kernels::relu),
+            Activation::Silu => unary::<Pol, op::silu>(x, kernels::silu),
+            Activation::Sigmoid => unary::<Pol, op::sigmoid>(x, |x| self.forward(x)),
+            _ => unary::<Pol, op::preserve_op>(x, |x| self.forward(x)),
+        }
     }
 }

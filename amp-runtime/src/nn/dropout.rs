@@ -61,13 +61,14 @@ impl candle_nn::ModuleT for Dropout {
     }
 }
 
-/// `dropout.forward(&h, train)` and `forward_t` in a region: on the value as it is.
+/// `dropout.forward(&h, train)` and `forward_t` in a region: routed as `op::dropout` (on no
+/// list: the value's precision, f32 in a `#[keep_fp32]` statement).
 macro_rules! region_dropout {
     ($($call:ident),*) => {$(
         impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::$call, (A, bool)> for Dropout {
             type Output = AmpTensor;
             fn region_call(&self, (x, train): (A, bool)) -> Result<AmpTensor> {
-                AmpTensor::new(self.run(x.to_amp().as_candle(), train)?)
+                crate::region::unary::<Pol, crate::op::dropout>(&x.to_amp(), |x| self.run(x, train))
             }
         }
     )*};
