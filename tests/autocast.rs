@@ -1357,3 +1357,34 @@ fn activation_and_dropout_modules_follow_keep_fp32_and_policies() -> Result<()> 
     assert_eq!(gelu_module(&x)?, S);
     Ok(())
 }
+
+struct Shared {
+    arc: std::sync::Arc<Tensor<F32>>,
+    boxed: Box<Tensor<F32>>,
+    plain: Tensor<F32>,
+}
+
+#[autocast(fp16)]
+impl Shared {
+    fn dtypes(&self) -> Result<Vec<DType>> {
+        Ok(vec![
+            self.plain.matmul(&self.plain)?.dtype(),
+            self.arc.matmul(&self.plain)?.dtype(),
+            self.boxed.matmul(&self.arc)?.dtype(),
+        ])
+    }
+}
+
+/// A tensor behind `Arc` or `Box` is routed like the tensor itself (it reached the typed op
+/// through `Deref` and ran in f32).
+#[test]
+fn tensors_behind_smart_pointers_are_routed() -> Result<()> {
+    let t = Tensor::<F32>::randn(0.0, 1.0, (3, 3), &dev())?;
+    let shared = Shared {
+        arc: std::sync::Arc::new(t.clone()),
+        boxed: Box::new(t.clone()),
+        plain: t,
+    };
+    assert_eq!(shared.dtypes()?, [DType::F16; 3]);
+    Ok(())
+}

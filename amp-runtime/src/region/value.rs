@@ -115,6 +115,22 @@ impl<T: AsAmp + ?Sized> AsAmp for &T {
     }
 }
 
+/// Smart pointers to tensors (a weight shared as `Arc<Tensor<F32>>`): routed like the tensor
+/// they hold. Without these a method call on one would reach the typed tensor through `Deref`
+/// and run in its own precision, not the region's.
+macro_rules! as_amp_through {
+    ($($ptr:ident)::+) => {
+        impl<T: AsAmp + ?Sized> AsAmp for $($ptr)::+<T> {
+            fn to_amp(&self) -> AmpTensor {
+                (**self).to_amp()
+            }
+        }
+    };
+}
+as_amp_through!(Box);
+as_amp_through!(std::rc::Rc);
+as_amp_through!(std::sync::Arc);
+
 /// An operand of a routed op or operator: anything [`AsAmp`], and a plain candle tensor (an
 /// additive mask, a position table), which takes part in the op's class like a region value and
 /// is never cast on entry. Receivers stay [`AsAmp`]: a method called on a candle tensor in a
