@@ -109,8 +109,14 @@ impl Optimizer for SGD {
             };
             if in_place(var) {
                 update(var, grad, Rule::Sgd { lr: lr as f32 }, None)?;
-            } else {
+            } else if var.dtype() == DType::F32 {
                 var.set(&var.sub(&(grad * lr)?)?)?;
+            } else {
+                // A half parameter (off the in-place path): the update in f32, rounded once,
+                // as the in-place kernel computes it (in half `lr` itself would be rounded).
+                let step = (grad.to_dtype(DType::F32)? * lr)?;
+                let updated = (var.to_dtype(DType::F32)? - step)?;
+                var.set(&updated.to_dtype(var.dtype())?)?;
             }
         }
         crate::cast::invalidate_weight_casts();

@@ -72,13 +72,17 @@ impl CustomOp1 for Affine {
 /// `x * keep * scale`, `keep` a u8 mask of `x`'s shape (dropout's): through this op for a float
 /// tensor on CPU, each kept value scaled in f32 and rounded once, each dropped one multiplied by
 /// 0 (NaN stays NaN), and no gradient for the mask; elsewhere candle's ops, as candle-nn's
-/// `dropout` computes it.
+/// `dropout` computes it but in f32 and rounded once (in a half dtype the scale itself would be
+/// rounded: 1 / 0.9 to 1.109375 in bf16).
 pub(crate) fn masked_scale(x: &Tensor, keep: &Tensor, scale: f64) -> Result<Tensor> {
-    if super::cpu_float(x) && keep.dtype() == candle_core::DType::U8 && keep.shape() == x.shape() {
+    use candle_core::DType;
+    if super::cpu_float(x) && keep.dtype() == DType::U8 && keep.shape() == x.shape() {
         x.contiguous()?
             .apply_op2(&keep.contiguous()?, MaskedScale(scale))
+    } else if x.dtype() == DType::F32 {
+        x * (keep.to_dtype(DType::F32)? * scale)?
     } else {
-        x * (keep.to_dtype(x.dtype())? * scale)?
+        (x.to_dtype(DType::F32)? * (keep.to_dtype(DType::F32)? * scale)?)?.to_dtype(x.dtype())
     }
 }
 

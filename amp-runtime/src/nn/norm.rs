@@ -395,8 +395,14 @@ impl BatchNorm2d {
             self.update_running(&mean.flatten_all()?, &unbiased.flatten_all()?)?;
             (centered, var)
         } else {
-            let centered = x32.broadcast_sub(&per_channel(self.running_mean.as_tensor())?)?;
-            (centered, per_channel(self.running_var.as_tensor())?)
+            // Detached: the running statistics are buffers, never trained (as variables in the
+            // graph they would get gradients an optimizer over `all_vars()` would apply).
+            let mean = self.running_mean.as_tensor().detach();
+            let centered = x32.broadcast_sub(&per_channel(&mean)?)?;
+            (
+                centered,
+                per_channel(&self.running_var.as_tensor().detach())?,
+            )
         };
         let mut y = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?;
         if let (Some(wt), Some(b)) = (&self.weight, &self.bias) {
