@@ -1331,7 +1331,9 @@ fn layers_kept(x: &Tensor<F32>, act: &candle_nn::Activation) -> Result<Vec<DType
     let a = act.forward(&h)?;
     #[keep_fp32]
     let d = drop.forward(&h, false)?;
-    Ok([plain, vec![a.dtype(), d.dtype()]].concat())
+    #[candle_amp::keep_fp32] // the marker by its path, the same
+    let p = act.forward(&h)?;
+    Ok([plain, vec![a.dtype(), d.dtype(), p.dtype()]].concat())
 }
 
 #[autocast(policy = AttentionPolicy)]
@@ -1351,7 +1353,7 @@ fn activation_and_dropout_modules_follow_keep_fp32_and_policies() -> Result<()> 
         Activation::Silu,
         Activation::Elu(1.0),
     ] {
-        assert_eq!(layers_kept(&x, &act)?, [H, H, S, S], "{act:?}");
+        assert_eq!(layers_kept(&x, &act)?, [H, H, S, S, S], "{act:?}");
     }
     // AttentionPolicy moves gelu to f32.
     assert_eq!(gelu_module(&x)?, S);

@@ -264,14 +264,20 @@ impl<'a> Impl<'a> {
     }
 }
 
+/// Whether `attr` is `#[name]` or a path ending in it (`#[candle_amp::keep_fp32]`): the markers
+/// are the same written either way.
+pub(crate) fn named(attr: &Attribute, name: &str) -> bool {
+    attr.path().segments.last().is_some_and(|s| s.ident == name)
+}
+
 /// A method's `#[keep_fp32]` and `#[autocast(..)]` attributes.
 fn markers(attrs: &[Attribute]) -> Vec<Marker<'_>> {
     attrs
         .iter()
         .filter_map(|attr| {
-            let kind = if attr.path().is_ident("keep_fp32") {
+            let kind = if named(attr, "keep_fp32") {
                 MarkerKind::KeepFp32
-            } else if attr.path().is_ident("autocast") {
+            } else if named(attr, "autocast") {
                 MarkerKind::Autocast
             } else {
                 return None;
@@ -283,7 +289,7 @@ fn markers(attrs: &[Attribute]) -> Vec<Marker<'_>> {
 
 /// Whether an attribute is one of the markers the region macros consume.
 pub(crate) fn is_marker(attr: &Attribute) -> bool {
-    attr.path().is_ident("keep_fp32") || attr.path().is_ident("autocast")
+    named(attr, "keep_fp32") || named(attr, "autocast")
 }
 
 impl<'a> Part<'a> {

@@ -245,7 +245,7 @@ fn keep_fp32_for_callees(stmt: &mut Stmt) {
 /// Removes a marker attribute (`#[keep_fp32]`) by name; whether it was there.
 pub(crate) fn take_marker(attrs: &mut Vec<Attribute>, name: &str) -> bool {
     let before = attrs.len();
-    attrs.retain(|a| !a.path().is_ident(name));
+    attrs.retain(|a| !crate::model::named(a, name));
     attrs.len() != before
 }
 
