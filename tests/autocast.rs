@@ -1390,3 +1390,46 @@ fn tensors_behind_smart_pointers_are_routed() -> Result<()> {
     assert_eq!(shared.dtypes()?, [DType::F16; 3]);
     Ok(())
 }
+
+struct Head {
+    fc: nn::Linear,
+}
+
+#[autocast(output = f32)]
+impl Head {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        self.fc.forward(x)
+    }
+}
+
+struct Body {
+    fc: nn::Linear,
+}
+
+#[autocast]
+impl Body {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        self.fc.forward(x)
+    }
+}
+
+#[autocast(fp16)]
+fn heads(head: &Head, body: &Body, x: &Tensor<F32>) -> Result<Vec<DType>> {
+    Ok(vec![head.forward(x)?.dtype(), body.forward(x)?.dtype()])
+}
+
+/// A module declaring `output = f32` gives the calling region f32, as declared; one without
+/// gives back what its body made (f16 here), as a PyTorch submodule does.
+#[test]
+fn a_declared_output_holds_for_the_calling_region() -> Result<()> {
+    let (_map, vb) = vars();
+    let head = Head {
+        fc: nn::linear(4, 2, vb.pp("head"))?,
+    };
+    let body = Body {
+        fc: nn::linear(4, 2, vb.pp("body"))?,
+    };
+    let x = Tensor::<F32>::randn(0.0, 1.0, (3, 4), &dev())?;
+    assert_eq!(heads(&head, &body, &x)?, [DType::F32, DType::F16]);
+    Ok(())
+}

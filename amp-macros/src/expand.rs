@@ -531,7 +531,15 @@ fn region_call_impl(
         })
     } else {
         let policy = policy(args, &part.mode, &header.pol);
-        let exit = Some(exit_to_region.into_token_stream());
+        // A declared `output = f32|f16|bf16` holds for the calling region too.
+        let declared = args.output().and_then(|p| Rt::precision(&p.to_string()));
+        let exit = Some(match declared {
+            Some(marker) => {
+                let exit_as = Rt::ExitToRegionAs;
+                quote!(#exit_as::<#ret, #marker, _, _>)
+            }
+            None => exit_to_region.into_token_stream(),
+        });
         let stmts = region_body(part, &policy, args, exit);
         quote!({ #stmts })
     };

@@ -38,6 +38,8 @@ pub(crate) enum Rt {
     EnterCast,
     Exit,
     ExitToRegion,
+    /// A module's result back to its calling region in its declared `output = ..` precision.
+    ExitToRegionAs,
     /// A module method's declared return type in region form (its `RegionCall::Output`).
     RegionOutput,
     /// A candle module's input entering as the region value it is.
@@ -73,7 +75,7 @@ pub(crate) enum Rt {
 impl Rt {
     /// Every name, for the test that pins the contract with the facade.
     #[cfg(test)]
-    pub(crate) const ALL: [Self; 38] = [
+    pub(crate) const ALL: [Self; 39] = [
         Self::Fp16Policy,
         Self::Bf16Policy,
         Self::Fp32Policy,
@@ -94,6 +96,7 @@ impl Rt {
         Self::EnterCast,
         Self::Exit,
         Self::ExitToRegion,
+        Self::ExitToRegionAs,
         Self::RegionOutput,
         Self::EnterActivation,
         Self::ExitLike,
@@ -136,6 +139,7 @@ impl Rt {
             Self::EnterCast => "enter_cast",
             Self::Exit => "exit",
             Self::ExitToRegion => "exit_to_region",
+            Self::ExitToRegionAs => "exit_to_region_as",
             Self::RegionOutput => "RegionOutput",
             Self::EnterActivation => "enter_activation",
             Self::ExitLike => "exit_like",

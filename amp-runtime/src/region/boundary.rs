@@ -182,18 +182,30 @@ impl<A: Operand, Q: Precision> ExitAs<Tensor<Q>> for A {
 pub trait RegionResult {
     /// The type the calling region gets.
     type Region;
+
+    /// The region form with each tensor cast to `dtype` (a module's declared `output = ..`);
+    /// plain values as they are.
+    fn cast_region(value: Self::Region, dtype: DType) -> Result<Self::Region>;
 }
+
+/// A tensor result's region form cast to a declared output precision.
+macro_rules! tensor_results {
+    ($($t:ty),*) => {$(
+        impl RegionResult for $t {
+            type Region = AmpTensor;
+            fn cast_region(value: AmpTensor, dtype: DType) -> Result<AmpTensor> {
+                AmpTensor::new(convert(value.as_candle(), dtype)?)
+            }
+        }
+    )*};
+}
+tensor_results!(AmpTensor, candle_core::Tensor);
 
 impl<P: Precision> RegionResult for Tensor<P> {
     type Region = AmpTensor;
-}
-
-impl RegionResult for AmpTensor {
-    type Region = AmpTensor;
-}
-
-impl RegionResult for candle_core::Tensor {
-    type Region = AmpTensor;
+    fn cast_region(value: AmpTensor, dtype: DType) -> Result<AmpTensor> {
+        AmpTensor::new(convert(value.as_candle(), dtype)?)
+    }
 }
 
 /// Plain values a module method returns beside (or instead of) tensors: passed back as they are.
@@ -201,6 +213,9 @@ macro_rules! plain_results {
     ($($t:ty),*) => {$(
         impl RegionResult for $t {
             type Region = $t;
+            fn cast_region(value: $t, _: DType) -> Result<$t> {
+                Ok(value)
+            }
         }
         impl IntoRegion<$t> for $t {
             fn into_region(self) -> $t {
@@ -265,6 +280,9 @@ macro_rules! tuple_results {
     ($(($($a:ident $d:ident $i:tt),+))*) => {$(
         impl<$($d: RegionResult),+> RegionResult for ($($d,)+) {
             type Region = ($($d::Region,)+);
+            fn cast_region(value: Self::Region, dtype: DType) -> Result<Self::Region> {
+                Ok(($($d::cast_region(value.$i, dtype)?,)+))
+            }
         }
 
         impl<$($a, $d),+> ExitAs<($($d,)+)> for ($($a,)+)
@@ -300,6 +318,19 @@ pub fn exit_to_region<R: RegionReturn, A: IntoRegion<R::Ok>, E>(
     r: std::result::Result<A, E>,
 ) -> std::result::Result<RegionOutput<R>, E> {
     r.map(IntoRegion::into_region)
+}
+
+/// [`exit_to_region`] for a module that declares `output = f32|f16|bf16`: its tensors go back
+/// to the calling region in that precision `P`, as the declaration says (not as the body made
+/// them).
+pub fn exit_to_region_as<R: RegionReturn, P: Precision, A: IntoRegion<R::Ok>, E>(
+    r: std::result::Result<A, E>,
+) -> std::result::Result<RegionOutput<R>, E>
+where
+    E: From<candle_core::Error>,
+{
+    let value = r.map(IntoRegion::into_region)?;
+    Ok(<R::Ok as RegionResult>::cast_region(value, P::DTYPE)?)
 }
 
 /// The input of an `#[autocast] impl candle_nn::Module`: the candle tensor is the activation, a

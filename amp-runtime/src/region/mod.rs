@@ -39,7 +39,8 @@ pub(crate) use route::{unary, unary_widening, with_precision};
 pub mod __private {
     pub use super::boundary::{
         candle_exit_dtype, candle_module_call, enter, enter_activation, enter_cast, enter_fp32,
-        exit, exit_like, exit_to_region, grad_like, EnterAs, GradsLike, RegionOutput, RegionParam,
+        exit, exit_like, exit_to_region, exit_to_region_as, grad_like, EnterAs, GradsLike,
+        RegionOutput, RegionParam,
     };
     pub use super::call::{calls, module_call, RegionCall, RegionCallMut};
     pub use super::foreign::foreign_arg;
