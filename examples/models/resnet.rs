@@ -8,7 +8,7 @@
 //! the lower precision, batch norm on its input's precision with f32 statistics, the global
 //! average pool (a mean) in f32.
 
-use candle_amp::nn::{self, BatchNorm2d, Conv2d, Conv2dConfig, Linear, MaxPool2d};
+use candle_amp::nn::{self, Conv2dConfig, ConvBn2d, Linear, MaxPool2d};
 use candle_amp::{autocast, AmpTensor, Tensor, F32};
 use candle_core::Result;
 use candle_nn::VarBuilder;
@@ -55,24 +55,30 @@ impl Depth {
     }
 }
 
-fn conv(c_in: usize, c_out: usize, k: usize, stride: usize, vb: VarBuilder) -> Result<Conv2d> {
+/// A bias-free conv (`conv`) and the batch norm after it (`bn`), as one `ConvBn2d`: the
+/// variables are the two layers', under their names; on CPU the conv's sums are normalised
+/// before they are rounded to the region's precision.
+fn conv_bn(
+    (c_in, c_out, k, stride): (usize, usize, usize, usize),
+    conv: VarBuilder,
+    bn: VarBuilder,
+) -> Result<ConvBn2d> {
     let cfg = Conv2dConfig {
         stride,
         padding: k / 2,
         ..Conv2dConfig::default()
     };
-    nn::conv2d_no_bias(c_in, c_out, k, cfg, vb)
-}
-
-fn bn(c: usize, vb: VarBuilder) -> Result<BatchNorm2d> {
-    nn::batch_norm2d(c, 1e-5, vb)
+    ConvBn2d::new(
+        nn::conv2d_no_bias(c_in, c_out, k, cfg, conv)?,
+        nn::batch_norm2d(c_out, 1e-5, bn)?,
+    )
 }
 
 /// A basic block (two 3x3 convs) or a bottleneck (1x1, 3x3, 1x1 with 4x expansion), with a
 /// 1x1 projection on the shortcut where the shape changes.
 struct Block {
-    convs: Vec<(Conv2d, BatchNorm2d)>,
-    downsample: Option<(Conv2d, BatchNorm2d)>,
+    convs: Vec<ConvBn2d>,
+    downsample: Option<ConvBn2d>,
 }
 
 impl Block {
@@ -102,19 +108,14 @@ impl Block {
         let convs = shapes
             .iter()
             .enumerate()
-            .map(|(i, &(ci, co, k, s))| {
-                Ok((
-                    conv(ci, co, k, s, vb.pp(format!("conv{}", i + 1)))?,
-                    bn(co, vb.pp(format!("bn{}", i + 1)))?,
-                ))
+            .map(|(i, &shape)| {
+                let (conv, bn) = (format!("conv{}", i + 1), format!("bn{}", i + 1));
+                conv_bn(shape, vb.pp(conv), vb.pp(bn))
             })
             .collect::<Result<_>>()?;
         let downsample = if stride != 1 || c_in != c_out {
             let d = vb.pp("downsample");
-            Some((
-                conv(c_in, c_out, 1, stride, d.pp("0"))?,
-                bn(c_out, d.pp("1"))?,
-            ))
+            Some(conv_bn((c_in, c_out, 1, stride), d.pp("0"), d.pp("1"))?)
         } else {
             None
         };
@@ -127,14 +128,14 @@ impl Block {
     fn forward(&self, x: &Tensor<F32>, train: bool) -> Result<Tensor<F32>> {
         let mut h = x.clone();
         let last = self.convs.len() - 1;
-        for (i, (conv, norm)) in self.convs.iter().enumerate() {
-            h = norm.forward_t(&conv.forward(&h)?, train)?;
+        for (i, conv_bn) in self.convs.iter().enumerate() {
+            h = conv_bn.forward_t(&h, train)?;
             if i < last {
                 h = h.relu()?;
             }
         }
         let shortcut = match &self.downsample {
-            Some((conv, norm)) => norm.forward_t(&conv.forward(x)?, train)?,
+            Some(conv_bn) => conv_bn.forward_t(x, train)?,
             None => x.clone(),
         };
         Ok((h + shortcut)?.relu()?)
@@ -143,8 +144,7 @@ impl Block {
 
 /// The ResNet: a backbone (stem and four stages) and a linear head of `classes` outputs.
 pub struct ResNet {
-    conv1: Conv2d,
-    bn1: BatchNorm2d,
+    stem: ConvBn2d,
     pool: MaxPool2d,
     layers: Vec<Vec<Block>>,
     pub fc: Linear,
@@ -176,8 +176,7 @@ impl ResNet {
             })
             .collect::<Result<_>>()?;
         Ok(Self {
-            conv1: conv(3, 64, 7, 2, vb.pp("conv1"))?,
-            bn1: bn(64, vb.pp("bn1"))?,
+            stem: conv_bn((3, 64, 7, 2), vb.pp("conv1"), vb.pp("bn1"))?,
             pool: MaxPool2d::with_stride(3, 2).with_padding(1),
             layers,
             fc: nn::linear(depth.features(), classes, vb.pp("fc"))?,
@@ -190,7 +189,7 @@ impl ResNet {
     /// The backbone: `(batch, 3, h, w)` images to `(batch, features)`, globally average-pooled
     /// (a helper: it takes and returns region values, under its caller's policy).
     fn backbone(&self, x: &AmpTensor, train: bool) -> Result<AmpTensor> {
-        let h = self.bn1.forward_t(&self.conv1.forward(x)?, train)?.relu()?;
+        let h = self.stem.forward_t(x, train)?.relu()?;
         let mut h = self.pool.forward(&h)?;
         for stage in &self.layers {
             for block in stage {
