@@ -1182,6 +1182,13 @@ fn conv_bn_is_the_conv_then_the_batch_norm() -> Result<()> {
         }
         reset(block.bn())?;
     }
+    // As a candle module (eval mode, no state changes): the same values.
+    let via_module = candle_nn::ModuleT::forward_t(&block, x.as_tensor(), false)?;
+    let direct = block.forward_t(&Tensor::<F32>::from_candle(x.as_tensor().clone())?, false)?;
+    assert_eq!(
+        via_module.flatten_all()?.to_vec1::<f32>()?,
+        direct.to_flat_vec::<f32>()?
+    );
     // bf16: f32 gradients for the variables, near f32's.
     let x16 = Tensor::<F32>::from_candle(x.as_tensor().clone())?.cast::<BF16>()?;
     let g16 = loss(block.forward_t(&x16, true)?.into_candle())?.backward()?;

@@ -52,24 +52,12 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
     }
 }
 
-/// candle-nn's convolution configuration as the kernels'.
-macro_rules! params {
-    ($c:expr) => {
-        crate::kernels::Conv2dParams {
-            padding: $c.padding,
-            stride: $c.stride,
-            dilation: $c.dilation,
-            groups: $c.groups,
-        }
-    };
-}
-
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::Conv2d {
     type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         unary::<Pol, op::conv2d>(&x.to_amp(), |x| {
             let (w, b) = conv_operands(self.weight(), self.bias(), x)?;
-            crate::kernels::conv2d(x, &w, b.as_ref(), params!(self.config()))
+            crate::kernels::conv2d(x, &w, b.as_ref(), self.config().into())
         })
     }
 }
@@ -79,7 +67,7 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         unary::<Pol, op::conv1d>(&x.to_amp(), |x| {
             let (w, b) = conv_operands(self.weight(), self.bias(), x)?;
-            crate::kernels::conv1d(x, &w, b.as_ref(), params!(self.config()))
+            crate::kernels::conv1d(x, &w, b.as_ref(), self.config().into())
         })
     }
 }

@@ -76,59 +76,22 @@ fn conv_params(
     Ok((Var::from_tensor(&w)?, bias))
 }
 
-impl Conv1d {
-    /// The convolution with its bias on the f32 masters, as the 2-D convolution of height 1
-    /// (`kernels::conv1d`: on CPU one op, the masters rounded inside and counted as the casts
-    /// they stand for, gradients summed in f32).
-    fn apply<P: Precision>(
-        x: &Tensor<P>,
-        w: &Var,
-        bias: Option<&Var>,
-        c: &Conv1dConfig,
-    ) -> Result<Tensor<P>> {
-        let params = crate::kernels::Conv2dParams {
-            padding: c.padding,
-            stride: c.stride,
-            dilation: c.dilation,
-            groups: c.groups,
-        };
-        count_master_casts::<P>(w, bias);
-        crate::kernels::conv1d(
-            x.as_candle(),
-            w.as_tensor(),
-            bias.map(Var::as_tensor),
-            params,
-        )
-        .map(Tensor::wrap)
-    }
+/// candle-nn's convolution configurations as the kernels' parameters.
+macro_rules! kernel_params {
+    ($($config:ty),*) => {$(
+        impl From<&$config> for crate::kernels::Conv2dParams {
+            fn from(c: &$config) -> Self {
+                Self {
+                    padding: c.padding,
+                    stride: c.stride,
+                    dilation: c.dilation,
+                    groups: c.groups,
+                }
+            }
+        }
+    )*};
 }
-
-impl Conv2d {
-    /// The convolution with its bias in one op on the f32 masters (on CPU: rounded to `P`
-    /// inside the op, counted as the casts they stand for; the bias added before the output's
-    /// one rounding; the masters' gradients f32 from the accumulators).
-    fn apply<P: Precision>(
-        x: &Tensor<P>,
-        w: &Var,
-        bias: Option<&Var>,
-        c: &Conv2dConfig,
-    ) -> Result<Tensor<P>> {
-        let params = crate::kernels::Conv2dParams {
-            padding: c.padding,
-            stride: c.stride,
-            dilation: c.dilation,
-            groups: c.groups,
-        };
-        count_master_casts::<P>(w, bias);
-        crate::kernels::conv2d(
-            x.as_candle(),
-            w.as_tensor(),
-            bias.map(Var::as_tensor),
-            params,
-        )
-        .map(Tensor::wrap)
-    }
-}
+kernel_params!(Conv1dConfig, Conv2dConfig);
 
 macro_rules! conv_layer {
     ($(#[$doc:meta])* $name:ident, $config:ident, $op:ident, rank $rank:literal, $shape:literal) => {
@@ -166,9 +129,20 @@ macro_rules! conv_layer {
                 &self.config
             }
 
-            /// Applies the convolution in `x`'s precision.
+            /// Applies the convolution in `x`'s precision: with its bias, in one op on the f32
+            /// masters (on CPU: rounded to `P` inside the op, counted as the casts they stand
+            /// for; the bias added before the output's one rounding; the masters' gradients f32
+            /// from the accumulators).
             pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
-                Self::apply(x, &self.weight, self.bias.as_ref(), &self.config)
+                let bias = self.bias.as_ref();
+                count_master_casts::<P>(&self.weight, bias);
+                crate::kernels::$op(
+                    x.as_candle(),
+                    self.weight.as_tensor(),
+                    bias.map(Var::as_tensor),
+                    (&self.config).into(),
+                )
+                .map(Tensor::wrap)
             }
         }
 
@@ -180,7 +154,8 @@ macro_rules! conv_layer {
 }
 
 conv_layer!(
-    /// 1-D convolution over `(batch, c_in, length)`; a lower-precision op.
+    /// 1-D convolution over `(batch, c_in, length)`; a lower-precision op (the 2-D one of
+    /// height 1: its gradients summed in f32).
     Conv1d, Conv1dConfig, conv1d, rank 3, "(c_out, c_in / groups, k)"
 );
 conv_layer!(

@@ -92,13 +92,7 @@ impl ConvBn2d {
     /// conv's output on CPU. `train` as for `BatchNorm2d`.
     pub fn forward_t<P: Precision>(&self, x: &Tensor<P>, train: bool) -> Result<Tensor<P>> {
         let (w, bias) = (self.conv.weight(), self.conv.bias());
-        let cfg = self.conv.config();
-        let params = Conv2dParams {
-            padding: cfg.padding,
-            stride: cfg.stride,
-            dilation: cfg.dilation,
-            groups: cfg.groups,
-        };
+        let params = Conv2dParams::from(self.conv.config());
         let x = x.as_candle();
         if !(x.device().is_cpu() && kernels::conv2d_handles(x, w.as_tensor(), params)) {
             return self
@@ -162,17 +156,5 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_train, (A,)> for Conv
     type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         RegionCall::<Pol, calls::forward_t, (A, bool)>::region_call(self, (x, true))
-    }
-}
-
-impl candle_nn::ModuleT for ConvBn2d {
-    fn forward_t(&self, xs: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
-        use crate::region::{AmpTensor, CallerPolicy};
-        let x = AmpTensor::from_candle_value(xs)?;
-        RegionCall::<CallerPolicy, calls::forward_t, (AmpTensor, bool)>::region_call(
-            self,
-            (x, train),
-        )
-        .map(|y| y.as_candle().clone())
     }
 }

@@ -104,17 +104,28 @@ macro_rules! candle_module {
 }
 candle_module!(Linear, Conv1d, Conv2d, MaxPool2d, AvgPool2d, LayerNorm, RmsNorm);
 
-impl candle_nn::ModuleT for BatchNorm2d {
-    fn forward_t(&self, xs: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
-        use crate::region::{calls, AmpTensor, CallerPolicy, RegionCall};
-        let x = AmpTensor::from_candle_value(xs)?;
-        RegionCall::<CallerPolicy, calls::forward_t, (AmpTensor, bool)>::region_call(
-            self,
-            (x, train),
-        )
-        .map(|y| y.as_candle().clone())
-    }
+/// `candle_nn::ModuleT` for the layers with a `train` flag, as [`candle_module`] does for the
+/// others.
+macro_rules! candle_module_t {
+    ($($layer:ty),*) => {$(
+        impl candle_nn::ModuleT for $layer {
+            fn forward_t(
+                &self,
+                xs: &candle_core::Tensor,
+                train: bool,
+            ) -> Result<candle_core::Tensor> {
+                use crate::region::{calls, AmpTensor, CallerPolicy, RegionCall};
+                let x = AmpTensor::from_candle_value(xs)?;
+                RegionCall::<CallerPolicy, calls::forward_t, (AmpTensor, bool)>::region_call(
+                    self,
+                    (x, train),
+                )
+                .map(|y| y.as_candle().clone())
+            }
+        }
+    )*};
 }
+candle_module_t!(BatchNorm2d, ConvBn2d);
 
 impl candle_nn::Module for Embedding {
     fn forward(&self, ids: &candle_core::Tensor) -> Result<candle_core::Tensor> {
