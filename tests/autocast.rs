@@ -1373,21 +1373,22 @@ impl Shared {
             self.plain.matmul(&self.plain)?.dtype(),
             self.arc.matmul(&self.plain)?.dtype(),
             self.boxed.matmul(&self.arc)?.dtype(),
+            Tensor::matmul(&self.plain, &self.plain)?.dtype(),
         ])
     }
 }
 
 /// A tensor behind `Arc` or `Box` is routed like the tensor itself (it reached the typed op
-/// through `Deref` and ran in f32).
+/// through `Deref` and ran in f32), and so is a method called by its path (`Tensor::matmul`).
 #[test]
-fn tensors_behind_smart_pointers_are_routed() -> Result<()> {
+fn tensors_behind_smart_pointers_and_methods_called_by_path_are_routed() -> Result<()> {
     let t = Tensor::<F32>::randn(0.0, 1.0, (3, 3), &dev())?;
     let shared = Shared {
         arc: std::sync::Arc::new(t.clone()),
         boxed: Box::new(t.clone()),
         plain: t,
     };
-    assert_eq!(shared.dtypes()?, [DType::F16; 3]);
+    assert_eq!(shared.dtypes()?, [DType::F16; 4]);
     Ok(())
 }
 

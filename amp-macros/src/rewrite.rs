@@ -320,6 +320,11 @@ impl VisitMut for Rewriter {
             block.attrs = attrs;
             return;
         }
+        // Input:  `Tensor::matmul(&a, &b)` (a method of the op table called by its path)
+        // Output: `(&a).matmul(&b)`, routed as the method call it stands for.
+        if let Some(method) = ufcs_as_method(expr) {
+            *expr = Expr::MethodCall(method);
+        }
         // Innermost first: a routed call's receiver and arguments are already rewritten.
         visit_mut::visit_expr_mut(self, expr);
         let policy = self.policy();
@@ -353,6 +358,43 @@ impl VisitMut for Rewriter {
             *expr = Expr::Verbatim(tokens);
         }
     }
+}
+
+/// `Tensor::NAME(recv, args..)` for a method row of the op table taking `args`, as the method
+/// call `(recv).NAME(args..)`; `None` for any other expression.
+fn ufcs_as_method(expr: &Expr) -> Option<syn::ExprMethodCall> {
+    let Expr::Call(call) = expr else {
+        return None;
+    };
+    let Expr::Path(path) = &*call.func else {
+        return None;
+    };
+    let segments = &path.path.segments;
+    let (name, owner) = (segments.last()?, segments.iter().rev().nth(1)?);
+    let args = call.args.len().checked_sub(1)?;
+    let method = name.ident.to_string();
+    if path.qself.is_some()
+        || owner.ident != "Tensor"
+        || !name.arguments.is_none()
+        || !optable::is_routed_method(&method, args)
+    {
+        return None;
+    }
+    let mut rest = call.args.iter().cloned();
+    let receiver = rest.next()?;
+    Some(syn::ExprMethodCall {
+        attrs: call.attrs.clone(),
+        receiver: Box::new(Expr::Paren(syn::ExprParen {
+            attrs: Vec::new(),
+            paren_token: syn::token::Paren::default(),
+            expr: Box::new(receiver),
+        })),
+        dot_token: syn::token::Dot::default(),
+        method: name.ident.clone(),
+        turbofish: None,
+        paren_token: call.paren_token,
+        args: rest.collect(),
+    })
 }
 
 /// A call of a free op, routed by what its path resolves to, not by how it is spelt: the
