@@ -1434,3 +1434,49 @@ fn a_declared_output_holds_for_the_calling_region() -> Result<()> {
     assert_eq!(heads(&head, &body, &x)?, [DType::F32, DType::F16]);
     Ok(())
 }
+
+/// `#[keep_fp32]` on every statement form and in expression position: each marked op runs in
+/// f32 (these forms did not compile), and a body ending in `return` compiles.
+#[autocast(fp16)]
+fn statement_forms(x: &Tensor<F32>, flag: Option<u8>) -> Result<Vec<DType>> {
+    let h = x.matmul(x)?; // f16
+    let mut out = vec![h.relu()?.dtype()];
+    #[keep_fp32]
+    match flag {
+        Some(_) => out.push(h.relu()?.dtype()),
+        None => out.push(h.sqr()?.dtype()),
+    }
+    let mut i = 0;
+    #[keep_fp32]
+    while i < 1 {
+        out.push(h.relu()?.dtype());
+        i += 1;
+    }
+    let mut n = 0;
+    #[keep_fp32]
+    loop {
+        out.push(h.relu()?.dtype());
+        n += 1;
+        if n == 1 {
+            break;
+        }
+    }
+    let s = #[keep_fp32]
+    h.relu()?;
+    out.push(s.dtype());
+    let (a, b);
+    #[keep_fp32]
+    (a, b) = (h.relu()?, h.sqr()?);
+    out.extend([a.dtype(), b.dtype()]);
+    #[keep_fp32]
+    return Ok([out, vec![h.relu()?.dtype()]].concat());
+}
+
+#[test]
+fn keep_fp32_reaches_every_statement_form() -> Result<()> {
+    let x = Tensor::<F32>::randn(0.0, 1.0, (3, 3), &dev())?;
+    let mut want = vec![DType::F32; 8];
+    want[0] = DType::F16;
+    assert_eq!(statement_forms(&x, Some(1))?, want);
+    Ok(())
+}

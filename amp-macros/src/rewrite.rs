@@ -67,6 +67,25 @@ pub(crate) fn body(
     function: &str,
 ) -> Block {
     let mut body = block.clone();
+    // Input:  `{ ..; return e; }`  Output: `{ ..; e }`: the same at the end of a body, and the
+    // region's exit can take the value's type from it (a block ending in `return` has none).
+    if let Some(Stmt::Expr(Expr::Return(ret), Some(_))) = body.stmts.last() {
+        if let Some(value) = &ret.expr {
+            let mut value = (**value).clone();
+            if let Some(attrs) = own_attrs(&mut value) {
+                attrs.splice(0..0, ret.attrs.iter().cloned());
+            } else if !ret.attrs.is_empty() {
+                value = Expr::Block(syn::ExprBlock {
+                    attrs: ret.attrs.clone(),
+                    label: None,
+                    block: syn::parse_quote!({ #value }),
+                });
+            }
+            if let Some(last) = body.stmts.last_mut() {
+                *last = Stmt::Expr(value, None);
+            }
+        }
+    }
     Rewriter {
         policy,
         kept_fp32: 0,
@@ -230,6 +249,13 @@ fn keep_fp32_for_callees(stmt: &mut Stmt) {
                 };
             }
         }
+        // A `return` keeps its place (its value's type comes from the signature); the value is
+        // computed in the scope.
+        Stmt::Expr(Expr::Return(ret), _) => {
+            if let Some(value) = &mut ret.expr {
+                **value = Expr::Verbatim(quote!({ #scope #value }));
+            }
+        }
         Stmt::Expr(e, _) => *e = Expr::Verbatim(quote!({ #scope #e })),
         Stmt::Macro(m) => {
             let (attrs, mac, semi) = (&m.attrs, &m.mac, &m.semi_token);
@@ -319,6 +345,23 @@ impl VisitMut for Rewriter {
             }
             block.attrs = attrs;
             return;
+        }
+        // Input:  `let s = #[keep_fp32] h.exp()?;` (an expression, not a statement, marked)
+        // Output: `let s = { let _p = PolicyScope::enter::<Fp32Policy>(); h.exp()? };`, its
+        //         ops routed under f32 as well
+        if !matches!(expr, Expr::Closure(_) | Expr::Block(_)) {
+            if let Some(attrs) = own_attrs(expr) {
+                if attrs.iter().any(|a| crate::model::named(a, "keep_fp32")) {
+                    let mut taken = std::mem::take(attrs);
+                    let kept = self.with_keep_fp32(&mut taken, |this| this.visit_expr_mut(expr));
+                    restore_attrs(expr, taken);
+                    if kept {
+                        let scope = fp32_scope();
+                        *expr = Expr::Verbatim(quote!({ #scope #expr }));
+                    }
+                    return;
+                }
+            }
         }
         // Input:  `Tensor::matmul(&a, &b)` (a method of the op table called by its path)
         // Output: `(&a).matmul(&b)`, routed as the method call it stands for.
@@ -559,6 +602,13 @@ macro_rules! expr_accessors {
                 Expr::Path(x) => Some(&$($mut_)? x.attrs),
                 Expr::Closure(x) => Some(&$($mut_)? x.attrs),
                 Expr::Paren(x) => Some(&$($mut_)? x.attrs),
+                Expr::Match(x) => Some(&$($mut_)? x.attrs),
+                Expr::While(x) => Some(&$($mut_)? x.attrs),
+                Expr::Loop(x) => Some(&$($mut_)? x.attrs),
+                Expr::Return(x) => Some(&$($mut_)? x.attrs),
+                Expr::Unary(x) => Some(&$($mut_)? x.attrs),
+                Expr::Reference(x) => Some(&$($mut_)? x.attrs),
+                Expr::Tuple(x) => Some(&$($mut_)? x.attrs),
                 _ => None,
             }
         }
