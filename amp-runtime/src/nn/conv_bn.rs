@@ -50,7 +50,6 @@ use super::{count_master_casts, AmpLayer, BatchNorm2d, Conv2d};
 use crate::kernels::{self, Conv2dParams};
 use crate::op;
 use crate::precision::Precision;
-use crate::region::{calls, unary, with_precision, AmpTensor, AsAmp, Policy, RegionCall};
 use crate::tensor::Tensor;
 
 /// A `Conv2d` followed by a `BatchNorm2d` over its output channels; see the module docs.
@@ -141,20 +140,4 @@ impl AmpLayer for ConvBn2d {
     type Op = op::conv_bn2d;
 }
 
-impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_t, (A, bool)> for ConvBn2d {
-    type Output = AmpTensor;
-    fn region_call(&self, (x, train): (A, bool)) -> Result<AmpTensor> {
-        unary::<Pol, op::conv_bn2d>(&x.to_amp(), |x| {
-            with_precision!(x.dtype(), P => self
-                .forward_t(&Tensor::<P>::wrap(x.clone()), train)
-                .map(Tensor::into_candle))
-        })
-    }
-}
-
-impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_train, (A,)> for ConvBn2d {
-    type Output = AmpTensor;
-    fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
-        RegionCall::<Pol, calls::forward_t, (A, bool)>::region_call(self, (x, true))
-    }
-}
+super::region_forward_t!(ConvBn2d);

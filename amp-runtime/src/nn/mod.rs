@@ -82,6 +82,39 @@ macro_rules! region_forward {
 }
 use region_forward;
 
+/// [`region_forward`] for a layer with a `train` flag (`forward_t::<P>(x, train)`):
+/// `forward_t` and `forward_train` (training mode) routed by the layer's op class.
+macro_rules! region_forward_t {
+    ($($layer:ty),*) => {$(
+        impl<Pol: $crate::region::Policy, A: $crate::region::AsAmp>
+            $crate::region::RegionCall<Pol, $crate::region::calls::forward_t, (A, bool)> for $layer
+        {
+            type Output = $crate::region::AmpTensor;
+            fn region_call(&self, (x, train): (A, bool)) -> Result<$crate::region::AmpTensor> {
+                $crate::region::unary::<Pol, <$layer as $crate::nn::AmpLayer>::Op>(
+                    &x.to_amp(),
+                    |x| {
+                        $crate::region::with_precision!(x.dtype(), P => self
+                            .forward_t(&Tensor::<P>::wrap(x.clone()), train)
+                            .map(Tensor::into_candle))
+                    },
+                )
+            }
+        }
+
+        impl<Pol: $crate::region::Policy, A: $crate::region::AsAmp>
+            $crate::region::RegionCall<Pol, $crate::region::calls::forward_train, (A,)> for $layer
+        {
+            type Output = $crate::region::AmpTensor;
+            fn region_call(&self, (x,): (A,)) -> Result<$crate::region::AmpTensor> {
+                $crate::region::RegionCall::<Pol, $crate::region::calls::forward_t, (A, bool)>
+                    ::region_call(self, (x, true))
+            }
+        }
+    )*};
+}
+use region_forward_t;
+
 /// A layer's op class, for the autocast macros: `Linear` is `op::linear` (lower precision),
 /// `LayerNorm` is `op::layer_norm` (fp32), and so on.
 pub trait AmpLayer {

@@ -51,9 +51,7 @@ use candle_nn::{BatchNormConfig, VarBuilder};
 use super::{expect_dims, master, weight_as, AmpLayer};
 use crate::op::{self, Fp32Input};
 use crate::precision::{Precision, F32};
-use crate::region::{
-    calls, unary, unary_widening, with_precision, AmpTensor, AsAmp, Policy, RegionCall,
-};
+use crate::region::{calls, unary, unary_widening, AmpTensor, AsAmp, Policy, RegionCall};
 use crate::tensor::Tensor;
 use crate::{composite, fp32, kernels};
 
@@ -435,23 +433,7 @@ impl AmpLayer for BatchNorm2d {
     type Op = op::batch_norm;
 }
 
-impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_t, (A, bool)> for BatchNorm2d {
-    type Output = AmpTensor;
-    fn region_call(&self, (x, train): (A, bool)) -> Result<AmpTensor> {
-        unary::<Pol, op::batch_norm>(&x.to_amp(), |x| {
-            with_precision!(x.dtype(), P => self
-                .forward_t(&Tensor::<P>::wrap(x.clone()), train)
-                .map(Tensor::into_candle))
-        })
-    }
-}
-
-impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_train, (A,)> for BatchNorm2d {
-    type Output = AmpTensor;
-    fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
-        RegionCall::<Pol, calls::forward_t, (A, bool)>::region_call(self, (x, true))
-    }
-}
+super::region_forward_t!(BatchNorm2d);
 
 /// A `BatchNorm2d` as candle-nn's `batch_norm`: running mean 0, running var 1, and when
 /// `config.affine` scale 1 and shift 0. `config` may be just `eps` (an `f64`).
