@@ -12,18 +12,13 @@ use crate::composite;
 use crate::op;
 use crate::region::{calls, unary, unary_widening, AmpTensor, AsAmp, Policy, RegionCall};
 
-/// A weight at the dtype the op runs in.
-fn at_dtype(w: &Tensor, like: &Tensor) -> Result<Tensor> {
-    convert(w, like.dtype())
-}
-
 /// A weight as the kernels take it: an f32 master as it is (rounded inside the op, its
 /// gradient f32), another dtype cast to `like`'s.
 fn master_or_at(w: &Tensor, like: &Tensor) -> Result<Tensor> {
     if w.dtype() == DType::F32 {
         Ok(w.clone())
     } else {
-        at_dtype(w, like)
+        convert(w, like.dtype())
     }
 }
 

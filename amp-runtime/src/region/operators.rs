@@ -6,46 +6,45 @@
 //! pushes it for the code it runs ([`CallerPolicy`]). Where no region part runs (a candle
 //! module's body called from candle code) they follow the classes `crate::op` declares.
 
-use candle_core::Result;
+use std::any::TypeId;
+
+use candle_core::{DType, Result};
 
 use super::policy::{in_region, CallerPolicy, Policy};
 use super::route::{binary, unary};
 use super::value::{AmpTensor, AsAmp, Operand};
 use crate::cast::convert;
 use crate::kernels::affine;
-use crate::op::{self, Op};
+use crate::op::{self, OpClass};
 use crate::precision::{Precision, F16};
 use crate::tensor::Tensor;
 
-/// The classes as `crate::op` declares them, for operators outside any region part.
+/// The policy operators run under: the region part running on this thread ([`CallerPolicy`]),
+/// or where none runs, the classes `crate::op` declares.
 #[derive(Clone, Copy, Debug, Default)]
-struct DeclaredClasses;
-impl Policy for DeclaredClasses {
+struct OperatorPolicy;
+impl Policy for OperatorPolicy {
     type Lower = F16;
-    const NAME: &'static str = "declared";
-}
-
-/// A binary operator's op `O`, routed under the running region part's policy.
-fn binary_operator<O: Op>(
-    a: &AmpTensor,
-    b: &AmpTensor,
-    f: impl FnOnce(&candle_core::Tensor, &candle_core::Tensor) -> Result<candle_core::Tensor>,
-) -> Result<AmpTensor> {
-    if in_region() {
-        binary::<CallerPolicy, O>(a, b, f)
-    } else {
-        binary::<DeclaredClasses, O>(a, b, f)
+    const NAME: &'static str = "operator";
+    fn class_of(op: TypeId, declared: OpClass) -> OpClass {
+        if in_region() {
+            CallerPolicy::class_of(op, declared)
+        } else {
+            declared
+        }
+    }
+    fn lower() -> DType {
+        if in_region() {
+            CallerPolicy::lower()
+        } else {
+            F16::DTYPE
+        }
     }
 }
 
-/// `x * mul + add`, routed as `affine` under the running region part's policy.
+/// `x * mul + add`, routed as `affine`.
 fn affine_operator(x: &AmpTensor, mul: f64, add: f64) -> Result<AmpTensor> {
-    let f = |x: &candle_core::Tensor| affine(x, mul, add);
-    if in_region() {
-        unary::<CallerPolicy, op::affine>(x, f)
-    } else {
-        unary::<DeclaredClasses, op::affine>(x, f)
-    }
+    unary::<OperatorPolicy, op::affine>(x, |x| affine(x, mul, add))
 }
 
 macro_rules! region_operator {
@@ -53,7 +52,7 @@ macro_rules! region_operator {
         impl<B: Operand> std::ops::$trait<B> for &AmpTensor {
             type Output = Result<AmpTensor>;
             fn $fn(self, rhs: B) -> Result<AmpTensor> {
-                binary_operator::<op::$op>(self, &rhs.operand(), $kernel)
+                binary::<OperatorPolicy, op::$op>(self, &rhs.operand(), $kernel)
             }
         }
         impl<B: Operand> std::ops::$trait<B> for AmpTensor {
