@@ -19,6 +19,7 @@
 //! cargo run --release --example quantized_sine -- --json           # one JSON object on stdout
 //! cargo run --release --example quantized_sine -- --seed 7         # other initial weights
 //! cargo run --release --example quantized_sine -- --seeds 16       # final losses of seeds 0-15
+//! cargo run --release --example quantized_sine -- --seeds 16 --jitter 1e-4  # 16 starts near seed 0's
 //! cargo run --release --example quantized_sine -- --size 512 --hidden 256 --epochs 512  # the blog
 //! ```
 //!
@@ -89,9 +90,24 @@ struct Args {
     /// percent from seed to seed.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     seeds: u64,
+    /// Relative noise on the initial weights: each is multiplied by `1 + jitter * n`, `n` drawn
+    /// from N(0, 1) (both runs of a pair start from the same weights). With `--seeds N` the N
+    /// pairs are N draws of that noise around `--seed`'s weights instead of N seeds: how far
+    /// runs from almost the same start end apart, f32 from f32 as well as AMP from f32.
+    #[arg(long, default_value_t = 0.0, value_parser = noise_scale)]
+    jitter: f64,
     /// Device: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
+}
+
+/// A finite number >= 0, as a clap value parser.
+fn noise_scale(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v >= 0.0 && v.is_finite() => Ok(v),
+        Ok(_) => Err("must be a finite number >= 0".into()),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// Inputs `(1, 2, size, size)` and target `(1, 1, size, size)`.
@@ -217,18 +233,41 @@ fn train<Pol: Policy>(
     Ok((f32_run, amp_run))
 }
 
-/// Both runs from the initial weights of `seed`.
+/// Each initial weight times `1 + scale * n`, `n` from N(0, 1) drawn by a generator seeded
+/// with `draw` (the same noise for the same draw, whatever the seed).
+fn jittered(init: &common::Init, scale: f64, draw: u64) -> Result<common::Init> {
+    use rand::SeedableRng;
+    use rand_distr::{Distribution, StandardNormal};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(draw ^ 0x6a69_7474_6572_0000); // "jitter"
+    init.iter()
+        .map(|(name, t)| {
+            let noise: Vec<f32> = (0..t.elem_count())
+                .map(|_| {
+                    let n: f64 = StandardNormal.sample(&mut rng);
+                    1.0 + (scale * n) as f32
+                })
+                .collect();
+            let noise = candle_core::Tensor::from_vec(noise, t.shape(), t.device())?;
+            Ok((name.clone(), t.mul(&noise)?))
+        })
+        .collect()
+}
+
+/// Both runs from the initial weights of `seed`, times draw `draw` of the `--jitter` noise.
 fn train_seed(
     args: &Args,
     precision: AmpPrecision,
-    seed: u64,
+    (seed, draw): (u64, u64),
     x: &Tensor<F32>,
     target: &Tensor<F32>,
 ) -> Result<(Run, Run)> {
     // One set of initial weights from the seed, copied into each mode's fresh model.
-    let init = common::seeded_init(seed, x.device(), |vb| {
+    let mut init = common::seeded_init(seed, x.device(), |vb| {
         Model::new(args.hidden, vb).map(|_| ())
     })?;
+    if args.jitter > 0.0 {
+        init = jittered(&init, args.jitter, draw)?;
+    }
     // The policy is a type: pick it once from the flag (PyTorch: `dtype = torch.bfloat16 if
     // args.precision == "bf16" else torch.float16`), the rest is the same generic code.
     match precision {
@@ -237,44 +276,67 @@ fn train_seed(
     }
 }
 
-/// One seed of a `--seeds` sweep: both final losses and AMP's gap, `(amp - f32) / f32`.
+/// One pair of a `--seeds` sweep: both final losses and AMP's gap, `(amp - f32) / f32`.
 #[derive(serde::Serialize)]
 struct SeedResult {
     seed: u64,
+    /// The `--jitter` draw, with `--jitter`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draw: Option<u64>,
     f32: f32,
     amp: f32,
     gap: f64,
 }
 
-/// `--seeds`: each seed's final losses and AMP's gap to f32, then the median gap and the
-/// largest in size; `{"precision": .., "seeds": [{"seed", "f32", "amp", "gap"}, ..],
-/// "median_gap": .., "largest_gap": ..}` with `--json`.
+/// The median of `values` (sorted here).
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len().is_multiple_of(2) {
+        f64::midpoint(values[mid - 1], values[mid])
+    } else {
+        values[mid]
+    }
+}
+
+/// `--seeds`: each pair's final losses and AMP's gap to f32, then the median gap, the largest
+/// in size, and how far the f32 runs end from their own median (lowest and highest, relative):
+/// `{"precision": .., "seeds": [{"seed", "draw"?, "f32", "amp", "gap"}, ..], "median_gap": ..,
+/// "largest_gap": .., "f32_spread": [low, high]}` with `--json`.
 fn sweep(
     args: &Args,
     precision: AmpPrecision,
     x: &Tensor<F32>,
     target: &Tensor<F32>,
 ) -> Result<()> {
-    let Some(end) = args.seed.checked_add(args.seeds) else {
+    let jitter = args.jitter > 0.0;
+    if !jitter && args.seed.checked_add(args.seeds).is_none() {
         candle_core::bail!(
             "--seed {} plus --seeds {} is past u64",
             args.seed,
             args.seeds
         )
-    };
+    }
     let mut seeds = Vec::new();
-    for seed in args.seed..end {
-        let (f32_run, amp_run) = train_seed(args, precision, seed, x, target)?;
+    for i in 0..args.seeds {
+        let (seed, draw) = if jitter {
+            (args.seed, Some(i))
+        } else {
+            (args.seed + i, None)
+        };
+        let (f32_run, amp_run) = train_seed(args, precision, (seed, draw.unwrap_or(0)), x, target)?;
         let (f32, amp) = (f32_run.result.final_loss, amp_run.result.final_loss);
         let row = SeedResult {
             seed,
+            draw,
             f32,
             amp,
             gap: f64::from(amp - f32) / f64::from(f32),
         };
         if !args.json {
+            let name = draw.map_or(format!("seed {seed:>3}"), |d| format!("draw {d:>3}"));
             println!(
-                "seed {seed:>3}: f32 {f32:.6}  {} {amp:.6}  gap {:+.2}%",
+                "{name}: f32 {f32:.6}  {} {amp:.6}  gap {:+.2}%",
                 precision.label(),
                 row.gap * 100.0
             );
@@ -282,33 +344,46 @@ fn sweep(
         seeds.push(row);
     }
     let mut gaps: Vec<f64> = seeds.iter().map(|r| r.gap).collect();
-    gaps.sort_by(f64::total_cmp);
-    let mid = gaps.len() / 2;
-    let median = if gaps.len().is_multiple_of(2) {
-        f64::midpoint(gaps[mid - 1], gaps[mid])
-    } else {
-        gaps[mid]
-    };
     let largest = gaps
         .iter()
         .copied()
         .max_by(|a, b| a.abs().total_cmp(&b.abs()))
         .unwrap_or(f64::NAN);
+    let median_gap = median(&mut gaps);
+    let mut f32s: Vec<f64> = seeds.iter().map(|r| f64::from(r.f32)).collect();
+    let f32_median = median(&mut f32s);
+    let spread = [
+        f32s[0] / f32_median - 1.0,
+        f32s[f32s.len() - 1] / f32_median - 1.0,
+    ];
     if args.json {
         let out = serde_json::json!({
             "precision": precision,
             "seeds": seeds,
-            "median_gap": median,
+            "median_gap": median_gap,
             "largest_gap": largest,
+            "f32_spread": spread,
         });
         println!("{out}");
     } else {
+        let runs = if jitter {
+            format!(
+                "{} draws of jitter {} around seed {}",
+                seeds.len(),
+                args.jitter,
+                args.seed
+            )
+        } else {
+            format!("{} seeds", seeds.len())
+        };
         println!(
-            "{} final loss against f32 over {} seeds: median gap {:+.2}%, largest {:+.2}%",
+            "{} final loss against f32 over {runs}: median gap {:+.2}%, largest {:+.2}%\n\
+             f32 final losses: median {f32_median:.6}, from {:+.2}% to {:+.2}% of it",
             precision.label(),
-            seeds.len(),
-            median * 100.0,
-            largest * 100.0
+            median_gap * 100.0,
+            largest * 100.0,
+            spread[0] * 100.0,
+            spread[1] * 100.0,
         );
     }
     Ok(())
@@ -328,7 +403,7 @@ fn main() -> Result<()> {
     if args.seeds > 1 {
         return sweep(&args, precision, &x, &target);
     }
-    let (f32_run, amp_run) = train_seed(&args, precision, args.seed, &x, &target)?;
+    let (f32_run, amp_run) = train_seed(&args, precision, (args.seed, 0), &x, &target)?;
 
     let target = target.to_flat_vec::<f32>()?;
     let written = plots(&args, precision, &target, &f32_run, &amp_run);
