@@ -21,7 +21,7 @@ use candle_core::{
 };
 use std::ops::Range;
 
-use super::gemm::{gemm, GemmElem, MatRef};
+use super::gemm::{gemm, gemm_append, GemmElem, MatRef};
 use super::leaf_grads::{offer, wanted};
 use super::{parallel, Real};
 
@@ -535,6 +535,10 @@ impl Geometry {
     }
 
     /// [`Self::forward`] with the f32 sums stored in `O` (`f32`: not rounded at all).
+    ///
+    /// `y` is built in order, never zero-filled first: a chunk of one image is its groups'
+    /// output rows one after the other, which the GEMM writes (onto the bias, where there is
+    /// one); a chunk of several images goes through a buffer and is scattered.
     fn forward_as<T: GemmElem, O: Real + Send + Sync>(
         &self,
         x: &[T],
@@ -543,38 +547,46 @@ impl Geometry {
     ) -> Vec<O> {
         let zero = T::put(0.0);
         let (rows, pw, cog) = (self.col_rows(), self.pixels(), self.c_out_g());
-        let mut y = vec![O::put(0.0); self.batch * self.image_out()];
+        let mut y: Vec<O> = Vec::with_capacity(self.batch * self.image_out());
         for start in (0..self.batch).step_by(self.chunk()) {
             let images = start..(start + self.chunk()).min(self.batch);
             let n = images.len() * pw;
+            let single = images.len() == 1;
+            let chunk_start = y.len();
+            if !single {
+                y.resize(chunk_start + images.len() * self.image_out(), O::put(0.0));
+            }
             for g in 0..self.p.groups {
                 let mut buf = Vec::new();
                 let cm = self.column_view(x, g, images.clone(), &mut buf, zero);
-                // One image: its group's output rows are the product's rows; several: the
-                // product goes to a buffer and is scattered per image.
-                let single = images.len() == 1;
-                let mut scratch = Vec::new();
-                let out: &mut [O] = if single {
-                    &mut y[start * self.image_out() + g * cog * pw..][..cog * n]
-                } else {
-                    scratch.resize(cog * n, O::put(0.0));
-                    &mut scratch
-                };
-                // With a bias, each output row starts at its channel's bias and the product is
-                // accumulated onto it in f32: one rounding.
+                let wg = self.weight(w, g);
+                let bias = bias.map(|b| &b[g * cog..][..cog]);
+                if single {
+                    // This group's output rows of the image, next in `y`.
+                    let rows_start = y.len();
+                    if let Some(bias) = bias {
+                        // Each row starts at its channel's bias, the product accumulated onto
+                        // it in f32: one rounding.
+                        y.extend(
+                            bias.iter()
+                                .flat_map(|b| std::iter::repeat_n(O::put(b.get()), n)),
+                        );
+                        gemm(cog, n, rows, wg, cm, &mut y[rows_start..], true, true);
+                    } else {
+                        gemm_append(&mut y, (cog, n, rows), wg, cm, true);
+                    }
+                    continue;
+                }
+                let mut scratch = vec![O::put(0.0); cog * n];
                 if let Some(bias) = bias {
-                    for (row, &b) in out.chunks_mut(n.max(1)).zip(&bias[g * cog..][..cog]) {
+                    for (row, &b) in scratch.chunks_mut(n.max(1)).zip(bias) {
                         row.fill(O::put(b.get()));
                     }
                 }
-                let wg = self.weight(w, g);
-                gemm(cog, n, rows, wg, cm, out, bias.is_some(), true);
-                if single {
-                    continue;
-                }
+                gemm(cog, n, rows, wg, cm, &mut scratch, bias.is_some(), true);
                 for (co, row) in scratch.chunks(n.max(1)).enumerate() {
-                    for (slot, b) in images.clone().enumerate() {
-                        y[b * self.image_out() + (g * cog + co) * pw..][..pw]
+                    for slot in 0..images.len() {
+                        y[chunk_start + slot * self.image_out() + (g * cog + co) * pw..][..pw]
                             .copy_from_slice(&row[slot * pw..][..pw]);
                     }
                 }
@@ -583,15 +595,22 @@ impl Geometry {
         y
     }
 
-    /// The input gradient `w^T * grad_y` through col2im, in `T`.
+    /// The input gradient `w^T * grad_y` through col2im, in `T`. For a 1x1, stride-1 conv of
+    /// one image per chunk, the product is the gradient: the GEMM writes it straight into the
+    /// output (rounded once), not zero-filled first.
     fn grad_input<T: GemmElem>(&self, w: &[T], gy: &[T]) -> Vec<T> {
         let (rows, pw, cog) = (self.col_rows(), self.pixels(), self.c_out_g());
-        let mut gx = vec![T::put(0.0); self.batch * self.image_in()];
+        let mut gx: Vec<T> = Vec::with_capacity(self.batch * self.image_in());
         let taps = self.taps();
         for start in (0..self.batch).step_by(self.chunk()) {
             let images = start..(start + self.chunk()).min(self.batch);
             let n = images.len() * pw;
-            let mut sums = vec![0f32; images.len() * self.image_in()];
+            let direct = self.pointwise() && images.len() == 1;
+            let mut sums = if direct {
+                Vec::new()
+            } else {
+                vec![0f32; images.len() * self.image_in()]
+            };
             for g in 0..self.p.groups {
                 let mut grad_buf = Vec::new();
                 let gm = self.out_view(gy, g, images.clone(), &mut grad_buf);
@@ -601,10 +620,9 @@ impl Geometry {
                     cs: rows,
                     ..self.weight(w, g)
                 };
-                if self.pointwise() && images.len() == 1 {
-                    // The product is this group's rows of the image's gradient already.
-                    let rows_g = &mut sums[g * rows * n..][..rows * n];
-                    gemm(rows, n, cog, wt, gm, rows_g, false, true);
+                if direct {
+                    // This group's rows of the image's gradient, next in `gx`.
+                    gemm_append(&mut gx, (rows, n, cog), wt, gm, true);
                     continue;
                 }
                 let mut col = vec![0f32; rows * n];
@@ -613,7 +631,11 @@ impl Geometry {
                     self.col2im(&col, n, slot, g, image, taps.as_deref());
                 });
             }
-            super::convert::convert_into(&sums, &mut gx[start * self.image_in()..][..sums.len()]);
+            if !direct {
+                let chunk_start = gx.len();
+                gx.resize(chunk_start + sums.len(), T::put(0.0));
+                super::convert::convert_into(&sums, &mut gx[chunk_start..]);
+            }
         }
         gx
     }

@@ -11,7 +11,7 @@
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 
-use super::gemm::{gemm, gemm_uninit, GemmElem, MatRef};
+use super::gemm::{gemm, gemm_append, gemm_uninit, GemmElem, MatRef};
 use super::leaf_grads::{offer, wanted};
 use super::{parallel, Real};
 use candle_core::{
@@ -402,12 +402,9 @@ impl HalfLinear {
             cs: inner,
         };
         let Some((b, lb)) = bias else {
-            // SAFETY: the product writes all `rows * out` elements.
-            return unsafe {
-                written(rows * out, |y| {
-                    gemm_uninit((rows, out, inner), a, wt, y, true);
-                })
-            };
+            let mut y = Vec::new();
+            gemm_append(&mut y, (rows, out, inner), a, wt, true);
+            return y;
         };
         let b: Vec<T> = super::elements(b, lb).iter().map(|&v| T::put(v)).collect();
         let mut y = b.repeat(rows);
@@ -445,8 +442,9 @@ impl CustomOp2 for ByMaster {
         fn product<T: GemmElem>(g: &[T], lg: &Layout, w: &[f32], lw: &Layout) -> Vec<T> {
             let (rows, k, n) = (lg.dims()[0], lg.dims()[1], lw.dims()[1]);
             let (a, b) = (MatRef::from_layout(g, lg), MatRef::from_layout(w, lw));
-            // SAFETY: the product writes all `rows * n` elements.
-            unsafe { written(rows * n, |y| gemm_uninit((rows, n, k), a, b, y, true)) }
+            let mut y = Vec::new();
+            gemm_append(&mut y, (rows, n, k), a, b, true);
+            y
         }
         let y = match (s1, s2) {
             (CpuStorage::BF16(g), CpuStorage::F32(w)) => CpuStorage::BF16(product(g, l1, w, l2)),

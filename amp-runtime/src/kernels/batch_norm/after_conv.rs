@@ -139,33 +139,35 @@ impl CustomOp3 for ConvNorm {
             candle_core::bail!("conv + batch norm: {} parameters for {c} channels", p.len())
         }
         let (conv_bias, gamma, beta) = (&p[..c], &p[c..2 * c], &p[2 * c..]);
-        let bias = CpuStorage::F32(conv_bias.to_vec());
-        let (y, shape) = conv2d::f32_sums(
-            (x, lx),
-            (k, lk),
-            Some((&bias, &Layout::contiguous(c))),
-            self.conv,
-        )?;
+        // The sums without the conv's bias, which only moves each channel's mean: it is
+        // subtracted again with the batch's mean, and folded into the running mean's centre.
+        let (y, shape) = conv2d::f32_sums((x, lx), (k, lk), None, self.conv)?;
         let g = Geometry::of(&Layout::contiguous(shape.clone()))?;
-        let (mean, invstd, batch): (Vec<f32>, Vec<f32>, _) = match &self.running {
+        let (center, invstd, batch): (Vec<f32>, Vec<f32>, _) = match &self.running {
             None => {
                 let (mean, var) = stats(&y, g);
                 let invstd = var.iter().map(|v| (1.0 / (v + self.eps).sqrt()) as f32);
                 let center = mean.iter().map(|&m| m as f32).collect();
-                (center, invstd.collect(), Some((mean, var)))
+                // The statistics of the conv's output, bias included.
+                let mean = mean.iter().zip(conv_bias).map(|(m, &b)| m + f64::from(b));
+                (center, invstd.collect(), Some((mean.collect(), var)))
             }
             Some((mean, var)) => {
                 let invstd = var
                     .iter()
                     .map(|&v| (1.0 / (f64::from(v) + self.eps).sqrt()) as f32);
-                (mean.clone(), invstd.collect(), None)
+                let center = mean
+                    .iter()
+                    .zip(conv_bias)
+                    .map(|(&m, &b)| (f64::from(m) - f64::from(b)) as f32);
+                (center.collect(), invstd.collect(), None)
             }
         };
         let zeros = vec![0f32; c];
-        let xhat = affine_rounded(&y, g, (&mean, &invstd, &zeros), x.dtype());
+        let xhat = affine_rounded(&y, g, (&center, &invstd, &zeros), x.dtype());
         let xhat = tensor(xhat, &shape)?;
         let scale: Vec<f32> = invstd.iter().zip(gamma).map(|(s, w)| s * w).collect();
-        let z = affine_rounded(&y, g, (&mean, &scale, beta), x.dtype());
+        let z = affine_rounded(&y, g, (&center, &scale, beta), x.dtype());
         *lock(&self.saved)? = Saved {
             xhat: Some(xhat),
             invstd,

@@ -210,6 +210,32 @@ pub(crate) fn gemm_uninit<T: GemmElem, B: GemmElem, O: Real + Send + Sync>(
     run(m, n, k, a, b, c, false, parallel);
 }
 
+/// Appends `a * b` (`m x n`, row-major) to `out`: the GEMM writes it into the vector's spare
+/// capacity, nothing is zero-filled first.
+pub(crate) fn gemm_append<T: GemmElem, B: GemmElem, O: Real + Send + Sync>(
+    out: &mut Vec<O>,
+    (m, n, k): (usize, usize, usize),
+    a: MatRef<T>,
+    b: MatRef<B>,
+    parallel: bool,
+) {
+    let (start, len) = (out.len(), m * n);
+    out.reserve(len);
+    run(
+        m,
+        n,
+        k,
+        a,
+        b,
+        &mut out.spare_capacity_mut()[..len],
+        false,
+        parallel,
+    );
+    // SAFETY: without `accumulate`, `run` writes every element of the `m x n` block (zeros for
+    // `k = 0`; nothing to write when `m` or `n` is 0).
+    unsafe { out.set_len(start + len) };
+}
+
 /// [`gemm`] on a possibly uninitialised `c`, which `accumulate` requires initialised.
 #[allow(clippy::too_many_arguments)]
 fn run<T: GemmElem, B: GemmElem, O: Real + Send + Sync>(
