@@ -96,6 +96,45 @@ pub(crate) fn filled<T: candle_core::WithDType>(
     out
 }
 
+/// Two new vectors of `len` values written together, as [`filled`] writes one: `f(i, a, b)`
+/// gets chunk `i` of each (a kernel with two outputs from one pass over its input).
+pub(crate) fn filled_pair<A: candle_core::WithDType, B: candle_core::WithDType>(
+    len: usize,
+    size: usize,
+    f: impl Fn(usize, &mut [A], &mut [B]) + Sync,
+) -> (Vec<A>, Vec<B>) {
+    let size = size.max(1);
+    let (mut a, mut b): (Vec<A>, Vec<B>) = (Vec::with_capacity(len), Vec::with_capacity(len));
+    let base_a = Base(a.spare_capacity_mut().as_mut_ptr());
+    let base_b = Base(b.spare_capacity_mut().as_mut_ptr());
+    let (zero_a, zero_b) = (A::from_f64(0.0), B::from_f64(0.0));
+    for_each_index(len.div_ceil(size), |i| {
+        let start = i * size;
+        let n = size.min(len - start);
+        // SAFETY: `start..start + n` lies in both vectors' capacity; each index is handed out
+        // once, so the chunks given out are disjoint. Each chunk is initialised before it is
+        // viewed as values (`MaybeUninit<T>` has `T`'s layout).
+        let (ca, cb) = unsafe {
+            let ca = std::slice::from_raw_parts_mut(base_a.at(start), n);
+            let cb = std::slice::from_raw_parts_mut(base_b.at(start), n);
+            ca.fill(MaybeUninit::new(zero_a));
+            cb.fill(MaybeUninit::new(zero_b));
+            (
+                &mut *(std::ptr::from_mut(ca) as *mut [A]),
+                &mut *(std::ptr::from_mut(cb) as *mut [B]),
+            )
+        };
+        f(i, ca, cb);
+    });
+    // SAFETY: the chunks cover `0..len` of both, and each was initialised (a panicking call
+    // unwinds past this, and the vectors are dropped empty).
+    unsafe {
+        a.set_len(len);
+        b.set_len(len);
+    }
+    (a, b)
+}
+
 /// `f(i, chunk)` over the chunks of `data` as [`for_each_chunk_mut`], and what each call
 /// returned, in chunk order (so a reduction over them is the same at every run).
 pub(crate) fn map_chunks_mut<T: Send, R: Send>(
@@ -162,6 +201,29 @@ mod tests {
         }
         let zeros: Vec<half::bf16> = filled(33, 8, |_, _| {});
         assert!(zeros.iter().all(|x| x.to_bits() == 0));
+    }
+
+    #[test]
+    fn filled_pair_holds_what_each_chunk_wrote_in_both() {
+        for (len, size) in [(0, 4), (1, 4), (7, 3), (12, 4), (1000, 64)] {
+            #[allow(clippy::cast_precision_loss)] // small indices
+            let (a, b): (Vec<f32>, Vec<half::bf16>) = filled_pair(len, size, |i, a, b| {
+                assert_eq!(a.len(), b.len());
+                for (j, (x, y)) in a.iter_mut().zip(b).enumerate() {
+                    *x = (i * size + j) as f32;
+                    *y = half::bf16::from_f32(-((i * size + j) as f32));
+                }
+            });
+            #[allow(clippy::cast_precision_loss)]
+            let want: Vec<f32> = (0..len).map(|i| i as f32).collect();
+            assert_eq!(a, want, "len {len}, chunks of {size}");
+            let b: Vec<f32> = b.iter().map(|v| -v.to_f32()).collect();
+            let rounded: Vec<f32> = want
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_f32())
+                .collect();
+            assert_eq!(b, rounded, "len {len}, chunks of {size}");
+        }
     }
 
     #[test]

@@ -76,32 +76,52 @@ struct ConvNorm {
     saved: Arc<Mutex<Saved>>,
 }
 
-/// `(y - center) * scale + shift` per channel of the f32 `y`, each value rounded once to
-/// `dtype`: one pass, 64 values at a time through an f32 block.
-fn affine_rounded(
+/// The normalised values `(y - center) * invstd` and the output `xhat * gamma + beta` (as
+/// `(y - center) * (invstd * gamma) + beta`) per channel of the f32 `y`, each value rounded once
+/// to `dtype`: one pass over `y`, 64 values at a time through f32 blocks.
+fn normalised_and_output(
     y: &[f32],
     g: Geometry,
-    (center, scale, shift): (&[f32], &[f32], &[f32]),
+    (center, invstd, scale, shift): (&[f32], &[f32], &[f32], &[f32]),
     dtype: DType,
-) -> CpuStorage {
-    fn pass<T: Real>(y: &[f32], g: Geometry, (m, s, b): (&[f32], &[f32], &[f32])) -> Vec<T> {
-        parallel::filled(y.len(), g.hw.max(1), |row, out: &mut [T]| {
-            let c = row % g.c;
-            let mut block = [0f32; 64];
-            for (ys, out) in y[row * g.hw..][..g.hw].chunks(64).zip(out.chunks_mut(64)) {
-                let block = &mut block[..ys.len()];
-                for (o, &v) in block.iter_mut().zip(ys) {
-                    *o = (v - m[c]) * s[c] + b[c];
+) -> (CpuStorage, CpuStorage) {
+    fn pass<T: Real>(
+        y: &[f32],
+        g: Geometry,
+        (m, s, k, b): (&[f32], &[f32], &[f32], &[f32]),
+    ) -> (Vec<T>, Vec<T>) {
+        parallel::filled_pair(y.len(), g.hw.max(1), |row, xhat: &mut [T], z: &mut [T]| {
+            let (m, s, k, b) = {
+                let c = row % g.c;
+                (m[c], s[c], k[c], b[c])
+            };
+            let (mut xb, mut zb) = ([0f32; 64], [0f32; 64]);
+            let chunks = y[row * g.hw..][..g.hw].chunks(64);
+            for ((ys, xhat), z) in chunks.zip(xhat.chunks_mut(64)).zip(z.chunks_mut(64)) {
+                let (xb, zb) = (&mut xb[..ys.len()], &mut zb[..ys.len()]);
+                for ((x, o), &v) in xb.iter_mut().zip(zb.iter_mut()).zip(ys) {
+                    *x = (v - m) * s;
+                    *o = (v - m) * k + b;
                 }
-                T::narrow(block, out);
+                T::narrow(xb, xhat);
+                T::narrow(zb, z);
             }
         })
     }
-    let per_channel = (center, scale, shift);
+    let per_channel = (center, invstd, scale, shift);
     match dtype {
-        DType::BF16 => CpuStorage::BF16(pass(y, g, per_channel)),
-        DType::F16 => CpuStorage::F16(pass(y, g, per_channel)),
-        _ => CpuStorage::F32(pass(y, g, per_channel)),
+        DType::BF16 => {
+            let (x, z) = pass(y, g, per_channel);
+            (CpuStorage::BF16(x), CpuStorage::BF16(z))
+        }
+        DType::F16 => {
+            let (x, z) = pass(y, g, per_channel);
+            (CpuStorage::F16(x), CpuStorage::F16(z))
+        }
+        _ => {
+            let (x, z) = pass(y, g, per_channel);
+            (CpuStorage::F32(x), CpuStorage::F32(z))
+        }
     }
 }
 
@@ -163,11 +183,9 @@ impl CustomOp3 for ConvNorm {
                 (center.collect(), invstd.collect(), None)
             }
         };
-        let zeros = vec![0f32; c];
-        let xhat = affine_rounded(&y, g, (&center, &invstd, &zeros), x.dtype());
-        let xhat = tensor(xhat, &shape)?;
         let scale: Vec<f32> = invstd.iter().zip(gamma).map(|(s, w)| s * w).collect();
-        let z = affine_rounded(&y, g, (&center, &scale, beta), x.dtype());
+        let (xhat, z) = normalised_and_output(&y, g, (&center, &invstd, &scale, beta), x.dtype());
+        let xhat = tensor(xhat, &shape)?;
         *lock(&self.saved)? = Saved {
             xhat: Some(xhat),
             invstd,
