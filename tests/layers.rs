@@ -1207,6 +1207,78 @@ fn conv_bn_is_the_conv_then_the_batch_norm() -> Result<()> {
     Ok(())
 }
 
+/// `ConvBnReLU2d` is `ConvBn2d` and `relu` with one op: the same outputs (ReLU commutes with
+/// rounding, so bf16 too, bit for bit), the same gradients of the input and of every variable
+/// (the mask taken from the output), in training and eval mode; NaN passes through its ReLU as
+/// through `relu`.
+#[test]
+fn conv_bn_relu_is_conv_bn_then_relu() -> Result<()> {
+    let (_map, vb) = vars();
+    let cfg = nn::Conv2dConfig {
+        padding: 1,
+        ..Default::default()
+    };
+    // Two layers over the same variables: the VarMap hands out the same ones by name.
+    let layers = || -> Result<(nn::Conv2d, nn::BatchNorm2d)> {
+        Ok((
+            nn::conv2d(3, 4, 3, cfg, vb.pp("conv"))?,
+            nn::batch_norm2d(4, 1e-5, vb.pp("bn"))?,
+        ))
+    };
+    let (conv, bn) = layers()?;
+    let fused = nn::ConvBnReLU2d::new(conv, bn)?;
+    let (conv, bn) = layers()?;
+    let plain = nn::ConvBn2d::new(conv, bn)?;
+    let x = Var::randn(0f32, 1.0, (2, 3, 5, 6), &dev())?;
+    let weights = candle_core::Tensor::randn(0f32, 1.0, (2, 4, 5, 6), &dev())?;
+    let loss = |y: candle_core::Tensor| y.to_dtype(DType::F32)?.mul(&weights)?.sum_all();
+    let mut tracked: Vec<&Var> = fused.vars();
+    tracked.push(&x);
+    let x32 = || Tensor::<F32>::from_candle(x.as_tensor().clone());
+    for train in [true, false] {
+        for bf16 in [false, true] {
+            let (y, want) = if bf16 {
+                let x = x32()?.cast::<BF16>()?;
+                let want = plain.forward_t(&x, train)?.relu()?;
+                (
+                    fused.forward_t(&x, train)?.into_candle(),
+                    want.into_candle(),
+                )
+            } else {
+                let want = plain.forward_t(&x32()?, train)?.relu()?;
+                (
+                    fused.forward_t(&x32()?, train)?.into_candle(),
+                    want.into_candle(),
+                )
+            };
+            let flat = |t: &candle_core::Tensor| -> Result<Vec<f32>> {
+                t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
+            };
+            let what = format!("train={train} bf16={bf16}");
+            assert_eq!(flat(&y)?, flat(&want)?, "output, {what}");
+            assert!(flat(&y)?.contains(&0.0), "some cut, {what}");
+            let (gf, gp) = (loss(y)?.backward()?, loss(want)?.backward()?);
+            for v in &tracked {
+                let (a, b) = (
+                    gf.get(v).expect("a gradient"),
+                    gp.get(v).expect("a gradient"),
+                );
+                assert_eq!(flat(a)?, flat(b)?, "gradient, {what}");
+            }
+        }
+    }
+    // NaN in the input: the channel's statistics and outputs are NaN, not cut to 0.
+    let mut values = x.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+    values[0] = f32::NAN;
+    let x = Tensor::<F32>::from_vec(values, (2, 3, 5, 6), &dev())?;
+    let y = fused.forward_t(&x, true)?.to_flat_vec::<f32>()?;
+    assert!(
+        y.iter().all(|v| v.is_nan()),
+        "a NaN input reaches every output"
+    );
+    Ok(())
+}
+
 // ---- Sums over many positions stay f32 on every path into a half convolution or product. ----
 
 struct CandleLinear {

@@ -195,10 +195,10 @@ fn the_locator_reports_the_largest_finite_output_or_that_there_was_none() -> Res
 #[path = "../examples/models/sine.rs"]
 mod sine;
 
-/// The `quantized_sine` model's report of one bf16 training step: each conv + batch norm
-/// (`ConvBn2d`) and the last conv run in bf16 (lower precision: the batch norm computes in f32
-/// inside and rounds once), with the casts the step needs: the input once, each conv's weight
-/// and bias once.
+/// The `quantized_sine` model's report of one bf16 training step: each conv + batch norm +
+/// ReLU (`ConvBnReLU2d`, no separate ReLU) and the last conv run in bf16 (lower precision: the
+/// batch norm computes in f32 inside and rounds once), with the casts the step needs: the
+/// input once, each conv's weight and bias once.
 #[test]
 fn the_quantized_sine_report_lists_convs_in_bf16_and_casts_per_step() -> Result<()> {
     let map = VarMap::new();
@@ -210,7 +210,8 @@ fn the_quantized_sine_report_lists_convs_in_bf16_and_casts_per_step() -> Result<
         loss::mse(&y, &target)?.as_candle().backward()
     });
     grads?;
-    for (op, calls) in [("conv_bn2d", 3), ("conv2d", 1)] {
+    assert_eq!(rep.op("relu").count(), 0, "{rep}");
+    for (op, calls) in [("conv_bn_relu2d", 3), ("conv2d", 1)] {
         let sites: Vec<_> = rep.op(op).collect();
         assert_eq!(
             sites.iter().map(|e| e.calls).sum::<u64>(),

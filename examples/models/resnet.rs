@@ -8,7 +8,9 @@
 //! the lower precision, batch norm on its input's precision with f32 statistics, the global
 //! average pool (a mean) in f32.
 
-use candle_amp::nn::{self, Conv2dConfig, ConvBn2d, Linear, MaxPool2d};
+use candle_amp::nn::{
+    self, BatchNorm2d, Conv2d, Conv2dConfig, ConvBn2d, ConvBnReLU2d, Linear, MaxPool2d,
+};
 use candle_amp::{autocast, AmpTensor, Tensor, F32};
 use candle_core::Result;
 use candle_nn::VarBuilder;
@@ -55,29 +57,31 @@ impl Depth {
     }
 }
 
-/// A bias-free conv (`conv`) and the batch norm after it (`bn`), as one `ConvBn2d`: the
-/// variables are the two layers', under their names; on CPU the conv's sums are normalised
-/// before they are rounded to the region's precision.
-fn conv_bn(
+/// A bias-free conv (`conv`) and the batch norm after it (`bn`), for one `ConvBn2d` or
+/// `ConvBnReLU2d` (`pair(conv, bn)`): the variables are the two layers', under their names; on
+/// CPU the conv's sums are normalised before they are rounded to the region's precision.
+fn conv_bn<L>(
     (c_in, c_out, k, stride): (usize, usize, usize, usize),
-    conv: VarBuilder,
-    bn: VarBuilder,
-) -> Result<ConvBn2d> {
+    (conv, bn): (VarBuilder, VarBuilder),
+    pair: impl FnOnce(Conv2d, BatchNorm2d) -> Result<L>,
+) -> Result<L> {
     let cfg = Conv2dConfig {
         stride,
         padding: k / 2,
         ..Conv2dConfig::default()
     };
-    ConvBn2d::new(
+    pair(
         nn::conv2d_no_bias(c_in, c_out, k, cfg, conv)?,
         nn::batch_norm2d(c_out, 1e-5, bn)?,
     )
 }
 
 /// A basic block (two 3x3 convs) or a bottleneck (1x1, 3x3, 1x1 with 4x expansion), with a
-/// 1x1 projection on the shortcut where the shape changes.
+/// 1x1 projection on the shortcut where the shape changes. Every conv but the last is followed
+/// by a ReLU (one `ConvBnReLU2d`); the last one's comes after the shortcut is added.
 struct Block {
-    convs: Vec<ConvBn2d>,
+    convs: Vec<ConvBnReLU2d>,
+    last: ConvBn2d,
     downsample: Option<ConvBn2d>,
 }
 
@@ -105,21 +109,29 @@ impl Block {
                 planes,
             )
         };
-        let convs = shapes
-            .iter()
-            .enumerate()
-            .map(|(i, &shape)| {
-                let (conv, bn) = (format!("conv{}", i + 1), format!("bn{}", i + 1));
-                conv_bn(shape, vb.pp(conv), vb.pp(bn))
-            })
+        let names = |i: usize| {
+            (
+                vb.pp(format!("conv{}", i + 1)),
+                vb.pp(format!("bn{}", i + 1)),
+            )
+        };
+        let last = shapes.len() - 1;
+        let convs = (0..last)
+            .map(|i| conv_bn(shapes[i], names(i), ConvBnReLU2d::new))
             .collect::<Result<_>>()?;
+        let last = conv_bn(shapes[last], names(last), ConvBn2d::new)?;
         let downsample = if stride != 1 || c_in != c_out {
             let d = vb.pp("downsample");
-            Some(conv_bn((c_in, c_out, 1, stride), d.pp("0"), d.pp("1"))?)
+            let shape = (c_in, c_out, 1, stride);
+            Some(conv_bn(shape, (d.pp("0"), d.pp("1")), ConvBn2d::new)?)
         } else {
             None
         };
-        Ok(Self { convs, downsample })
+        Ok(Self {
+            convs,
+            last,
+            downsample,
+        })
     }
 }
 
@@ -127,13 +139,10 @@ impl Block {
 impl Block {
     fn forward(&self, x: &Tensor<F32>, train: bool) -> Result<Tensor<F32>> {
         let mut h = x.clone();
-        let last = self.convs.len() - 1;
-        for (i, conv_bn) in self.convs.iter().enumerate() {
-            h = conv_bn.forward_t(&h, train)?;
-            if i < last {
-                h = h.relu()?;
-            }
+        for conv_bn_relu in &self.convs {
+            h = conv_bn_relu.forward_t(&h, train)?;
         }
+        let h = self.last.forward_t(&h, train)?;
         let shortcut = match &self.downsample {
             Some(conv_bn) => conv_bn.forward_t(x, train)?,
             None => x.clone(),
@@ -144,7 +153,7 @@ impl Block {
 
 /// The ResNet: a backbone (stem and four stages) and a linear head of `classes` outputs.
 pub struct ResNet {
-    stem: ConvBn2d,
+    stem: ConvBnReLU2d,
     pool: MaxPool2d,
     layers: Vec<Vec<Block>>,
     pub fc: Linear,
@@ -176,7 +185,11 @@ impl ResNet {
             })
             .collect::<Result<_>>()?;
         Ok(Self {
-            stem: conv_bn((3, 64, 7, 2), vb.pp("conv1"), vb.pp("bn1"))?,
+            stem: conv_bn(
+                (3, 64, 7, 2),
+                (vb.pp("conv1"), vb.pp("bn1")),
+                ConvBnReLU2d::new,
+            )?,
             pool: MaxPool2d::with_stride(3, 2).with_padding(1),
             layers,
             fc: nn::linear(depth.features(), classes, vb.pp("fc"))?,
@@ -189,7 +202,7 @@ impl ResNet {
     /// The backbone: `(batch, 3, h, w)` images to `(batch, features)`, globally average-pooled
     /// (a helper: it takes and returns region values, under its caller's policy).
     fn backbone(&self, x: &AmpTensor, train: bool) -> Result<AmpTensor> {
-        let h = self.stem.forward_t(x, train)?.relu()?;
+        let h = self.stem.forward_t(x, train)?;
         let mut h = self.pool.forward(&h)?;
         for stage in &self.layers {
             for block in stage {

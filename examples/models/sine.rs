@@ -6,11 +6,11 @@ use candle_amp::{autocast, Policy, Tensor, F32};
 use candle_core::Result;
 use candle_nn::VarBuilder;
 
-/// Conv(2, h) + BN + ReLU, two hidden Conv(h, h) + BN + ReLU, Conv(h, 1): all 1x1. Each conv
-/// and the batch norm after it are one `ConvBn2d`: the same layers and variables, the conv's
-/// output normalised before it is rounded to the region's precision.
+/// Conv(2, h) + BN + ReLU, two hidden Conv(h, h) + BN + ReLU, Conv(h, 1): all 1x1. Each conv,
+/// the batch norm and the ReLU after it are one `ConvBnReLU2d`: the same layers and variables,
+/// the conv's output normalised before it is rounded to the region's precision.
 pub struct Model {
-    blocks: Vec<nn::ConvBn2d>,
+    blocks: Vec<nn::ConvBnReLU2d>,
     head: nn::Conv2d,
 }
 
@@ -22,7 +22,7 @@ impl Model {
             |i: usize| nn::conv2d(widths[i], widths[i + 1], 1, cfg, vb.pp(format!("conv{i}")));
         let blocks = (0..3)
             .map(|i| {
-                nn::ConvBn2d::new(
+                nn::ConvBnReLU2d::new(
                     conv(i)?,
                     nn::batch_norm2d(hidden, 1e-5, vb.pp(format!("bn{i}")))?,
                 )
@@ -45,7 +45,7 @@ impl Model {
     ) -> Result<Tensor<F32>> {
         let mut h = x.clone();
         for block in &self.blocks {
-            h = block.forward_t(&h, train)?.relu()?;
+            h = block.forward_t(&h, train)?;
         }
         self.head.forward(&h)
     }

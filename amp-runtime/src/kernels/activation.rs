@@ -46,6 +46,13 @@ pub(crate) fn relu(x: &Tensor) -> Result<Tensor> {
     apply(x, Form::Relu)
 }
 
+/// `grad` where `y = relu(x)` is positive, 0 elsewhere: ReLU's backward from its output
+/// (`y > 0` exactly where `x > 0`, NaN included), for an op that ends in a ReLU and keeps only
+/// its output. CPU or CUDA, f32, f16 or bf16, `y` contiguous.
+pub(crate) fn relu_grad_from_output(y: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    y.apply_op2_no_bwd(&grad.contiguous()?, &ActivationGrad(Form::Relu))
+}
+
 /// Whether the op runs `x`: an f32, f16 or bf16 tensor on CPU, or (feature `cuda`) on CUDA.
 fn supported(x: &Tensor) -> bool {
     use candle_core::DType;

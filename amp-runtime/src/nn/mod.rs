@@ -46,7 +46,7 @@ pub use crate::loss;
 pub use candle_nn::Activation;
 pub use candle_nn::{BatchNormConfig, Conv1dConfig, Conv2dConfig, LayerNormConfig};
 pub use conv::{conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, Conv1d, Conv2d};
-pub use conv_bn::ConvBn2d;
+pub use conv_bn::{ConvBn2d, ConvBnReLU2d};
 pub use dropout::Dropout;
 pub use embedding::{embedding, Embedding};
 pub use linear::{linear, linear_b, linear_no_bias, Linear};
@@ -158,7 +158,7 @@ macro_rules! candle_module_t {
         }
     )*};
 }
-candle_module_t!(BatchNorm2d, ConvBn2d);
+candle_module_t!(BatchNorm2d, ConvBn2d, ConvBnReLU2d);
 
 impl candle_nn::Module for Embedding {
     fn forward(&self, ids: &candle_core::Tensor) -> Result<candle_core::Tensor> {

@@ -23,7 +23,7 @@ use super::super::{parallel, Real};
 use super::{stats, Geometry, GradSums, InputGrad, Normalisation};
 
 /// `batch_norm(conv2d(x, k) + conv_bias) * gamma + beta` for `params = [conv_bias, gamma, beta]`
-/// (f32, `(3, c_out)`), in `x`'s dtype; `k` may be the f32 master of a half `x` (rounded inside,
+/// (f32, `(3, c_out)`), in `x`'s dtype, through a ReLU if `relu` (NaN kept, as `relu` keeps it); `k` may be the f32 master of a half `x` (rounded inside,
 /// as the conv op does). `running` gives the running mean and variance to normalise with
 /// (evaluation); without it the batch's own statistics are used and returned (mean and biased
 /// variance per channel) for the running-statistics update. CPU only, for the convolutions
@@ -35,12 +35,14 @@ pub(crate) fn conv_batch_norm(
     conv: Conv2dParams,
     eps: f64,
     running: Option<(Vec<f32>, Vec<f32>)>,
+    relu: bool,
 ) -> Result<(Tensor, Option<BatchStats>)> {
     let saved = Arc::new(Mutex::new(Saved::default()));
     let op = ConvNorm {
         conv,
         eps,
         running,
+        relu,
         saved: Arc::clone(&saved),
     };
     let z = x
@@ -73,22 +75,27 @@ struct ConvNorm {
     conv: Conv2dParams,
     eps: f64,
     running: Option<(Vec<f32>, Vec<f32>)>,
+    /// The output goes through a ReLU.
+    relu: bool,
     saved: Arc<Mutex<Saved>>,
 }
 
 /// The normalised values `(y - center) * invstd` and the output `xhat * gamma + beta` (as
-/// `(y - center) * (invstd * gamma) + beta`) per channel of the f32 `y`, each value rounded once
-/// to `dtype`: one pass over `y`, 64 values at a time through f32 blocks.
+/// `(y - center) * (invstd * gamma) + beta`, through a ReLU if `relu`) per channel of the f32
+/// `y`, each value rounded once to `dtype`: one pass over `y`, 64 values at a time through f32
+/// blocks.
 fn normalised_and_output(
     y: &[f32],
     g: Geometry,
     (center, invstd, scale, shift): (&[f32], &[f32], &[f32], &[f32]),
+    relu: bool,
     dtype: DType,
 ) -> (CpuStorage, CpuStorage) {
     fn pass<T: Real>(
         y: &[f32],
         g: Geometry,
         (m, s, k, b): (&[f32], &[f32], &[f32], &[f32]),
+        relu: bool,
     ) -> (Vec<T>, Vec<T>) {
         parallel::filled_pair(y.len(), g.hw.max(1), |row, xhat: &mut [T], z: &mut [T]| {
             let (m, s, k, b) = {
@@ -103,6 +110,12 @@ fn normalised_and_output(
                     *x = (v - m) * s;
                     *o = (v - m) * k + b;
                 }
+                if relu {
+                    // `o < 0` is false for NaN, which passes through.
+                    for o in zb.iter_mut() {
+                        *o = if *o < 0.0 { 0.0 } else { *o };
+                    }
+                }
                 T::narrow(xb, xhat);
                 T::narrow(zb, z);
             }
@@ -111,15 +124,15 @@ fn normalised_and_output(
     let per_channel = (center, invstd, scale, shift);
     match dtype {
         DType::BF16 => {
-            let (x, z) = pass(y, g, per_channel);
+            let (x, z) = pass(y, g, per_channel, relu);
             (CpuStorage::BF16(x), CpuStorage::BF16(z))
         }
         DType::F16 => {
-            let (x, z) = pass(y, g, per_channel);
+            let (x, z) = pass(y, g, per_channel, relu);
             (CpuStorage::F16(x), CpuStorage::F16(z))
         }
         _ => {
-            let (x, z) = pass(y, g, per_channel);
+            let (x, z) = pass(y, g, per_channel, relu);
             (CpuStorage::F32(x), CpuStorage::F32(z))
         }
     }
@@ -184,7 +197,13 @@ impl CustomOp3 for ConvNorm {
             }
         };
         let scale: Vec<f32> = invstd.iter().zip(gamma).map(|(s, w)| s * w).collect();
-        let (xhat, z) = normalised_and_output(&y, g, (&center, &invstd, &scale, beta), x.dtype());
+        let (xhat, z) = normalised_and_output(
+            &y,
+            g,
+            (&center, &invstd, &scale, beta),
+            self.relu,
+            x.dtype(),
+        );
         let xhat = tensor(xhat, &shape)?;
         *lock(&self.saved)? = Saved {
             xhat: Some(xhat),
@@ -199,7 +218,7 @@ impl CustomOp3 for ConvNorm {
         x: &Tensor,
         k: &Tensor,
         params: &Tensor,
-        _z: &Tensor,
+        z: &Tensor,
         dz: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (xhat, invstd) = {
@@ -212,6 +231,12 @@ impl CustomOp3 for ConvNorm {
         let c = invstd.len();
         let train = self.running.is_none();
         let dz = dz.to_dtype(xhat.dtype())?.contiguous()?;
+        // Through the ReLU: the gradient where the output is positive.
+        let dz = if self.relu {
+            super::super::activation::relu_grad_from_output(z, &dz)?
+        } else {
+            dz
+        };
         // The batch-norm kernel's passes on the normalised values: centre 0, scale 1.
         let unit = Normalisation {
             mean: vec![0.0; c],
