@@ -1360,35 +1360,84 @@ fn activation_and_dropout_modules_follow_keep_fp32_and_policies() -> Result<()> 
     Ok(())
 }
 
+/// A user's newtype over a tensor: with `AsAmp` it is routed like the tensor.
+struct Param(Tensor<F32>);
+
+impl std::ops::Deref for Param {
+    type Target = Tensor<F32>;
+    fn deref(&self) -> &Tensor<F32> {
+        &self.0
+    }
+}
+
+impl candle_amp::AsAmp for Param {
+    fn to_amp(&self) -> candle_amp::AmpTensor {
+        self.0.to_amp()
+    }
+}
+
 struct Shared {
+    param: Param,
     arc: std::sync::Arc<Tensor<F32>>,
     boxed: Box<Tensor<F32>>,
     plain: Tensor<F32>,
+    cell: std::cell::RefCell<Tensor<F32>>,
+    locked: std::sync::Mutex<Tensor<F32>>,
+    rw: std::sync::RwLock<Tensor<F32>>,
 }
 
 #[autocast(fp16)]
 impl Shared {
-    fn dtypes(&self) -> Result<Vec<DType>> {
-        Ok(vec![
+    fn dtypes(&mut self) -> Result<Vec<DType>> {
+        let cow = std::borrow::Cow::Borrowed(&self.plain);
+        let pinned = std::pin::Pin::new(&self.plain);
+        let mut dtypes = vec![
             self.plain.matmul(&self.plain)?.dtype(),
             self.arc.matmul(&self.plain)?.dtype(),
             self.boxed.matmul(&self.arc)?.dtype(),
             Tensor::matmul(&self.plain, &self.plain)?.dtype(),
-        ])
+            Tensor::<F32>::matmul(&self.plain, &self.plain)?.dtype(),
+            <Tensor<F32>>::matmul(&self.plain, &self.plain)?.dtype(),
+            cow.matmul(&self.plain)?.dtype(),
+            pinned.matmul(&self.plain)?.dtype(),
+            self.cell.borrow().matmul(&self.plain)?.dtype(),
+            self.locked
+                .lock()
+                .expect("lock")
+                .matmul(&self.plain)?
+                .dtype(),
+            self.rw.read().expect("lock").matmul(&self.plain)?.dtype(),
+        ];
+        // Each guard in its own statement: a statement's temporaries live to its end.
+        dtypes.push(self.cell.borrow_mut().matmul(&self.plain)?.dtype());
+        dtypes.push(self.rw.write().expect("lock").matmul(&self.plain)?.dtype());
+        dtypes.push(self.param.matmul(&self.plain)?.dtype());
+        let plain = &mut self.plain;
+        dtypes.push(plain.matmul(&self.arc)?.dtype());
+        for t in std::iter::once(&mut self.boxed) {
+            dtypes.push(t.matmul(&self.arc)?.dtype());
+        }
+        Ok(dtypes)
     }
 }
 
-/// A tensor behind `Arc` or `Box` is routed like the tensor itself (it reached the typed op
-/// through `Deref` and ran in f32), and so is a method called by its path (`Tensor::matmul`).
+/// A tensor behind `Arc`, `Box`, `&mut`, `Cow`, `Pin`, a `RefCell`'s borrows, a lock's guards
+/// or a newtype with `AsAmp` is routed like the tensor itself (it reached the typed op through `Deref` and ran in f32),
+/// and so is a method called by its path (`Tensor::matmul`, `Tensor::<F32>::matmul`,
+/// `<Tensor<F32>>::matmul`).
 #[test]
-fn tensors_behind_smart_pointers_and_methods_called_by_path_are_routed() -> Result<()> {
+fn tensors_behind_pointers_and_guards_and_methods_called_by_path_are_routed() -> Result<()> {
     let t = Tensor::<F32>::randn(0.0, 1.0, (3, 3), &dev())?;
-    let shared = Shared {
+    let mut shared = Shared {
         arc: std::sync::Arc::new(t.clone()),
         boxed: Box::new(t.clone()),
+        cell: std::cell::RefCell::new(t.clone()),
+        locked: std::sync::Mutex::new(t.clone()),
+        rw: std::sync::RwLock::new(t.clone()),
+        param: Param(t.clone()),
         plain: t,
     };
-    assert_eq!(shared.dtypes()?, [DType::F16; 4]);
+    assert_eq!(shared.dtypes()?, [DType::F16; 16]);
     Ok(())
 }
 

@@ -403,8 +403,9 @@ impl VisitMut for Rewriter {
     }
 }
 
-/// `Tensor::NAME(recv, args..)` for a method row of the op table taking `args`, as the method
-/// call `(recv).NAME(args..)`; `None` for any other expression.
+/// `Tensor::NAME(recv, args..)` (also `Tensor::<P>::NAME`, `<Tensor<P>>::NAME`) for a method
+/// row of the op table taking `args`, as the method call `(recv).NAME(args..)`; `None` for any
+/// other expression. The owner is recognised by its name: an alias of `Tensor` is not.
 fn ufcs_as_method(expr: &Expr) -> Option<syn::ExprMethodCall> {
     let Expr::Call(call) = expr else {
         return None;
@@ -413,14 +414,19 @@ fn ufcs_as_method(expr: &Expr) -> Option<syn::ExprMethodCall> {
         return None;
     };
     let segments = &path.path.segments;
-    let (name, owner) = (segments.last()?, segments.iter().rev().nth(1)?);
+    let name = segments.last()?;
+    let owner = match &path.qself {
+        // `<Tensor<P>>::NAME`: the owner is the qualified self type.
+        Some(qself) if qself.position == 0 && segments.len() == 1 => match &*qself.ty {
+            syn::Type::Path(ty) if ty.qself.is_none() => &ty.path.segments.last()?.ident,
+            _ => return None,
+        },
+        Some(_) => return None,
+        None => &segments.iter().rev().nth(1)?.ident,
+    };
     let args = call.args.len().checked_sub(1)?;
     let method = name.ident.to_string();
-    if path.qself.is_some()
-        || owner.ident != "Tensor"
-        || !name.arguments.is_none()
-        || !optable::is_routed_method(&method, args)
-    {
+    if owner != "Tensor" || !name.arguments.is_none() || !optable::is_routed_method(&method, args) {
         return None;
     }
     let mut rest = call.args.iter().cloned();

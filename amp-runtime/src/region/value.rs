@@ -109,18 +109,22 @@ impl<P: Precision> AsAmp for Tensor<P> {
     }
 }
 
-impl<T: AsAmp + ?Sized> AsAmp for &T {
-    fn to_amp(&self) -> AmpTensor {
-        (**self).to_amp()
-    }
-}
-
-/// Smart pointers to tensors (a weight shared as `Arc<Tensor<F32>>`): routed like the tensor
-/// they hold. Without these a method call on one would reach the typed tensor through `Deref`
-/// and run in its own precision, not the region's.
+/// References, smart pointers and the standard library's borrow guards to tensors (a weight
+/// shared as `Arc<Tensor<F32>>`, a `&mut` one, a `RefCell`'s borrow, a `Mutex`'s guard): routed
+/// like the tensor they reach. Without these a method call on one would find the typed tensor's
+/// method through `Deref` and run in that tensor's own precision, not the region's. (One
+/// blanket impl over `Deref` would cover a user's newtypes too, but overlaps the operand
+/// impls: a type of the user's that derefs to a tensor implements `AsAmp` itself.)
 macro_rules! as_amp_through {
     ($($ptr:ident)::+) => {
         impl<T: AsAmp + ?Sized> AsAmp for $($ptr)::+<T> {
+            fn to_amp(&self) -> AmpTensor {
+                (**self).to_amp()
+            }
+        }
+    };
+    ($($ptr:ident)::+ <'_>) => {
+        impl<T: AsAmp + ?Sized> AsAmp for $($ptr)::+<'_, T> {
             fn to_amp(&self) -> AmpTensor {
                 (**self).to_amp()
             }
@@ -130,6 +134,38 @@ macro_rules! as_amp_through {
 as_amp_through!(Box);
 as_amp_through!(std::rc::Rc);
 as_amp_through!(std::sync::Arc);
+as_amp_through!(std::cell::Ref<'_>);
+as_amp_through!(std::cell::RefMut<'_>);
+as_amp_through!(std::sync::MutexGuard<'_>);
+as_amp_through!(std::sync::RwLockReadGuard<'_>);
+as_amp_through!(std::sync::RwLockWriteGuard<'_>);
+
+impl<T: AsAmp + ?Sized> AsAmp for &T {
+    fn to_amp(&self) -> AmpTensor {
+        (**self).to_amp()
+    }
+}
+
+impl<T: AsAmp + ?Sized> AsAmp for &mut T {
+    fn to_amp(&self) -> AmpTensor {
+        (**self).to_amp()
+    }
+}
+
+impl<T: AsAmp + ToOwned + ?Sized> AsAmp for std::borrow::Cow<'_, T> {
+    fn to_amp(&self) -> AmpTensor {
+        (**self).to_amp()
+    }
+}
+
+impl<P: std::ops::Deref> AsAmp for std::pin::Pin<P>
+where
+    P::Target: AsAmp,
+{
+    fn to_amp(&self) -> AmpTensor {
+        (**self).to_amp()
+    }
+}
 
 /// An operand of a routed op or operator: anything [`AsAmp`], and a plain candle tensor (an
 /// additive mask, a position table), which takes part in the op's class like a region value and
