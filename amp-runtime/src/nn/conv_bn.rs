@@ -19,7 +19,7 @@
 //! commutes with rounding, so the values are those of `ConvBn2d` and `relu`), and its backward
 //! takes the ReLU's mask from the output: the graph has no ReLU node, and a training step skips
 //! the ReLU's pass, its gradient's allocation and the accumulation candle's backward does per
-//! node (on the 256-channel `quantized_sine` net, about a quarter of the bf16 step).
+//! node (on the 256-channel `quantized_sine` net, about a sixth of the bf16 step).
 //!
 //! ```
 //! # extern crate amp_runtime as candle_amp;

@@ -23,11 +23,11 @@ use super::super::{parallel, Real};
 use super::{stats, Geometry, GradSums, InputGrad, Normalisation};
 
 /// `batch_norm(conv2d(x, k) + conv_bias) * gamma + beta` for `params = [conv_bias, gamma, beta]`
-/// (f32, `(3, c_out)`), in `x`'s dtype, through a ReLU if `relu` (NaN kept, as `relu` keeps it); `k` may be the f32 master of a half `x` (rounded inside,
-/// as the conv op does). `running` gives the running mean and variance to normalise with
-/// (evaluation); without it the batch's own statistics are used and returned (mean and biased
-/// variance per channel) for the running-statistics update. CPU only, for the convolutions
-/// `conv2d::handles`.
+/// (f32, `(3, c_out)`), in `x`'s dtype, through a ReLU if `relu` (NaN kept, as `relu` keeps
+/// it); `k` may be the f32 master of a half `x` (rounded inside, as the conv op does).
+/// `running` gives the running mean and variance to normalise with (evaluation); without it
+/// the batch's own statistics are used and returned (mean and biased variance per channel) for
+/// the running-statistics update. CPU only, for the convolutions `conv2d::handles`.
 pub(crate) fn conv_batch_norm(
     x: &Tensor,
     k: &Tensor,
