@@ -1267,6 +1267,13 @@ fn conv_bn_relu_is_conv_bn_then_relu() -> Result<()> {
             }
         }
     }
+    // As a candle module (eval mode): the same values.
+    let via_module = candle_nn::ModuleT::forward_t(&fused, x.as_tensor(), false)?;
+    let direct = fused.forward_t(&x32()?, false)?;
+    assert_eq!(
+        via_module.flatten_all()?.to_vec1::<f32>()?,
+        direct.to_flat_vec::<f32>()?
+    );
     // NaN in the input: the channel's statistics and outputs are NaN, not cut to 0.
     let mut values = x.as_tensor().flatten_all()?.to_vec1::<f32>()?;
     values[0] = f32::NAN;
