@@ -6,7 +6,9 @@
 //! through [`AmpLayer`], which the autocast macros use to route it:
 //! `Linear`/`Conv*` are lower-precision (they run in their input's precision), `LayerNorm` and
 //! `RmsNorm` are fp32-class (f32 output), `BatchNorm2d` runs in its input's precision with f32
-//! statistics and compute inside, pooling and `Embedding` preserve precision.
+//! statistics and compute inside, pooling and `Embedding` preserve precision. `ConvBn2d` and
+//! `ConvBnReLU2d` pair a `Conv2d` with the `BatchNorm2d` after it (and a ReLU): lower-precision,
+//! and on CPU one op that normalises the conv's f32 sums before rounding.
 //!
 //! ```
 //! use amp_runtime::nn::{self, loss};
