@@ -724,23 +724,18 @@ fn forward_storage(
 }
 
 /// The convolution of `x` by `k` (an f32 master of a half `x` rounded to `x`'s dtype, as the
-/// op does) plus `bias` (likewise), left in f32: the GEMM's sums before the rounding that
-/// [`conv2d`] gives them, for an op that normalises them first (`batch_norm::after_conv`).
+/// op does), without a bias, left in f32: the GEMM's sums before the rounding that [`conv2d`]
+/// gives them, for an op that normalises them first (`batch_norm::after_conv`, which folds the
+/// conv's bias into its centre).
 pub(crate) fn f32_sums(
     (x, lx): (&CpuStorage, &Layout),
     (k, lk): (&CpuStorage, &Layout),
-    bias: Option<(&CpuStorage, &Layout)>,
     p: Conv2dParams,
 ) -> Result<(Vec<f32>, Shape)> {
     let geo = Geometry::new(lx.dims(), lk.dims(), p);
     let (k, lk) = in_dtype_of(k, lk, x)?;
-    let bias = bias.map(|(b, lb)| in_dtype_of(b, lb, x)).transpose()?;
     let sums = with_floats!("conv2d", x, lx, k.as_ref(), &lk, |x, w| {
-        let b = match &bias {
-            Some((s, l)) => Some(super::contiguous(s.as_ref().as_slice()?, l, "conv2d")?),
-            None => None,
-        };
-        geo.forward_as::<_, f32>(x, w, b)
+        geo.forward_as::<_, f32>(x, w, None)
     });
     Ok((sums, geo.out_shape()))
 }

@@ -174,7 +174,7 @@ impl CustomOp3 for ConvNorm {
         let (conv_bias, gamma, beta) = (&p[..c], &p[c..2 * c], &p[2 * c..]);
         // The sums without the conv's bias, which only moves each channel's mean: it is
         // subtracted again with the batch's mean, and folded into the running mean's centre.
-        let (y, shape) = conv2d::f32_sums((x, lx), (k, lk), None, self.conv)?;
+        let (y, shape) = conv2d::f32_sums((x, lx), (k, lk), self.conv)?;
         let g = Geometry::of(&Layout::contiguous(shape.clone()))?;
         let (center, invstd, batch): (Vec<f32>, Vec<f32>, _) = match &self.running {
             None => {
