@@ -10,6 +10,10 @@
 )]
 #[test]
 fn ui() {
+    // trybuild builds its programs in a project of its own, which does not inherit this
+    // workspace's `[profile.dev]`; the variable reaches its cargo and keeps the ~20 linked pass
+    // programs from carrying full debug info (~135 MB each).
+    std::env::set_var("CARGO_PROFILE_DEV_DEBUG", "false");
     let t = trybuild::TestCases::new();
     t.compile_fail("ui-tests/fail/*.rs");
     t.pass("ui-tests/pass/*.rs");
