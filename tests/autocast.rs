@@ -1529,3 +1529,144 @@ fn keep_fp32_reaches_every_statement_form() -> Result<()> {
     assert_eq!(statement_forms(&x, Some(1))?, want);
     Ok(())
 }
+
+// ---- Autocast is per thread: typed tensors in plain code a region calls follow its policy. ----
+
+/// Weights held as typed fields, and a layer.
+struct Heads {
+    q: Tensor<F32>,
+    k: Tensor<F32>,
+    out: nn::Linear,
+}
+
+/// A plain helper given typed tensors: no macro rewrites it.
+fn scores(q: &Tensor<F32>, k: &Tensor<F32>) -> Result<Tensor<F32>> {
+    q.matmul(&k.t()?)
+}
+
+/// A plain helper with a typed free op, a typed operator and a typed layer.
+fn probs_and_sum(a: &Heads) -> Result<(Tensor<F32>, Tensor<F32>)> {
+    Ok((ops::softmax(&a.q, 1)?, (&a.q + &a.k)?))
+}
+
+trait Project {
+    fn layer(&self) -> &nn::Linear;
+
+    /// A trait default method: plain code too.
+    fn project(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        self.layer().forward(x)
+    }
+}
+
+impl Project for Heads {
+    fn layer(&self) -> &nn::Linear {
+        &self.out
+    }
+}
+
+/// Each helper called from a region, and once from a `#[keep_fp32]` statement (PyTorch's
+/// `autocast(enabled=False)`: typed code runs as written there).
+#[autocast(bf16)]
+fn helpers_in_a_region(
+    a: &Heads,
+    f: &dyn Fn(&Tensor<F32>) -> Result<Tensor<F32>>,
+) -> Result<Vec<candle_core::Tensor>> {
+    let s = scores(&a.q, &a.k)?;
+    let p = a.project(&a.q)?;
+    let c = f(&a.k)?;
+    #[keep_fp32]
+    let kept = scores(&a.q, &a.k)?;
+    let (soft, sum) = probs_and_sum(a)?;
+    Ok([s, p, c, kept, soft, sum]
+        .iter()
+        .map(|t| t.as_candle().clone())
+        .collect())
+}
+
+candle_amp::policy! {
+    /// Softmax and add moved to the lower precision.
+    pub struct LowSoftmax: bf16 {
+        softmax: lower_precision,
+        add: lower_precision,
+    }
+}
+
+#[autocast(policy = LowSoftmax)]
+fn helpers_under_a_policy(a: &Heads) -> Result<Vec<candle_core::Tensor>> {
+    let (soft, sum) = probs_and_sum(a)?;
+    Ok(vec![soft.as_candle().clone(), sum.as_candle().clone()])
+}
+
+fn heads_model() -> Result<(VarMap, Heads)> {
+    let (map, vb) = vars();
+    let attn = Heads {
+        q: Tensor::<F32>::randn(0.0, 1.0, (8, 64), &dev())?,
+        k: Tensor::<F32>::randn(0.0, 1.0, (8, 64), &dev())?,
+        out: nn::linear(64, 16, vb.pp("out"))?,
+    };
+    Ok((map, attn))
+}
+
+/// `t` computed in bf16 (its inputs rounded, as a bf16 matmul does), back in f32.
+fn in_bf16(t: impl FnOnce() -> Result<Tensor<BF16>>) -> Result<candle_core::Tensor> {
+    Ok(t()?.cast::<F32>()?.into_candle())
+}
+
+fn same(a: &candle_core::Tensor, b: &candle_core::Tensor) -> Result<bool> {
+    Ok(a.dtype() == b.dtype() && a.eq(b)?.flatten_all()?.min(0)?.to_scalar::<u8>()? == 1)
+}
+
+/// A plain fn, a trait default method and a closure written outside any region, called from
+/// an `#[autocast(bf16)]` region with typed tensors (fields), run their matmuls and the layer in
+/// bf16 as PyTorch's per-thread autocast does (they ran in f32, the type's precision), their
+/// results cast back to the `Tensor<F32>` their signatures name; a `#[keep_fp32]` statement runs
+/// them as written; fp32-class and promote ops stay f32; a `policy!` moving softmax and add
+/// reaches the typed free op and the typed operator.
+#[test]
+fn typed_tensors_in_plain_code_a_region_calls_follow_its_policy() -> Result<()> {
+    let (_map, a) = heads_model()?;
+    let mm = |t: &Tensor<F32>| t.matmul(&t.t()?);
+    let (out, rep) = candle_amp::report::record(|| helpers_in_a_region(&a, &mm));
+    let out = out?;
+    let (q16, k16) = (a.q.cast::<BF16>()?, a.k.cast::<BF16>()?);
+    let f32_scores = scores(&a.q, &a.k)?.into_candle();
+    let expected = [
+        in_bf16(|| q16.matmul(&k16.t()?))?,
+        in_bf16(|| a.out.forward(&q16))?,
+        in_bf16(|| k16.matmul(&k16.t()?))?,
+        f32_scores.clone(),
+        ops::softmax(&a.q, 1)?.into_candle(),
+        (&a.q + &a.k)?.into_candle(),
+    ];
+    for (i, (got, want)) in out.iter().zip(&expected).enumerate() {
+        assert!(same(got, want)?, "result {i}: {got} vs {want}");
+    }
+    assert!(
+        !same(&out[0], &f32_scores)?,
+        "the bf16 scores equal the f32 ones"
+    );
+    // The report sees them: two bf16 matmuls (helper, closure) and the bf16 layer; the kept
+    // call left no line (it ran as written).
+    let outputs = |op| rep.op(op).map(|e| (e.output, e.calls)).collect::<Vec<_>>();
+    assert_eq!(outputs("matmul"), [(DType::BF16, 2)]);
+    assert_eq!(outputs("linear"), [(DType::BF16, 1)]);
+    assert_eq!(outputs("softmax"), [(DType::F32, 1)]);
+
+    let (out, rep) = candle_amp::report::record(|| helpers_under_a_policy(&a));
+    let out = out?;
+    assert_eq!(
+        rep.op("softmax").next().map(|e| e.output),
+        Some(DType::BF16)
+    );
+    assert_eq!(rep.op("add").next().map(|e| e.output), Some(DType::BF16));
+    let sum16 = in_bf16(|| &q16 + &k16)?;
+    assert!(same(&out[1], &sum16)?, "{} vs {sum16}", out[1]);
+    let soft32 = ops::softmax(&a.q, 1)?.into_candle();
+    let err = (&out[0] - &soft32)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(err > 0.0 && err < 2e-2, "bf16 softmax off f32 by {err}");
+    assert_eq!(out[0].dtype(), DType::F32);
+
+    // Outside any region the helpers run as written.
+    assert!(same(&scores(&a.q, &a.k)?.into_candle(), &f32_scores)?);
+    Ok(())
+}

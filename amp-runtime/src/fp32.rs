@@ -182,7 +182,8 @@ pub fn binary_cross_entropy_with_logits<P: Precision, Q: Precision>(
 // ---------------------------------------------------------------------------------------------
 // The same ops as methods of `Tensor<P>`: `Tensor<F32>` only outside autocast (the bound names
 // the op in the error). They live here, not in `tensor`, so that the typed tensor does not
-// depend on the ops built on it.
+// depend on the ops built on it. On an f32 input candle's own op is the fp32-class op; in code
+// a region calls, it runs where the region's policy puts it (`tensor::follow`).
 macro_rules! fp32_methods {
     ($($(#[$doc:meta])* $name:ident $(<$g:ident: $bound:path>)? ($($arg:ident: $ty:ty),*);)*) => {$(
         $(#[$doc])*
@@ -190,14 +191,15 @@ macro_rules! fp32_methods {
         where
             P: Fp32Input<op::$name>,
         {
-            $name(self, $($arg),*)
+            self.unary_op::<op::$name, F32>(|x| x.$name($($arg),*))
         }
     )*};
 }
 
 impl<P: Precision> Tensor<P> {
     /// Any candle function on the data as an fp32-class op: `Tensor<F32>` in, f32 out (a half
-    /// tensor: cast it first, or run it in a region, which upcasts).
+    /// tensor: cast it first, or run it in a region, which upcasts). `f` must return the dtype
+    /// it is given.
     pub fn fp32_op(
         &self,
         f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
@@ -205,7 +207,25 @@ impl<P: Precision> Tensor<P> {
     where
         P: Fp32Input<op::fp32_op>,
     {
-        Tensor::from_candle(f(self.as_candle())?)
+        self.closure_op::<op::fp32_op, F32>(f)
+    }
+
+    /// `x ^ rhs` elementwise.
+    pub fn pow(&self, rhs: &Tensor<F32>) -> Result<Tensor<F32>>
+    where
+        P: Fp32Input<op::pow>,
+    {
+        self.cast::<F32>()?
+            .binary_op::<op::pow, F32>(rhs, candle_core::Tensor::pow)
+    }
+
+    /// `x ^ rhs` elementwise with broadcasting.
+    pub fn broadcast_pow(&self, rhs: &Tensor<F32>) -> Result<Tensor<F32>>
+    where
+        P: Fp32Input<op::broadcast_pow>,
+    {
+        self.cast::<F32>()?
+            .binary_op::<op::broadcast_pow, F32>(rhs, candle_core::Tensor::broadcast_pow)
     }
 
     fp32_methods! {
@@ -227,10 +247,6 @@ impl<P: Precision> Tensor<P> {
         log();
         /// `x ^ e` for a scalar exponent.
         powf(e: f64);
-        /// `x ^ rhs` elementwise.
-        pow(rhs: &Tensor<F32>);
-        /// `x ^ rhs` elementwise with broadcasting.
-        broadcast_pow(rhs: &Tensor<F32>);
         /// `1 / x`.
         recip();
         /// `log(sum(exp(x)))` over `dims`, computed stably.

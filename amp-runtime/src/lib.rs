@@ -4,6 +4,7 @@
 //! macros. See the workspace README for the tour, and ARCHITECTURE.md for the layer order of
 //! the modules below: each uses only modules of lower layers (`tests/layering.rs` checks it).
 
+mod autocast_state;
 mod cast;
 mod composite;
 pub mod fp32;

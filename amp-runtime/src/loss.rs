@@ -12,16 +12,17 @@ use candle_core::Result;
 use crate::fp32;
 use crate::op::{self, Fp32Input};
 use crate::precision::F32;
+use crate::region::free::{self, typed_or_followed};
 use crate::tensor::Tensor;
 
 /// Mean squared error.
 pub fn mse<P: Fp32Input<op::mse>>(inp: &Tensor<P>, target: &Tensor<F32>) -> Result<Tensor<F32>> {
-    fp32::mse(inp, target)
+    typed_or_followed(|| free::mse(inp, target), || fp32::mse(inp, target))
 }
 
 /// Mean absolute error (PyTorch's `l1_loss`).
 pub fn l1<P: Fp32Input<op::l1>>(inp: &Tensor<P>, target: &Tensor<F32>) -> Result<Tensor<F32>> {
-    fp32::l1(inp, target)
+    typed_or_followed(|| free::l1(inp, target), || fp32::l1(inp, target))
 }
 
 /// Smooth L1 loss with threshold `beta` (PyTorch's `smooth_l1_loss`, default `beta = 1.0`).
@@ -30,7 +31,10 @@ pub fn smooth_l1<P: Fp32Input<op::smooth_l1>>(
     target: &Tensor<F32>,
     beta: f64,
 ) -> Result<Tensor<F32>> {
-    fp32::smooth_l1(inp, target, beta)
+    typed_or_followed(
+        || free::smooth_l1(inp, target, beta),
+        || fp32::smooth_l1(inp, target, beta),
+    )
 }
 
 /// Negative log likelihood of log-probabilities `(batch, classes)` at class ids `(batch)`.
@@ -38,7 +42,7 @@ pub fn nll<P: Fp32Input<op::nll>>(
     inp: &Tensor<P>,
     target: &candle_core::Tensor,
 ) -> Result<Tensor<F32>> {
-    fp32::nll(inp, target)
+    typed_or_followed(|| free::nll(inp, target), || fp32::nll(inp, target))
 }
 
 /// Cross-entropy of logits `(batch, classes)` against class ids `(batch)`.
@@ -46,7 +50,10 @@ pub fn cross_entropy<P: Fp32Input<op::cross_entropy>>(
     inp: &Tensor<P>,
     target: &candle_core::Tensor,
 ) -> Result<Tensor<F32>> {
-    fp32::cross_entropy(inp, target)
+    typed_or_followed(
+        || free::cross_entropy(inp, target),
+        || fp32::cross_entropy(inp, target),
+    )
 }
 
 /// Binary cross-entropy on logits, computed stably (PyTorch's `binary_cross_entropy_with_logits`).
@@ -54,7 +61,10 @@ pub fn binary_cross_entropy_with_logits<P: Fp32Input<op::binary_cross_entropy_wi
     inp: &Tensor<P>,
     target: &Tensor<F32>,
 ) -> Result<Tensor<F32>> {
-    fp32::binary_cross_entropy_with_logits(inp, target)
+    typed_or_followed(
+        || free::binary_cross_entropy_with_logits(inp, target),
+        || fp32::binary_cross_entropy_with_logits(inp, target),
+    )
 }
 
 /// candle-nn's spelling of [`binary_cross_entropy_with_logits`].

@@ -2,7 +2,8 @@
 //!
 //! Softmax, log-softmax and the norms are fp32-class ops: outside an autocast region they take
 //! `Tensor<F32>` (a half input is a compile error naming the op); their half-input forms are in
-//! [`crate::fp32`]. All of them are differentiable, unlike candle-nn's fused `softmax_last_dim`,
+//! [`crate::fp32`]. In code an autocast region calls (a plain helper given typed tensors) they
+//! run under the region's policy, as every typed op does. All of them are differentiable, unlike candle-nn's fused `softmax_last_dim`,
 //! `layer_norm` and `rms_norm` (no backward, candle #3011 / #3752).
 
 use candle_core::shape::Dim;
@@ -11,16 +12,23 @@ use candle_core::Result;
 use crate::fp32;
 use crate::op::{self, Fp32Input};
 use crate::precision::{Precision, F32};
+use crate::region::free::{self, typed_or_followed};
 use crate::tensor::Tensor;
 
 /// Softmax along `dim`.
-pub fn softmax<P: Fp32Input<op::softmax>, D: Dim>(xs: &Tensor<P>, dim: D) -> Result<Tensor<F32>> {
-    fp32::softmax(xs, dim)
+pub fn softmax<P: Fp32Input<op::softmax>, D: Dim + Copy + 'static>(
+    xs: &Tensor<P>,
+    dim: D,
+) -> Result<Tensor<F32>> {
+    typed_or_followed(|| free::softmax(xs, dim), || fp32::softmax(xs, dim))
 }
 
 /// Softmax over the last dimension, candle-nn's `softmax_last_dim` with a backward.
 pub fn softmax_last_dim<P: Fp32Input<op::softmax>>(xs: &Tensor<P>) -> Result<Tensor<F32>> {
-    fp32::softmax(xs, candle_core::D::Minus1)
+    typed_or_followed(
+        || free::softmax_last_dim(xs),
+        || fp32::softmax(xs, candle_core::D::Minus1),
+    )
 }
 
 /// The additive causal mask of a decoder: `(t, past + t)`, 0 where query `i` (at position
@@ -42,11 +50,11 @@ pub fn causal_mask(
 }
 
 /// Log-softmax along `d`.
-pub fn log_softmax<P: Fp32Input<op::log_softmax>, D: Dim>(
+pub fn log_softmax<P: Fp32Input<op::log_softmax>, D: Dim + Copy + 'static>(
     xs: &Tensor<P>,
     d: D,
 ) -> Result<Tensor<F32>> {
-    fp32::log_softmax(xs, d)
+    typed_or_followed(|| free::log_softmax(xs, d), || fp32::log_softmax(xs, d))
 }
 
 /// Layer norm over the last dimension with scale `alpha` and shift `beta`.
@@ -56,7 +64,10 @@ pub fn layer_norm<P: Fp32Input<op::layer_norm>>(
     beta: &Tensor<F32>,
     eps: f32,
 ) -> Result<Tensor<F32>> {
-    fp32::layer_norm(xs, alpha, Some(beta), f64::from(eps))
+    typed_or_followed(
+        || free::layer_norm(xs, alpha, beta, eps),
+        || fp32::layer_norm(xs, alpha, Some(beta), f64::from(eps)),
+    )
 }
 
 /// RMS norm over the last dimension with scale `alpha`.
@@ -65,7 +76,10 @@ pub fn rms_norm<P: Fp32Input<op::rms_norm>>(
     alpha: &Tensor<F32>,
     eps: f32,
 ) -> Result<Tensor<F32>> {
-    fp32::rms_norm(xs, alpha, f64::from(eps))
+    typed_or_followed(
+        || free::rms_norm(xs, alpha, eps),
+        || fp32::rms_norm(xs, alpha, f64::from(eps)),
+    )
 }
 
 /// Logistic sigmoid, precision-preserving.

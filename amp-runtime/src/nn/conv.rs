@@ -134,6 +134,9 @@ macro_rules! conv_layer {
             /// for; the bias added before the output's one rounding; the masters' gradients f32
             /// from the accumulators).
             pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
+                if let Some(y) = super::followed::<P, crate::region::calls::forward, _>(self, (x,)) {
+                    return y;
+                }
                 let bias = self.bias.as_ref();
                 count_master_casts::<P>(&self.weight, bias);
                 crate::kernels::$op(

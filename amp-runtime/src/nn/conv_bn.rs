@@ -103,6 +103,10 @@ impl ConvBn2d {
     /// `bn.forward_t(&conv.forward(x)?, train)`, in `x`'s precision, without rounding the
     /// conv's output on CPU. `train` as for `BatchNorm2d`.
     pub fn forward_t<P: Precision>(&self, x: &Tensor<P>, train: bool) -> Result<Tensor<P>> {
+        if let Some(y) = super::followed::<P, crate::region::calls::forward_t, _>(self, (x, train))
+        {
+            return y;
+        }
         let (w, bias) = (self.conv.weight(), self.conv.bias());
         let params = Conv2dParams::from(self.conv.config());
         let x = x.as_candle();
@@ -190,6 +194,10 @@ impl ConvBnReLU2d {
 
     /// `bn.forward_t(&conv.forward(x)?, train)?.relu()`, in `x`'s precision, as one op on CPU.
     pub fn forward_t<P: Precision>(&self, x: &Tensor<P>, train: bool) -> Result<Tensor<P>> {
+        if let Some(y) = super::followed::<P, crate::region::calls::forward_t, _>(self, (x, train))
+        {
+            return y;
+        }
         self.0.forward_t(x, train)
     }
 

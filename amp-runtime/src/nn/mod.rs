@@ -59,7 +59,20 @@ use candle_core::{Result, Var};
 
 use crate::op::Op;
 use crate::precision::{Precision, F32};
+use crate::region::{AmpTensor, CallerPolicy, RegionCall};
 use crate::tensor::{dtype_error, Tensor};
+
+/// A layer's typed forward in code an autocast region calls (a plain helper given typed
+/// tensors; autocast is per thread, as in PyTorch): the layer's routed call `C` under the
+/// region's policy, its result in the precision `R` the typed signature names. `None` elsewhere
+/// (and inside the routed call itself): the typed forward runs as written.
+fn followed<R: Precision, C, A>(
+    layer: &impl RegionCall<CallerPolicy, C, A, Output = AmpTensor>,
+    args: A,
+) -> Option<Result<Tensor<R>>> {
+    crate::autocast_state::followed()?;
+    Some(layer.region_call(args).and_then(|y| y.cast::<R>()))
+}
 
 /// `RegionCall` for a layer with a typed `forward::<P>`: routed by the layer's op class like any
 /// op, then the typed forward runs in the precision the input was cast to.

@@ -90,6 +90,9 @@ impl LayerNorm {
     /// Normalises `x` in f32. Outside autocast `x` is `Tensor<F32>`; a half input is a compile
     /// error (use an autocast region, or [`fp32::layer_norm`] explicitly).
     pub fn forward<P: Fp32Input<op::layer_norm>>(&self, x: &Tensor<P>) -> Result<Tensor<F32>> {
+        if let Some(y) = super::followed::<F32, crate::region::calls::forward, _>(self, (x,)) {
+            return y;
+        }
         let bias = self.bias.as_ref().map(weight_as::<F32>).transpose()?;
         fp32::layer_norm(x, &weight_as(&self.weight)?, bias.as_ref(), self.eps)
     }
@@ -167,6 +170,9 @@ impl RmsNorm {
 
     /// Normalises `x` in f32 (`Tensor<F32>` outside autocast).
     pub fn forward<P: Fp32Input<op::rms_norm>>(&self, x: &Tensor<P>) -> Result<Tensor<F32>> {
+        if let Some(y) = super::followed::<F32, crate::region::calls::forward, _>(self, (x,)) {
+            return y;
+        }
         fp32::rms_norm(x, &weight_as(&self.weight)?, self.eps)
     }
 }
@@ -284,6 +290,10 @@ impl BatchNorm2d {
 
     /// `train` selects batch statistics (and updates the running ones) or running statistics.
     pub fn forward_t<P: Precision>(&self, x: &Tensor<P>, train: bool) -> Result<Tensor<P>> {
+        if let Some(y) = super::followed::<P, crate::region::calls::forward_t, _>(self, (x, train))
+        {
+            return y;
+        }
         self.check_input(x.dims(), train)?;
         if kernels::batch_norm::supports(x.as_candle()) {
             self.forward_fused(x.as_candle(), train)

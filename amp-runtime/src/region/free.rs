@@ -68,6 +68,22 @@ impl<O: Op, F: FnOnce(&[Candle]) -> Result<Candle>> Deferred<O, F> {
     }
 }
 
+/// A typed free op (`ops::softmax`, `loss::mse`): in code a region calls, given typed tensors
+/// (autocast is per thread), the routed form `routed` under the region's policy, its result cast
+/// to f32 as the typed signature says; elsewhere the typed body `typed`.
+pub(crate) fn typed_or_followed<O: Op, F: FnOnce(&[Candle]) -> Result<Candle>>(
+    routed: impl FnOnce() -> Deferred<O, F>,
+    typed: impl FnOnce() -> Result<Tensor<F32>>,
+) -> Result<Tensor<F32>> {
+    if crate::autocast_state::followed().is_some() {
+        routed()
+            .__amp_policy::<super::CallerPolicy>()?
+            .cast::<F32>()
+    } else {
+        typed()
+    }
+}
+
 /// The identity `.__amp_policy::<Pol>()` of every value that is not a `Deferred` call: the
 /// result of another crate's function, called as written.
 pub trait Unrouted: Sized {

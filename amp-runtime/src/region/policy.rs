@@ -3,10 +3,10 @@
 //! exception, read from the innermost active region on this thread.
 
 use std::any::TypeId;
-use std::cell::RefCell;
 
 use candle_core::DType;
 
+use crate::autocast_state::{self, Frame, FrameGuard};
 use crate::op::{Op, OpClass};
 use crate::precision::{Precision, BF16, F16, F32};
 
@@ -37,14 +37,15 @@ pub trait Policy: Copy + Default + std::fmt::Debug + Send + Sync + 'static {
         <Self::Lower as Precision>::DTYPE
     }
 
+    /// Whether typed ops in code a region under this policy calls follow it (true but for
+    /// [`Fp32Policy`], PyTorch's `autocast(enabled=False)`).
+    #[doc(hidden)]
+    const AUTOCASTS: bool = true;
+
     /// This policy as a run-time value, for the regions it calls into.
     #[doc(hidden)]
     fn frame() -> Frame {
-        Frame {
-            name: Self::NAME,
-            lower: Self::lower(),
-            class_of: Self::class_of,
-        }
+        Frame::new(Self::NAME, Self::lower(), Self::class_of, Self::AUTOCASTS)
     }
 }
 
@@ -67,11 +68,14 @@ impl Policy for Bf16Policy {
 /// Everything in f32: every op's inputs are upcast and it runs in f32. The policy of
 /// `enabled = false` (on f32 inputs: exactly the plain f32 program, every cast elided) and of
 /// `#[keep_fp32]` parts (PyTorch's `autocast(enabled=False)` plus the `.float()` calls it needs).
+/// Typed tensors in plain code such a part calls run as written, as under PyTorch's
+/// `autocast(enabled=False)`: only the region's own values are upcast.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Fp32Policy;
 impl Policy for Fp32Policy {
     type Lower = F32;
     const NAME: &'static str = "fp32";
+    const AUTOCASTS: bool = false;
     fn class_of(_: TypeId, _: OpClass) -> OpClass {
         OpClass::Fp32
     }
@@ -103,30 +107,15 @@ impl Policy for CallerPolicy {
     }
 }
 
-/// A policy as a run-time value: what a region pushes for the code it calls.
-#[doc(hidden)]
-#[derive(Clone, Copy, Debug)]
-pub struct Frame {
-    name: &'static str,
-    lower: DType,
-    class_of: fn(TypeId, OpClass) -> OpClass,
-}
-
-thread_local! {
-    static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
-}
-
-/// The innermost region's policy on this thread, or f32 outside any region.
+/// The innermost region part's policy on this thread, or f32 outside any region.
 fn current() -> Frame {
-    FRAMES
-        .with(|f| f.borrow().last().copied())
-        .unwrap_or_else(Fp32Policy::frame)
+    autocast_state::innermost_region().unwrap_or_else(Fp32Policy::frame)
 }
 
 /// Whether a region part is running on this thread (a region body, a `#[keep_fp32]`
 /// statement, a module called from a region).
 pub(crate) fn in_region() -> bool {
-    FRAMES.with(|f| !f.borrow().is_empty())
+    autocast_state::innermost().is_some()
 }
 
 /// The name of the policy code called from here runs under ([`CallerPolicy`]'s): the innermost
@@ -138,25 +127,12 @@ pub fn current_policy() -> &'static str {
 /// Marks a region part's extent on this thread: while alive, [`CallerPolicy`] is `Pol`.
 #[doc(hidden)]
 #[derive(Debug)]
-pub struct PolicyScope {
-    // Regions are per thread.
-    _not_send: std::marker::PhantomData<*const ()>,
-}
+pub struct PolicyScope(FrameGuard);
 
 impl PolicyScope {
     /// Enters a region part running under `Pol` (for [`CallerPolicy`]: the caller's, unchanged).
     pub fn enter<Pol: Policy>() -> Self {
-        let frame = Pol::frame();
-        FRAMES.with(|f| f.borrow_mut().push(frame));
-        Self {
-            _not_send: std::marker::PhantomData,
-        }
-    }
-}
-
-impl Drop for PolicyScope {
-    fn drop(&mut self) {
-        FRAMES.with(|f| f.borrow_mut().pop());
+        Self(autocast_state::push(Pol::frame()))
     }
 }
 

@@ -10,30 +10,13 @@ use candle_core::{DType, Result};
 
 use super::policy::Policy;
 use super::value::{AmpTensor, AsAmp};
-use crate::cast::{self, convert};
-use crate::op::{Op, OpClass};
-use crate::report;
+use crate::autocast_state;
+use crate::cast::convert;
+use crate::op::Op;
 
 /// The dtype op `O` runs in under `Pol`, given its inputs' dtypes (`None`: no cast).
 pub(crate) fn target<Pol: Policy, O: Op>(inputs: &[DType]) -> Result<Option<DType>> {
-    Ok(match Pol::class::<O>() {
-        OpClass::LowerPrecision => Some(Pol::lower()),
-        OpClass::Fp32 => Some(DType::F32),
-        OpClass::Preserve => None,
-        OpClass::Promote => {
-            if inputs.contains(&DType::F32) {
-                Some(DType::F32)
-            } else if inputs.contains(&DType::F16) && inputs.contains(&DType::BF16) {
-                candle_core::bail!(
-                    "`{}` mixes f16 and bf16 in an autocast region: F16 and BF16 never mix \
-                     implicitly; cast one operand first",
-                    O::NAME
-                )
-            } else {
-                inputs.first().copied()
-            }
-        }
-    })
+    autocast_state::target(Pol::class::<O>(), Pol::lower(), O::NAME, inputs)
 }
 
 /// `x` at the dtype `target` chose.
@@ -46,7 +29,8 @@ pub(crate) fn at(x: &AmpTensor, dtype: Option<DType>) -> Result<candle_core::Ten
 
 /// Routes one op: `run` gets the target `target` chose for the inputs' dtypes and returns the
 /// op's output (having cast the inputs with [`at`]). While a precision report records or the
-/// finite check is on, the op is reported with the casts it made ([`crate::report`]).
+/// finite check is on, the op is reported with the casts it made ([`crate::report`]). Typed ops
+/// inside `run` (a layer's typed forward) run as written: the op is routed as a whole.
 pub(crate) fn routed<Pol: Policy, O: Op>(
     inputs: &[&AmpTensor],
     run: impl FnOnce(Option<DType>) -> Result<candle_core::Tensor>,
@@ -61,20 +45,13 @@ pub(crate) fn routed<Pol: Policy, O: Op>(
     } else {
         target::<Pol, O>(&inputs.iter().map(|x| x.dtype()).collect::<Vec<_>>())?
     };
-    if !report::active() {
-        return run(t);
-    }
-    let before = cast::stats();
-    let out = run(t)?;
-    let inputs: Vec<_> = inputs.iter().map(|x| x.as_candle()).collect();
-    report::observe(
+    autocast_state::run_op(
         O::NAME,
         Pol::class::<O>(),
-        &inputs,
-        &out,
-        cast::stats() - before,
-    )?;
-    Ok(out)
+        || inputs.iter().map(|x| x.as_candle()).collect(),
+        t,
+        run,
+    )
 }
 
 /// Routes a one-input op: its input cast to the op's target, the op run, the result wrapped.

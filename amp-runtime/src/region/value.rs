@@ -112,7 +112,9 @@ impl<P: Precision> AsAmp for Tensor<P> {
 /// References, smart pointers and the standard library's borrow guards to tensors (a weight
 /// shared as `Arc<Tensor<F32>>`, a `&mut` one, a `RefCell`'s borrow, a `Mutex`'s guard): routed
 /// like the tensor they reach. Without these a method call on one would find the typed tensor's
-/// method through `Deref` and run in that tensor's own precision, not the region's. (One
+/// method through `Deref`: it would still run where the region's policy puts it (typed ops
+/// follow the thread's region), but return a typed tensor cast back to its own precision
+/// instead of a region value. (One
 /// blanket impl over `Deref` would cover a user's newtypes too, but overlaps the operand
 /// impls: a type of the user's that derefs to a tensor implements `AsAmp` itself.)
 macro_rules! as_amp_through {

@@ -14,7 +14,7 @@ macro_rules! binary {
         where
             Q: SamePrecision<P, op::$name>,
         {
-            Ok(Self::wrap(self.inner.$name(&rhs.inner)?))
+            self.binary_op::<op::$name, Q>(rhs, |a, b| a.$name(b))
         }
     )*};
 }
@@ -29,7 +29,7 @@ macro_rules! kernel {
         where
             Q: SamePrecision<P, op::$name>,
         {
-            crate::kernels::$name(&self.inner, &rhs.inner).map(Self::wrap)
+            self.binary_op::<op::$name, Q>(rhs, crate::kernels::$name)
         }
     )*};
 }
@@ -42,7 +42,8 @@ macro_rules! compare {
         where
             Q: SamePrecision<P, op::$name>,
         {
-            self.inner.$name(&rhs.inner)
+            let (a, b) = (&self.inner, &rhs.inner);
+            super::follow::<op::$name>(&[a, b], |t| super::at(a, t)?.$name(&super::at(b, t)?))
         }
     )*};
 }
@@ -99,7 +100,7 @@ impl<P: Precision> Tensor<P> {
     where
         Q: SamePrecision<P, op::matmul>,
     {
-        crate::kernels::matmul(&self.inner, &rhs.inner).map(Self::wrap)
+        self.binary_op::<op::matmul, Q>(rhs, crate::kernels::matmul)
     }
 
     /// Matrix product with broadcasting of the batch dimensions.
@@ -107,7 +108,7 @@ impl<P: Precision> Tensor<P> {
     where
         Q: SamePrecision<P, op::broadcast_matmul>,
     {
-        crate::kernels::broadcast_matmul(&self.inner, &rhs.inner).map(Self::wrap)
+        self.binary_op::<op::broadcast_matmul, Q>(rhs, crate::kernels::broadcast_matmul)
     }
 }
 
@@ -133,7 +134,7 @@ impl<P: Precision> Tensor<P> {
             dilation,
             groups,
         };
-        crate::kernels::conv1d(&self.inner, &kernel.inner, None, params).map(Self::wrap)
+        self.binary_op::<op::conv1d, Q>(kernel, |x, k| crate::kernels::conv1d(x, k, None, params))
     }
 
     /// 2-D convolution; `self` is `(batch, c_in, h, w)`, `kernel` `(c_out, c_in / groups, kh, kw)`.
@@ -154,7 +155,7 @@ impl<P: Precision> Tensor<P> {
             dilation,
             groups,
         };
-        crate::kernels::conv2d(&self.inner, &kernel.inner, None, params).map(Self::wrap)
+        self.binary_op::<op::conv2d, Q>(kernel, |x, k| crate::kernels::conv2d(x, k, None, params))
     }
 
     /// 1-D transposed convolution; `kernel` is `(c_in, c_out / groups, k)`.
@@ -170,10 +171,11 @@ impl<P: Precision> Tensor<P> {
     where
         Q: SamePrecision<P, op::conv_transpose1d>,
     {
-        crate::kernels::widened_transpose(&self.inner, &kernel.inner, |x, k| {
-            x.conv_transpose1d(k, padding, output_padding, stride, dilation, groups)
+        self.binary_op::<op::conv_transpose1d, Q>(kernel, |x, k| {
+            crate::kernels::widened_transpose(x, k, |x, k| {
+                x.conv_transpose1d(k, padding, output_padding, stride, dilation, groups)
+            })
         })
-        .map(Self::wrap)
     }
 
     /// 2-D transposed convolution; `kernel` is `(c_in, c_out, kh, kw)`.
@@ -188,10 +190,11 @@ impl<P: Precision> Tensor<P> {
     where
         Q: SamePrecision<P, op::conv_transpose2d>,
     {
-        crate::kernels::widened_transpose(&self.inner, &kernel.inner, |x, k| {
-            x.conv_transpose2d(k, padding, output_padding, stride, dilation)
+        self.binary_op::<op::conv_transpose2d, Q>(kernel, |x, k| {
+            crate::kernels::widened_transpose(x, k, |x, k| {
+                x.conv_transpose2d(k, padding, output_padding, stride, dilation)
+            })
         })
-        .map(Self::wrap)
     }
 }
 

@@ -8,6 +8,10 @@
 //!   any-precision forms);
 //! - lower-precision ops (`matmul`, `conv2d`) and precision-preserving ops run in `P`.
 //!
+//! In code an autocast region calls (a plain helper, a trait default method, a closure: autocast
+//! is per thread, as in PyTorch), every typed op runs where the region's policy puts it instead,
+//! and its result is cast back to the precision the signature names ([`follow`]).
+//!
 //! `binary.rs` has the two-tensor ops, convolutions and operators; `preserve.rs` the
 //! precision-preserving ones.
 //!
@@ -28,7 +32,9 @@ use std::marker::PhantomData;
 use candle_core::{DType, Device, Shape, WithDType};
 use candle_core::{Error, Result};
 
+use crate::autocast_state;
 use crate::cast::convert;
+use crate::op::Op;
 use crate::precision::{same, Precision, Promote, F32};
 
 /// A tensor of precision `P` (`F32` by default): a zero-cost newtype over `candle_core::Tensor`.
@@ -172,6 +178,84 @@ macro_rules! shape_accessors {
     )*};
 }
 pub(crate) use shape_accessors;
+
+// ---------------------------------------------------------------------------------------------
+// Typed ops in code a region calls. Autocast is per thread, as in PyTorch: a plain fn, method or
+// trait default method called from a region, given typed tensors (a model's fields, `cast`
+// results), runs each typed op where the region's policy puts it, not in the type's precision.
+
+/// `t` at `dtype` (`None`: as it is).
+pub(crate) fn at(t: &candle_core::Tensor, dtype: Option<DType>) -> Result<candle_core::Tensor> {
+    match dtype {
+        Some(d) => convert(t, d),
+        None => Ok(t.clone()),
+    }
+}
+
+/// Runs typed op `O` on `inputs`: as written (`run(None)`), except while a region that
+/// autocasts is running on this thread outside any routed op
+/// ([`followed`](crate::autocast_state::followed)): then `run` gets the dtype the region's policy
+/// runs `O` in for these inputs and casts them there with [`at`], and the op is reported as a
+/// routed one is. The result is what `run` made; [`Tensor::typed`] casts it to the signature's
+/// precision.
+pub(crate) fn follow<O: Op>(
+    inputs: &[&candle_core::Tensor],
+    run: impl FnOnce(Option<DType>) -> Result<candle_core::Tensor>,
+) -> Result<candle_core::Tensor> {
+    let Some(frame) = autocast_state::followed() else {
+        return run(None);
+    };
+    let dtypes: Vec<DType> = inputs.iter().map(|t| t.dtype()).collect();
+    let target = frame.target::<O>(&dtypes)?;
+    autocast_state::run_op(O::NAME, frame.class::<O>(), || inputs.to_vec(), target, run)
+}
+
+impl<P: Precision> Tensor<P> {
+    /// A typed op's result in `P`, cast back when it followed a region into another dtype.
+    pub(crate) fn typed(t: candle_core::Tensor) -> Result<Self> {
+        convert(&t, P::DTYPE).map(Self::wrap)
+    }
+
+    /// One-input typed op `O` with an `R` result, `f` run on the input ([`follow`]).
+    pub(crate) fn unary_op<O: Op, R: Precision>(
+        &self,
+        f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
+    ) -> Result<Tensor<R>> {
+        Tensor::typed(follow::<O>(&[&self.inner], |t| f(&at(&self.inner, t)?))?)
+    }
+
+    /// Two-input typed op `O` with a `P` result, `f` run on both inputs ([`follow`]).
+    pub(crate) fn binary_op<O: Op, Q: Precision>(
+        &self,
+        rhs: &Tensor<Q>,
+        f: impl FnOnce(&candle_core::Tensor, &candle_core::Tensor) -> Result<candle_core::Tensor>,
+    ) -> Result<Self> {
+        let (a, b) = (&self.inner, &rhs.inner);
+        Self::typed(follow::<O>(&[a, b], |t| f(&at(a, t)?, &at(b, t)?))?)
+    }
+
+    /// A user function `f` as typed op `O` (`lower_op`, `preserve_op`, `fp32_op`), with an `R`
+    /// result: `f` must return the dtype it is given.
+    pub(crate) fn closure_op<O: Op, R: Precision>(
+        &self,
+        f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
+    ) -> Result<Tensor<R>> {
+        self.unary_op::<O, R>(|x| {
+            let y = f(x)?;
+            if y.dtype() == x.dtype() {
+                Ok(y)
+            } else {
+                candle_core::bail!(
+                    "`{}`: the function was given a {:?} tensor and returned {:?}; it must \
+                     return the dtype it is given",
+                    O::NAME,
+                    x.dtype(),
+                    y.dtype()
+                )
+            }
+        })
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Boundary with candle, casts, constructors, accessors.

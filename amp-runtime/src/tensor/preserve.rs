@@ -4,13 +4,14 @@
 use candle_core::{Result, Shape};
 
 use super::Tensor;
+use crate::op;
 use crate::precision::Precision;
 
 macro_rules! preserve_unary {
     ($($(#[$doc:meta])* $name:ident),* $(,)?) => {$(
         $(#[$doc])*
         pub fn $name(&self) -> Result<Self> {
-            Ok(Self::wrap(self.inner.$name()?))
+            self.unary_op::<op::$name, P>(|x| x.$name())
         }
     )*};
 }
@@ -19,7 +20,7 @@ macro_rules! preserve_along_dim {
     ($($(#[$doc:meta])* $name:ident),* $(,)?) => {$(
         $(#[$doc])*
         pub fn $name<D: candle_core::shape::Dim>(&self, dim: D) -> Result<Self> {
-            Ok(Self::wrap(self.inner.$name(dim)?))
+            self.unary_op::<op::$name, P>(|x| x.$name(dim))
         }
     )*};
 }
@@ -27,23 +28,23 @@ macro_rules! preserve_along_dim {
 impl<P: Precision> Tensor<P> {
     /// `max(x, 0)`; NaN stays NaN, as in PyTorch (one op with a one-pass backward on CPU).
     pub fn relu(&self) -> Result<Self> {
-        crate::kernels::relu(&self.inner).map(Self::wrap)
+        self.unary_op::<op::relu, P>(crate::kernels::relu)
     }
 
     /// GELU, tanh approximation (candle's `gelu`, PyTorch's `approximate="tanh"`); on CPU one
     /// op computed in f32 and rounded once, with a one-pass backward.
     pub fn gelu(&self) -> Result<Self> {
-        crate::kernels::gelu(&self.inner).map(Self::wrap)
+        self.unary_op::<op::gelu, P>(crate::kernels::gelu)
     }
 
     /// GELU, exact erf form (PyTorch's default `gelu`); on CPU as [`Self::gelu`].
     pub fn gelu_erf(&self) -> Result<Self> {
-        crate::kernels::gelu_erf(&self.inner).map(Self::wrap)
+        self.unary_op::<op::gelu_erf, P>(crate::kernels::gelu_erf)
     }
 
     /// `x * sigmoid(x)`; on CPU as [`Self::gelu`].
     pub fn silu(&self) -> Result<Self> {
-        crate::kernels::silu(&self.inner).map(Self::wrap)
+        self.unary_op::<op::silu, P>(crate::kernels::silu)
     }
 
     preserve_unary!(
@@ -67,18 +68,18 @@ impl<P: Precision> Tensor<P> {
 
     /// `1 / (1 + exp(-x))`, differentiable (candle-nn's `ops::sigmoid`).
     pub fn sigmoid(&self) -> Result<Self> {
-        Ok(Self::wrap(candle_nn::ops::sigmoid(&self.inner)?))
+        self.unary_op::<op::sigmoid, P>(candle_nn::ops::sigmoid)
     }
 
     /// `x * mul + add`, computed in f32 and rounded once for a half tensor (candle's `affine`
     /// rounds `mul` and `add` to the tensor's dtype first, then rounds twice).
     pub fn affine(&self, mul: f64, add: f64) -> Result<Self> {
-        crate::kernels::affine(&self.inner, mul, add).map(Self::wrap)
+        self.unary_op::<op::affine, P>(|x| crate::kernels::affine(x, mul, add))
     }
 
     /// Same data, new shape (one dimension may be `()`-inferred as in candle).
     pub fn reshape<S: candle_core::shape::ShapeWithOneHole>(&self, shape: S) -> Result<Self> {
-        Ok(Self::wrap(self.inner.reshape(shape)?))
+        self.unary_op::<op::reshape, P>(|x| x.reshape(shape))
     }
 
     /// Swaps two dimensions.
@@ -87,12 +88,12 @@ impl<P: Precision> Tensor<P> {
         dim1: D1,
         dim2: D2,
     ) -> Result<Self> {
-        Ok(Self::wrap(self.inner.transpose(dim1, dim2)?))
+        self.unary_op::<op::transpose, P>(|x| x.transpose(dim1, dim2))
     }
 
     /// Reorders the dimensions.
     pub fn permute<D: candle_core::shape::Dims>(&self, dims: D) -> Result<Self> {
-        Ok(Self::wrap(self.inner.permute(dims)?))
+        self.unary_op::<op::permute, P>(|x| x.permute(dims))
     }
 
     /// `len` entries of dimension `dim` starting at `start`.
@@ -102,7 +103,7 @@ impl<P: Precision> Tensor<P> {
         start: usize,
         len: usize,
     ) -> Result<Self> {
-        Ok(Self::wrap(self.inner.narrow(dim, start, len)?))
+        self.unary_op::<op::narrow, P>(|x| x.narrow(dim, start, len))
     }
 
     /// Splits into `chunks` pieces along `dim`.
@@ -121,20 +122,20 @@ impl<P: Precision> Tensor<P> {
         start: D1,
         end: D2,
     ) -> Result<Self> {
-        Ok(Self::wrap(self.inner.flatten(start, end)?))
+        self.unary_op::<op::flatten, P>(|x| x.flatten(start, end))
     }
 
     /// Broadcasts to `shape`: a view, except that a half tensor that tracks is copied through
     /// f32, so that its gradient is summed over the new dimensions in f32 (candle sums a view's
     /// gradient in half).
     pub fn broadcast_as<S: Into<Shape>>(&self, shape: S) -> Result<Self> {
-        crate::kernels::spread(&self.inner, &shape.into()).map(Self::wrap)
+        self.unary_op::<op::broadcast_as, P>(|x| crate::kernels::spread(x, &shape.into()))
     }
 
     /// Broadcasts by adding leading dimensions (as [`Self::broadcast_as`]).
     pub fn broadcast_left<S: Into<Shape>>(&self, left: S) -> Result<Self> {
         let shape = [left.into().dims(), self.dims()].concat();
-        crate::kernels::spread(&self.inner, &Shape::from(shape)).map(Self::wrap)
+        self.unary_op::<op::broadcast_left, P>(|x| crate::kernels::spread(x, &Shape::from(shape)))
     }
 
     /// Pads `dim` with zeros on both sides.
@@ -144,7 +145,7 @@ impl<P: Precision> Tensor<P> {
         left: usize,
         right: usize,
     ) -> Result<Self> {
-        Ok(Self::wrap(self.inner.pad_with_zeros(dim, left, right)?))
+        self.unary_op::<op::pad_with_zeros, P>(|x| x.pad_with_zeros(dim, left, right))
     }
 
     /// Rows selected by integer ids along `dim` (ids are a plain candle tensor).
@@ -153,7 +154,7 @@ impl<P: Precision> Tensor<P> {
         ids: &candle_core::Tensor,
         dim: D,
     ) -> Result<Self> {
-        Ok(Self::wrap(self.inner.index_select(ids, dim)?))
+        self.unary_op::<op::index_select, P>(|x| x.index_select(ids, dim))
     }
 
     preserve_along_dim!(
@@ -177,38 +178,38 @@ impl<P: Precision> Tensor<P> {
     );
 
     /// Any candle function on the data, run in `P` (outside a region: the op's class is the
-    /// caller's business; inside one the region routes it as a lower-precision op). The result
-    /// must have `P`'s dtype.
+    /// caller's business; inside one, or in code one calls, it runs as a lower-precision op).
+    /// `f` must return the dtype it is given.
     pub fn lower_op(
         &self,
         f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
     ) -> Result<Self> {
-        Self::from_candle(f(&self.inner)?)
+        self.closure_op::<op::lower_op, P>(f)
     }
 
     /// Any candle function on the data, run in `P`, precision-preserving (outside a region the
-    /// same as [`Tensor::lower_op`]; inside one the value keeps its dtype). The result must have
-    /// `P`'s dtype.
+    /// same as [`Tensor::lower_op`]; inside one the value keeps its dtype). `f` must return the
+    /// dtype it is given.
     pub fn preserve_op(
         &self,
         f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
     ) -> Result<Self> {
-        self.lower_op(f)
+        self.closure_op::<op::preserve_op, P>(f)
     }
 
     /// Clamps to `[min, max]`.
     pub fn clamp(&self, min: f64, max: f64) -> Result<Self> {
-        Ok(Self::wrap(self.inner.clamp(min, max)?))
+        self.unary_op::<op::clamp, P>(|x| x.clamp(min, max))
     }
 
     /// Maximum of all elements (rank 0).
     pub fn max_all(&self) -> Result<Self> {
-        Ok(Self::wrap(self.inner.max_all()?))
+        self.unary_op::<op::max_all, P>(candle_core::Tensor::max_all)
     }
 
     /// Minimum of all elements (rank 0).
     pub fn min_all(&self) -> Result<Self> {
-        Ok(Self::wrap(self.inner.min_all()?))
+        self.unary_op::<op::min_all, P>(candle_core::Tensor::min_all)
     }
 
     /// Indices of the maxima over `dim`, as a plain `u32` candle tensor.
@@ -234,7 +235,7 @@ impl<P: Precision> Tensor<P> {
             stride: stride.to_usize2(),
             padding: 0,
         };
-        crate::kernels::max_pool2d(&self.inner, pool).map(Self::wrap)
+        self.unary_op::<op::max_pool2d, P>(|x| crate::kernels::max_pool2d(x, pool))
     }
 
     /// 2-D average pooling, stride = kernel size. Stays in `P` (PyTorch's autocast does not
@@ -256,7 +257,7 @@ impl<P: Precision> Tensor<P> {
             stride: stride.to_usize2(),
             padding: 0,
         };
-        crate::kernels::avg_pool2d(&self.inner, pool).map(Self::wrap)
+        self.unary_op::<op::avg_pool2d, P>(|x| crate::kernels::avg_pool2d(x, pool))
     }
 
     /// Concatenates tensors of one precision along `dim`.
