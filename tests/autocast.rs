@@ -29,7 +29,8 @@ fn vars() -> (VarMap, VarBuilder<'static>) {
 // ---- The class table: output dtype per op class, input precision and policy. ----
 
 /// Dtypes of one op of each class, run in a region of policy `Pol` on `x` (and an f32 `y`):
-/// lower: matmul, broadcast_matmul; fp32: sum, exp, softmax, log_softmax, layer_norm, mse;
+/// lower: matmul, broadcast_matmul; fp32: sum, exp, sqr (PyTorch's `square`, `pow(x, 2)`),
+/// softmax, log_softmax, layer_norm, mse;
 /// promote: add with itself, add with f32, cat with itself; preserve: relu, reshape,
 /// max_keepdim. The policy is a type parameter, as a library author would write it.
 #[autocast(policy = Pol)]
@@ -44,6 +45,7 @@ fn classes<Pol: Policy, P: Precision>(
         x.broadcast_matmul(w)?.dtype(),
         x.sum_keepdim(1)?.dtype(),
         x.exp()?.dtype(),
+        x.sqr()?.dtype(),
         ops::softmax(&x, 1)?.dtype(),
         ops::log_softmax(&x, 1)?.dtype(),
         ops::layer_norm(&x, &ones, &ones, 1e-5)?.dtype(),
@@ -67,6 +69,7 @@ fn expected(lower: DType, input: DType) -> Vec<DType> {
     vec![
         lower,
         lower, // lower-precision ops
+        DType::F32,
         DType::F32,
         DType::F32,
         DType::F32,

@@ -132,6 +132,8 @@ pub(crate) const OPS: &[Row] = rows! {
     pow: Fp32, method Binary;
     broadcast_pow: Fp32, method Binary;
     recip: Fp32, method Unary;
+    // PyTorch's `square` is `pow(x, 2)` (no autocast kernel of its own), on the CUDA fp32 list.
+    sqr: Fp32, method Unary;
     log_sum_exp: Fp32, method Dims;
     cumsum: Fp32, method Dim;
     fp32_op: Fp32, method Closure;
@@ -180,7 +182,6 @@ pub(crate) const OPS: &[Row] = rows! {
     tanh: Preserve, method Unary;
     sigmoid: Preserve, method Custom(0), free Ops;
     neg: Preserve, method Unary;
-    sqr: Preserve, method Unary;
     sqrt: Preserve, method Unary;
     abs: Preserve, method Unary;
     affine: Preserve, method Custom(2);

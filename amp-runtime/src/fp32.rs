@@ -92,6 +92,12 @@ pub fn broadcast_pow<P: Precision, Q: Precision>(
     up(x)?.broadcast_pow(&up(rhs)?).map(out)
 }
 
+/// `x * x`: PyTorch's `square`, which is `pow(x, 2)` and so fp32-class under CUDA autocast (an
+/// f16 square overflows from |x| = 256).
+pub fn sqr<P: Precision>(x: &Tensor<P>) -> Result<Tensor<F32>> {
+    up(x)?.sqr().map(out)
+}
+
 /// `1 / x`.
 pub fn recip<P: Precision>(x: &Tensor<P>) -> Result<Tensor<F32>> {
     up(x)?.recip().map(out)
@@ -247,6 +253,8 @@ impl<P: Precision> Tensor<P> {
         log();
         /// `x ^ e` for a scalar exponent.
         powf(e: f64);
+        /// `x * x` (PyTorch's `square`, `pow(x, 2)`).
+        sqr();
         /// `1 / x`.
         recip();
         /// `log(sum(exp(x)))` over `dims`, computed stably.

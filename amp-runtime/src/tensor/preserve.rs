@@ -52,8 +52,6 @@ impl<P: Precision> Tensor<P> {
         tanh,
         /// `-x`.
         neg,
-        /// `x * x`.
-        sqr,
         /// Square root.
         sqrt,
         /// Absolute value.
