@@ -136,6 +136,9 @@ fn data(size: usize, dev: &Device) -> Result<(Tensor<F32>, Tensor<F32>)> {
     ))
 }
 
+/// Timed eval-mode calls per mode; the inference figure is their median.
+const INFERENCE_CALLS: usize = 5;
+
 /// What one mode produced besides its figures.
 struct Run {
     result: ModeResult,
@@ -200,10 +203,17 @@ fn run<Pol: Policy>(
     let ms_per_step = start.elapsed().as_secs_f64() * 1e3 / args.epochs as f64;
     bar.finish_and_clear();
 
-    let start = Instant::now();
-    let output = model.forward::<Pol>(x, false, amp)?;
-    x.device().synchronize()?; // on CUDA, wait for the queued kernels before reading the timer
-    let inference_ms = start.elapsed().as_secs_f64() * 1e3;
+    // Inference: one warm-up call (the first eval-mode call pays one-off costs), then the median
+    // of a few timed calls; one call of well under a millisecond is too noisy to compare.
+    let mut output = model.forward::<Pol>(x, false, amp)?;
+    let mut times = Vec::with_capacity(INFERENCE_CALLS);
+    for _ in 0..INFERENCE_CALLS {
+        let start = Instant::now();
+        output = model.forward::<Pol>(x, false, amp)?;
+        x.device().synchronize()?; // on CUDA, wait for the queued kernels before reading the timer
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    let inference_ms = median(&mut times);
     let output = output.to_flat_vec::<f32>()?;
     let result = ModeResult {
         ms_per_step,
@@ -426,7 +436,7 @@ fn main() -> Result<()> {
             common::table(&title, precision, &f32_run.result, &amp_run.result)
         );
         println!(
-            "inference (eval mode, whole grid): f32 {:.2} ms, {} {:.2} ms",
+            "inference (eval mode, whole grid, median of {INFERENCE_CALLS}): f32 {:.2} ms, {} {:.2} ms",
             f32_run.inference_ms,
             precision.label(),
             amp_run.inference_ms

@@ -1580,7 +1580,10 @@ fn helpers_in_a_region(
     #[keep_fp32]
     let kept = scores(&a.q, &a.k)?;
     let (soft, sum) = probs_and_sum(a)?;
-    Ok([s, p, c, kept, soft, sum]
+    // Autocast state is per thread: work handed to another thread runs as written.
+    let elsewhere = std::thread::scope(|t| t.spawn(|| scores(&a.q, &a.k)).join())
+        .map_err(|_| candle_core::Error::Msg("the thread panicked".into()))??;
+    Ok([s, p, c, kept, soft, sum, elsewhere]
         .iter()
         .map(|t| t.as_candle().clone())
         .collect())
@@ -1622,9 +1625,9 @@ fn same(a: &candle_core::Tensor, b: &candle_core::Tensor) -> Result<bool> {
 /// A plain fn, a trait default method and a closure written outside any region, called from
 /// an `#[autocast(bf16)]` region with typed tensors (fields), run their matmuls and the layer in
 /// bf16 as PyTorch's per-thread autocast does (they ran in f32, the type's precision), their
-/// results cast back to the `Tensor<F32>` their signatures name; a `#[keep_fp32]` statement runs
-/// them as written; fp32-class and promote ops stay f32; a `policy!` moving softmax and add
-/// reaches the typed free op and the typed operator.
+/// results cast back to the `Tensor<F32>` their signatures name; a `#[keep_fp32]` statement and
+/// another thread run them as written; fp32-class and promote ops stay f32; a `policy!` moving
+/// softmax and add reaches the typed free op and the typed operator.
 #[test]
 fn typed_tensors_in_plain_code_a_region_calls_follow_its_policy() -> Result<()> {
     let (_map, a) = heads_model()?;
@@ -1640,7 +1643,9 @@ fn typed_tensors_in_plain_code_a_region_calls_follow_its_policy() -> Result<()> 
         f32_scores.clone(),
         ops::softmax(&a.q, 1)?.into_candle(),
         (&a.q + &a.k)?.into_candle(),
+        f32_scores.clone(),
     ];
+    assert_eq!(out.len(), expected.len());
     for (i, (got, want)) in out.iter().zip(&expected).enumerate() {
         assert!(same(got, want)?, "result {i}: {got} vs {want}");
     }
