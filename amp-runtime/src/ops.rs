@@ -3,8 +3,9 @@
 //! Softmax, log-softmax and the norms are fp32-class ops: outside an autocast region they take
 //! `Tensor<F32>` (a half input is a compile error naming the op); their half-input forms are in
 //! [`crate::fp32`]. In code an autocast region calls (a plain helper given typed tensors) they
-//! run under the region's policy, as every typed op does. All of them are differentiable, unlike candle-nn's fused `softmax_last_dim`,
-//! `layer_norm` and `rms_norm` (no backward, candle #3011 / #3752).
+//! run under the region's policy, as every typed op does. All of them are differentiable,
+//! unlike candle-nn's fused `softmax_last_dim`, `layer_norm` and `rms_norm` (no backward,
+//! candle #3011 / #3752).
 
 use candle_core::shape::Dim;
 use candle_core::Result;
