@@ -205,16 +205,19 @@ fn run<Pol: Policy>(
 
     // Inference: one warm-up call (the first eval-mode call pays one-off costs), then the median
     // of a few timed calls; one call of well under a millisecond is too noisy to compare.
-    let mut output = model.forward::<Pol>(x, false, amp)?;
+    // Each call's output is dropped before the next call, so the peak is one call's.
+    let mut output = Some(model.forward::<Pol>(x, false, amp)?);
     let mut times = Vec::with_capacity(INFERENCE_CALLS);
     for _ in 0..INFERENCE_CALLS {
+        drop(output.take());
         let start = Instant::now();
-        output = model.forward::<Pol>(x, false, amp)?;
+        let y = model.forward::<Pol>(x, false, amp)?;
         x.device().synchronize()?; // on CUDA, wait for the queued kernels before reading the timer
         times.push(start.elapsed().as_secs_f64() * 1e3);
+        output = Some(y);
     }
     let inference_ms = median(&mut times);
-    let output = output.to_flat_vec::<f32>()?;
+    let output = output.map_or(Ok(Vec::new()), |y| y.to_flat_vec::<f32>())?;
     let result = ModeResult {
         ms_per_step,
         peak_bytes: peak.bytes()?,
