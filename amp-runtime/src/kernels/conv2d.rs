@@ -764,11 +764,6 @@ pub(crate) fn input_and_kernel_grads(
     Ok((grad_x, grad_k))
 }
 
-/// Per-channel sums of `grad (batch, channels, h, w)` in f32: a bias's gradient.
-pub(crate) fn channel_grad_sums(grad: &Tensor) -> Result<Tensor> {
-    grad.contiguous()?.apply_op1_no_bwd(&GradBias(DType::F32))
-}
-
 impl CustomOp2 for GemmConv2d {
     fn name(&self) -> &'static str {
         "amp-gemm-conv2d"

@@ -258,6 +258,12 @@ impl CustomOp3 for ConvNorm {
             p: Vec::with_capacity(c),
             q: Vec::with_capacity(c),
         };
+        // The conv bias's gradient, the sum of dy per channel, in closed form: with the batch's
+        // statistics k * sum(dz) + p * sum(xhat) + q * m, exactly 0 (the bias only moves the
+        // mean that batch norm removes; summing dy would give the rounding noise of a cancelling
+        // sum, which Adam scales up into bias steps of full size); with running statistics
+        // k * sum(dz).
+        let mut conv_bias = Vec::with_capacity(c);
         for ch in 0..c {
             let k = f64::from(gamma[ch]) * f64::from(invstd[ch]);
             let (p, q) = if train {
@@ -268,6 +274,7 @@ impl CustomOp3 for ConvNorm {
             grad.k.push(k as f32);
             grad.p.push(p as f32);
             grad.q.push(q as f32);
+            conv_bias.push(if train { 0.0 } else { k * sum_dz[ch] });
         }
         let dy = xhat.apply_op2_no_bwd(&dz, &grad)?;
         let (dx, dk) = conv2d::input_and_kernel_grads(x, k, self.conv, &dy)?;
@@ -276,7 +283,7 @@ impl CustomOp3 for ConvNorm {
                 |v: &[f64]| Tensor::from_iter(v.iter().map(|&v| v as f32), params.device());
             Tensor::stack(
                 &[
-                    conv2d::channel_grad_sums(&dy)?,
+                    per_channel(&conv_bias)?,
                     per_channel(sum_dz_xhat)?,
                     per_channel(sum_dz)?,
                 ],
