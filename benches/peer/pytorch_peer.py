@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""PyTorch's versions of two candle-amp examples on the same sizes, side by side with them.
+"""PyTorch's versions of three candle-amp examples on the same sizes, side by side with them.
 
-On CPU (the default) it runs `quantized_sine --size 128 --hidden 256 --epochs 30` and
-`amp_recipe` (defaults: width 1024, batch 256, 50 batches x 3 epochs) in f32 and under CPU
-autocast (bf16). With `--device cuda` it runs larger sizes (`quantized_sine --size 512`, and
+On CPU (the default) it runs `quantized_sine --size 128 --hidden 256 --epochs 30`,
+`amp_recipe` (defaults: width 1024, batch 256, 50 batches x 3 epochs) and `gpt --width 256
+--seq 64 --batch 16 --steps 30` (2 layers, 4 heads) in f32 and under CPU autocast (bf16). With `--device cuda` it runs larger sizes (`quantized_sine --size 512`, and
 PyTorch's AMP recipe itself: width 4096, batch 512) in f32 and under CUDA autocast (fp16 with a
 GradScaler, as `torch.autocast("cuda")` and candle-amp's examples do on CUDA). Each runs in
 PyTorch and in candle-amp (release builds of the examples, `--json`), and it prints ms per step
@@ -58,6 +58,65 @@ def amp_recipe_torch(torch, dev, width, batch, batches, epochs, amp):
     return timed(dev.step(torch, model, opt, amp, lambda: data[next(it) % batches]), batches * epochs)
 
 
+def gpt_torch(torch, dev, width, seq, batch, layers, heads, vocab, steps, amp):
+    """ms per step of the GPT-2-style decoder of `examples/gpt.rs`: tied embeddings, pre-norm
+    blocks, attention written out (scores, additive causal mask, softmax) as its model and
+    Hugging Face's eager GPT-2 attention do, tanh GELU, cross-entropy, AdamW (lr 3e-4, no decay).
+    Random token ids: the timing does not depend on them."""
+    nn = torch.nn
+    F = nn.functional
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+            self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+            self.c_fc, self.mlp_proj = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+        def forward(self, x, mask):
+            b, t, c = x.shape
+            split = lambda z: z.view(b, t, heads, c // heads).transpose(1, 2)
+            q, k, v = (split(z) for z in self.c_attn(self.ln_1(x)).split(c, dim=2))
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // heads)) + mask
+            y = F.softmax(att, dim=-1) @ v
+            x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+    class Gpt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(vocab, width)
+            self.wpe = nn.Embedding(max(seq, 32) + 32, width)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(width)
+
+        def forward(self, ids, mask):
+            x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+            for block in self.blocks:
+                x = block(x, mask)
+            return self.ln_f(x) @ self.wte.weight.t()
+
+    model = Gpt().to(dev.name)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
+    ids = torch.randint(vocab, (batch, seq + 1), device=dev.name)
+    mask = torch.full((seq, seq), float("-inf"), device=dev.name).triu(1)
+    dtype = torch.float16 if dev.cuda else torch.bfloat16
+    scaler = torch.amp.GradScaler(dev.name, enabled=amp and dev.cuda)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(dev.name, dtype=dtype, enabled=amp):
+            logits = model(ids[:, :-1], mask)
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss.item()
+
+    return timed(step, steps)
+
+
 class Device:
     """What differs between the CPU and the CUDA runs: autocast's dtype, the GradScaler, sizes."""
 
@@ -71,6 +130,7 @@ class Device:
         else:
             self.sine = dict(size=128, hidden=256, epochs=30)
             self.recipe = dict(width=1024, batch=256, batches=50, epochs=3)
+        self.gpt = dict(width=256, seq=64, batch=16, layers=2, heads=4, vocab=16, steps=30)
 
     def step(self, torch, model, opt, amp, batch):
         """One training step (MSE loss, read back as a float: a sync per step, as ours)."""
@@ -155,6 +215,21 @@ def main():
         "torch_amp": amp_recipe_torch(torch, dev, amp=True, **recipe),
         "ours_f32": ours["f32"]["ms_per_step"],
         "ours_amp": ours["amp"]["ms_per_step"],
+    }
+    gpt = dev.gpt
+    cmd = [os.path.join(args.examples, "gpt")] if args.examples else [
+        "cargo", "run", "-q", "--release", "--example", "gpt", "--"]
+    cmd += ["--json", "--device", dev.name, "--out", "target/peer", "--lr", "3e-4"] + [
+        a for key in ("width", "seq", "batch", "steps") for a in (f"--{key}", str(gpt[key]))]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({run.returncode}):\n{run.stderr}")
+    ours = json.loads(run.stdout.strip().splitlines()[-1])
+    rows["gpt"] = {
+        "torch_f32": gpt_torch(torch, dev, amp=False, **gpt),
+        "torch_amp": gpt_torch(torch, dev, amp=True, **gpt),
+        "ours_f32": ours["f32"]["ms_per_step"],
+        "ours_amp": ours[dev.precision]["ms_per_step"],
     }
     for r in rows.values():
         r["ours_amp_vs_f32"] = r["ours_amp"] / r["ours_f32"]
