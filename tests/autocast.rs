@@ -1547,7 +1547,7 @@ fn scores(q: &Tensor<F32>, k: &Tensor<F32>) -> Result<Tensor<F32>> {
     q.matmul(&k.t()?)
 }
 
-/// A plain helper with a typed free op, a typed operator and a typed layer.
+/// A plain helper with a typed free op and a typed operator.
 fn probs_and_sum(a: &Heads) -> Result<(Tensor<F32>, Tensor<F32>)> {
     Ok((ops::softmax(&a.q, 1)?, (&a.q + &a.k)?))
 }
