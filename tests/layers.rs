@@ -1033,15 +1033,21 @@ fn conv_bn(c_in: usize, c_out: usize, k: usize, vb: &VarBuilder) -> Result<nn::C
 }
 
 /// A padded 3x3 `ConvBn2d` from 3 to 5 channels, its batch norm's scale and shift set away
-/// from 1 and 0 (one scale negative).
-fn padded_conv_bn(map: &VarMap, vb: &VarBuilder) -> Result<nn::ConvBn2d> {
+/// from 1 and 0 (one scale negative), with an input `(2, 3, 6, 7)` and the weights of a loss
+/// `sum(y * weights)` over its output.
+fn padded_conv_bn(
+    map: &VarMap,
+    vb: &VarBuilder,
+) -> Result<(nn::ConvBn2d, Var, candle_core::Tensor)> {
     let block = conv_bn(3, 5, 3, vb)?;
     let gamma = candle_core::Tensor::new(&[1.5f32, -0.5, 2.0, 0.75, 1.0], &dev())?;
     let beta = candle_core::Tensor::new(&[0.1f32, -0.2, 0.3, 0.0, 0.5], &dev())?;
     for (name, t) in [("bn.weight", &gamma), ("bn.bias", &beta)] {
         map.data().lock().expect("vars")[name].set(t)?;
     }
-    Ok(block)
+    let x = Var::randn(0f32, 1.0, (2, 3, 6, 7), &dev())?;
+    let weights = candle_core::Tensor::randn(0f32, 1.0, (2, 5, 6, 7), &dev())?;
+    Ok((block, x, weights))
 }
 
 /// Conv outputs far from zero against their spread, as a trained conv's often are: the pair
@@ -1134,9 +1140,7 @@ fn conv_bn_normalises_the_conv_s_sums_before_rounding() -> Result<()> {
 #[test]
 fn conv_bn_is_the_conv_then_the_batch_norm() -> Result<()> {
     let (map, vb) = vars();
-    let block = padded_conv_bn(&map, &vb)?;
-    let x = Var::randn(0f32, 1.0, (2, 3, 6, 7), &dev())?;
-    let weights = candle_core::Tensor::randn(0f32, 1.0, (2, 5, 6, 7), &dev())?;
+    let (block, x, weights) = padded_conv_bn(&map, &vb)?;
     let loss = |y: candle_core::Tensor| y.to_dtype(DType::F32)?.mul(&weights)?.sum_all();
     let mut tracked: Vec<&Var> = block.vars();
     tracked.push(&x);
@@ -1204,9 +1208,7 @@ fn conv_bn_is_the_conv_then_the_batch_norm() -> Result<()> {
 #[test]
 fn conv_bn_bf16_gradients_are_f32_and_near_f32_s() -> Result<()> {
     let (map, vb) = vars();
-    let block = padded_conv_bn(&map, &vb)?;
-    let x = Var::randn(0f32, 1.0, (2, 3, 6, 7), &dev())?;
-    let weights = candle_core::Tensor::randn(0f32, 1.0, (2, 5, 6, 7), &dev())?;
+    let (block, x, weights) = padded_conv_bn(&map, &vb)?;
     let loss = |y: candle_core::Tensor| y.to_dtype(DType::F32)?.mul(&weights)?.sum_all();
     let x16 = Tensor::<F32>::from_candle(x.as_tensor().clone())?.cast::<BF16>()?;
     let g16 = loss(block.forward_t(&x16, true)?.into_candle())?.backward()?;
