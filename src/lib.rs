@@ -39,3 +39,8 @@ pub use amp_runtime::__private;
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
+
+// docs/guide.md's examples compile and run as doctests too.
+#[doc = include_str!("../docs/guide.md")]
+#[cfg(doctest)]
+pub struct GuideDoctests;

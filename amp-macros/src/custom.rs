@@ -9,10 +9,10 @@ use quote::{format_ident, quote, quote_spanned, ToTokens};
 use syn::spanned::Spanned;
 use syn::{FnArg, Ident, ItemFn, Pat, Type};
 
-use crate::expand::verbatim_block;
+use crate::errors::Errors;
 use crate::model::is_tensor_type;
 use crate::runtime::Rt;
-use crate::validate::Errors;
+use crate::syntax::verbatim_block;
 
 /// `#[custom_fwd(cast_inputs = ..)]` on a fn:
 /// Input:  `fn op(x: &Tensor<F32>, k: f64) -> R { body }` with `cast_inputs = f32`

@@ -10,8 +10,7 @@ use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
 use syn::visit_mut::{self, VisitMut};
 use syn::{
-    Block, Expr, FnArg, GenericParam, ImplItem, ItemFn, ItemImpl, Stmt, Type, TypeParam,
-    TypeParamBound,
+    Block, FnArg, GenericParam, ImplItem, ItemFn, ItemImpl, Type, TypeParam, TypeParamBound,
 };
 
 use crate::args::{AutocastArgs, PolicyArg};
@@ -19,6 +18,7 @@ use crate::custom;
 use crate::model::{is_marker, Impl, Mode, ParamKind, Part, Region, RegionCallSig, Target};
 use crate::rewrite;
 use crate::runtime::Rt;
+use crate::syntax::verbatim_block;
 
 pub(crate) fn region(region: &Region) -> TokenStream {
     match &region.target {
@@ -33,15 +33,6 @@ pub(crate) fn region(region: &Region) -> TokenStream {
         Target::Impl(imp) => region_impl(imp, &region.args),
         // Rejected by validation, so never reached; emitted as written.
         Target::Other(item) => item.to_token_stream(),
-    }
-}
-
-/// A block holding generated statements as tokens, which are emitted between the braces as
-/// they are: built, not parsed back. The braces are the call site's, as a quoted block's are.
-pub(crate) fn verbatim_block(stmts: TokenStream) -> Block {
-    Block {
-        brace_token: syn::token::Brace::default(),
-        stmts: vec![Stmt::Expr(Expr::Verbatim(stmts), None)],
     }
 }
 

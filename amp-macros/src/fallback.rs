@@ -13,7 +13,6 @@ use syn::{ImplItem, Item};
 
 use crate::expand::RegionCallHeader;
 use crate::model::{is_marker, region_call_sig};
-use crate::policy::{self, Header};
 use crate::rewrite::{expr_attrs, take_marker};
 use crate::runtime::Rt;
 
@@ -134,12 +133,4 @@ impl VisitMut for StripMarkers {
         self.keep_fp32(&mut closure.attrs);
         visit_mut::visit_expr_closure_mut(self, closure);
     }
-}
-
-/// `policy!` with errors, once the struct's name is known: the struct and an `impl Policy` with
-/// the declared lower dtype (fp16 when it is not known) and every op in its declared class.
-pub(crate) fn policy(errors: &syn::Error, header: &Header) -> TokenStream {
-    let errors = errors.to_compile_error();
-    let declared = policy::generate_default(header, header.lower_precision().unwrap_or(Rt::F16));
-    quote!(#errors #declared)
 }

@@ -8,12 +8,15 @@
 //! (`model.rs`; `args.rs` for attribute arguments) -> validation collecting every error
 //! (`validate.rs`) -> code generation that cannot fail (`expand.rs`, with `rewrite.rs` for region
 //! bodies). On any error the output is the errors plus the item and stand-ins for what other
-//! code expects of it (`fallback.rs`), so that one mistake is reported once. `custom.rs` and
+//! code expects of it (`fallback.rs`; `policy!`'s in `policy.rs`), so that one mistake is reported once. `errors.rs`
+//! (error collection) and `syntax.rs` (syntax for generated code) are leaves every phase may use:
+//! the modules import one another without a cycle (a test checks it). `custom.rs` and
 //! `policy.rs` hold what is specific to `#[custom_fwd]`/`#[custom_bwd]` and `policy!`, in the
 //! same phases.
 
 mod args;
 mod custom;
+mod errors;
 mod expand;
 mod fallback;
 mod model;
@@ -21,6 +24,7 @@ mod optable;
 mod policy;
 mod rewrite;
 mod runtime;
+mod syntax;
 #[cfg(test)]
 mod tests;
 mod validate;

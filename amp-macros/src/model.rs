@@ -15,8 +15,8 @@ use syn::{
 };
 
 use crate::args::{AutocastArgs, CustomFwdArgs};
+use crate::errors::Errors;
 use crate::optable::MODULE_CALLS;
-use crate::validate::Errors;
 
 /// Which of the region attributes was invoked.
 #[derive(Clone, Copy)]

@@ -28,9 +28,8 @@ use quote::{quote, quote_spanned};
 use syn::parse::{ParseStream, Parser};
 use syn::{braced, Attribute, Ident, Token, Visibility};
 
-use crate::fallback;
+use crate::errors::{once, Errors};
 use crate::runtime::Rt;
-use crate::validate::{once, Errors};
 
 /// What precedes the moves: enough for the fallback to declare the policy.
 pub(crate) struct Header {
@@ -144,8 +143,16 @@ pub(crate) fn expand(input: TokenStream) -> TokenStream {
                 .expect("validated: the lower dtype is fp16 or bf16");
             generate(&header, lower, &moves)
         }
-        Err(errors) => fallback::policy(&errors, &header),
+        Err(errors) => fallback(&errors, &header),
     }
+}
+
+/// `policy!` with errors, once the struct's name is known: the struct and an `impl Policy` with
+/// the declared lower dtype (fp16 when it is not known) and every op in its declared class.
+fn fallback(errors: &syn::Error, header: &Header) -> TokenStream {
+    let errors = errors.to_compile_error();
+    let declared = generate_default(header, header.lower_precision().unwrap_or(Rt::F16));
+    quote!(#errors #declared)
 }
 
 /// The struct and its `impl Policy`, with `moves` (none: every op in its declared class).

@@ -4,8 +4,6 @@
 //! (`syn::Error::combine`), so that one compile shows every mistake in the item. Code generation
 //! runs only on a model that passed, which is what lets it be infallible.
 
-use std::fmt::Display;
-
 use proc_macro2::Span;
 use quote::ToTokens;
 use syn::spanned::Spanned;
@@ -13,53 +11,12 @@ use syn::visit::{self, Visit};
 use syn::{Item, ItemFn, ReturnType};
 
 use crate::args::{AutocastArg, AutocastArgs};
+use crate::errors::{once, Errors};
 use crate::model::{
     is_tensor_type, named_precision, Attr, MarkerKind, Method, Part, Region, Target,
 };
 use crate::rewrite::expr_macro_args;
 use crate::runtime::Rt;
-
-/// Errors collected across a whole item.
-#[derive(Default)]
-pub(crate) struct Errors(Option<syn::Error>);
-
-impl Errors {
-    pub(crate) fn push(&mut self, error: syn::Error) {
-        match &mut self.0 {
-            Some(all) => all.combine(error),
-            None => self.0 = Some(error),
-        }
-    }
-
-    pub(crate) fn at(&mut self, span: Span, message: impl Display) {
-        self.push(syn::Error::new(span, message));
-    }
-
-    /// An error over all of `tokens` (rustc underlines from their first to their last token).
-    pub(crate) fn spanned(&mut self, tokens: impl ToTokens, message: impl Display) {
-        self.push(syn::Error::new_spanned(tokens, message));
-    }
-
-    pub(crate) fn finish(self) -> syn::Result<()> {
-        self.0.map_or(Ok(()), Err)
-    }
-}
-
-/// The one rule for anything that may be given once (an attribute argument, a method's marker,
-/// a policy's move of an op): the first occurrence is the one used, and each later one is an
-/// error on its own tokens, so a repeat is reported once, where the user added it.
-pub(crate) fn once<K: Copy>(
-    first: &mut Option<K>,
-    this: K,
-    at: impl ToTokens,
-    errors: &mut Errors,
-    message: impl FnOnce(K, K) -> String,
-) {
-    match *first {
-        Some(first) => errors.spanned(at, message(first, this)),
-        None => *first = Some(this),
-    }
-}
 
 pub(crate) fn region(region: &Region) -> syn::Result<()> {
     let mut errors = Errors::default();

@@ -15,9 +15,12 @@
 //! as PyTorch's CPU kernels do for half tensors; the backward reads the saved input and the
 //! gradient in one pass.
 
+use crate::kernels::elem::with_floats;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 
-use super::{zip_map, Real};
+use crate::kernels::widen::zip_map;
+
+use crate::kernels::elem::Real;
 
 /// `sqrt(2 / pi)`.
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -87,6 +90,17 @@ enum Form {
 }
 
 impl Form {
+    /// The form's code in `activation.cu`.
+    #[cfg(feature = "cuda")]
+    fn cuda_code(self) -> i32 {
+        match self {
+            Form::Tanh => 0,
+            Form::Erf => 1,
+            Form::Silu => 2,
+            Form::Relu => 3,
+        }
+    }
+
     /// The activation of every element of `x`. Each form gets its own loop, so that the
     /// branch-free formulas below vectorise.
     fn values<T: Real + Send + Sync>(self, x: &[T]) -> Vec<T> {
@@ -217,7 +231,7 @@ impl CustomOp1 for Activation {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::run(self.0, s, l, None)
+        crate::kernels::cuda::activation::run(self.0.cuda_code(), s, l, None)
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -258,65 +272,7 @@ impl CustomOp2 for ActivationGrad {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::run(self.0, s1, l1, Some((s2, l2)))
-    }
-}
-
-/// The CUDA launch of `activation.cu`.
-#[cfg(feature = "cuda")]
-mod cuda {
-    use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-    use candle_core::cuda_backend::WrapErr;
-    use candle_core::{CudaStorage, Layout, Result, Shape};
-
-    use super::Form;
-    use crate::kernels::cuda::{
-        address, address_like, alloc, code, grid_stride, out_address, ACTIVATION,
-    };
-
-    const THREADS: u32 = 256;
-
-    /// `f(x)`, or `dy * f'(x)` with `dy`, into a fresh storage of `x`'s dtype.
-    pub(super) fn run(
-        form: Form,
-        x: &CudaStorage,
-        lx: &Layout,
-        dy: Option<(&CudaStorage, &Layout)>,
-    ) -> Result<(CudaStorage, Shape)> {
-        let dev = &x.device;
-        let n = lx.shape().elem_count();
-        let mut out = alloc(dev, x.dtype(), n)?;
-        if n == 0 {
-            return Ok((out, lx.shape().clone()));
-        }
-        let stream = dev.cuda_stream();
-        let dt = code(x.dtype())?;
-        let (xp, _x_guard) = address(x, lx, &stream)?;
-        let (dyp, _dy_guard) = address_like(dy, x, lx, &stream)?;
-        let (out_ptr, out_guard) = out_address(&mut out, &stream);
-        let form: i32 = match form {
-            Form::Tanh => 0,
-            Form::Erf => 1,
-            Form::Silu => 2,
-            Form::Relu => 3,
-        };
-        let n64 = n as u64;
-        let func =
-            dev.get_or_load_custom_func("amp_activation", ACTIVATION.name, ACTIVATION.ptx()?)?;
-        let mut builder = func.builder();
-        builder.arg(&xp);
-        builder.arg(&dyp);
-        builder.arg(&out_ptr);
-        builder.arg(&dt);
-        builder.arg(&form);
-        builder.arg(&n64);
-        // SAFETY: the arguments match `amp_activation`; `xp`, `dyp` (when not null) and
-        // `out_ptr` address `n` values of the kernel's dtype in storages held for the launch
-        // (`out` freshly allocated, distinct from the inputs).
-        unsafe { builder.launch(grid_stride(n64, THREADS)) }.w()?;
-        drop(out_guard); // ends the borrow of `out`
-        Ok((out, lx.shape().clone()))
+        crate::kernels::cuda::activation::run(self.0.cuda_code(), s1, l1, Some((s2, l2)))
     }
 }
 

@@ -10,14 +10,17 @@
 //! f32 tensor gets candle's arithmetic to the bit (`x * mul + add` in f32, not fused), except
 //! that a pure scaling (`add` 0) keeps the sign of a zero product, as PyTorch's `x * s` does.
 
+use crate::kernels::elem::with_floats;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 
-use super::{zip_map, Real};
+use crate::kernels::widen::zip_map;
+
+use crate::kernels::elem::Real;
 
 /// `x * mul + add`: through this op for a float tensor on CPU, candle's `affine` elsewhere.
 pub(crate) fn affine(x: &Tensor, mul: f64, add: f64) -> Result<Tensor> {
-    if super::cpu_float(x) {
+    if crate::kernels::elem::cpu_float(x) {
         x.contiguous()?.apply_op1(Affine { mul, add })
     } else {
         x.affine(mul, add)
@@ -60,7 +63,7 @@ impl CustomOp1 for Affine {
             mul: self.mul,
             add: 0.0,
         };
-        let grad = if super::cpu_float(grad) {
+        let grad = if crate::kernels::elem::cpu_float(grad) {
             grad.contiguous()?.apply_op1_no_bwd(&scale)?
         } else {
             grad.affine(self.mul, 0.0)?
@@ -76,7 +79,8 @@ impl CustomOp1 for Affine {
 /// rounded: 1 / 0.9 to 1.109375 in bf16).
 pub(crate) fn masked_scale(x: &Tensor, keep: &Tensor, scale: f64) -> Result<Tensor> {
     use candle_core::DType;
-    if super::cpu_float(x) && keep.dtype() == DType::U8 && keep.shape() == x.shape() {
+    if crate::kernels::elem::cpu_float(x) && keep.dtype() == DType::U8 && keep.shape() == x.shape()
+    {
         x.contiguous()?
             .apply_op2(&keep.contiguous()?, MaskedScale(scale))
     } else if x.dtype() == DType::F32 {
@@ -103,13 +107,15 @@ impl CustomOp2 for MaskedScale {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         fn run<T: Real + Send + Sync>(x: &[T], keep: &[u8], scale: f32) -> Vec<T> {
-            super::parallel::filled(x.len(), MASK_CHUNK, |i, out| {
+            crate::kernels::parallel::filled(x.len(), MASK_CHUNK, |i, out| {
                 let start = i * MASK_CHUNK;
                 let (x, keep) = (&x[start..][..out.len()], &keep[start..][..out.len()]);
                 // Blocks of one widened run each, so that the mask lines up with the run.
-                let blocks = x.chunks(super::BLOCK).zip(keep.chunks(super::BLOCK));
-                for ((x, keep), out) in blocks.zip(out.chunks_mut(super::BLOCK)) {
-                    super::map_widened(x, out, |x, o| {
+                let blocks = x
+                    .chunks(crate::kernels::widen::BLOCK)
+                    .zip(keep.chunks(crate::kernels::widen::BLOCK));
+                for ((x, keep), out) in blocks.zip(out.chunks_mut(crate::kernels::widen::BLOCK)) {
+                    crate::kernels::widen::map_widened(x, out, |x, o| {
                         for ((o, &x), &k) in o.iter_mut().zip(x).zip(keep) {
                             // A dropped value times 0, as PyTorch's `x * mask * scale`: an
                             // infinity or a NaN there still shows as NaN, not as a clean zero.
@@ -125,7 +131,7 @@ impl CustomOp2 for MaskedScale {
                 s2.dtype()
             );
         };
-        let keep = super::contiguous(keep, l2, "masked scale")?;
+        let keep = crate::kernels::layout::contiguous(keep, l2, "masked scale")?;
         let scale = self.0 as f32;
         let out = with_floats!("masked scale", s1, l1, |x| WithDType::to_cpu_storage_owned(
             run(x, keep, scale)
@@ -140,8 +146,8 @@ impl CustomOp2 for MaskedScale {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let grad_x = super::leaf_grads::wanted(x, || {
-            if super::cpu_float(grad) {
+        let grad_x = crate::kernels::leaf_grads::wanted(x, || {
+            if crate::kernels::elem::cpu_float(grad) {
                 grad.contiguous()?.apply_op2_no_bwd(keep, self)
             } else {
                 grad * (keep.to_dtype(grad.dtype())? * self.0)?

@@ -15,10 +15,12 @@
 //! too is summed in f32 ([`broadcast_spread`]); so are the broadcast products, quotients,
 //! maxima and minima, on every device.
 
+use crate::kernels::elem::with_floats;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
 
-use super::leaf_grads::wanted;
-use super::{parallel, Real};
+use crate::kernels::elem::Real;
+use crate::kernels::leaf_grads::wanted;
+use crate::kernels::parallel;
 
 /// `a + b`, same shapes.
 pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -106,8 +108,8 @@ fn apply(
     broadcast: bool,
     fallback: impl FnOnce() -> Result<Tensor>,
 ) -> Result<Tensor> {
-    let fits = super::cpu_float(a)
-        && super::cpu_float(b)
+    let fits = crate::kernels::elem::cpu_float(a)
+        && crate::kernels::elem::cpu_float(b)
         && a.dtype() == b.dtype()
         && (a.shape() == b.shape()
             || broadcast
@@ -154,7 +156,7 @@ impl Sum {
     ) -> Result<Vec<T>> {
         let sign = self.sign();
         if la.shape() == lb.shape() {
-            return Ok(super::zip_map(a, b, |x, y| x + sign * y));
+            return Ok(crate::kernels::widen::zip_map(a, b, |x, y| x + sign * y));
         }
         let (la, lb) = (la.broadcast_as(shape)?, lb.broadcast_as(shape)?);
         let dims = shape.dims();
@@ -269,7 +271,7 @@ impl CustomOp2 for Sum {
             let g = summed_to(grad, b.shape())?;
             match self {
                 Self::Add => Ok(g),
-                Self::Sub => super::affine(&g, -1.0, 0.0),
+                Self::Sub => crate::kernels::affine(&g, -1.0, 0.0),
             }
         })?;
         Ok((grad_a, grad_b))
@@ -287,8 +289,8 @@ fn summed_to(grad: &Tensor, shape: &Shape) -> Result<Tensor> {
     let dims: Vec<usize> = (0..gd.len())
         .filter(|&d| d < left || (sd[d - left] == 1 && gd[d] != 1))
         .collect();
-    let sum = super::to_dtype(grad, DType::F32)?.sum_keepdim(dims)?;
-    super::to_dtype(&sum.reshape(shape)?, grad.dtype())
+    let sum = crate::kernels::convert::to_dtype(grad, DType::F32)?.sum_keepdim(dims)?;
+    crate::kernels::convert::to_dtype(&sum.reshape(shape)?, grad.dtype())
 }
 
 #[cfg(test)]

@@ -4,9 +4,13 @@
 //! candle converts element by element through `half` on one thread. A training step converts
 //! every activation that changes precision and every weight once, forward and backward, so this
 //! is on the hot path of every autocast region. Rounding is the same as `half`'s bit for bit
-//! (to nearest, ties to even; NaN stays NaN): see [`super::simd`].
+//! (to nearest, ties to even; NaN stays NaN): see [`crate::kernels::simd`].
 
-use super::{elements, parallel, Real};
+use crate::kernels::layout::elements;
+
+use crate::kernels::parallel;
+
+use crate::kernels::elem::{convert_block, Real};
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor,
 };
@@ -34,15 +38,6 @@ pub(crate) fn convert_into<S: Real + Sync, D: Real + Send>(src: &[S], dst: &mut 
     parallel::for_each_chunk_mut(dst, CHUNK, |i, d| {
         convert_block(&src[i * CHUNK..][..d.len()], d);
     });
-}
-
-/// `src` converted into `dst` (equal lengths) on this thread: 16 elements at a time where
-/// `vector` handles the pair, scalar code for what is left.
-pub(crate) fn convert_block<S: Real, D: Real>(src: &[S], dst: &mut [D]) {
-    let done = vector::convert(src, dst);
-    for (o, &v) in dst[done..].iter_mut().zip(&src[done..]) {
-        *o = D::put(v.get());
-    }
 }
 
 /// `src` converted to `D`.
@@ -79,65 +74,6 @@ impl CustomOp1 for Convert {
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let back = Convert(arg.dtype());
         Ok(Some(grad.apply_op1_no_bwd(&back)?))
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod vector {
-    use std::any::TypeId;
-    use std::arch::x86_64::{_mm512_loadu_ps, _mm512_storeu_ps};
-
-    use super::Real;
-    use crate::kernels::simd::{load16, store16};
-
-    /// Converts the leading multiple of 16 elements with AVX-512 when the pair is f32 <-> a
-    /// 16-bit type; returns how many it converted (0 otherwise, or without AVX-512).
-    pub(super) fn convert<S: Real, D: Real>(src: &[S], dst: &mut [D]) -> usize {
-        if !std::is_x86_feature_detected!("avx512f") {
-            return 0;
-        }
-        let n = src.len().min(dst.len()) / 16 * 16;
-        let half = |t: TypeId| {
-            if t == TypeId::of::<half::bf16>() {
-                Some(true)
-            } else if t == TypeId::of::<half::f16>() {
-                Some(false)
-            } else {
-                None
-            }
-        };
-        let f32_id = TypeId::of::<f32>();
-        match (TypeId::of::<S>(), TypeId::of::<D>()) {
-            (s, d) if s == f32_id => {
-                let Some(bf16) = half(d) else { return 0 };
-                let (src, dst) = (src.as_ptr().cast::<f32>(), dst.as_mut_ptr().cast::<u16>());
-                for i in (0..n).step_by(16) {
-                    // SAFETY: S is f32 and D a 16-bit float (checked by TypeId), i + 16 <= n,
-                    // and avx512f was detected.
-                    unsafe { store16(dst.add(i), _mm512_loadu_ps(src.add(i)), bf16) };
-                }
-                n
-            }
-            (s, d) if d == f32_id => {
-                let Some(bf16) = half(s) else { return 0 };
-                let (src, dst) = (src.as_ptr().cast::<u16>(), dst.as_mut_ptr().cast::<f32>());
-                for i in (0..n).step_by(16) {
-                    // SAFETY: as above, the other way round.
-                    unsafe { _mm512_storeu_ps(dst.add(i), load16(src.add(i), bf16)) };
-                }
-                n
-            }
-            _ => 0,
-        }
-    }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-mod vector {
-    use super::Real;
-
-    pub(super) fn convert<S: Real, D: Real>(_src: &[S], _dst: &mut [D]) -> usize {
-        0
     }
 }
 

@@ -28,7 +28,7 @@ struct Lookup;
 /// The ids as row numbers, checked against the vocabulary.
 fn rows(ids: &CpuStorage, l: &Layout, vocab: usize) -> Result<Vec<usize>> {
     fn checked<T: Copy + TryInto<usize>>(v: &[T], l: &Layout, vocab: usize) -> Result<Vec<usize>> {
-        super::elements(v, l)
+        crate::kernels::layout::elements(v, l)
             .iter()
             .map(|&x| match x.try_into() {
                 Ok(r) if r < vocab => Ok(r),
@@ -46,7 +46,7 @@ fn rows(ids: &CpuStorage, l: &Layout, vocab: usize) -> Result<Vec<usize>> {
 
 fn f32_table<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
     match s {
-        CpuStorage::F32(v) => super::contiguous(v, l, "embedding"),
+        CpuStorage::F32(v) => crate::kernels::layout::contiguous(v, l, "embedding"),
         other => candle_core::bail!("embedding: table must be f32, got {:?}", other.dtype()),
     }
 }
@@ -80,7 +80,7 @@ impl CustomOp2 for Lookup {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let grad_table = super::leaf_grads::offer(table, || {
+        let grad_table = crate::kernels::leaf_grads::offer(table, || {
             grad.apply_op2_no_bwd(ids, &Scatter(table.dims2()?.0))
         })?;
         Ok((grad_table, None))
@@ -104,7 +104,7 @@ impl CustomOp2 for Scatter {
     ) -> Result<(CpuStorage, Shape)> {
         let (vocab, hidden) = (self.0, l1.dims()[1]);
         let grad = match s1 {
-            CpuStorage::F32(v) => super::elements(v, l1),
+            CpuStorage::F32(v) => crate::kernels::layout::elements(v, l1),
             other => candle_core::bail!("embedding grad: expected f32, got {:?}", other.dtype()),
         };
         let rows = rows(s2, l2, vocab)?;

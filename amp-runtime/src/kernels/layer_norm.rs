@@ -9,8 +9,10 @@
 //! `db = sum over rows of dy` (PyTorch's `native_layer_norm_backward`), in one pass over the
 //! rows.
 
-use super::leaf_grads::{offer, wanted};
-use super::{parallel, Real};
+use crate::kernels::elem::with_floats;
+use crate::kernels::elem::Real;
+use crate::kernels::leaf_grads::{offer, wanted};
+use crate::kernels::parallel;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 /// `layer_norm(x, w, b)` in f32 through this op when it applies (an f32, f16 or bf16 input on
@@ -72,7 +74,7 @@ fn lane_sum(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
 
 fn f32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     match s {
-        CpuStorage::F32(v) => super::contiguous(v, l, what),
+        CpuStorage::F32(v) => crate::kernels::layout::contiguous(v, l, what),
         _ => candle_core::bail!("{what} kernel: expected f32"),
     }
 }
@@ -132,7 +134,7 @@ impl CustomOp3 for LayerNorm {
         // One pass gives all three; each is returned only if wanted.
         let grads = x.apply_op3_no_bwd(w, &dy.contiguous()?, &LayerNormGrad { eps: self.eps })?;
         let dx = wanted(x, || {
-            super::to_dtype(
+            crate::kernels::convert::to_dtype(
                 &grads.narrow(0, 0, rows * n)?.reshape(x.shape())?,
                 x.dtype(),
             )
@@ -227,7 +229,7 @@ mod tests {
     use candle_core::{Device, Var};
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        crate::kernels::max_abs_diff(a, b).expect("comparable tensors")
+        crate::kernels::testing::max_abs_diff(a, b).expect("comparable tensors")
     }
 
     /// The textbook layer norm from candle ops (eps 1e-5), differentiated by candle.

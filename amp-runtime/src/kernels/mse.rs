@@ -8,14 +8,18 @@
 //! as they are, computed in f32 and rounded once to its operand's dtype (as the cast nodes'
 //! backward would), and only for an operand that wants one (a target from the data does not).
 
-use super::leaf_grads::wanted;
-use super::{parallel, Real};
+use crate::kernels::elem::with_floats;
+use crate::kernels::elem::Real;
+use crate::kernels::leaf_grads::wanted;
+use crate::kernels::parallel;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 /// `mean((inp - target)^2)` in f32 through this op, when both are float tensors of one shape
 /// on CPU; `None` otherwise.
 pub(crate) fn mse(inp: &Tensor, target: &Tensor) -> Result<Option<Tensor>> {
-    if !(super::cpu_float(inp) && super::cpu_float(target)) || inp.shape() != target.shape() {
+    if !(crate::kernels::elem::cpu_float(inp) && crate::kernels::elem::cpu_float(target))
+        || inp.shape() != target.shape()
+    {
         return Ok(None);
     }
     inp.contiguous()?
@@ -32,8 +36,8 @@ fn squared_error<T: Real + Sync, U: Real + Sync>(xs: &[T], ts: &[U]) -> f64 {
         let end = ((i + 1) * CHUNK).min(xs.len());
         let (xs, ts) = (&xs[i * CHUNK..end], &ts[i * CHUNK..end]);
         let mut total = 0f64;
-        super::widened2(xs, ts, |x, t| {
-            total += super::lane_sums2(x, t, |x, t| ((x - t) * (x - t), 0.0)).0;
+        crate::kernels::widen::widened2(xs, ts, |x, t| {
+            total += crate::kernels::widen::lane_sums2(x, t, |x, t| ((x - t) * (x - t), 0.0)).0;
         });
         total
     })
@@ -99,13 +103,13 @@ fn scaled_diff<T: Real + Sync, U: Real + Sync, O: Real + Send>(
         let (xs, ts) = (&xs[i * CHUNK..][..out.len()], &ts[i * CHUNK..][..out.len()]);
         let mut done = 0;
         let mut diff = [0f32; BLOCK];
-        super::widened2(xs, ts, |xs, ts| {
+        crate::kernels::widen::widened2(xs, ts, |xs, ts| {
             for (xs, ts) in xs.chunks(BLOCK).zip(ts.chunks(BLOCK)) {
                 let diff = &mut diff[..xs.len()];
                 for ((d, &x), &t) in diff.iter_mut().zip(xs).zip(ts) {
                     *d = (x - t) * scale;
                 }
-                super::convert::convert_block(diff, &mut out[done..done + xs.len()]);
+                crate::kernels::elem::convert_block(diff, &mut out[done..done + xs.len()]);
                 done += xs.len();
             }
         });
@@ -191,8 +195,8 @@ mod tests {
                         DType::F16 => 1e-3,
                         _ => 8e-3,
                     };
-                    let scale = crate::kernels::max_abs(r)?;
-                    let diff = crate::kernels::max_abs_diff(g, r)?;
+                    let scale = crate::kernels::testing::max_abs(r)?;
+                    let diff = crate::kernels::testing::max_abs_diff(g, r)?;
                     assert!(
                         diff <= tol * scale,
                         "{dx_type:?}/{dt_type:?}: off by {diff} of {scale}"

@@ -6,7 +6,17 @@
 //! over memory. Here a step reads the gradient and the parameter (and AdamW's two moments) once
 //! and writes them once, in place, split over the kernels' thread pool (`parallel`) when the parameter is large.
 
-use super::{as_f32, as_f32_mut, contiguous, parallel, Real, BLOCK};
+use crate::kernels::elem::as_f32;
+
+use crate::kernels::elem::as_f32_mut;
+
+use crate::kernels::layout::contiguous;
+
+use crate::kernels::parallel;
+
+use crate::kernels::elem::Real;
+
+use crate::kernels::widen::BLOCK;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, InplaceOp2, Layout, Result};
 

@@ -9,7 +9,9 @@
 //! pool keeps one worker per core for everything.
 
 use std::cell::Cell;
+use std::marker::PhantomData;
 use std::mem::MaybeUninit;
+use std::sync::{Mutex, PoisonError};
 
 use candle_core::utils::barrier_pool;
 
@@ -47,10 +49,26 @@ pub(crate) fn for_each_index(n: usize, f: impl Fn(usize) + Sync) {
         (0..n).for_each(f);
         return;
     }
+    // A call's panic is caught here and resumed on the calling thread once the pass is over:
+    // unwinding through candle's pool would poison its lock (candle 0.11 unwraps it), and every
+    // later pass of the process, ours and candle's own, would then panic.
+    let panicked = Mutex::new(None);
     barrier_pool().execute_chunked(n, |range| {
         let _in_pass = InPass::enter();
-        range.for_each(&f);
+        let run = std::panic::AssertUnwindSafe(|| range.for_each(&f));
+        if let Err(payload) = std::panic::catch_unwind(run) {
+            panicked
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get_or_insert(payload);
+        }
     });
+    let payload = panicked
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner);
+    if let Some(payload) = payload {
+        std::panic::resume_unwind(payload);
+    }
 }
 
 /// Calls `f(i, chunk)` for consecutive chunks of `data` of `size` elements (the last may be
@@ -61,13 +79,12 @@ pub(crate) fn for_each_chunk_mut<T: Send>(
     f: impl Fn(usize, &mut [T]) + Sync,
 ) {
     let (len, size) = (data.len(), size.max(1));
-    let base = Base(data.as_mut_ptr());
+    let data = Disjoint::new(data);
     for_each_index(len.div_ceil(size), |i| {
         let start = i * size;
         let end = (start + size).min(len);
-        // SAFETY: `start..end` lies in `data`, which is borrowed mutably for this call; each
-        // index is handed out once, so the chunks given out are disjoint.
-        let chunk = unsafe { std::slice::from_raw_parts_mut(base.at(start), end - start) };
+        // SAFETY: each index is handed out once, so the chunks given out are disjoint.
+        let chunk = unsafe { data.part(start, end - start) };
         f(i, chunk);
     });
 }
@@ -105,18 +122,18 @@ pub(crate) fn filled_pair<A: candle_core::WithDType, B: candle_core::WithDType>(
 ) -> (Vec<A>, Vec<B>) {
     let size = size.max(1);
     let (mut a, mut b): (Vec<A>, Vec<B>) = (Vec::with_capacity(len), Vec::with_capacity(len));
-    let base_a = Base(a.spare_capacity_mut().as_mut_ptr());
-    let base_b = Base(b.spare_capacity_mut().as_mut_ptr());
+    let base_a = Disjoint::new(&mut a.spare_capacity_mut()[..len]);
+    let base_b = Disjoint::new(&mut b.spare_capacity_mut()[..len]);
     let (zero_a, zero_b) = (A::from_f64(0.0), B::from_f64(0.0));
     for_each_index(len.div_ceil(size), |i| {
         let start = i * size;
         let n = size.min(len - start);
-        // SAFETY: `start..start + n` lies in both vectors' capacity; each index is handed out
-        // once, so the chunks given out are disjoint. Each chunk is initialised before it is
-        // viewed as values (`MaybeUninit<T>` has `T`'s layout).
+        // SAFETY: each index is handed out once, so the chunks given out are disjoint. Each
+        // chunk is initialised before it is viewed as values (`MaybeUninit<T>` has `T`'s
+        // layout).
         let (ca, cb) = unsafe {
-            let ca = std::slice::from_raw_parts_mut(base_a.at(start), n);
-            let cb = std::slice::from_raw_parts_mut(base_b.at(start), n);
+            let ca = base_a.part(start, n);
+            let cb = base_b.part(start, n);
             ca.fill(MaybeUninit::new(zero_a));
             cb.fill(MaybeUninit::new(zero_b));
             (
@@ -146,11 +163,11 @@ pub(crate) fn map_chunks_mut<T: Send, R: Send>(
     let mut out: Vec<Option<R>> = std::iter::repeat_with(|| None)
         .take(data.len().div_ceil(size))
         .collect();
-    let slots = Base(out.as_mut_ptr());
+    let slots = Disjoint::new(&mut out);
     for_each_chunk_mut(data, size, |i, chunk| {
         let value = f(i, chunk);
         // SAFETY: `i` indexes `out` (one slot per chunk), and each index runs once.
-        unsafe { *slots.at(i) = Some(value) };
+        unsafe { slots.part(i, 1)[0] = Some(value) };
     });
     out.into_iter()
         .map(|r| r.expect("every chunk was mapped"))
@@ -163,18 +180,63 @@ pub(crate) fn map_indices<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> V
     map_chunks_mut(&mut unit, 1, |i, _| f(i))
 }
 
-/// The base pointer of a slice whose disjoint chunks threads write.
-struct Base<T>(*mut T);
-// SAFETY: only disjoint chunks are formed from it, each on one thread (`for_each_chunk_mut`).
-unsafe impl<T: Send> Send for Base<T> {}
-unsafe impl<T: Send> Sync for Base<T> {}
+/// A slice the tasks of one parallel pass write in disjoint parts: each task forms pointers or
+/// sub-slices into it for the elements it alone writes. Every pointer it hands out is checked
+/// against the slice's length; that no two tasks touch one element is the caller's to keep
+/// (each index of a pass runs once), and what its `unsafe` blocks state.
+#[derive(Debug)]
+pub(crate) struct Disjoint<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    borrow: PhantomData<&'a mut [T]>,
+}
 
-impl<T> Base<T> {
+impl<T> Clone for Disjoint<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Disjoint<'_, T> {}
+
+// SAFETY: the tasks holding copies write disjoint elements (the invariant above), each on one
+// thread, so sharing the pointer is sharing `&mut` access to disjoint parts of a `Send` slice.
+unsafe impl<T: Send> Send for Disjoint<'_, T> {}
+// SAFETY: as for `Send`.
+unsafe impl<T: Send> Sync for Disjoint<'_, T> {}
+
+impl<'a, T> Disjoint<'a, T> {
+    /// The slice, borrowed for as long as the tasks write it.
+    pub(crate) fn new(data: &'a mut [T]) -> Self {
+        Self {
+            ptr: data.as_mut_ptr(),
+            len: data.len(),
+            borrow: PhantomData,
+        }
+    }
+
+    /// A pointer to element `offset`, of which `count` elements from it lie inside the slice
+    /// (a panic otherwise).
+    pub(crate) fn at(&self, offset: usize, count: usize) -> *mut T {
+        assert!(
+            offset.checked_add(count).is_some_and(|end| end <= self.len),
+            "disjoint write of {count} elements at {offset} past a slice of {}",
+            self.len
+        );
+        // SAFETY: `offset <= len`, so the pointer stays inside (or one past) the slice.
+        unsafe { self.ptr.add(offset) }
+    }
+
+    /// The elements `start..start + len`, bounds checked.
+    ///
     /// # Safety
-    /// `offset` is within the slice.
-    unsafe fn at(&self, offset: usize) -> *mut T {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.0.add(offset) }
+    /// No other task reads or writes these elements while the returned slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn part(&self, start: usize, len: usize) -> &'a mut [T] {
+        let at = self.at(start, len);
+        // SAFETY: `at` checked the range lies in the borrowed slice; exclusivity is the
+        // caller's.
+        unsafe { std::slice::from_raw_parts_mut(at, len) }
     }
 }
 
@@ -262,5 +324,51 @@ mod tests {
             });
         });
         assert_eq!(total.load(Ordering::Relaxed), 64);
+    }
+
+    /// A call that panics inside a pass (on whichever thread ran its chunk) reaches the caller
+    /// as that panic, the half-written output is dropped, and the pool and the in-pass flag are
+    /// as before: the next pass, and candle's own ops on the same pool, still run.
+    #[test]
+    fn a_panic_in_a_chunk_reaches_the_caller_and_leaves_the_pool_usable() {
+        for bad in [0, 7, 15] {
+            let caught = std::panic::catch_unwind(|| {
+                filled::<f32>(16 * 64, 64, |i, chunk| {
+                    assert!(i != bad, "chunk {i} fails");
+                    chunk.fill(1.0);
+                })
+            });
+            let message = caught.expect_err("the panic reaches the caller");
+            let text = message
+                .downcast_ref::<String>()
+                .cloned()
+                .unwrap_or_default();
+            assert_eq!(text, format!("chunk {bad} fails"));
+            assert!(!IN_PASS.with(Cell::get), "the in-pass flag is reset");
+            let out = filled::<f32>(16 * 64, 64, |_, chunk| chunk.fill(2.0));
+            assert!(out.iter().all(|x| x.to_bits() == 2f32.to_bits()));
+            let big = candle_core::Tensor::ones(
+                1 << 16,
+                candle_core::DType::F32,
+                &candle_core::Device::Cpu,
+            )
+            .and_then(|t| t.affine(2.0, 1.0))
+            .and_then(|t| t.sum_all())
+            .and_then(|t| t.to_scalar::<f32>())
+            .expect("candle's element-wise ops after the panic");
+            assert_eq!(big.to_bits(), (3.0 * 65536f32).to_bits());
+        }
+    }
+
+    /// `Disjoint` refuses a part past the end of its slice.
+    #[test]
+    fn a_disjoint_part_past_the_end_panics() {
+        let mut data = [0u8; 8];
+        let parts = Disjoint::new(&mut data);
+        let _ = parts.at(4, 4);
+        let past = std::panic::catch_unwind(|| parts.at(5, 4));
+        assert!(past.is_err(), "5..9 of 8 elements");
+        let overflow = std::panic::catch_unwind(|| parts.at(usize::MAX, 2));
+        assert!(overflow.is_err(), "an overflowing range");
     }
 }

@@ -9,13 +9,16 @@
 //! `dy`) and `dx = dy - exp(y) * sum(dy)` for log-softmax, in f32, rounded once to the input's
 //! dtype, which is what the cast node's backward would do.
 
-use super::{parallel, Real};
+use crate::kernels::elem::with_floats;
+use crate::kernels::parallel;
+
+use crate::kernels::elem::Real;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
 
 /// Softmax of `x` over its last dimension, in f32: through this op for a float tensor on CPU,
 /// candle-nn's composition (after an f32 cast) elsewhere.
 pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if super::cpu_float(x) {
+    if crate::kernels::elem::cpu_float(x) {
         x.contiguous()?.apply_op1(SoftmaxLastDim { log: false })
     } else {
         candle_nn::ops::softmax(&x.to_dtype(DType::F32)?, D::Minus1)
@@ -24,7 +27,7 @@ pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 
 /// Log-softmax of `x` over its last dimension, in f32 (as [`softmax_last_dim`]).
 pub(crate) fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if super::cpu_float(x) {
+    if crate::kernels::elem::cpu_float(x) {
         x.contiguous()?.apply_op1(SoftmaxLastDim { log: true })
     } else {
         candle_nn::ops::log_softmax(&x.to_dtype(DType::F32)?, D::Minus1)
@@ -101,7 +104,7 @@ impl CustomOp1 for SoftmaxLastDim {
             let gy = (grad * res)?;
             (&gy - res.broadcast_mul(&gy.sum_keepdim(D::Minus1)?)?)?
         };
-        Ok(Some(super::to_dtype(&dx, arg.dtype())?))
+        Ok(Some(crate::kernels::convert::to_dtype(&dx, arg.dtype())?))
     }
 }
 
@@ -111,7 +114,7 @@ mod tests {
     use candle_core::{Device, Var};
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        crate::kernels::max_abs_diff(a, b).expect("comparable tensors")
+        crate::kernels::testing::max_abs_diff(a, b).expect("comparable tensors")
     }
 
     /// Softmax and log-softmax, forward and gradient, against candle-nn's compositions in f64
@@ -161,7 +164,7 @@ mod tests {
                 let rdx = rgrads.get(reference.as_tensor()).expect("a gradient");
                 // f32 against f64: rounding relative to the largest probability (or
                 // log-probability).
-                let top = crate::kernels::max_abs(&ry)?;
+                let top = crate::kernels::testing::max_abs(&ry)?;
                 let d = max_diff(&y, &ry);
                 assert!(
                     d <= 1e-5 * top,
@@ -172,7 +175,7 @@ mod tests {
                     DType::F16 => 2e-3,
                     _ => 1.6e-2,
                 };
-                let scale = crate::kernels::max_abs(rdx)?;
+                let scale = crate::kernels::testing::max_abs(rdx)?;
                 let d = max_diff(dx, rdx);
                 assert!(
                     d <= tol * scale,

@@ -17,13 +17,15 @@
 //! (inf or NaN times a finite, nonzero `inv_scale` stays non-finite, and the scaler keeps the
 //! scale a normal positive f32).
 
-use std::cell::RefCell;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::{is_non_overlapping, parallel, strided_offsets};
-use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Result, Tensor};
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Tensor};
 use half::{bf16, f16};
+
+use crate::kernels::borrow::{with_borrowed, Borrowed};
+use crate::kernels::layout::{is_non_overlapping, strided_offsets};
+use crate::kernels::parallel;
 
 /// Elements per parallel work item: large enough to amortise scheduling, small enough to spread
 /// one big gradient over every core.
@@ -68,7 +70,7 @@ pub fn unscale_in_place(grads: &mut [Tensor], inv_scale: f32) -> Result<Vec<bool
                 .filter(|&i| grads[i].device().location() == location)
                 .collect();
             fused_batches(grads, &on_device, &mut found, |batch| {
-                super::cuda::unscale(batch, inv_scale)
+                crate::kernels::cuda::unscale::unscale(batch, inv_scale)
             })?;
         }
         other
@@ -203,52 +205,17 @@ impl ViewData {
     }
 }
 
-/// The nested `inplace_op1` that borrows one storage and recurses into the rest: when the
-/// innermost call runs, every storage of the batch is write-locked by a frame below it.
-struct Borrow<'a> {
-    rest: &'a [Tensor],
-    views: RefCell<&'a mut Vec<View>>,
-    body: RefCell<&'a mut Body<'a>>,
-}
-
-/// The work done while every storage of a batch is borrowed.
-type Body<'a> = dyn FnMut(&[View]) + 'a;
-
-impl InplaceOp1 for Borrow<'_> {
-    fn name(&self) -> &'static str {
-        "amp-multi-tensor-borrow"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+impl Borrowed for View {
+    fn cpu(
+        storage: &mut CpuStorage,
+        layout: &Layout,
+        then: &mut dyn FnMut(Self) -> Result<()>,
+    ) -> Result<()> {
         let data = ViewData::new(storage)?;
-        let mut views = self.views.borrow_mut();
-        views.push(View {
+        then(View {
             data,
             layout: layout.clone(),
-        });
-        let mut body = self.body.borrow_mut();
-        let result = with_views(self.rest, &mut views, &mut **body);
-        views.pop();
-        result
-    }
-}
-
-/// Runs `body` with mutable views of every tensor's storage held at once.
-fn with_views(
-    tensors: &[Tensor],
-    views: &mut Vec<View>,
-    body: &mut dyn FnMut(&[View]),
-) -> Result<()> {
-    match tensors.split_first() {
-        None => {
-            body(views);
-            Ok(())
-        }
-        Some((first, rest)) => first.inplace_op1(&Borrow {
-            rest,
-            views: RefCell::new(views),
-            body: RefCell::new(body),
-        }),
+        })
     }
 }
 
@@ -256,7 +223,7 @@ fn with_views(
 fn cpu_unscale(tensors: &[Tensor], inv_scale: f32) -> Result<Vec<bool>> {
     debug_assert!(tensors.iter().all(|t| matches!(t.device(), Device::Cpu)));
     let flags: Vec<AtomicBool> = tensors.iter().map(|_| AtomicBool::new(false)).collect();
-    let mut body = |views: &[View]| {
+    let mut body = |views: &[View]| -> Result<()> {
         let tasks = tasks(views);
         parallel::for_each_index(tasks.len(), |i| {
             let task = &tasks[i];
@@ -269,8 +236,9 @@ fn cpu_unscale(tensors: &[Tensor], inv_scale: f32) -> Result<Vec<bool>> {
                 flags[task.view].store(true, Ordering::Relaxed);
             }
         });
+        Ok(())
     };
-    with_views(tensors, &mut Vec::with_capacity(tensors.len()), &mut body)?;
+    with_borrowed(tensors, &mut body)?;
     Ok(flags.into_iter().map(AtomicBool::into_inner).collect())
 }
 
@@ -308,15 +276,19 @@ impl Task {
     /// The caller guarantees exclusive access to the elements this task covers.
     unsafe fn run(&self, view: &View, inv_scale: f32) -> bool {
         match view.data {
+            // SAFETY: the view holds a storage of f32 elements at `ptr`; the caller's exclusivity.
             ViewData::F32(ptr, len) => unsafe {
                 self.run_typed(ptr as *mut f32, len, &view.layout, inv_scale)
             },
+            // SAFETY: the view holds a storage of f64 elements at `ptr`; the caller's exclusivity.
             ViewData::F64(ptr, len) => unsafe {
                 self.run_typed(ptr as *mut f64, len, &view.layout, inv_scale)
             },
+            // SAFETY: the view holds a storage of f16 elements at `ptr`; the caller's exclusivity.
             ViewData::F16(ptr, len) => unsafe {
                 self.run_typed(ptr as *mut f16, len, &view.layout, inv_scale)
             },
+            // SAFETY: the view holds a storage of bf16 elements at `ptr`; the caller's exclusivity.
             ViewData::BF16(ptr, len) => unsafe {
                 self.run_typed(ptr as *mut bf16, len, &view.layout, inv_scale)
             },
@@ -334,7 +306,7 @@ impl Task {
     ) -> bool {
         let mut found = false;
         if let Some((lo, hi)) = self.range {
-            debug_assert!(hi <= len);
+            assert!(lo <= hi && hi <= len, "unscale: chunk {lo}..{hi} of {len}");
             // SAFETY: `lo..hi` lies within the storage and belongs to this task alone.
             let xs = unsafe { std::slice::from_raw_parts_mut(ptr.add(lo), hi - lo) };
             for x in xs {
@@ -342,7 +314,7 @@ impl Task {
             }
         } else {
             for offset in strided_offsets(layout) {
-                debug_assert!(offset < len);
+                assert!(offset < len, "unscale: offset {offset} of {len}");
                 // SAFETY: the offset lies within the storage; non-overlapping strides make
                 // each offset visited once, by this task alone.
                 found |= unsafe { (*ptr.add(offset)).unscale(inv_scale) };

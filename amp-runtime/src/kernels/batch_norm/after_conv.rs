@@ -17,10 +17,12 @@ use std::sync::{Arc, Mutex};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 
-use super::super::conv2d::{self, Conv2dParams};
-use super::super::leaf_grads::wanted;
-use super::super::{parallel, Real};
-use super::{stats, Geometry, GradSums, InputGrad, Normalisation};
+use super::{stats, GradSums, InputGrad, Normalisation};
+use crate::kernels::channels::Geometry;
+use crate::kernels::conv::{self, Conv2dParams};
+use crate::kernels::elem::Real;
+use crate::kernels::leaf_grads::wanted;
+use crate::kernels::parallel;
 
 /// `batch_norm(conv2d(x, k) + conv_bias) * gamma + beta` for `params = [conv_bias, gamma, beta]`
 /// (f32, `(3, c_out)`), in `x`'s dtype, through a ReLU if `relu` (NaN kept, as `relu` keeps
@@ -166,7 +168,7 @@ impl CustomOp3 for ConvNorm {
         let CpuStorage::F32(p) = params else {
             candle_core::bail!("conv + batch norm: the parameters must be f32")
         };
-        let p = super::super::contiguous(p, lp, "conv + batch norm")?;
+        let p = crate::kernels::layout::contiguous(p, lp, "conv + batch norm")?;
         let c = lk.dims()[0];
         if p.len() != 3 * c {
             candle_core::bail!("conv + batch norm: {} parameters for {c} channels", p.len())
@@ -174,7 +176,7 @@ impl CustomOp3 for ConvNorm {
         let (conv_bias, gamma, beta) = (&p[..c], &p[c..2 * c], &p[2 * c..]);
         // The sums without the conv's bias, which only moves each channel's mean: it is
         // subtracted again with the batch's mean, and folded into the running mean's centre.
-        let (y, shape) = conv2d::f32_sums((x, lx), (k, lk), self.conv)?;
+        let (y, shape) = conv::f32_sums((x, lx), (k, lk), self.conv)?;
         let g = Geometry::of(&Layout::contiguous(shape.clone()))?;
         let (center, invstd, batch): (Vec<f32>, Vec<f32>, _) = match &self.running {
             None => {
@@ -233,7 +235,7 @@ impl CustomOp3 for ConvNorm {
         let dz = dz.to_dtype(xhat.dtype())?.contiguous()?;
         // Through the ReLU: the gradient where the output is positive.
         let dz = if self.relu {
-            super::super::activation::relu_grad_from_output(z, &dz)?
+            crate::kernels::activation::relu_grad_from_output(z, &dz)?
         } else {
             dz
         };
@@ -277,7 +279,7 @@ impl CustomOp3 for ConvNorm {
             conv_bias.push(if train { 0.0 } else { k * sum_dz[ch] });
         }
         let dy = xhat.apply_op2_no_bwd(&dz, &grad)?;
-        let (dx, dk) = conv2d::input_and_kernel_grads(x, k, self.conv, &dy)?;
+        let (dx, dk) = conv::input_and_kernel_grads(x, k, self.conv, &dy)?;
         let dparams = wanted(params, || {
             let per_channel =
                 |v: &[f64]| Tensor::from_iter(v.iter().map(|&v| v as f32), params.device());

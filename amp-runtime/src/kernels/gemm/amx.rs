@@ -16,8 +16,10 @@ use std::arch::asm;
 use std::arch::x86_64::{__m512, _mm512_loadu_ps};
 use std::mem::MaybeUninit;
 
-use super::x86::store;
-use super::{GemmElem, Kernel, Lanes, MatRef, Real};
+use super::pack::Lanes;
+use super::x86::{store, Avx512, Avx512Bf16};
+use super::{GemmElem, Kernel, MatRef};
+use crate::kernels::elem::Real;
 
 /// Rows and columns of C per tile call: 2 x 2 tile registers of 16 x 16.
 const MR: usize = 32;
@@ -25,8 +27,32 @@ const NR: usize = 32;
 /// Units (pairs of `k`) per tile of A or B.
 const BLOCK: usize = 16;
 
+/// Proof that this CPU has AMX-BF16 tiles (with AVX-512F and AVX512-BF16) and that Linux let
+/// this process use them: made only by [`AmxBf16::detect`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct AmxBf16(Avx512Bf16);
+
+impl AmxBf16 {
+    /// The token, when the CPU has AMX-BF16 and the OS grants the tile state.
+    pub(crate) fn detect(cpu: Avx512Bf16) -> Option<Self> {
+        amx_bf16_usable().then_some(Self(cpu))
+    }
+
+    /// AVX-512F, which this implies.
+    pub(crate) fn avx512(self) -> Avx512 {
+        self.0.avx512()
+    }
+
+    /// AVX-512F with AVX512-BF16, which this implies.
+    #[cfg(test)]
+    pub(crate) fn avx512_bf16(self) -> Avx512Bf16 {
+        self.0
+    }
+}
+
 /// bf16 x bf16 -> f32 on AMX; a unit is a pair of consecutive `k`, as for `vdpbf16ps`.
-pub(super) struct AmxKernel;
+#[derive(Clone, Copy, Debug)]
+pub(super) struct AmxKernel(pub AmxBf16);
 
 impl Kernel for AmxKernel {
     type Unit = u32;
@@ -40,8 +66,8 @@ impl Kernel for AmxKernel {
         super::bf16_pair(first, last)
     }
 
-    fn with_state<R>(f: impl FnOnce() -> R) -> R {
-        // SAFETY: `isa()` selects this kernel only where AMX is usable; the configuration is a
+    fn with_state<R>(self, f: impl FnOnce() -> R) -> R {
+        // SAFETY: `self.0` proves AMX is usable; the configuration is a
         // static of the layout `ldtilecfg` reads. Nothing else in this thread uses the tiles
         // while `f` runs (a task's tile calls, no other GEMM inside).
         unsafe { asm!("ldtilecfg [{config}]", config = in(reg) &CONFIG, options(nostack)) };
@@ -52,15 +78,17 @@ impl Kernel for AmxKernel {
     }
 
     fn pack_fast<T: GemmElem>(
+        self,
         v: MatRef<T>,
         lanes: Lanes,
         whole: usize,
         out: &mut [u32],
     ) -> (usize, usize) {
-        super::pack_bf16::pack_units(v, lanes, whole, out)
+        super::pack_bf16::pack_units(self.0.avx512(), v, lanes, whole, out)
     }
 
     fn walk_fast<T: GemmElem>(
+        self,
         v: MatRef<T>,
         first: usize,
         count: usize,
@@ -68,10 +96,11 @@ impl Kernel for AmxKernel {
         units: usize,
         out: &mut [u32],
     ) -> usize {
-        super::pack_bf16::walk_units(v, first, count, whole, units, NR, out)
+        super::pack_bf16::walk_units(self.0.avx512(), v, first, count, whole, units, NR, out)
     }
 
     unsafe fn tile<O: Real>(
+        self,
         units: usize,
         a: *const u32,
         b: *const u32,
@@ -94,8 +123,7 @@ impl Kernel for AmxKernel {
             return;
         }
         let mut tile = MaybeUninit::<Tile>::uninit();
-        // SAFETY: `isa()` selects this kernel only where AMX-BF16 is usable (the permission
-        // granted) and avx512f exists; the caller is inside `with_state`, which configured the
+        // SAFETY: `self.0` proves AMX-BF16 usable (the permission granted) and avx512f; the caller is inside `with_state`, which configured the
         // tiles; the panels hold `units` units, a multiple of BLOCK; `products` writes the
         // whole tile.
         unsafe {
@@ -167,9 +195,8 @@ unsafe fn products(
             "tdpbf16ps tmm2, tmm5, tmm6",
             "tdpbf16ps tmm3, tmm5, tmm7",
             // The next block of A into L1 while these products run: a panel (32 rows x all
-            // of k) is larger than L1, and waiting on L2 for every tile load held the kernel
-            // to ~600 GFLOP/s per core (~880 with the prefetch, 1024^3 on one core). B's
-            // lines need no prefetch: prefetching them as well gained nothing more. The last
+            // of k) is larger than L1, and the tile loads would otherwise wait on L2 (the
+            // gain is in docs/performance-log.md). B's lines need no prefetch. The last
             // block's prefetches point past the panel, which is harmless: prefetches never fault.
             "prefetcht0 [{a} + 2048]\nprefetcht0 [{a} + 2112]\nprefetcht0 [{a} + 2176]\nprefetcht0 [{a} + 2240]",
             "prefetcht0 [{a} + 2304]\nprefetcht0 [{a} + 2368]\nprefetcht0 [{a} + 2432]\nprefetcht0 [{a} + 2496]",
@@ -225,7 +252,7 @@ unsafe fn store_tile<O: Real>(
 
 /// Whether this CPU has AMX-BF16 tiles and the OS lets this process use them (asked once,
 /// for the whole process, as Linux requires before the first tile instruction).
-pub(super) fn amx_bf16_usable() -> bool {
+fn amx_bf16_usable() -> bool {
     // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
     let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
     if leaf7.edx & (1 << 22) == 0 || leaf7.edx & (1 << 24) == 0 {

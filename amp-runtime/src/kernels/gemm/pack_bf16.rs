@@ -8,7 +8,7 @@
 //! A panel wants one of two orders, `[unit][lane]` (B panels, and A panels of the `vdpbf16ps`
 //! kernel) or `[lane][unit]` within blocks of 16 units (A panels of the AMX kernel), and when
 //! the source gives the other one, a 16 x 16 transpose of 32-bit elements turns it round.
-//! The scalar packing of [`super::pack`] does what is left: partial groups of lanes or units
+//! The scalar packing of [`super::pack::pack`] does what is left: partial groups of lanes or units
 //! and the tails.
 
 use std::arch::x86_64::{
@@ -18,7 +18,10 @@ use std::arch::x86_64::{
     _mm512_unpackhi_epi64, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
 };
 
-use super::{GemmElem, Lanes, MatRef};
+use super::pack::Lanes;
+use super::x86::Avx512;
+use super::{GemmElem, MatRef};
+use crate::kernels::elem::as_f32;
 use crate::kernels::simd::{f32_to_bf16, f32_to_bf16_lanes};
 
 /// Lanes and units per step.
@@ -27,16 +30,17 @@ const G: usize = 16;
 /// [`pack`] for a bf16 view, or an f32 one rounded to bf16 as it is read (a master weight):
 /// the bf16 kernels' `Kernel::pack_fast`. `(0, 0)` for other element types.
 pub(super) fn pack_units<S: GemmElem>(
+    _cpu: Avx512,
     v: MatRef<S>,
     lanes: Lanes,
     whole: usize,
     out: &mut [u32],
 ) -> (usize, usize) {
-    // SAFETY: the bf16 kernels run only where avx512f exists (`isa()`).
+    // SAFETY: `_cpu` proves avx512f.
     unsafe {
         if let Some(bits) = S::bf16_slice(v.data) {
             pack(v.with_data(bits), lanes, whole, out)
-        } else if let Some(values) = crate::kernels::as_f32(v.data) {
+        } else if let Some(values) = as_f32(v.data) {
             pack(v.with_data(values), lanes, whole, out)
         } else {
             (0, 0)
@@ -46,7 +50,9 @@ pub(super) fn pack_units<S: GemmElem>(
 
 /// [`super::Kernel::walk_fast`] for a view of bf16 bits or of f32 values (rounded to bf16),
 /// into panels `nr` lanes wide (a multiple of 16); `0` for other element types.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn walk_units<S: GemmElem>(
+    _cpu: Avx512,
     v: MatRef<S>,
     first: usize,
     count: usize,
@@ -56,11 +62,11 @@ pub(super) fn walk_units<S: GemmElem>(
     out: &mut [u32],
 ) -> usize {
     let panels = Panels { units, nr };
-    // SAFETY: the bf16 kernels run only where avx512f exists (`isa()`).
+    // SAFETY: `_cpu` proves avx512f.
     unsafe {
         if let Some(bits) = S::bf16_slice(v.data) {
             walk(v.with_data(bits), first, count, whole, panels, out)
-        } else if let Some(values) = crate::kernels::as_f32(v.data) {
+        } else if let Some(values) = as_f32(v.data) {
             walk(v.with_data(values), first, count, whole, panels, out)
         } else {
             0
@@ -207,7 +213,8 @@ unsafe fn pack<E: Source>(
     // u0 + j of the 16 lanes. The panel wants the first order in blocks of 16 units (AMX's A),
     // the second for `[unit][lane]`.
     let by_lane = v.cs == 1;
-    debug_assert!(
+    // Another block would put a row's 16 units outside the checked rectangle.
+    assert!(
         lanes.block == 1 || lanes.block == G,
         "pack: block of {}",
         lanes.block

@@ -10,7 +10,7 @@
 //   0: out0[c] = sum(x)
 //   1: out0[c] = sum((x - center[c])^2)
 //   2: out0[c] = sum(dy), out1[c] = sum(dy * (x - center[c]) * scale[c])
-#define AMP_BN_THREADS 256
+// AMP_BN_THREADS, the threads per block, is defined by the Rust side (kernels::cuda::batch_norm).
 
 extern "C" __global__ void amp_bn_sums(
     const void* x, const void* dy, int dt, int mode,

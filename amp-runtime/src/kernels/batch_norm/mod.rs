@@ -14,18 +14,20 @@
 //! the same ops run on CUDA (`batch_norm.cu`, the `cuda` submodule): the same sums (f32 per thread, f64 per
 //! block) and affine pass; other devices keep the composition of candle ops in
 //! `nn::BatchNorm2d`.
-//!
-//! The layers' bias add ([`bias_add`]) lives here too: the affine pass with a unit scale on any
-//! dimension, its gradient the per-channel sums of the statistics pass.
 
 mod after_conv;
-#[cfg(feature = "cuda")]
-mod cuda;
 
 pub(crate) use after_conv::conv_batch_norm;
 
-use super::leaf_grads::{offer, wanted};
-use super::{parallel, Real};
+use crate::kernels::channels::{channel_sum, Affine, Geometry};
+#[cfg(feature = "cuda")]
+use crate::kernels::cuda::batch_norm as cuda;
+
+use crate::kernels::elem::with_floats;
+use crate::kernels::elem::Real;
+use crate::kernels::leaf_grads::{offer, wanted};
+use crate::kernels::parallel;
+#[cfg(feature = "cuda")]
 use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
@@ -39,7 +41,7 @@ pub(crate) fn supports(x: &Tensor) -> bool {
     float && device && x.rank() == 4
 }
 
-/// Per-channel mean and biased variance of `x` (two passes; see [`super::lane_sums2`]).
+/// Per-channel mean and biased variance of `x` (two passes; see [`crate::kernels::widen::lane_sums2`]).
 pub(crate) fn channel_stats(x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
     let rows = x.contiguous()?.apply_op1_no_bwd(&ChannelStats)?.to_vec2()?;
     let mut rows = rows.into_iter();
@@ -70,47 +72,6 @@ pub(crate) struct Normalisation {
     pub invstd: Vec<f32>,
     pub train: bool,
     pub affine: bool,
-}
-
-/// `(n, c, h * w)` of a 4-d layout; for the bias add, `(outer, channels, inner)` around any
-/// one dimension.
-#[derive(Clone, Copy, Debug)]
-struct Geometry {
-    n: usize,
-    c: usize,
-    hw: usize,
-}
-
-impl Geometry {
-    fn of(layout: &Layout) -> Result<Self> {
-        match layout.dims() {
-            &[n, c, h, w] => Ok(Self { n, c, hw: h * w }),
-            dims => candle_core::bail!("batch norm kernel: expected 4 dims, got {dims:?}"),
-        }
-    }
-
-    /// The channels along dimension `dim` of `dims`, the dimensions before it as `n` and
-    /// after it as `hw`.
-    fn along(dims: &[usize], dim: usize) -> Result<Self> {
-        let Some(&c) = dims.get(dim) else {
-            candle_core::bail!("bias add: dimension {dim} of a rank-{} tensor", dims.len())
-        };
-        Ok(Self {
-            n: dims[..dim].iter().product(),
-            c,
-            hw: dims[dim + 1..].iter().product(),
-        })
-    }
-
-    /// Values per channel.
-    fn count(self) -> usize {
-        self.n * self.hw
-    }
-
-    /// The contiguous `(n, c)` rows of channel `c`.
-    fn rows<T>(self, xs: &[T], c: usize) -> impl Iterator<Item = &[T]> {
-        (0..self.n).map(move |n| &xs[(n * self.c + c) * self.hw..][..self.hw])
-    }
 }
 
 /// Two f64 values per channel from `x` alone: mean and biased variance.
@@ -169,17 +130,6 @@ fn variance(squares: f64, mean: f64, count: f64) -> f64 {
     (squares / count - shift * shift).max(0.0)
 }
 
-/// The sum of `f(x)` over channel `c` of `xs`.
-fn channel_sum<T: Real>(xs: &[T], g: Geometry, c: usize, f: impl Fn(f32) -> f32) -> f64 {
-    let mut total = 0f64;
-    for row in g.rows(xs, c) {
-        super::widened(row, |x| {
-            total += super::lane_sums2(x, x, |x, _| (f(x), 0.0)).0;
-        });
-    }
-    total
-}
-
 impl CustomOp3 for Normalisation {
     fn name(&self) -> &'static str {
         "amp-batch-norm"
@@ -199,8 +149,8 @@ impl CustomOp3 for Normalisation {
             candle_core::bail!("batch norm kernel: weight and bias must be f32")
         };
         let (w, b) = (
-            super::contiguous(w, lw, "batch norm")?,
-            super::contiguous(b, lb, "batch norm")?,
+            crate::kernels::layout::contiguous(w, lw, "batch norm")?,
+            crate::kernels::layout::contiguous(b, lb, "batch norm")?,
         );
         if [w.len(), b.len(), self.mean.len(), self.invstd.len()] != [g.c; 4] {
             candle_core::bail!(
@@ -295,40 +245,6 @@ impl CustomOp3 for Normalisation {
     }
 }
 
-/// Per-channel `(x - center) * scale + shift`: the elementwise pass shared by the forward and
-/// the input gradient, row by row.
-struct Affine<'a> {
-    center: &'a [f32],
-    scale: &'a [f32],
-    shift: &'a [f32],
-}
-
-impl Affine<'_> {
-    /// `out = x * scale + shift (+ k * dy)` per channel, rounded to `T`.
-    fn apply<T: Real>(&self, xs: &[T], extra: Option<(&[T], &[f32])>, g: Geometry) -> Vec<T> {
-        parallel::filled(xs.len(), g.hw.max(1), |row, out| {
-            let c = row % g.c;
-            let (center, scale, shift) = (self.center[c], self.scale[c], self.shift[c]);
-            let xs = &xs[row * g.hw..][..g.hw];
-            match extra {
-                None => super::map_widened(xs, out, |xs, out| {
-                    for (o, x) in out.iter_mut().zip(xs) {
-                        *o = (x - center) * scale + shift;
-                    }
-                }),
-                Some((dys, k)) => {
-                    let (dys, k) = (&dys[row * g.hw..][..g.hw], k[c]);
-                    super::map_widened2(xs, dys, out, |xs, dys, out| {
-                        for ((o, x), dy) in out.iter_mut().zip(xs).zip(dys) {
-                            *o = k * dy + (x - center) * scale + shift;
-                        }
-                    });
-                }
-            }
-        })
-    }
-}
-
 /// Per channel, from `x` and `dy`: `sum(dy)` and `sum(dy * xhat)` (f64, shape `(2, channels)`).
 struct GradSums(Normalisation);
 
@@ -383,8 +299,10 @@ fn grad_sums<T: Real>(xs: &[T], dys: &[T], n: &Normalisation, g: Geometry) -> (V
         let mut sum_dy = 0f64;
         let mut sum_dy_xhat = 0f64;
         for (x, dy) in g.rows(xs, c).zip(g.rows(dys, c)) {
-            super::widened2(x, dy, |x, dy| {
-                let (a, b) = super::lane_sums2(x, dy, |x, dy| (dy, dy * (x - mean) * invstd));
+            crate::kernels::widen::widened2(x, dy, |x, dy| {
+                let (a, b) = crate::kernels::widen::lane_sums2(x, dy, |x, dy| {
+                    (dy, dy * (x - mean) * invstd)
+                });
                 sum_dy += a;
                 sum_dy_xhat += b;
             });
@@ -443,155 +361,5 @@ impl CustomOp2 for InputGrad {
             dy: Some((dy, ldy, &self.k)),
         }
         .run(x, lx)
-    }
-}
-
-/// Whether [`bias_add`] handles `y + bias`: an f32, f16 or bf16 `y` and an f32 `bias` on CPU,
-/// or (feature `cuda`) on a CUDA device.
-pub(crate) fn bias_supported(y: &Tensor, bias: &Tensor) -> bool {
-    let float = matches!(y.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    let device = y.device().is_cpu() || (cfg!(feature = "cuda") && y.device().is_cuda());
-    float && device && bias.dtype() == DType::F32 && y.device().same_device(bias.device())
-}
-
-/// `y + bias` for an f32 `bias` of one value per index of dimension `dim` of `y`: the bias
-/// rounded to `y`'s dtype (the cast autocast gives a lower-precision op's bias, as the fused
-/// CPU layers do), each sum computed in f32 and rounded once to `y`'s dtype, as one op with
-/// its own backward. The bias's gradient is summed per channel in f32 runs and f64 totals (the
-/// batch-norm sums); composed of candle ops, the broadcast bias would be a full-size node of the
-/// graph and candle would sum its gradient in the gradient's dtype (half under autocast).
-pub(crate) fn bias_add(y: &Tensor, bias: &Tensor, dim: usize) -> Result<Tensor> {
-    y.contiguous()?.apply_op2(bias, BiasAdd { dim })
-}
-
-/// The op of [`bias_add`]; its forwards also finish the ops of the pointwise convolution off
-/// the CPU and of `Linear` on CUDA.
-pub(crate) struct BiasAdd {
-    pub dim: usize,
-}
-
-impl BiasAdd {
-    /// The geometry of `y` around `dim`, after checking that `bias` has one f32 per channel.
-    fn geometry(&self, ly: &Layout, bias: DType, lb: &Layout) -> Result<Geometry> {
-        let g = Geometry::along(ly.dims(), self.dim)?;
-        if bias != DType::F32 || lb.shape().elem_count() != g.c {
-            candle_core::bail!(
-                "bias add: the bias must be {} f32 values, got {:?} {:?}",
-                g.c,
-                lb.shape(),
-                bias
-            )
-        }
-        Ok(g)
-    }
-}
-
-impl CustomOp2 for BiasAdd {
-    fn name(&self) -> &'static str {
-        "amp-bias-add"
-    }
-
-    fn cpu_fwd(
-        &self,
-        y: &CpuStorage,
-        ly: &Layout,
-        bias: &CpuStorage,
-        lb: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let g = self.geometry(ly, bias.dtype(), lb)?;
-        let CpuStorage::F32(b) = bias else {
-            unreachable!("geometry checked the dtype")
-        };
-        let b = super::contiguous(b, lb, "bias add")?;
-        let (zeros, ones) = (vec![0f32; g.c], vec![1f32; g.c]);
-        let out = with_floats!("bias add", y, ly, |ys| {
-            // The bias rounded to y's dtype (the identity for f32), then (y - 0) * 1 + b: the
-            // affine pass's arithmetic is then exactly y + b.
-            let b = rounded_like(ys, b);
-            let affine = Affine {
-                center: &zeros,
-                scale: &ones,
-                shift: &b,
-            };
-            WithDType::to_cpu_storage_owned(affine.apply(ys, None, g))
-        });
-        Ok((out, ly.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        y: &candle_core::CudaStorage,
-        ly: &Layout,
-        bias: &candle_core::CudaStorage,
-        lb: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let g = self.geometry(ly, bias.dtype(), lb)?;
-        cuda::bias_add(y, ly, bias, lb, g)
-    }
-
-    fn bwd(
-        &self,
-        y: &Tensor,
-        bias: &Tensor,
-        _out: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let dim = self.dim;
-        Ok((
-            wanted(y, || Ok(grad.clone()))?,
-            offer(bias, || channel_sums(grad, dim, bias.shape()))?,
-        ))
-    }
-}
-
-/// The gradient of a bias added along dimension `dim` of an output whose gradient is `grad`:
-/// its per-channel sums (see [`ChannelSums`]), shaped as the bias.
-pub(crate) fn channel_sums(grad: &Tensor, dim: usize, shape: &Shape) -> Result<Tensor> {
-    grad.contiguous()?
-        .apply_op1_no_bwd(&ChannelSums { dim })?
-        .reshape(shape)
-}
-
-/// `values` rounded to `T` and widened back (the identity for f32); `_like` only names `T`.
-fn rounded_like<T: Real>(_like: &[T], values: &[f32]) -> Vec<f32> {
-    values.iter().map(|&v| T::put(v).get()).collect()
-}
-
-/// Per-channel sums along dimension `dim` as `(channels)` f32 values, summed as the
-/// batch-norm statistics are: f32 within runs, f64 across them, rounded to f32 at the end.
-struct ChannelSums {
-    dim: usize,
-}
-
-impl CustomOp1 for ChannelSums {
-    fn name(&self) -> &'static str {
-        "amp-channel-sums"
-    }
-
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let g = Geometry::along(layout.dims(), self.dim)?;
-        let sums: Vec<f64> = with_floats!("bias add", storage, layout, |xs| {
-            parallel::map_indices(g.c, |c| channel_sum(xs, g, c, |x| x))
-        });
-        let sums = sums.into_iter().map(|s| s as f32).collect();
-        Ok((CpuStorage::F32(sums), Shape::from(g.c)))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        storage: &candle_core::CudaStorage,
-        layout: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let g = Geometry::along(layout.dims(), self.dim)?;
-        let zeros = vec![0f32; g.c];
-        let (sums, _) = cuda::sums(storage, layout, g, None, 0, &zeros, &zeros)?;
-        let sums: Vec<f32> = sums.into_iter().map(|s| s as f32).collect();
-        let dev = &storage.device;
-        Ok((
-            candle_core::CudaStorage::wrap_cuda_slice(dev.clone_htod(&sums)?, dev.clone()),
-            Shape::from(g.c),
-        ))
     }
 }

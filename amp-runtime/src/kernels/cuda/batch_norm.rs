@@ -10,13 +10,19 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
 
-use super::Geometry;
-use crate::kernels::cuda::{
-    address, address_like, alloc, code, grid_stride, out_address, BATCH_NORM,
-};
+use super::{address, address_like, alloc, code, grid_dim, grid_stride, out_address, Module};
+use crate::kernels::channels::Geometry;
 
-/// `AMP_BN_THREADS` in batch_norm.cu.
+/// Threads per block of `batch_norm.cu`'s kernels, handed to the source as `AMP_BN_THREADS`
+/// (its per-block reduction arrays are that long).
 const THREADS: u32 = 256;
+
+/// Batch norm's per-channel sums and affine pass, and the bias add (`batch_norm.cu`).
+pub(crate) static BATCH_NORM: Module = Module::new(
+    "candle_amp_batch_norm",
+    include_str!("batch_norm.cu"),
+    &[("AMP_BN_THREADS", THREADS)],
+);
 /// `AMP_BN_SPAN`: values of a row one block of the affine pass covers.
 const SPAN: usize = THREADS as usize * 8;
 /// Values one thread of the sums sums in f32 at most (then f64); small enough that a channel
@@ -24,7 +30,7 @@ const SPAN: usize = THREADS as usize * 8;
 const PER_THREAD: u64 = 64;
 
 /// `(2, channels)` f64 values as a storage on `dev`: what the sum ops return.
-pub(super) fn upload_pair(dev: &CudaDevice, a: &[f64], b: &[f64]) -> Result<(CudaStorage, Shape)> {
+pub(crate) fn upload_pair(dev: &CudaDevice, a: &[f64], b: &[f64]) -> Result<(CudaStorage, Shape)> {
     let both = dev.clone_htod(&[a, b].concat())?;
     Ok((
         CudaStorage::wrap_cuda_slice(both, dev.clone()),
@@ -34,7 +40,7 @@ pub(super) fn upload_pair(dev: &CudaDevice, a: &[f64], b: &[f64]) -> Result<(Cud
 
 /// Per-channel sums over `x` (and `dy`, mode 2) as batch_norm.cu's `amp_bn_sums` defines them,
 /// `x` of geometry `g`.
-pub(super) fn sums(
+pub(crate) fn sums(
     x: &CudaStorage,
     lx: &Layout,
     g: Geometry,
@@ -66,11 +72,11 @@ pub(super) fn sums(
     let (d_center, d_scale) = (dev.clone_htod(center)?, dev.clone_htod(scale)?);
     let mut out0 = dev.alloc_zeros::<f64>(g.c)?;
     let mut out1 = dev.alloc_zeros::<f64>(g.c)?;
-    let channels = u32::try_from(g.c).map_err(|_| too_many("channels"))?;
+    let channels = grid_dim(g.c, "channels")?;
     let hw = g.hw as u64;
     let func = dev.get_or_load_custom_func("amp_bn_sums", BATCH_NORM.name, BATCH_NORM.ptx()?)?;
     let cfg = LaunchConfig {
-        grid_dim: (channels, splits as u32, 1),
+        grid_dim: (channels, grid_dim(splits as usize, "splits")?, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -97,7 +103,7 @@ pub(super) fn sums(
 /// The per-channel affine pass `amp_bn_apply` into a fresh storage of `x`'s dtype:
 /// `(x - center) * scale * mul + shift (+ k * dy)`; `mul` is a device f32 `(channels)` storage
 /// (the weight), or ones when `None`; `shift` too may be a device storage (the bias).
-pub(super) struct Apply<'a> {
+pub(crate) struct Apply<'a> {
     pub center: &'a [f32],
     pub scale: &'a [f32],
     pub mul: Option<(&'a CudaStorage, &'a Layout)>,
@@ -106,13 +112,13 @@ pub(super) struct Apply<'a> {
 }
 
 /// Where the shift comes from: host values or a device storage.
-pub(super) enum Shift<'a> {
+pub(crate) enum Shift<'a> {
     Host(&'a [f32]),
     Device(&'a CudaStorage, &'a Layout),
 }
 
 impl Apply<'_> {
-    pub(super) fn run(&self, x: &CudaStorage, lx: &Layout) -> Result<(CudaStorage, Shape)> {
+    pub(crate) fn run(&self, x: &CudaStorage, lx: &Layout) -> Result<(CudaStorage, Shape)> {
         let g = Geometry::of(lx)?;
         let dev = &x.device;
         let len = g.n * g.c * g.hw;
@@ -164,12 +170,12 @@ impl Apply<'_> {
         };
         let (d_center, d_scale) = (dev.clone_htod(self.center)?, dev.clone_htod(self.scale)?);
         let (out_ptr, out_guard) = out_address(&mut out, &stream);
-        let rows = u32::try_from(g.n * g.c).map_err(|_| too_many("rows"))?;
+        let rows = grid_dim(g.n * g.c, "rows")?;
         let chunks = u32::try_from(g.hw.div_ceil(SPAN))
             .ok()
             .filter(|&c| c <= 65_535)
             .ok_or_else(|| too_many("values per row"))?;
-        let (channels, hw) = (g.c as u32, g.hw as u64);
+        let (channels, hw) = (grid_dim(g.c, "channels")?, g.hw as u64);
         let func =
             dev.get_or_load_custom_func("amp_bn_apply", BATCH_NORM.name, BATCH_NORM.ptx()?)?;
         let cfg = LaunchConfig {
@@ -201,7 +207,7 @@ impl Apply<'_> {
 
 /// `y + bias` per channel of the `(n, c, hw)` geometry `g` (`amp_bias_add`) into a fresh
 /// storage of `y`'s dtype.
-pub(super) fn bias_add(
+pub(crate) fn bias_add(
     y: &CudaStorage,
     ly: &Layout,
     bias: &CudaStorage,
@@ -219,7 +225,7 @@ pub(super) fn bias_add(
     let (yp, _y_guard) = address(y, ly, &stream)?;
     let (bp, _b_guard) = f32_address(bias, lb, &stream, "bias", g.c)?;
     let (out_ptr, out_guard) = out_address(&mut out, &stream);
-    let channels = u32::try_from(g.c).map_err(|_| too_many("channels"))?;
+    let channels = grid_dim(g.c, "channels")?;
     let (inner, total) = (g.hw as u64, total as u64);
     let func = dev.get_or_load_custom_func("amp_bias_add", BATCH_NORM.name, BATCH_NORM.ptx()?)?;
     let mut builder = func.builder();

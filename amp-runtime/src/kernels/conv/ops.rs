@@ -1,0 +1,253 @@
+//! The convolution's custom ops: the forward with bias, and the three gradients.
+
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
+};
+
+use super::geometry::Geometry;
+use super::Conv2dParams;
+use crate::kernels::elem::with_floats;
+use crate::kernels::elem::Real;
+use crate::kernels::leaf_grads::{offer, wanted};
+use crate::kernels::parallel;
+
+/// The conv op with its backward (see the module docs).
+pub(super) struct GemmConv2d(pub Conv2dParams);
+
+/// `s` (contiguous, `layout`) in the dtype of `like`, with its layout: itself, or an f32
+/// master rounded to the half dtype of `like` (contiguous from 0).
+fn in_dtype_of<'a>(
+    s: &'a CpuStorage,
+    layout: &Layout,
+    like: &CpuStorage,
+) -> Result<(std::borrow::Cow<'a, CpuStorage>, Layout)> {
+    use crate::kernels::convert::convert_slice;
+    use std::borrow::Cow;
+    let fresh = || Layout::contiguous(layout.shape());
+    Ok(match (s, like) {
+        (CpuStorage::F32(w), CpuStorage::BF16(_)) => (
+            Cow::Owned(CpuStorage::BF16(convert_slice(
+                crate::kernels::layout::contiguous(w, layout, "conv2d")?,
+            ))),
+            fresh(),
+        ),
+        (CpuStorage::F32(w), CpuStorage::F16(_)) => (
+            Cow::Owned(CpuStorage::F16(convert_slice(
+                crate::kernels::layout::contiguous(w, layout, "conv2d")?,
+            ))),
+            fresh(),
+        ),
+        _ => (Cow::Borrowed(s), layout.clone()),
+    })
+}
+
+/// Sums `f32` stored in `dtype` (an f32 master's gradient stays f32).
+fn stored(sums: Vec<f32>, dtype: DType) -> CpuStorage {
+    match dtype {
+        DType::BF16 => CpuStorage::BF16(sums.into_iter().map(half::bf16::from_f32).collect()),
+        DType::F16 => CpuStorage::F16(sums.into_iter().map(half::f16::from_f32).collect()),
+        _ => CpuStorage::F32(sums),
+    }
+}
+
+/// The conv's forward on storages of one float dtype (the kernel and bias already in `x`'s).
+fn forward_storage(
+    geo: &Geometry,
+    (x, lx): (&CpuStorage, &Layout),
+    (w, lw): (&CpuStorage, &Layout),
+    bias: Option<(&CpuStorage, &Layout)>,
+) -> Result<CpuStorage> {
+    Ok(with_floats!("conv2d", x, lx, w, lw, |x, w| {
+        let b = match bias {
+            Some((s, l)) => Some(crate::kernels::layout::contiguous(
+                s.as_slice()?,
+                l,
+                "conv2d",
+            )?),
+            None => None,
+        };
+        WithDType::to_cpu_storage_owned(geo.forward(x, w, b))
+    }))
+}
+
+/// The convolution of `x` by `k` (an f32 master of a half `x` rounded to `x`'s dtype, as the
+/// op does), without a bias, left in f32: the GEMM's sums before the rounding that [`conv2d`]
+/// gives them, for an op that normalises them first (`batch_norm::after_conv`, which folds the
+/// conv's bias into its centre).
+pub(crate) fn f32_sums(
+    (x, lx): (&CpuStorage, &Layout),
+    (k, lk): (&CpuStorage, &Layout),
+    p: Conv2dParams,
+) -> Result<(Vec<f32>, Shape)> {
+    let geo = Geometry::new(lx.dims(), lk.dims(), p);
+    let (k, lk) = in_dtype_of(k, lk, x)?;
+    let sums = with_floats!("conv2d", x, lx, k.as_ref(), &lk, |x, w| {
+        geo.forward_as::<_, f32>(x, w, None)
+    });
+    Ok((sums, geo.out_shape()))
+}
+
+/// The input and kernel gradients of the convolution of `x` by `k` for the output gradient
+/// `grad` (in `x`'s dtype), as the op's backward computes them (each only if wanted; a
+/// variable kernel's offered to the scaler's collector).
+pub(crate) fn input_and_kernel_grads(
+    x: &Tensor,
+    k: &Tensor,
+    p: Conv2dParams,
+    grad: &Tensor,
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    let geo = Geometry::new(x.dims(), k.dims(), p);
+    let grad = grad.contiguous()?;
+    let grad_x = wanted(x, || {
+        // An f32 master kernel: the input gradient uses it rounded as the forward did.
+        let k_used = if k.dtype() == x.dtype() {
+            k.clone()
+        } else {
+            k.apply_op1_no_bwd(&crate::kernels::convert::Convert(x.dtype()))?
+        };
+        k_used.apply_op2_no_bwd(&grad, &GradInput(geo))
+    })?;
+    let grad_k = offer(k, || x.apply_op2_no_bwd(&grad, &GradWeight(geo, k.dtype())))?;
+    Ok((grad_x, grad_k))
+}
+
+impl CustomOp2 for GemmConv2d {
+    fn name(&self) -> &'static str {
+        "amp-gemm-conv2d"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let geo = Geometry::new(l1.dims(), l2.dims(), self.0);
+        let (w, l2) = in_dtype_of(s2, l2, s1)?;
+        let y = forward_storage(&geo, (s1, l1), (&w, &l2), None)?;
+        Ok((y, geo.out_shape()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        k: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        input_and_kernel_grads(x, k, self.0, grad)
+    }
+}
+
+impl CustomOp3 for GemmConv2d {
+    fn name(&self) -> &'static str {
+        "amp-gemm-conv2d-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let geo = Geometry::new(l1.dims(), l2.dims(), self.0);
+        let ((w, l2), (b, l3)) = (in_dtype_of(s2, l2, s1)?, in_dtype_of(s3, l3, s1)?);
+        let y = forward_storage(&geo, (s1, l1), (&w, &l2), Some((&b, &l3)))?;
+        Ok((y, geo.out_shape()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        k: &Tensor,
+        bias: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (grad_x, grad_k) = CustomOp2::bwd(self, x, k, res, grad)?;
+        let grad_b = offer(bias, || {
+            grad.contiguous()?.apply_op1_no_bwd(&GradBias(k.dtype()))
+        })?;
+        Ok((grad_x, grad_k, grad_b))
+    }
+}
+
+/// `grad_y (batch, c_out, h, w) -> grad_bias (c_out)`: per-channel sums in f32, stored in the
+/// bias's dtype (rounded once, or f32 for an f32 master).
+struct GradBias(DType);
+
+impl CustomOp1 for GradBias {
+    fn name(&self) -> &'static str {
+        "amp-conv2d-grad-bias"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        fn sums<T: Real + Send + Sync>(g: &[T], batch: usize, channels: usize) -> Vec<f32> {
+            let plane = g.len() / (batch * channels).max(1);
+            parallel::map_indices(channels, |c| {
+                (0..batch)
+                    .map(|b| {
+                        g[(b * channels + c) * plane..][..plane]
+                            .iter()
+                            .map(|v| v.get())
+                            .sum::<f32>()
+                    })
+                    .sum()
+            })
+        }
+        let (batch, channels) = (l.dims()[0], l.dims()[1]);
+        let sums = with_floats!("conv2d bias gradient", s, l, |g| sums(g, batch, channels));
+        Ok((stored(sums, self.0), Shape::from(channels)))
+    }
+}
+
+/// `(kernel, grad_y) -> grad_x`.
+struct GradInput(Geometry);
+
+impl CustomOp2 for GradInput {
+    fn name(&self) -> &'static str {
+        "amp-gemm-conv2d-grad-input"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let geo = self.0;
+        let gx = with_floats!("conv2d input gradient", s1, l1, s2, l2, |w, g| {
+            WithDType::to_cpu_storage_owned(geo.grad_input(w, g))
+        });
+        Ok((gx, Shape::from((geo.batch, geo.c_in, geo.h, geo.w))))
+    }
+}
+
+/// `(x, grad_y) -> grad_kernel`, stored in the kernel's dtype (f32 for an f32 master).
+struct GradWeight(Geometry, DType);
+
+impl CustomOp2 for GradWeight {
+    fn name(&self) -> &'static str {
+        "amp-gemm-conv2d-grad-weight"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let geo = self.0;
+        let sums = with_floats!("conv2d weight gradient", s1, l1, s2, l2, |x, g| {
+            geo.grad_weight(x, g)
+        });
+        let shape = Shape::from((geo.c_out, geo.c_in_g(), geo.kh, geo.kw));
+        Ok((stored(sums, self.1), shape))
+    }
+}

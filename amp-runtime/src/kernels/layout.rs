@@ -1,0 +1,67 @@
+//! What the kernels read of candle's layouts: contiguous runs, strided offsets, overlap.
+
+use candle_core::Layout;
+
+/// The storage offsets a strided layout addresses, in row-major order of its shape.
+pub(crate) fn strided_offsets(layout: &Layout) -> impl Iterator<Item = usize> + '_ {
+    let (dims, stride) = (layout.dims(), layout.stride());
+    let mut index = vec![0usize; dims.len()];
+    let mut offset = layout.start_offset();
+    (0..layout.shape().elem_count()).map(move |_| {
+        let current = offset;
+        // Odometer increment: bump the last dimension, carrying into earlier ones.
+        for d in (0..dims.len()).rev() {
+            index[d] += 1;
+            offset += stride[d];
+            if index[d] < dims[d] {
+                break;
+            }
+            offset -= stride[d] * dims[d];
+            index[d] = 0;
+        }
+        current
+    })
+}
+
+/// The elements of a contiguous layout: the ops make their operands contiguous before they
+/// reach a kernel, so anything else is a bug in the op, reported as an error naming `op`.
+pub(crate) fn contiguous<'a, T>(
+    data: &'a [T],
+    layout: &Layout,
+    op: &str,
+) -> candle_core::Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&data[start..end]),
+        None => candle_core::bail!("{op} kernel: operand not contiguous"),
+    }
+}
+
+/// The elements a layout addresses, in row-major order of its shape: the storage itself when
+/// contiguous, gathered into a new vector otherwise.
+pub(crate) fn elements<'a, T: Copy>(data: &'a [T], layout: &Layout) -> std::borrow::Cow<'a, [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => std::borrow::Cow::Borrowed(&data[start..end]),
+        None => std::borrow::Cow::Owned(strided_offsets(layout).map(|i| data[i]).collect()),
+    }
+}
+
+/// Whether every element of `layout` has its own storage slot (no broadcast or overlapping
+/// strides), so that an in-place update touches each element exactly once.
+pub(crate) fn is_non_overlapping(layout: &Layout) -> bool {
+    let mut dims: Vec<(usize, usize)> = layout
+        .dims()
+        .iter()
+        .zip(layout.stride())
+        .filter(|(&d, _)| d > 1)
+        .map(|(&d, &s)| (s, d))
+        .collect();
+    dims.sort_unstable();
+    let mut span = 1;
+    for (stride, dim) in dims {
+        if stride < span {
+            return false;
+        }
+        span = stride * dim;
+    }
+    true
+}

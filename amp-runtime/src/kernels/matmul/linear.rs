@@ -1,0 +1,221 @@
+//! `Linear` on CPU with f32 masters: the weight rounded to the input's dtype inside the op, the
+//! bias added in the GEMM's output pass, and the three gradients.
+
+use candle_core::{
+    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result,
+    Shape, Tensor,
+};
+
+use crate::kernels::elem::Real;
+use crate::kernels::gemm::{gemm, gemm_append, GemmElem, MatRef};
+use crate::kernels::leaf_grads::{offer, wanted};
+use crate::kernels::parallel;
+
+use super::HalfMatmul;
+
+/// `x * w^T (+ b)` with f32 masters `w`, `b`: see [`linear`].
+pub(super) struct HalfLinear;
+
+impl HalfLinear {
+    /// The product into rows prefilled with the bias (rounded to `T`), if any.
+    fn run<T: GemmElem>(
+        (x, lx): (&[T], &Layout),
+        (w, lw): (&[f32], &Layout),
+        bias: Option<(&[f32], &Layout)>,
+    ) -> Vec<T> {
+        let (rows, inner) = (lx.dims()[0], lx.dims()[1]);
+        let out = lw.dims()[0];
+        // The master, contiguous `(out, in)`, rounded to T as the GEMM packs it.
+        let w = crate::kernels::layout::elements(w, lw);
+        let a = MatRef::from_layout(x, lx);
+        // w^T: element (i, j) of the (in, out) view is w[j, i].
+        let wt = MatRef {
+            data: &w,
+            offset: 0,
+            rs: 1,
+            cs: inner,
+        };
+        let Some((b, lb)) = bias else {
+            let mut y = Vec::new();
+            gemm_append(&mut y, (rows, out, inner), a, wt, true);
+            return y;
+        };
+        let b: Vec<T> = crate::kernels::layout::elements(b, lb)
+            .iter()
+            .map(|&v| T::put(v))
+            .collect();
+        let mut y = b.repeat(rows);
+        gemm(rows, out, inner, a, wt, &mut y, true, true);
+        y
+    }
+
+    /// `grad_x` in `x`'s dtype and the master's `grad_w` in f32, each only if wanted (and
+    /// `grad_w` `None` when the scaler's backward takes it directly: `leaf_grads`).
+    fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad_x = wanted(x, || grad.apply_op2_no_bwd(w, &ByMaster))?;
+        let grad_w = offer(w, || {
+            grad.t()?.apply_op2_no_bwd(x, &HalfMatmul(Some(DType::F32)))
+        })?;
+        Ok((grad_x, grad_w))
+    }
+}
+
+/// `grad (rows, out) * w (out, in)` in `grad`'s half dtype, `w` an f32 master rounded to that
+/// dtype as the GEMM packs it: `Linear`'s input gradient, without a half copy of the weight.
+struct ByMaster;
+
+impl CustomOp2 for ByMaster {
+    fn name(&self) -> &'static str {
+        "amp-half-by-master"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn product<T: GemmElem>(g: &[T], lg: &Layout, w: &[f32], lw: &Layout) -> Vec<T> {
+            let (rows, k, n) = (lg.dims()[0], lg.dims()[1], lw.dims()[1]);
+            let (a, b) = (MatRef::from_layout(g, lg), MatRef::from_layout(w, lw));
+            let mut y = Vec::new();
+            gemm_append(&mut y, (rows, n, k), a, b, true);
+            y
+        }
+        let y = match (s1, s2) {
+            (CpuStorage::BF16(g), CpuStorage::F32(w)) => CpuStorage::BF16(product(g, l1, w, l2)),
+            (CpuStorage::F16(g), CpuStorage::F32(w)) => CpuStorage::F16(product(g, l1, w, l2)),
+            (a, b) => candle_core::bail!(
+                "half-by-master kernel: expected a f16 or bf16 gradient and an f32 weight, got {:?} and {:?}",
+                a.dtype(),
+                b.dtype()
+            ),
+        };
+        Ok((y, Shape::from((l1.dims()[0], l2.dims()[1]))))
+    }
+}
+
+impl CustomOp2 for HalfLinear {
+    fn name(&self) -> &'static str {
+        "amp-half-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let y = match (s1, s2) {
+            (CpuStorage::BF16(x), CpuStorage::F32(w)) => {
+                CpuStorage::BF16(Self::run((x, l1), (w, l2), None))
+            }
+            (CpuStorage::F16(x), CpuStorage::F32(w)) => {
+                CpuStorage::F16(Self::run((x, l1), (w, l2), None))
+            }
+            (a, b) => candle_core::bail!(
+                "half linear kernel: expected a f16 or bf16 input and an f32 weight, got {:?} and {:?}",
+                a.dtype(),
+                b.dtype()
+            ),
+        };
+        Ok((y, Shape::from((l1.dims()[0], l2.dims()[0]))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Self::grads(x, w, grad)
+    }
+}
+
+impl CustomOp3 for HalfLinear {
+    fn name(&self) -> &'static str {
+        "amp-half-linear-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let y = match (s1, s2, s3) {
+            (CpuStorage::BF16(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
+                CpuStorage::BF16(Self::run((x, l1), (w, l2), Some((b, l3))))
+            }
+            (CpuStorage::F16(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
+                CpuStorage::F16(Self::run((x, l1), (w, l2), Some((b, l3))))
+            }
+            (a, b, c) => candle_core::bail!(
+                "half linear kernel: expected a f16 or bf16 input and f32 weight and bias, got {:?}, {:?} \
+                 and {:?}",
+                a.dtype(),
+                b.dtype(),
+                c.dtype()
+            ),
+        };
+        Ok((y, Shape::from((l1.dims()[0], l2.dims()[0]))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (gx, gw) = Self::grads(x, w, grad)?;
+        let gb = offer(b, || grad.apply_op1_no_bwd(&ColumnSums))?;
+        Ok((gx, gw, gb))
+    }
+}
+
+/// `(rows, cols) -> (cols)` in f32: sums down each column (the bias gradient of an f32 master).
+struct ColumnSums;
+
+impl CustomOp1 for ColumnSums {
+    fn name(&self) -> &'static str {
+        "amp-column-sums"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        // Blocks of rows summed in parallel, each into its own row of f32 sums (reading the
+        // gradient row by row, as it lies in memory), then the blocks' rows added.
+        fn sums<T: Real + Send + Sync>(g: &[T], l: &Layout) -> Vec<f32> {
+            let (rows, cols) = (l.dims()[0], l.dims()[1]);
+            let g = crate::kernels::layout::elements(g, l);
+            let block = (rows.div_ceil(parallel::threads()).max(16) * cols).max(1);
+            let partials = parallel::map_indices(g.len().div_ceil(block), |i| {
+                let mut acc = vec![0f32; cols];
+                for row in g[i * block..][..block.min(g.len() - i * block)].chunks(cols.max(1)) {
+                    acc.iter_mut().zip(row).for_each(|(a, v)| *a += v.get());
+                }
+                acc
+            });
+            // Added in block order: the same sums at every run.
+            let mut total = vec![0f32; cols];
+            for acc in partials {
+                total.iter_mut().zip(&acc).for_each(|(x, y)| *x += y);
+            }
+            total
+        }
+        let out = match s {
+            CpuStorage::BF16(g) => CpuStorage::F32(sums(g, l)),
+            CpuStorage::F16(g) => CpuStorage::F32(sums(g, l)),
+            CpuStorage::F32(g) => CpuStorage::F32(sums(g, l)),
+            other => candle_core::bail!("column sums: unexpected dtype {:?}", other.dtype()),
+        };
+        Ok((out, Shape::from(l.dims()[1])))
+    }
+}
