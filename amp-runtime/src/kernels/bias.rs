@@ -124,7 +124,7 @@ impl CustomOp2 for BiasAdd {
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let g = self.geometry(ly, bias.dtype(), lb)?;
-        cuda::bias_add(y, ly, bias, lb, g)
+        cuda::batch_norm::bias_add(y, ly, bias, lb, g)
     }
 
     fn bwd(
@@ -178,7 +178,7 @@ impl CustomOp1 for ChannelSums {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let g = Geometry::along(layout.dims(), self.dim)?;
         let zeros = vec![0f32; g.c];
-        let (sums, _) = cuda::sums(storage, layout, g, None, 0, &zeros, &zeros)?;
+        let (sums, _) = cuda::batch_norm::sums(storage, layout, g, None, 0, &zeros, &zeros)?;
         let sums: Vec<f32> = sums.into_iter().map(|s| s as f32).collect();
         let dev = &storage.device;
         Ok((

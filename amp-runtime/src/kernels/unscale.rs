@@ -7,7 +7,7 @@
 //! cut into chunks that the kernels' thread pool (`parallel`) processes, so a model with many small tensors
 //! costs one parallel pass, not one candle op (and one host sync) per tensor. With the `cuda`
 //! feature, contiguous CUDA gradients go through one kernel launch per dtype and device
-//! (`kernels::cuda`); anything else takes the per-tensor candle-ops path ([`naive_unscale`]).
+//! (`kernels::cuda::unscale`); anything else takes the per-tensor candle-ops path ([`naive_unscale`]).
 //!
 //! The check looks at each value *as written*, after scaling and rounding to the gradient's
 //! dtype. PyTorch's kernel checks the value before scaling, which misses what the multiplication

@@ -29,7 +29,7 @@ use crate::kernels::parallel;
 /// it); `k` may be the f32 master of a half `x` (rounded inside, as the conv op does).
 /// `running` gives the running mean and variance to normalise with (evaluation); without it
 /// the batch's own statistics are used and returned (mean and biased variance per channel) for
-/// the running-statistics update. CPU only, for the convolutions `conv2d::handles`.
+/// the running-statistics update. CPU only, for the convolutions `conv::handles`.
 pub(crate) fn conv_batch_norm(
     x: &Tensor,
     k: &Tensor,

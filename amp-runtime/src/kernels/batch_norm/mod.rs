@@ -8,11 +8,11 @@
 //! under autocast) and two f32 numbers per channel (mean and inverse standard deviation).
 //!
 //! All arithmetic is f32 per element (half inputs widened 16 at a time), per-channel sums f32
-//! within runs of 256 values and f64 across runs; outputs and the input gradient
-//! are rounded once to the input's dtype. Work is split over channels (statistics) or over
-//! `(n, c)` rows (elementwise passes) on the kernels' pool (`parallel`). With the `cuda` feature
-//! the same ops run on CUDA (`batch_norm.cu`, the `cuda` submodule): the same sums (f32 per thread, f64 per
-//! block) and affine pass; other devices keep the composition of candle ops in
+//! within runs of 256 values and f64 across runs (the passes of `kernels::channels`); outputs and
+//! the input gradient are rounded once to the input's dtype. Work is split over channels
+//! (statistics) or over `(n, c)` rows (elementwise passes) on the kernels' pool. With the `cuda`
+//! feature the same ops run on CUDA (`kernels::cuda::batch_norm`): the same sums (f32 per thread,
+//! f64 per block) and affine pass; other devices keep the composition of candle ops in
 //! `nn::BatchNorm2d`.
 
 mod after_conv;
@@ -27,8 +27,6 @@ use crate::kernels::elem::with_floats;
 use crate::kernels::elem::Real;
 use crate::kernels::leaf_grads::{offer, wanted};
 use crate::kernels::parallel;
-#[cfg(feature = "cuda")]
-use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
 };

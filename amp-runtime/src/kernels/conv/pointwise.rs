@@ -8,7 +8,7 @@ use crate::kernels::leaf_grads::{offer, wanted};
 /// A pointwise conv off the CPU (and an f32 master `bias`, when given) as one op whose forward
 /// is one matrix product `(c_out, c_in) x (c_in, h*w)` per image on the device's BLAS (the
 /// weight shared by every image: a zero batch stride), then the bias add of
-/// [`crate::kernels::batch_norm::bias_add`]. candle's conv there goes through im2col, and its input
+/// [`crate::kernels::bias::bias_add`]. candle's conv there goes through im2col, and its input
 /// gradient through a direct transposed convolution. As one node of the graph it spares the
 /// reshapes around a product and the separate bias add, each a full-size node that candle's
 /// backward fills with a zero tensor plus an add.

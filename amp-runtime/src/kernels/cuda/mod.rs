@@ -20,7 +20,7 @@ use candle_core::cuda_backend::cudarc::driver::{
     CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop,
 };
 use candle_core::cuda_backend::cudarc::nvrtc;
-use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result};
 
 /// A CUDA C source of this crate, compiled by NVRTC on first use (after `half.cuh`, the half and
@@ -50,12 +50,14 @@ impl Module {
 
     /// The text NVRTC compiles: the defines, `half.cuh`, the source.
     fn text(&self) -> String {
-        let defines: String = self
-            .defines
-            .iter()
-            .map(|(name, value)| format!("#define {name} {value}\n"))
-            .collect();
-        format!("{defines}{}\n{}", include_str!("half.cuh"), self.source)
+        use std::fmt::Write as _;
+        let mut text = String::new();
+        for (name, value) in self.defines {
+            // Writing to a String cannot fail.
+            let _ = writeln!(text, "#define {name} {value}");
+        }
+        let _ = write!(text, "{}\n{}", include_str!("half.cuh"), self.source);
+        text
     }
 
     /// The module's PTX, compiled on first use.
@@ -138,13 +140,17 @@ pub(crate) fn grid_stride(n: u64, threads: u32) -> LaunchConfig {
 /// A fresh storage of `len` values of `dtype` (f32, f16 or bf16), to be written whole by the
 /// caller's kernel before anything reads it.
 pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaStorage> {
-    // SAFETY: every caller's kernel writes each element before the storage is read.
+    // SAFETY (each `alloc` below): every caller's kernel writes each element before the
+    // storage is read.
     Ok(match dtype {
+        // SAFETY: see above.
         DType::F32 => CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>(len) }?, dev.clone()),
         DType::F16 => {
+            // SAFETY: see above.
             CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<half::f16>(len) }?, dev.clone())
         }
         DType::BF16 => {
+            // SAFETY: see above.
             CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<half::bf16>(len) }?, dev.clone())
         }
         other => candle_core::bail!("cuda kernel: f32, f16 or bf16, got {other:?}"),

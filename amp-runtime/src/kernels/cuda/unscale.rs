@@ -18,7 +18,8 @@ use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
 use super::{grid_dim, Module};
 use crate::kernels::borrow::{with_borrowed, Borrowed};
 
-/// Threads per block of `unscale.cu`'s kernels.
+/// Threads per block of `unscale.cu`'s kernels (they stride by `blockDim.x`).
+const THREADS: u32 = 512;
 
 /// The multi-tensor unscale (`unscale.cu`).
 pub(crate) static UNSCALE: Module =

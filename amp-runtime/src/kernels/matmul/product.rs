@@ -122,7 +122,7 @@ impl<P: Product> CustomOp3 for Fused<P> {
 
 /// `Linear` off the CPU as one op on `(x, w[, b])` with f32 masters `w` and `b`: the weight cast
 /// to `x`'s dtype inside the forward (a storage, not a graph node), the backend's matmul on it,
-/// then the bias add of [`crate::kernels::batch_norm::bias_add`]. Composed of candle ops the cast, the
+/// then the bias add of [`crate::kernels::bias::bias_add`]. Composed of candle ops the cast, the
 /// transpose and the bias add were graph nodes of the weight's or the output's size, each of
 /// which candle's backward fills with a zero tensor plus an add (`GradStore::or_insert`). The
 /// backward: `grad_x = grad * w` (the weight cast again), `grad_w = grad^T * x` in `x`'s dtype
