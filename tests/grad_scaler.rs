@@ -539,7 +539,11 @@ fn a_backoff_factor_that_zeroes_the_scale_is_an_error_at_the_first_skip() -> Res
     let (outcome, updated) = m.iteration(&mut scaler, f32::NAN)?;
     assert!(outcome.is_skipped());
     let msg = updated.unwrap_err().to_string();
-    assert!(msg.contains("1 steps in a row"), "{msg}");
+    // The factor as `1e-320` (not in 320 digits), named as the mistake.
+    assert!(
+        msg.contains("backoff_factor 1e-320") && msg.contains("far too small"),
+        "{msg}"
+    );
     assert_eq!(scaler.scale_value(), 65536.0, "the scale is left as it was");
     // Training goes on at that scale when the gradients are finite again.
     let (outcome, updated) = m.iteration(&mut scaler, 1.0)?;
@@ -1154,6 +1158,143 @@ fn a_scale_underflow_is_a_tracing_error_too() -> Result<()> {
         .filter(|(level, _)| *level == tracing::Level::ERROR)
         .collect();
     assert_eq!(errors.len(), 1, "{events:?}");
-    assert!(errors[0].1.contains("1 steps in a row"), "{}", errors[0].1);
+    assert!(
+        errors[0].1.contains("backoff_factor is far too small"),
+        "{}",
+        errors[0].1
+    );
+    Ok(())
+}
+
+// ---- Edges of the state and of the scaler's inputs. ----
+
+/// A backoff factor so close to 1 that `65536 x factor` rounds back to 65536 in f32 would never
+/// back off (PyTorch accepts it; 200 overflowing steps left its scale where it was): rejected,
+/// as is a growth factor that would never grow. One ulp of 1 away works at every scale.
+#[test]
+fn factors_too_close_to_one_to_move_an_f32_scale_are_rejected() -> Result<()> {
+    let no_backoff = GradScaler::builder().backoff_factor(0.999_999_99).build();
+    let msg = no_backoff.unwrap_err().to_string();
+    assert!(
+        msg.contains("backoff_factor") && msg.contains("unchanged"),
+        "{msg}"
+    );
+    let no_growth = GradScaler::builder().growth_factor(1.000_000_01).build();
+    assert!(no_growth.unwrap_err().to_string().contains("growth_factor"));
+    let tightest = 1.0 - 2f64.powi(-23);
+    let mut scaler = GradScaler::builder().backoff_factor(tightest).build()?;
+    let mut m = Three::new()?;
+    for _ in 0..3 {
+        let before = scaler.scale_value();
+        let (outcome, updated) = m.iteration(&mut scaler, f32::NAN)?;
+        updated?;
+        assert!(outcome.is_skipped());
+        assert!(
+            scaler.scale_value() < before,
+            "every backoff lowers the scale"
+        );
+    }
+    Ok(())
+}
+
+/// `skipped_steps` saturates instead of wrapping to 0, and survives the safetensors form
+/// exactly (2^63 came back as 2^63 - 1: candle has no u64 dtype).
+#[test]
+fn skipped_steps_saturate_and_round_trip_exactly() -> Result<()> {
+    for skipped in [1u64 << 63, u64::MAX, (1u64 << 63) - 1, 12345] {
+        let state = ScalerState {
+            skipped_steps: skipped,
+            ..GradScaler::new().state()
+        };
+        let back = ScalerState::from_tensors(&state.to_tensors("s.")?, "s.")?;
+        assert_eq!(back.skipped_steps, skipped);
+        assert_eq!(
+            ScalerState::from_json(&state.to_json())?.skipped_steps,
+            skipped
+        );
+    }
+    let mut scaler = GradScaler::new();
+    scaler.load_state(ScalerState {
+        skipped_steps: u64::MAX,
+        ..GradScaler::new().state()
+    })?;
+    let (outcome, updated) = Three::new()?.iteration(&mut scaler, f32::NAN)?;
+    updated?;
+    assert!(outcome.is_skipped());
+    assert_eq!(scaler.skipped_steps(), u64::MAX);
+    Ok(())
+}
+
+/// The state's f64 factors come back from JSON bit for bit, as the docs promise: serde_json's
+/// default float parser moved about one in six by an ulp (the workspace enables its
+/// `float_roundtrip`), through `to_json`/`from_json` and through serde_json directly.
+#[test]
+fn json_round_trips_random_factors_bit_for_bit() -> Result<()> {
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut draw = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed >> 11) as f64 / (1u64 << 53) as f64 // uniform in [0, 1), all 53 bits
+    };
+    for _ in 0..2000 {
+        let state = ScalerState {
+            growth_factor: 1.0 + 2f64.powi(-22) + draw() * 10.0,
+            backoff_factor: 1e-3 + draw() * 0.99,
+            ..GradScaler::new().state()
+        };
+        let json = state.to_json();
+        let back = ScalerState::from_json(&json)?;
+        let direct: ScalerState = serde_json::from_str(&json).expect("serde_json parses it");
+        for s in [&back, &direct] {
+            assert_eq!(
+                s.growth_factor.to_bits(),
+                state.growth_factor.to_bits(),
+                "{json}"
+            );
+            assert_eq!(
+                s.backoff_factor.to_bits(),
+                state.backoff_factor.to_bits(),
+                "{json}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Gradients are unscaled and checked by the scaler whose `scale()` made their loss. A disabled
+/// scaler's gradients stepped by an enabled one were neither unscaled nor checked ("Stepped",
+/// NaN weights); an enabled scaler's stepped by a disabled one would reach the optimizer still
+/// multiplied by the scale; another scaler's would be unscaled by the wrong factor.
+#[test]
+fn gradients_from_another_scaler_are_an_error() -> Result<()> {
+    let w = Var::from_tensor(&tensor(&[3], 1)?)?;
+    let nan_loss = || -> Result<candle_core::Tensor> { (w.as_tensor() * f64::NAN)?.sum_all() };
+    let mut opt = SGD::new(vec![w.clone()], 0.1)?;
+    let mut disabled = GradScaler::builder().enabled(false).build()?;
+    let mut enabled = GradScaler::new();
+    let other = GradScaler::builder().init_scale(1024.0).build()?;
+    let before = bits(w.as_tensor())?;
+
+    let grads = disabled.scale(&nan_loss()?)?.backward()?;
+    let msg = enabled.step(&mut opt, grads).unwrap_err().to_string();
+    assert!(msg.contains("no scale (a disabled scaler)"), "{msg}");
+    let grads = enabled.scale(&nan_loss()?)?.backward()?;
+    let msg = disabled.step(&mut opt, grads).unwrap_err().to_string();
+    assert!(
+        msg.contains("scale 65536") && msg.contains("no scale"),
+        "{msg}"
+    );
+    let grads = other.scale(&nan_loss()?)?.backward()?;
+    assert!(enabled.unscale(grads).is_err());
+    assert_eq!(bits(w.as_tensor())?, before, "no step reached the weights");
+
+    // Its own gradients, as always.
+    let grads = enabled.scale(&nan_loss()?)?.backward()?;
+    assert!(enabled.step(&mut opt, grads)?.is_skipped());
+    let grads = disabled
+        .scale(&(w.as_tensor() * 2.0)?.sum_all()?)?
+        .backward()?;
+    assert!(disabled.step(&mut opt, grads)?.is_stepped());
     Ok(())
 }

@@ -200,8 +200,8 @@ fn stacked_attributes(target: &Target, errors: &mut Errors) {
     }
 }
 
-/// A part whose body is rewritten: not a `const fn`, its `output` assertion holds, and it calls
-/// no `.backward()`.
+/// A part whose body is rewritten: not a `const fn` nor an `async fn`, its `output` assertion
+/// holds, and its body calls no `.backward()` and builds no `async` block or closure.
 fn region_part(part: &Part, region_args: &AutocastArgs, errors: &mut Errors) {
     if !part.is_rewritten() {
         return;
@@ -213,8 +213,17 @@ fn region_part(part: &Part, region_args: &AutocastArgs, errors: &mut Errors) {
              remove `const`",
         );
     }
+    if let Some(asyncness) = &part.sig.asyncness {
+        errors.at(
+            asyncness.span,
+            "a region cannot be an `async fn`: the autocast policy belongs to the thread while \
+             the region runs, and an `.await` would leave it in force for whatever else the \
+             thread polls (or lose it when the future resumes elsewhere); keep the `async fn` \
+             plain and call a synchronous #[autocast] fn or method from it for the tensor work",
+        );
+    }
     check_output(part.args(region_args), part, errors);
-    BackwardCalls { errors }.visit_block(part.block);
+    RegionBody { errors }.visit_block(part.block);
 }
 
 /// `output = ..` asserts what the signature already decides: the precision of the returned
@@ -266,13 +275,24 @@ fn check_output(args: &AutocastArgs, part: &Part, errors: &mut Errors) {
     );
 }
 
-/// Finds `.backward()` calls in a region body, over exactly the code the rewrite visits: not
-/// nested items, but closures and the arguments of expression macros (`vec!`, `println!`, ...).
-struct BackwardCalls<'e> {
+/// Finds what a region body must not hold, over exactly the code the rewrite visits (not nested
+/// items, but closures and the arguments of expression macros: `vec!`, `println!`, ...):
+/// `.backward()` calls, and `async` blocks and closures, whose code would run after the region,
+/// under whatever policy the thread has then.
+struct RegionBody<'e> {
     errors: &'e mut Errors,
 }
 
-impl BackwardCalls<'_> {
+impl RegionBody<'_> {
+    fn async_code(&mut self, span: proc_macro2::Span) {
+        self.errors.at(
+            span,
+            "`async` code inside an #[autocast] region: it runs when polled, after the region \
+             has ended, under whatever policy the thread has then; compute the tensors in the \
+             region and move the results into the `async` block",
+        );
+    }
+
     fn macro_args(&mut self, mac: &syn::Macro) {
         for arg in expr_macro_args(mac).iter().flatten() {
             self.visit_expr(arg);
@@ -280,7 +300,18 @@ impl BackwardCalls<'_> {
     }
 }
 
-impl<'ast> Visit<'ast> for BackwardCalls<'_> {
+impl<'ast> Visit<'ast> for RegionBody<'_> {
+    fn visit_expr_async(&mut self, block: &'ast syn::ExprAsync) {
+        self.async_code(block.async_token.span);
+    }
+
+    fn visit_expr_closure(&mut self, closure: &'ast syn::ExprClosure) {
+        if let Some(asyncness) = &closure.asyncness {
+            self.async_code(asyncness.span);
+        }
+        visit::visit_expr_closure(self, closure);
+    }
+
     fn visit_item(&mut self, _: &'ast Item) {
         // Nested items are not part of the region.
     }

@@ -47,6 +47,7 @@ pub(crate) fn layer_norm(
     beta: Option<&Tensor>,
     eps: f64,
 ) -> Result<Tensor> {
+    check_eps("layer_norm", eps)?;
     if x.dtype() == DType::F32 {
         if let Some(y) = crate::kernels::layer_norm(x, alpha, beta, eps)? {
             return Ok(y);
@@ -63,6 +64,7 @@ pub(crate) fn layer_norm_f32(
     beta: Option<&Tensor>,
     eps: f64,
 ) -> Result<Tensor> {
+    check_eps("layer_norm", eps)?;
     match crate::kernels::layer_norm(x, alpha, beta, eps)? {
         Some(y) => Ok(y),
         None => layer_norm_composed(&convert(x, DType::F32)?, alpha, beta, eps),
@@ -89,9 +91,21 @@ fn layer_norm_composed(
 
 /// `x / sqrt(mean(x^2) + eps) * alpha` over the last dimension.
 pub(crate) fn rms_norm(x: &Tensor, alpha: &Tensor, eps: f64) -> Result<Tensor> {
+    check_eps("rms_norm", eps)?;
     let rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
     x.broadcast_div(&rms)?
         .broadcast_mul(&convert(alpha, x.dtype())?)
+}
+
+/// A normalisation's `eps` must be finite and positive: a negative one makes the variance plus
+/// `eps` negative (NaN outputs), zero divides a constant row by zero, NaN poisons every output.
+/// Every norm (layer, RMS, batch), whichever way it is reached, checks it here.
+pub(crate) fn check_eps(op: &str, eps: f64) -> Result<()> {
+    if eps.is_finite() && eps > 0.0 {
+        Ok(())
+    } else {
+        candle_core::bail!("{op}: eps must be finite and positive, got {eps}")
+    }
 }
 
 fn diff(inp: &Tensor, target: &Tensor) -> Result<Tensor> {

@@ -95,14 +95,18 @@ impl Optimizer for SGD {
     type Config = f64;
 
     fn new(vars: Vec<Var>, learning_rate: f64) -> Result<Self> {
+        check_lr("SGD", learning_rate)?;
         Ok(Self {
             vars: float_vars(vars),
             learning_rate,
         })
     }
 
+    /// Fails, updating nothing, when the learning rate is not a finite number >= 0 (one set by
+    /// `set_learning_rate`, whose signature cannot fail).
     fn step(&mut self, grads: &GradStore) -> Result<()> {
         let lr = self.learning_rate;
+        check_lr("SGD", lr)?;
         for var in &self.vars {
             let Some(grad) = grads.get(var) else {
                 continue;
@@ -196,6 +200,7 @@ impl Optimizer for AdamW {
     type Config = ParamsAdamW;
 
     fn new(vars: Vec<Var>, config: ParamsAdamW) -> Result<Self> {
+        check_adamw(&config)?;
         let params = float_vars(vars)
             .into_iter()
             .map(|var| {
@@ -222,7 +227,10 @@ impl Optimizer for AdamW {
         Ok(Self { params, config })
     }
 
+    /// Fails, updating nothing, when a hyper-parameter is out of range (one set by
+    /// `set_learning_rate` or `set_params`, whose signatures cannot fail).
     fn step(&mut self, grads: &GradStore) -> Result<()> {
+        check_adamw(&self.config)?;
         for i in 0..self.params.len() {
             let Some(grad) = grads.get(&self.params[i].var) else {
                 continue;
@@ -250,6 +258,33 @@ impl Optimizer for AdamW {
     fn set_learning_rate(&mut self, lr: f64) {
         self.config.lr = lr;
     }
+}
+
+/// A learning rate must be a finite number >= 0, as PyTorch's optimizers require (PyTorch lets
+/// NaN through its `lr < 0` check; a NaN rate turns every weight into NaN at the first step).
+fn check_lr(optimizer: &str, lr: f64) -> Result<()> {
+    if lr.is_finite() && lr >= 0.0 {
+        Ok(())
+    } else {
+        candle_core::bail!("{optimizer}: invalid learning rate {lr}, need a finite value >= 0")
+    }
+}
+
+/// AdamW's hyper-parameters in PyTorch's ranges (its constructor's checks, NaN rejected too):
+/// `lr >= 0`, `eps >= 0`, `0 <= beta1, beta2 < 1`, `weight_decay >= 0`, all finite.
+fn check_adamw(p: &ParamsAdamW) -> Result<()> {
+    check_lr("AdamW", p.lr)?;
+    for (name, value) in [("eps", p.eps), ("weight_decay", p.weight_decay)] {
+        if !(value.is_finite() && value >= 0.0) {
+            candle_core::bail!("AdamW: invalid {name} {value}, need a finite value >= 0")
+        }
+    }
+    for (name, value) in [("beta1", p.beta1), ("beta2", p.beta2)] {
+        if !(0.0..1.0).contains(&value) {
+            candle_core::bail!("AdamW: invalid {name} {value}, need 0 <= {name} < 1")
+        }
+    }
+    Ok(())
 }
 
 /// The dtype AdamW's moments and arithmetic use off the in-place pass: f64 for f64 parameters,

@@ -73,16 +73,37 @@ pub(crate) fn active() -> bool {
 
 /// Whether every routed op's output is checked for inf and NaN: on after
 /// `set_check_finite(true)`, or from the start when the environment variable
-/// `CANDLE_AMP_CHECK_FINITE` is `1` (or `true`).
+/// `CANDLE_AMP_CHECK_FINITE` is `1`, `true`, `yes` or `on` (any case, spaces around allowed; `0`,
+/// `false`, `no`, `off` or empty leave it off, and any other value says so on stderr).
 pub fn check_finite() -> bool {
     ENV_READ.get_or_init(|| {
-        let on = std::env::var("CANDLE_AMP_CHECK_FINITE")
-            .is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
-        if on {
-            CHECK_FINITE.store(true, Ordering::Relaxed);
+        let Ok(value) = std::env::var("CANDLE_AMP_CHECK_FINITE") else {
+            return;
+        };
+        if let Some(on) = env_flag(&value) {
+            CHECK_FINITE.store(on, Ordering::Relaxed);
+        } else {
+            // A value that is neither on nor off is a typo the user would never learn of from
+            // the check staying off: said once, on stderr and as a tracing event.
+            let msg = format!(
+                "CANDLE_AMP_CHECK_FINITE={value:?} is not one of 1/true/yes/on or \
+                 0/false/no/off: the finite check stays off"
+            );
+            eprintln!("candle-amp: {msg}");
+            tracing::warn!(target: "candle_amp::report", "{msg}");
         }
     });
     CHECK_FINITE.load(Ordering::Relaxed)
+}
+
+/// An on/off environment value: `1`, `true`, `yes`, `on` are on, `0`, `false`, `no`, `off` and
+/// the empty string off, in any case and with surrounding spaces; anything else `None`.
+fn env_flag(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "" | "0" | "false" | "no" | "off" => Some(false),
+        _ => None,
+    }
 }
 
 /// Turns the finite check on or off for every thread.
@@ -398,4 +419,24 @@ fn finite_stats(t: &Tensor) -> Result<(Option<f32>, bool)> {
         }
     }
     Ok((max, bad))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::env_flag;
+
+    /// `yes`, `on` and `" 1"` were read as off without a word; now every common spelling is
+    /// understood and anything else is reported (`None`).
+    #[test]
+    fn env_flags_read_common_spellings_and_refuse_the_rest() {
+        for on in ["1", "true", "TRUE", "yes", "On", " 1", "1\n"] {
+            assert_eq!(env_flag(on), Some(true), "{on:?}");
+        }
+        for off in ["", "0", "false", "No", "OFF", " 0 "] {
+            assert_eq!(env_flag(off), Some(false), "{off:?}");
+        }
+        for unknown in ["2", "enable", "y es", "truthy"] {
+            assert_eq!(env_flag(unknown), None, "{unknown:?}");
+        }
+    }
 }

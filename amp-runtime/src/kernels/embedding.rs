@@ -14,12 +14,26 @@ use candle_core::{
 /// The rows `ids` (integers, flattened) of `table` `(vocab, hidden)`: this op for an f32 table
 /// on CPU, candle's `index_select` otherwise.
 pub(crate) fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    check_ids("embedding", ids)?;
     let ids = ids.flatten_all()?;
-    let integer = matches!(ids.dtype(), DType::U8 | DType::U32 | DType::I64);
-    if table.device().is_cpu() && table.dtype() == DType::F32 && table.rank() == 2 && integer {
+    if table.device().is_cpu() && table.dtype() == DType::F32 && table.rank() == 2 {
         table.apply_op2(&ids, Lookup)
     } else {
         table.index_select(&ids, 0)
+    }
+}
+
+/// Ids must be integers: candle's `index_select` on float ids names the wrong operand's dtype
+/// in its error ("unsupported dtype F32 for op index-select" for f16 ids).
+pub(crate) fn check_ids(op: &str, ids: &Tensor) -> Result<()> {
+    if matches!(ids.dtype(), DType::U8 | DType::U32 | DType::I64) {
+        Ok(())
+    } else {
+        candle_core::bail!(
+            "{op}: the ids must be integers (u8, u32 or i64), got {:?}; ids select rows and are \
+             never cast",
+            ids.dtype()
+        )
     }
 }
 

@@ -69,10 +69,12 @@ pub(crate) use binary::{
     add, broadcast_add, broadcast_div, broadcast_maximum, broadcast_minimum, broadcast_mul,
     broadcast_sub, spread, sub,
 };
-pub(crate) use conv::{conv1d, conv2d, handles as conv2d_handles, widened_transpose, Conv2dParams};
+pub(crate) use conv::{
+    conv1d, conv2d, conv_transpose, handles as conv2d_handles, Conv2dParams, TransposeParams,
+};
 pub(crate) use convert::to_dtype;
 pub(crate) use elem::{cpu_float, wide};
-pub(crate) use embedding::embedding;
+pub(crate) use embedding::{check_ids, embedding};
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use matmul::{broadcast_matmul, linear, matmul};
 pub(crate) use mse::mse;

@@ -105,6 +105,7 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
 impl<Pol: Policy> RegionCall<Pol, calls::forward, (&Tensor,)> for candle_nn::Embedding {
     type Output = AmpTensor;
     fn region_call(&self, (ids,): (&Tensor,)) -> Result<AmpTensor> {
+        crate::kernels::check_ids("Embedding", ids)?;
         AmpTensor::from_candle_value(&self.forward(ids)?)
     }
 }

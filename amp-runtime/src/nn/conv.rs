@@ -60,7 +60,13 @@ fn conv_params(
     with_bias: bool,
     vb: &VarBuilder,
 ) -> Result<(Var, Option<Var>)> {
-    let c_in_g = c_in / groups.max(1);
+    if groups == 0 || !c_in.is_multiple_of(groups) || !c_out.is_multiple_of(groups) {
+        candle_core::bail!(
+            "convolution: {c_in} input and {c_out} output channels must split into groups, got \
+             {groups} groups"
+        )
+    }
+    let c_in_g = c_in / groups;
     let shape: Vec<usize> = [c_out, c_in_g].iter().chain(kernel).copied().collect();
     let w = vb.get_with_hints(shape, "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
     let bias = if with_bias {
@@ -107,6 +113,16 @@ macro_rules! conv_layer {
             #[doc = concat!("A layer from an f32 weight `", $shape, "` and an optional f32 bias `(c_out)`.")]
             pub fn new(weight: Var, bias: Option<Var>, config: $config) -> Result<Self> {
                 let (weight, bias) = master_weight_and_bias(weight, bias, stringify!($name), $rank)?;
+                let params = crate::kernels::Conv2dParams::from(&config);
+                params.check(stringify!($name))?;
+                let c_out = weight.dim(0)?;
+                if !c_out.is_multiple_of(config.groups) {
+                    candle_core::bail!(
+                        "{}: {c_out} output channels do not split into {} groups",
+                        stringify!($name),
+                        config.groups
+                    )
+                }
                 Ok(Self {
                     weight,
                     bias,

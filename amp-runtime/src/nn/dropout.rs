@@ -17,7 +17,8 @@ pub struct Dropout {
 }
 
 impl Dropout {
-    /// A dropout of probability `p` (in `[0, 1)`, as candle-nn checks when it runs).
+    /// A dropout of probability `p`, which must be in `[0, 1)`: checked when it runs (an error
+    /// from `forward`), since this is candle-nn's infallible signature.
     pub fn new(p: f32) -> Self {
         Self { p }
     }
@@ -45,12 +46,15 @@ impl Dropout {
     /// candle-nn multiplies by a mask in `x`'s dtype, where `1 / (1 - p)` rounds (to 1.109375 in
     /// bf16 for p = 0.1, a 0.16% bias of every kept activation), and its backward computes a
     /// gradient for the mask too.
+    ///
+    /// `p` is checked on every call, in training and evaluation alike (`new` keeps candle-nn's
+    /// infallible signature): a NaN or negative `p` would otherwise pass as "nothing to drop".
     fn run(self, x: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
-        if !(train && self.p > 0.0) {
-            return Ok(x.clone());
-        }
         if !(0.0..1.0).contains(&self.p) {
             candle_core::bail!("dropout probability has to be in [0, 1), got {}", self.p)
+        }
+        if !train || self.p <= 0.0 {
+            return Ok(x.clone());
         }
         let draw = candle_core::Tensor::rand(0f32, 1f32, x.shape(), x.device())?;
         let keep = draw.ge(f64::from(self.p))?;

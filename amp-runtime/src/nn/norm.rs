@@ -69,6 +69,7 @@ impl LayerNorm {
         let weight = master(weight, "LayerNorm weight")?;
         expect_dims(&weight, "LayerNorm weight", 1)?;
         let bias = bias.map(|b| master(b, "LayerNorm bias")).transpose()?;
+        composite::check_eps("LayerNorm", eps)?;
         Ok(Self { weight, bias, eps })
     }
 
@@ -155,6 +156,7 @@ impl RmsNorm {
     pub fn new(weight: Var, eps: f64) -> Result<Self> {
         let weight = master(weight, "RmsNorm weight")?;
         expect_dims(&weight, "RmsNorm weight", 1)?;
+        composite::check_eps("RmsNorm", eps)?;
         Ok(Self { weight, eps })
     }
 
@@ -248,10 +250,9 @@ impl BatchNorm2d {
                 )
             }
         }
-        if !(eps > 0.0 && (0.0..=1.0).contains(&momentum)) {
-            candle_core::bail!(
-                "BatchNorm2d: need eps > 0 and 0 <= momentum <= 1, got {eps}, {momentum}"
-            )
+        composite::check_eps("BatchNorm2d", eps)?;
+        if !(0.0..=1.0).contains(&momentum) {
+            candle_core::bail!("BatchNorm2d: momentum must be in [0, 1], got {momentum}")
         }
         Ok(Self {
             weight,

@@ -154,6 +154,7 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         ids: &candle_core::Tensor,
         dim: D,
     ) -> Result<AmpTensor> {
+        crate::kernels::check_ids("index_select", ids)?;
         unary::<Pol, op::index_select>(&self.amp(), |x| x.index_select(ids, dim))
     }
     /// Routed `max_pool2d`.
@@ -261,9 +262,14 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         groups: usize,
     ) -> Result<AmpTensor> {
         binary::<Pol, op::conv_transpose1d>(&self.amp(), &kernel.operand(), |x, k| {
-            crate::kernels::widened_transpose(x, k, |x, k| {
-                x.conv_transpose1d(k, padding, output_padding, stride, dilation, groups)
-            })
+            let t = crate::kernels::TransposeParams {
+                padding,
+                output_padding,
+                stride,
+                dilation,
+                groups,
+            };
+            crate::kernels::conv_transpose(x, k, t)
         })
     }
     /// Routed `conv_transpose2d`.
@@ -276,9 +282,14 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         dilation: usize,
     ) -> Result<AmpTensor> {
         binary::<Pol, op::conv_transpose2d>(&self.amp(), &kernel.operand(), |x, k| {
-            crate::kernels::widened_transpose(x, k, |x, k| {
-                x.conv_transpose2d(k, padding, output_padding, stride, dilation)
-            })
+            let t = crate::kernels::TransposeParams {
+                padding,
+                output_padding,
+                stride,
+                dilation,
+                groups: 1,
+            };
+            crate::kernels::conv_transpose(x, k, t)
         })
     }
     /// Routed `clamp`, to `[min, max]`, in the receiver's dtype.

@@ -131,6 +131,11 @@ impl ScaledGrads {
         self.scale.unwrap_or(1.0)
     }
 
+    /// The scale the loss was multiplied by, `None` from a disabled scaler.
+    pub(super) fn carried_scale(&self) -> Option<f32> {
+        self.scale
+    }
+
     /// Adds the gradients of another micro-batch (gradient accumulation, PyTorch's repeated
     /// `scaler.scale(loss).backward()` between steps). Both must carry the same scale: calling
     /// `update()` between micro-batches is an error, as it would mix two scales.

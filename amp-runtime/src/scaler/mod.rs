@@ -208,7 +208,26 @@ impl GradScaler {
     /// Divides the gradients by the scale they carry, in place, in one fused pass, and records
     /// whether any was inf or NaN (for [`step`](Self::step) and [`update`](Self::update)).
     /// `inv_scale` is `1/scale` computed in f64 and rounded to f32, as in PyTorch.
+    ///
+    /// The gradients must carry this scaler's current scale (or none, from a disabled scaler,
+    /// when this one is disabled too): gradients of another scaler's loss, or of a disabled
+    /// scaler's, would be unscaled by the wrong factor or not checked at all.
     pub fn unscale(&mut self, grads: ScaledGrads) -> Result<UnscaledGrads> {
+        let expected = self.enabled.then_some(self.state.scale);
+        if grads.carried_scale().map(f32::to_bits) != expected.map(f32::to_bits) {
+            let said = |s: Option<f32>| {
+                s.map_or("no scale (a disabled scaler)".into(), |s| {
+                    format!("scale {s}")
+                })
+            };
+            return Err(ScalerError::Mismatch(format!(
+                "these gradients carry {} but this scaler has {}: unscale and step gradients \
+                 with the scaler whose scale() made their loss, before its update()",
+                said(grads.carried_scale()),
+                said(expected)
+            ))
+            .into());
+        }
         let unscaled = grads.unscale()?;
         if self.enabled {
             self.found_inf = Some(self.found_inf.unwrap_or(false) | unscaled.found_inf());
@@ -228,7 +247,7 @@ impl GradScaler {
         let grads = grads.into_unscaled(self)?;
         if grads.found_inf() {
             self.last_nonfinite = grads.nonfinite_ids();
-            self.state.skipped_steps += 1;
+            self.state.skipped_steps = self.state.skipped_steps.saturating_add(1);
             tracing::warn!(
                 target: TRACING_TARGET,
                 scale = self.state.scale,
@@ -318,8 +337,9 @@ impl GradScaler {
     }
 }
 
-/// Configures a [`GradScaler`]; `build` validates (growth_factor > 1, backoff_factor in
-/// (0, 1), growth_interval >= 1, init_scale and the bounds finite normal positive f32s, bounds
+/// Configures a [`GradScaler`]; `build` validates (growth_factor >= 1 + 2^-23, backoff_factor
+/// in (0, 1 - 2^-23]: PyTorch's > 1 and < 1, kept far enough from 1 to move every f32 scale;
+/// growth_interval >= 1, init_scale and the bounds finite normal positive f32s, bounds
 /// consistent).
 #[derive(Clone, Debug)]
 pub struct GradScalerBuilder {
@@ -359,7 +379,7 @@ impl GradScalerBuilder {
         self
     }
 
-    /// Backoff factor (0.5, must lie in (0, 1)).
+    /// Backoff factor (0.5, must lie in (0, 1 - 2^-23]).
     pub fn backoff_factor(mut self, backoff_factor: f64) -> Self {
         self.backoff_factor = backoff_factor;
         self

@@ -28,13 +28,7 @@ pub enum ScalerError {
     NotScalarLoss(Vec<usize>),
     /// Backoff would take the scale below the smallest normal f32: every step for a long while
     /// had inf/NaN gradients, so the scale is not the cause.
-    #[error(
-        "GradScaler: {consecutive_skips} steps in a row had inf/NaN gradients and the loss scale \
-         would fall below the smallest normal f32 ({scale:e} x backoff {backoff_factor}); the \
-         scale is left at {scale:e}. The gradients are non-finite at any scale, so the forward \
-         pass or the loss produces inf/NaN itself: check the inputs and the loss, and compare \
-         with the same step in f32 (`enabled = false`) to find the op"
-    )]
+    #[error("{}", underflow_message(*scale, *backoff_factor, *consecutive_skips))]
     ScaleUnderflow {
         scale: f32,
         backoff_factor: f64,
@@ -45,6 +39,29 @@ pub enum ScalerError {
 /// The smallest scale a state may hold: the smallest normal f32, so that `1/scale` is finite
 /// (below 2^-128 it is inf, and an unscaled zero gradient would become NaN).
 pub(crate) const MIN_SCALE: f32 = f32::MIN_POSITIVE;
+
+/// [`ScalerError::ScaleUnderflow`]'s words: after many skips in a row the model is to blame;
+/// a factor that underflows a scale of 1 or more in one backoff is itself the mistake.
+fn underflow_message(scale: f32, backoff_factor: f64, consecutive_skips: u64) -> String {
+    if consecutive_skips <= 1 && scale >= 1.0 {
+        return format!(
+            "GradScaler: one backoff by backoff_factor {backoff_factor:e} takes the loss scale \
+             {scale:e} below the smallest normal f32: backoff_factor is far too small (PyTorch's \
+             default is 0.5); the scale is left at {scale:e}"
+        );
+    }
+    format!(
+        "GradScaler: {consecutive_skips} steps in a row had inf/NaN gradients and the loss scale \
+         would fall below the smallest normal f32 ({scale:e} x backoff {backoff_factor:e}); the \
+         scale is left at {scale:e}. The gradients are non-finite at any scale, so the forward \
+         pass or the loss produces inf/NaN itself: check the inputs and the loss, and compare \
+         with the same step in f32 (`enabled = false`) to find the op"
+    )
+}
+
+/// How far from 1 the growth and backoff factors must be: one f32 ulp of 1 (2^-23), the
+/// smallest relative step that moves every normal f32 scale.
+const FACTOR_MARGIN: f64 = 1.0 / (1u64 << 23) as f64;
 
 /// Whether `v` can be a loss scale: finite and a normal positive f32.
 pub(crate) fn is_valid_scale(v: f32) -> bool {
@@ -79,8 +96,8 @@ fn invalid(field: &'static str, reason: String) -> candle_core::Error {
 /// Save it next to the weights: as JSON ([`to_json`](Self::to_json), or any serde format), or
 /// as tensors in the model's safetensors file ([`to_tensors`](Self::to_tensors)). Loading checks
 /// every field ([`validate`](Self::validate)); a missing field, a NaN, infinite, negative, zero
-/// or subnormal scale, `growth_factor <= 1`, `backoff_factor` outside (0, 1) or a tracker at or past the
-/// interval is an error, not a panic.
+/// or subnormal scale, `growth_factor` below 1 + 2^-23, `backoff_factor` outside
+/// (0, 1 - 2^-23] or a tracker at or past the interval is an error, not a panic.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScalerState {
@@ -88,7 +105,7 @@ pub struct ScalerState {
     pub scale: f32,
     /// Factor applied after `growth_interval` consecutive finite steps (> 1).
     pub growth_factor: f64,
-    /// Factor applied after a step with non-finite gradients (in (0, 1)).
+    /// Factor applied after a step with non-finite gradients (in (0, 1 - 2^-23]).
     pub backoff_factor: f64,
     /// Consecutive finite steps before the scale grows (>= 1).
     pub growth_interval: u32,
@@ -111,16 +128,27 @@ impl ScalerState {
         if !is_valid_scale(self.scale) {
             return Err(invalid_scale("scale", self.scale));
         }
-        if !(self.growth_factor.is_finite() && self.growth_factor > 1.0) {
+        // PyTorch asks growth_factor > 1 and backoff_factor < 1. Closer to 1 than 2^-23, a
+        // factor leaves some f32 scales where they are (65536 x 0.99999999 rounds back to
+        // 65536): overflowing steps would never back off, and nothing would say so.
+        if !(self.growth_factor.is_finite() && self.growth_factor >= 1.0 + FACTOR_MARGIN) {
             return Err(invalid(
                 "growth_factor",
-                format!("must be a finite number > 1, got {}", self.growth_factor),
+                format!(
+                    "must be a finite number of at least 1 + 2^-23 (a smaller factor leaves \
+                     some f32 scales unchanged), got {}",
+                    self.growth_factor
+                ),
             ));
         }
-        if !(self.backoff_factor > 0.0 && self.backoff_factor < 1.0) {
+        if !(self.backoff_factor > 0.0 && self.backoff_factor <= 1.0 - FACTOR_MARGIN) {
             return Err(invalid(
                 "backoff_factor",
-                format!("must lie in (0, 1), got {}", self.backoff_factor),
+                format!(
+                    "must lie in (0, 1 - 2^-23] (a factor closer to 1 leaves some f32 scales \
+                     unchanged), got {}",
+                    self.backoff_factor
+                ),
             ));
         }
         if self.growth_interval == 0 {
@@ -235,8 +263,9 @@ impl ScalerState {
                 Tensor::new(self.growth_tracker, cpu)?,
             ),
             (
+                // candle has no u64 dtype: the i64 of the same 64 bits, read back exactly.
                 format!("{prefix}skipped_steps"),
-                Tensor::new(i64::try_from(self.skipped_steps).unwrap_or(i64::MAX), cpu)?,
+                Tensor::new(i64::from_ne_bytes(self.skipped_steps.to_ne_bytes()), cpu)?,
             ),
         ]);
         if let Some(lo) = self.min_scale {
@@ -259,8 +288,8 @@ impl ScalerState {
             backoff_factor: read.required("backoff_factor", DType::F64)?,
             growth_interval: read.required("growth_interval", DType::U32)?,
             growth_tracker: read.required("growth_tracker", DType::U32)?,
-            skipped_steps: u64::try_from(skipped)
-                .map_err(|_| invalid("skipped_steps", format!("must be >= 0, got {skipped}")))?,
+            // The bits `to_tensors` wrote (earlier versions clamped to i64::MAX, never negative).
+            skipped_steps: u64::from_ne_bytes(skipped.to_ne_bytes()),
             min_scale: read.optional("min_scale", DType::F32)?,
             max_scale: read.optional("max_scale", DType::F32)?,
         };

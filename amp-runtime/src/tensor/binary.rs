@@ -172,9 +172,14 @@ impl<P: Precision> Tensor<P> {
         Q: SamePrecision<P, op::conv_transpose1d>,
     {
         self.binary_op::<op::conv_transpose1d, Q>(kernel, |x, k| {
-            crate::kernels::widened_transpose(x, k, |x, k| {
-                x.conv_transpose1d(k, padding, output_padding, stride, dilation, groups)
-            })
+            let t = crate::kernels::TransposeParams {
+                padding,
+                output_padding,
+                stride,
+                dilation,
+                groups,
+            };
+            crate::kernels::conv_transpose(x, k, t)
         })
     }
 
@@ -191,9 +196,14 @@ impl<P: Precision> Tensor<P> {
         Q: SamePrecision<P, op::conv_transpose2d>,
     {
         self.binary_op::<op::conv_transpose2d, Q>(kernel, |x, k| {
-            crate::kernels::widened_transpose(x, k, |x, k| {
-                x.conv_transpose2d(k, padding, output_padding, stride, dilation)
-            })
+            let t = crate::kernels::TransposeParams {
+                padding,
+                output_padding,
+                stride,
+                dilation,
+                groups: 1,
+            };
+            crate::kernels::conv_transpose(x, k, t)
         })
     }
 }

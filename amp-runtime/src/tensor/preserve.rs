@@ -152,6 +152,7 @@ impl<P: Precision> Tensor<P> {
         ids: &candle_core::Tensor,
         dim: D,
     ) -> Result<Self> {
+        crate::kernels::check_ids("index_select", ids)?;
         self.unary_op::<op::index_select, P>(|x| x.index_select(ids, dim))
     }
 

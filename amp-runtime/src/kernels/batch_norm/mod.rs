@@ -123,9 +123,16 @@ fn stats<T: Real>(xs: &[T], g: Geometry) -> (Vec<f64>, Vec<f64>) {
 
 /// The biased variance from the sum of squares about the f32-rounded mean (the values are
 /// centred on it), the (tiny) offset of that mean corrected exactly.
+/// A NaN (a NaN input) stays NaN, as PyTorch's does: `f64::max` would make it 0, and a running
+/// variance that looks healthy beside a NaN running mean.
 fn variance(squares: f64, mean: f64, count: f64) -> f64 {
     let shift = f64::from(mean as f32) - mean;
-    (squares / count - shift * shift).max(0.0)
+    let v = squares / count - shift * shift;
+    if v < 0.0 {
+        0.0
+    } else {
+        v
+    }
 }
 
 impl CustomOp3 for Normalisation {

@@ -38,6 +38,72 @@ pub(crate) struct Conv2dParams {
     pub groups: usize,
 }
 
+impl Conv2dParams {
+    /// Rejects a stride, dilation or group count of 0, which candle divides by (a panic) or
+    /// multiplies every tap's offset by (each output its own pixel times the kernel's sum).
+    pub(crate) fn check(self, op: &str) -> Result<()> {
+        for (name, value) in [
+            ("stride", self.stride),
+            ("dilation", self.dilation),
+            ("groups", self.groups),
+        ] {
+            if value == 0 {
+                candle_core::bail!("{op}: {name} must be positive, got 0")
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks a convolution's operands against its parameters before candle sees them: `x` is
+/// `(batch, c_in, spatial...)` and `k` `(c_out, c_in / groups, kernel...)` with one kernel size
+/// per spatial dimension, none of them 0, the channels divisible by the groups, and the
+/// dilated kernel no larger than the padded input (candle answers a larger kernel with sizes
+/// that wrapped around, `usize::MAX`, and an empty kernel with zeros).
+pub(crate) fn check_geometry(op: &str, x: &[usize], k: &[usize], p: Conv2dParams) -> Result<()> {
+    p.check(op)?;
+    let spatial = x.len().saturating_sub(2);
+    if spatial == 0 || k.len() != x.len() {
+        candle_core::bail!(
+            "{op}: the input is (batch, channels, {spatial_names}) and the kernel (out channels, \
+             in channels / groups, {spatial_names}), got {x:?} and {k:?}",
+            spatial_names = if k.len() == 3 {
+                "length"
+            } else {
+                "height, width"
+            }
+        )
+    }
+    let (c_in, c_out, c_in_g) = (x[1], k[0], k[1]);
+    if c_in_g * p.groups != c_in {
+        candle_core::bail!(
+            "{op}: the input has {c_in} channels, the kernel {c_in_g} per group x {} groups",
+            p.groups
+        )
+    }
+    if !c_out.is_multiple_of(p.groups) {
+        candle_core::bail!(
+            "{op}: {c_out} output channels do not split into {} groups",
+            p.groups
+        )
+    }
+    for (&size, &taps) in x[2..].iter().zip(&k[2..]) {
+        if taps == 0 {
+            candle_core::bail!("{op}: the kernel {k:?} has a side of size 0")
+        }
+        let span = p.dilation * (taps - 1) + 1;
+        if span > size + 2 * p.padding {
+            candle_core::bail!(
+                "{op}: the kernel spans {span} (size {taps}, dilation {}) along a side of the \
+                 input of {size} padded by {} on each side: no output position",
+                p.dilation,
+                p.padding
+            )
+        }
+    }
+    Ok(())
+}
+
 /// `conv2d` with candle's semantics plus an optional per-channel `bias` `(c_out)` of the
 /// kernel's dtype; on CPU as GEMMs with the bias added before the one rounding of each output
 /// (see the module docs), elsewhere candle's conv (a matrix product for a pointwise conv) and
@@ -51,6 +117,7 @@ pub(crate) fn conv2d(
     bias: Option<&Tensor>,
     p: Conv2dParams,
 ) -> Result<Tensor> {
+    check_geometry("conv2d", x.dims(), k.dims(), p)?;
     let bias_fits =
         bias.is_none_or(|b| b.dims() == [k.dim(0).unwrap_or(0)] && b.dtype() == k.dtype());
     if handles(x, k, p) && bias_fits {
@@ -90,6 +157,7 @@ pub(crate) fn conv1d(
     bias: Option<&Tensor>,
     p: Conv2dParams,
 ) -> Result<Tensor> {
+    check_geometry("conv1d", x.dims(), k.dims(), p)?;
     let x = if p.padding > 0 {
         x.pad_with_zeros(2, p.padding, p.padding)?
     } else {
@@ -99,23 +167,104 @@ pub(crate) fn conv1d(
     conv2d(&x.unsqueeze(2)?, &k.unsqueeze(2)?, bias, flat)?.squeeze(2)
 }
 
-/// A transposed convolution (`f`, candle's) of half operands computed in f32 and rounded once:
+/// Transposed-convolution hyper-parameters, as candle's `conv_transpose1d`/`conv_transpose2d`
+/// take them (`groups` for the 1-D one only, as in candle).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TransposeParams {
+    pub padding: usize,
+    pub output_padding: usize,
+    pub stride: usize,
+    pub dilation: usize,
+    pub groups: usize,
+}
+
+/// candle's `conv_transpose1d` (an `x` of rank 3) or `conv_transpose2d` (rank 4), its geometry
+/// checked first ([`check_transpose`]), half operands computed in f32 and rounded once:
 /// candle's CPU kernel adds each tap into an output in the operands' dtype (bf16: 289 taps of
 /// ones summed to 256), where autocast's lower-precision ops accumulate in f32. An f32 `x`
 /// runs as it is.
-pub(crate) fn widened_transpose(
-    x: &Tensor,
-    k: &Tensor,
-    f: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>,
-) -> Result<Tensor> {
+pub(crate) fn conv_transpose(x: &Tensor, k: &Tensor, t: TransposeParams) -> Result<Tensor> {
+    check_transpose(x.dims(), k.dims(), t)?;
+    let run = |x: &Tensor, k: &Tensor| {
+        if x.rank() == 3 {
+            x.conv_transpose1d(
+                k,
+                t.padding,
+                t.output_padding,
+                t.stride,
+                t.dilation,
+                t.groups,
+            )
+        } else {
+            x.conv_transpose2d(k, t.padding, t.output_padding, t.stride, t.dilation)
+        }
+    };
     if x.dtype() == DType::F32 && k.dtype() == DType::F32 {
-        return f(x, k);
+        return run(x, k);
     }
-    let y = f(
+    let y = run(
         &crate::kernels::convert::to_dtype(x, DType::F32)?,
         &crate::kernels::convert::to_dtype(k, DType::F32)?,
     )?;
     crate::kernels::convert::to_dtype(&y, x.dtype())
+}
+
+/// Checks a transposed convolution's operands against its parameters, as PyTorch does: `x` is
+/// `(batch, c_in, spatial...)` and `k` `(c_in, c_out / groups, kernel...)`; stride, dilation and
+/// groups positive (candle divides by them); `output_padding` smaller than the stride or the
+/// dilation; every output size at least 1 (candle's would wrap around).
+pub(crate) fn check_transpose(x: &[usize], k: &[usize], t: TransposeParams) -> Result<()> {
+    let op = if x.len() == 3 {
+        "conv_transpose1d"
+    } else {
+        "conv_transpose2d"
+    };
+    Conv2dParams {
+        padding: t.padding,
+        stride: t.stride,
+        dilation: t.dilation,
+        groups: t.groups,
+    }
+    .check(op)?;
+    if !matches!(x.len(), 3 | 4) || k.len() != x.len() {
+        candle_core::bail!(
+            "{op}: the input is (batch, channels, spatial...) and the kernel (in channels, out \
+             channels / groups, kernel...) of the same rank, 3 or 4, got {x:?} and {k:?}"
+        )
+    }
+    if x.len() == 4 && t.groups != 1 {
+        candle_core::bail!("{op}: groups must be 1 (candle's conv_transpose2d has none)")
+    }
+    if x[1] != k[0] || !k[0].is_multiple_of(t.groups) {
+        candle_core::bail!(
+            "{op}: the input has {} channels, the kernel {} input channels in {} groups",
+            x[1],
+            k[0],
+            t.groups
+        )
+    }
+    if t.output_padding >= t.stride.max(t.dilation) {
+        candle_core::bail!(
+            "{op}: output_padding {} must be smaller than the stride ({}) or the dilation ({})",
+            t.output_padding,
+            t.stride,
+            t.dilation
+        )
+    }
+    for (&size, &taps) in x[2..].iter().zip(&k[2..]) {
+        if taps == 0 || size == 0 {
+            candle_core::bail!("{op}: a side of size 0 in {x:?} or {k:?}")
+        }
+        let full = (size - 1) * t.stride + t.dilation * (taps - 1) + t.output_padding + 1;
+        if full <= 2 * t.padding {
+            candle_core::bail!(
+                "{op}: padding {} on each side leaves no output of the {full} positions a side \
+                 of {size} makes",
+                t.padding
+            )
+        }
+    }
+    Ok(())
 }
 
 /// Whether the convolution is a matrix product per image: a 1x1 kernel at stride 1, no padding,

@@ -1,0 +1,477 @@
+//! Arguments and shapes a user gets wrong are errors that say what is wrong: never a panic,
+//! never a silent wrong result. Each case below was a panic or a silent result before, and
+//! each is checked on every path that reaches its check: the typed op, the op in a region, the
+//! layer's constructor, candle-nn's layer in a region.
+//!
+//! The expectations are PyTorch's (its constructors and ops reject these arguments, mostly
+//! with the same wording), and where PyTorch lets a value through that corrupts training (a
+//! NaN learning rate, a NaN dropout probability), an error here too.
+
+use candle_amp::nn::{self, Conv1dConfig, Conv2dConfig};
+use candle_amp::optim::{AdamW, Optimizer, ParamsAdamW, SGD};
+use candle_amp::{autocast, Tensor, BF16, F16, F32};
+use candle_core::{DType, Device, Result, Var};
+use candle_nn::{VarBuilder, VarMap};
+
+fn dev() -> Device {
+    Device::Cpu
+}
+
+/// The error's message, or a failure naming what was wrongly accepted.
+fn message<T>(what: &str, r: Result<T>) -> String {
+    match r {
+        Ok(_) => panic!("{what}: accepted, expected an error"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn assert_err<T>(what: &str, r: Result<T>, expected: &str) {
+    let msg = message(what, r);
+    assert!(
+        msg.contains(expected),
+        "{what}: the error should say `{expected}`, said: {msg}"
+    );
+}
+
+fn image<P: candle_amp::Precision>(dims: (usize, usize, usize, usize)) -> Result<Tensor<P>> {
+    Tensor::<F32>::randn(0.0, 1.0, dims, &dev())?.cast::<P>()
+}
+
+// ---- Convolution geometry: checked before candle sees it. ----
+
+/// candle divides by the stride and the dilation (a panic at 0), answers a kernel larger
+/// than the input with sizes that wrapped around (`usize::MAX`), a zero dilation with each
+/// output its own pixel times the kernel's sum, an empty kernel with zeros.
+fn conv_geometry_is_checked<P: candle_amp::Precision>() -> Result<()> {
+    let x = image::<P>((1, 2, 3, 3))?;
+    let k = image::<P>((2, 2, 3, 3))?;
+    assert_err(
+        "stride 0",
+        x.conv2d(&k, 0, 0, 1, 1),
+        "stride must be positive",
+    );
+    assert_err(
+        "dilation 0",
+        x.conv2d(&k, 0, 1, 0, 1),
+        "dilation must be positive",
+    );
+    assert_err(
+        "groups 0",
+        x.conv2d(&k, 0, 1, 1, 0),
+        "groups must be positive",
+    );
+    let big = image::<P>((2, 2, 5, 5))?;
+    assert_err(
+        "5x5 kernel on 3x3",
+        x.conv2d(&big, 0, 1, 1, 1),
+        "no output position",
+    );
+    // With padding 1 the 5x5 kernel fits (output 1x1), as in PyTorch.
+    assert_eq!(x.conv2d(&big, 1, 1, 1, 1)?.dims(), [1, 2, 1, 1]);
+    let x1 = image::<P>((1, 1, 3, 3))?;
+    let empty = Tensor::<F32>::zeros((2, 1, 0, 0), &dev())?.cast::<P>()?;
+    assert_err("an empty kernel", x1.conv2d(&empty, 0, 1, 1, 1), "size 0");
+    let k3 = image::<P>((2, 3, 3, 3))?;
+    assert_err(
+        "channels",
+        x.conv2d(&k3, 1, 1, 1, 1),
+        "the input has 2 channels",
+    );
+    let line = Tensor::<F32>::randn(0.0, 1.0, (1, 2, 4), &dev())?.cast::<P>()?;
+    let k1 = Tensor::<F32>::randn(0.0, 1.0, (2, 2, 5), &dev())?.cast::<P>()?;
+    assert_err(
+        "conv1d stride 0",
+        line.conv1d(&k1, 2, 0, 1, 1),
+        "stride must be positive",
+    );
+    assert_err(
+        "conv1d too long",
+        line.conv1d(&k1, 0, 1, 1, 1),
+        "conv1d: the kernel spans 5",
+    );
+    Ok(())
+}
+
+#[test]
+fn conv_geometry_is_checked_in_every_precision() -> Result<()> {
+    conv_geometry_is_checked::<F32>()?;
+    conv_geometry_is_checked::<F16>()?;
+    conv_geometry_is_checked::<BF16>()
+}
+
+#[test]
+fn transposed_conv_geometry_is_checked() -> Result<()> {
+    let x = image::<F16>((1, 2, 3, 3))?;
+    let k = image::<F16>((2, 4, 3, 3))?;
+    assert_eq!(x.conv_transpose2d(&k, 0, 0, 1, 1)?.dims(), [1, 4, 5, 5]);
+    assert_err(
+        "stride 0",
+        x.conv_transpose2d(&k, 0, 0, 0, 1),
+        "stride must be positive",
+    );
+    assert_err(
+        "dilation 0",
+        x.conv_transpose2d(&k, 0, 0, 1, 0),
+        "dilation must be positive",
+    );
+    assert_err(
+        "output_padding >= stride",
+        x.conv_transpose2d(&k, 0, 2, 2, 1),
+        "output_padding 2 must be smaller",
+    );
+    assert_err(
+        "padding eats the output",
+        x.conv_transpose2d(&k, 3, 0, 1, 1),
+        "no output",
+    );
+    let wrong = image::<F16>((3, 4, 3, 3))?;
+    assert_err(
+        "channels",
+        x.conv_transpose2d(&wrong, 0, 0, 1, 1),
+        "input has 2 channels",
+    );
+    let line = Tensor::<F32>::randn(0.0, 1.0, (1, 2, 4), &dev())?;
+    let k1 = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 3), &dev())?;
+    assert_eq!(line.conv_transpose1d(&k1, 0, 0, 1, 1, 1)?.dims(), [1, 3, 6]);
+    assert_err(
+        "1-D groups 0",
+        line.conv_transpose1d(&k1, 0, 0, 1, 1, 0),
+        "groups must be",
+    );
+    Ok(())
+}
+
+struct Stem {
+    conv: nn::Conv2d,
+}
+
+#[autocast(bf16)]
+impl Stem {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        self.conv.forward(x)
+    }
+}
+
+struct CandleStem {
+    conv: candle_nn::Conv2d,
+}
+
+#[autocast(bf16)]
+impl CandleStem {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        self.conv.forward(x)
+    }
+}
+
+#[autocast(fp16)]
+fn routed_conv(x: &Tensor<F32>, k: &Tensor<F32>, stride: usize) -> Result<Tensor<F32>> {
+    x.conv2d(k, 0, stride, 1, 1)
+}
+
+/// The layer rejects a configuration candle would divide by (PyTorch's `Conv2d` rejects
+/// `groups` that do not divide the channels; a zero stride fails its forward); in a region, the
+/// routed op and candle-nn's layer (whose constructor checks nothing) fail with the same words.
+#[test]
+fn conv_layers_and_routed_convs_check_their_configuration() -> Result<()> {
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev());
+    let zero_stride = Conv2dConfig {
+        stride: 0,
+        ..Default::default()
+    };
+    assert_err(
+        "nn::conv2d stride 0",
+        nn::conv2d(2, 2, 3, zero_stride, vb.pp("a")),
+        "stride must be positive",
+    );
+    let grouped = Conv2dConfig {
+        groups: 2,
+        ..Default::default()
+    };
+    assert_err(
+        "3 channels in 2 groups",
+        nn::conv2d(3, 2, 3, grouped, vb.pp("b")),
+        "must split into groups",
+    );
+    let zero_dilation = Conv1dConfig {
+        dilation: 0,
+        ..Default::default()
+    };
+    assert_err(
+        "nn::conv1d dilation 0",
+        nn::conv1d(2, 2, 3, zero_dilation, vb.pp("c")),
+        "dilation must be positive",
+    );
+    let w = Var::from_tensor(&candle_core::Tensor::ones(
+        (2, 2, 3, 3),
+        DType::F32,
+        &dev(),
+    )?)?;
+    assert_err(
+        "Conv2d::new stride 0",
+        nn::Conv2d::new(w.clone(), None, zero_stride),
+        "stride must be positive",
+    );
+
+    let x = Tensor::<F32>::randn(0.0, 1.0, (1, 2, 3, 3), &dev())?;
+    let stem = Stem {
+        conv: nn::conv2d(2, 2, 5, Conv2dConfig::default(), vb.pp("d"))?,
+    };
+    assert_err(
+        "a 5x5 layer on 3x3, bf16",
+        stem.forward(&x),
+        "no output position",
+    );
+    let candle_stem = CandleStem {
+        conv: candle_nn::Conv2d::new(w.as_tensor().clone(), None, zero_stride),
+    };
+    assert_err(
+        "candle-nn's Conv2d with stride 0, in a region",
+        candle_stem.forward(&x),
+        "stride must be positive",
+    );
+    let k = Tensor::<F32>::randn(0.0, 1.0, (2, 2, 3, 3), &dev())?;
+    assert_err(
+        "routed stride 0",
+        routed_conv(&x, &k, 0),
+        "stride must be positive",
+    );
+    assert_eq!(routed_conv(&x, &k, 1)?.dims(), [1, 2, 1, 1]);
+    Ok(())
+}
+
+// ---- Normalisation: eps, and NaN statistics. ----
+
+/// A negative `eps` made every output NaN (`BatchNorm2d` already rejected `eps <= 0`); every
+/// norm now checks it, the layers when built and the ops when run (candle-nn's layer norm in a
+/// region included).
+#[test]
+fn norms_reject_an_eps_that_is_not_positive_and_finite() -> Result<()> {
+    let ones = || Var::from_tensor(&candle_core::Tensor::ones(4, DType::F32, &dev()).unwrap());
+    for eps in [-1.0, 0.0, f64::NAN, f64::INFINITY] {
+        assert_err(
+            "LayerNorm",
+            nn::LayerNorm::new(ones()?, None, eps),
+            "eps must be finite",
+        );
+        assert_err(
+            "RmsNorm",
+            nn::RmsNorm::new(ones()?, eps),
+            "eps must be finite",
+        );
+        assert_err(
+            "BatchNorm2d",
+            nn::BatchNorm2d::new(ones()?, ones()?, Some((ones()?, ones()?)), eps, 0.1),
+            "eps must be finite",
+        );
+    }
+    assert_err(
+        "BatchNorm2d momentum NaN",
+        nn::BatchNorm2d::new(ones()?, ones()?, None, 1e-5, f64::NAN),
+        "momentum must be in [0, 1]",
+    );
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 4), &dev())?;
+    let w = ones()?.as_tensor().clone();
+    assert_err(
+        "fp32::layer_norm eps -1",
+        candle_amp::fp32::layer_norm(&x, &Tensor::from_candle(w.clone())?, None, -1.0),
+        "eps must be finite",
+    );
+    let candle_ln =
+        candle_nn::LayerNorm::new(w, candle_core::Tensor::zeros(4, DType::F32, &dev())?, -1.0);
+    assert_err(
+        "candle-nn's LayerNorm eps -1, in a region",
+        norm_in_region(&candle_ln, &x),
+        "eps must be finite",
+    );
+    Ok(())
+}
+
+#[autocast(bf16)]
+fn norm_in_region(ln: &candle_nn::LayerNorm, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    ln.forward(x)
+}
+
+/// One NaN pixel in training: the batch's mean and variance of that channel are NaN, and so
+/// are both running statistics (the variance's clamp at 0 turned NaN into 0, leaving a running
+/// variance that looked healthy beside a NaN running mean). PyTorch gives NaN in both.
+#[test]
+fn a_nan_input_makes_both_running_statistics_nan() -> Result<()> {
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev());
+    let bn = nn::batch_norm2d(2, 1e-5, vb.pp("bn"))?;
+    let mut values = vec![0.5f32; 2 * 2 * 3 * 3];
+    values[4] = f32::NAN; // channel 0 of image 0
+    let x =
+        Tensor::<F32>::from_candle(candle_core::Tensor::from_vec(values, (2, 2, 3, 3), &dev())?)?;
+    let y = bn.forward_train(&x)?.to_flat_vec::<f32>()?;
+    let mean = bn.running_mean().as_tensor().to_vec1::<f32>()?;
+    let var = bn.running_var().as_tensor().to_vec1::<f32>()?;
+    assert!(
+        mean[0].is_nan() && var[0].is_nan(),
+        "channel 0: {mean:?} {var:?}"
+    );
+    assert!(
+        mean[1].is_finite() && var[1].is_finite(),
+        "channel 1: {mean:?} {var:?}"
+    );
+    // The output: channel 0 of both images NaN, channel 1 finite.
+    for (i, v) in y.iter().enumerate() {
+        assert_eq!(v.is_nan(), (i / 9) % 2 == 0, "output {i}: {v}");
+    }
+    Ok(())
+}
+
+// ---- Dropout's probability. ----
+
+/// `Dropout::new` keeps candle-nn's infallible signature, so `p` is checked when the layer
+/// runs: NaN and negative values returned the input unchanged in training (1.5 was an error).
+#[test]
+fn dropout_rejects_a_probability_outside_zero_to_one() -> Result<()> {
+    let x = Tensor::<F32>::ones((4, 4), &dev())?;
+    for p in [f32::NAN, -0.5, 1.0, 1.5] {
+        let drop = nn::Dropout::new(p);
+        assert_err("training", drop.forward(&x, true), "dropout probability");
+        assert_err("evaluation", drop.forward(&x, false), "dropout probability");
+    }
+    assert_eq!(
+        nn::Dropout::new(0.0)
+            .forward(&x, true)?
+            .to_flat_vec::<f32>()?,
+        vec![1.0; 16]
+    );
+    Ok(())
+}
+
+// ---- Optimizers' hyper-parameters: PyTorch's ranges, NaN and infinity rejected. ----
+
+fn weights() -> Result<Var> {
+    Var::from_tensor(&candle_core::Tensor::ones(3, DType::F32, &dev())?)
+}
+
+#[test]
+fn optimizers_reject_hyper_parameters_outside_pytorchs_ranges() -> Result<()> {
+    for lr in [f64::NAN, -1.0, f64::INFINITY] {
+        assert_err(
+            "SGD lr",
+            SGD::new(vec![weights()?], lr),
+            "invalid learning rate",
+        );
+        assert_err(
+            "AdamW lr",
+            AdamW::new_lr(vec![weights()?], lr),
+            "invalid learning rate",
+        );
+    }
+    let bad = [
+        (
+            "beta1",
+            ParamsAdamW {
+                beta1: 1.0,
+                ..Default::default()
+            },
+            "invalid beta1",
+        ),
+        (
+            "beta2",
+            ParamsAdamW {
+                beta2: -0.1,
+                ..Default::default()
+            },
+            "invalid beta2",
+        ),
+        (
+            "eps",
+            ParamsAdamW {
+                eps: -1.0,
+                ..Default::default()
+            },
+            "invalid eps",
+        ),
+        (
+            "weight_decay",
+            ParamsAdamW {
+                weight_decay: f64::NAN,
+                ..Default::default()
+            },
+            "invalid weight_decay",
+        ),
+    ];
+    for (what, params, expected) in bad {
+        assert_err(what, AdamW::new(vec![weights()?], params), expected);
+    }
+    // lr 0 and eps 0 are allowed, as in PyTorch.
+    let _ = SGD::new(vec![weights()?], 0.0)?;
+    let _ = AdamW::new(
+        vec![weights()?],
+        ParamsAdamW {
+            eps: 0.0,
+            lr: 0.0,
+            ..Default::default()
+        },
+    )?;
+    Ok(())
+}
+
+/// `set_learning_rate` cannot fail (candle-nn's trait), so a bad rate set there fails the next
+/// step, which then changes no weight.
+#[test]
+fn a_bad_learning_rate_set_later_fails_the_step_and_changes_nothing() -> Result<()> {
+    let w = weights()?;
+    let grads = (w.as_tensor() * 2.0)?.sum_all()?.backward()?;
+    let mut sgd = SGD::new(vec![w.clone()], 0.1)?;
+    sgd.set_learning_rate(f64::INFINITY);
+    assert_err("SGD step", sgd.step(&grads), "invalid learning rate inf");
+    let mut adamw = AdamW::new_lr(vec![w.clone()], 0.1)?;
+    adamw.set_learning_rate(f64::NAN);
+    assert_err(
+        "AdamW step",
+        adamw.step(&grads),
+        "invalid learning rate NaN",
+    );
+    adamw.set_params(ParamsAdamW {
+        beta1: 1.0,
+        ..Default::default()
+    });
+    assert_err("AdamW step", adamw.step(&grads), "invalid beta1");
+    assert_eq!(w.as_tensor().to_vec1::<f32>()?, [1.0, 1.0, 1.0]);
+    Ok(())
+}
+
+// ---- Ids. ----
+
+/// Float ids are an error naming the ids (candle's `index_select` said "unsupported dtype F32"
+/// for f16 ids, naming the table), in the layer, candle-nn's layer in a region, and the op.
+#[test]
+fn float_ids_are_an_error_naming_the_ids() -> Result<()> {
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev());
+    let emb = nn::embedding(10, 4, vb.pp("emb"))?;
+    let ids = candle_core::Tensor::new(&[1f32, 2.0], &dev())?.to_dtype(DType::F16)?;
+    assert_err(
+        "Embedding, f16 ids",
+        emb.forward(&ids),
+        "the ids must be integers",
+    );
+    let candle_emb = candle_nn::embedding(10, 4, vb.pp("candle_emb"))?;
+    assert_err(
+        "candle-nn's Embedding in a region",
+        lookup_in_region(&candle_emb, &ids),
+        "the ids must be integers",
+    );
+    let table = Tensor::<F16>::ones((10, 4), &dev())?;
+    let f32_ids = candle_core::Tensor::new(&[1f32, 2.0], &dev())?;
+    assert_err(
+        "index_select, f32 ids",
+        table.index_select(&f32_ids, 0),
+        "index_select: the ids must be integers",
+    );
+    let good = candle_core::Tensor::new(&[1u32, 2], &dev())?;
+    assert_eq!(emb.forward(&good)?.dims(), [2, 4]);
+    Ok(())
+}
+
+#[autocast(bf16)]
+fn lookup_in_region(emb: &candle_nn::Embedding, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
+    emb.forward(ids)
+}
