@@ -1678,3 +1678,90 @@ fn typed_tensors_in_plain_code_a_region_calls_follow_its_policy() -> Result<()> 
     assert!(same(&scores(&a.q, &a.k)?.into_candle(), &f32_scores)?);
     Ok(())
 }
+
+// ---- Results in `Option`s and `Vec`s. ----
+
+/// A region may return `Option<Tensor<P>>` or `Vec<Tensor<P>>`, each tensor leaving in the
+/// declared precision; a module called from a region may return them too, its tensors coming
+/// back as region values (the trait bound `RegionResult` was not satisfied for either).
+#[autocast(fp16)]
+fn maybe_product(x: &Tensor<F32>, on: bool) -> Result<Option<Tensor<F32>>> {
+    if on {
+        Ok(Some(x.matmul(&x.t()?)?))
+    } else {
+        Ok(None)
+    }
+}
+
+struct PerHead {
+    a: nn::Linear,
+    b: nn::Linear,
+}
+
+#[autocast]
+impl PerHead {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Vec<Tensor<F32>>> {
+        let mut out = Vec::new();
+        out.push(self.a.forward(x)?);
+        out.push(self.b.forward(x)?);
+        Ok(out)
+    }
+}
+
+/// A module whose forward may have nothing to give.
+struct MaybeHead {
+    head: Option<nn::Linear>,
+}
+
+#[autocast]
+impl MaybeHead {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Option<Tensor<F32>>> {
+        match &self.head {
+            Some(head) => Ok(Some(head.forward(x)?)),
+            None => Ok(None),
+        }
+    }
+}
+
+#[autocast(bf16)]
+fn heads_in_a_region(
+    h: &PerHead,
+    some: &MaybeHead,
+    none: &MaybeHead,
+    x: &Tensor<F32>,
+) -> Result<Tensor<F32>> {
+    let v = h.forward(x)?;
+    let extra = some.forward(x)?.expect("a head");
+    assert!(none.forward(x)?.is_none());
+    // The heads ran under the caller's bf16 and came back as region values.
+    assert_eq!(
+        [v[0].dtype(), v[1].dtype(), extra.dtype()],
+        [DType::BF16; 3]
+    );
+    let sum = (&v[0] + &v[1])?;
+    Ok((sum + extra)?)
+}
+
+#[test]
+fn regions_and_modules_return_options_and_vecs_of_tensors() -> Result<()> {
+    let x = Tensor::<F32>::randn(0.0, 1.0, (3, 4), &dev())?;
+    let p = maybe_product(&x, true)?.expect("a product");
+    assert_eq!((p.dtype(), p.dims()), (DType::F32, &[3, 3][..]));
+    assert!(maybe_product(&x, false)?.is_none());
+    let (_map, vb) = vars();
+    let heads = PerHead {
+        a: nn::linear(4, 2, vb.pp("a"))?,
+        b: nn::linear(4, 2, vb.pp("b"))?,
+    };
+    let some = MaybeHead {
+        head: Some(nn::linear(4, 2, vb.pp("c"))?),
+    };
+    let none = MaybeHead { head: None };
+    let y = heads_in_a_region(&heads, &some, &none, &x)?;
+    assert_eq!((y.dtype(), y.dims()), (DType::F32, &[3, 2][..]));
+    // Called from plain code, each tensor leaves as its declared f32.
+    let v = heads.forward(&x)?;
+    assert!(v.iter().all(|t| t.dtype() == DType::F32));
+    assert_eq!(some.forward(&x)?.map(|t| t.dtype()), Some(DType::F32));
+    Ok(())
+}

@@ -482,7 +482,8 @@ fn returns_tensor_result(output: &ReturnType) -> bool {
     matches!(args.args.first(), Some(syn::GenericArgument::Type(t)) if is_tensor_or_tuple(t))
 }
 
-/// `Tensor<P>`, or a tuple of tensors (`(k, v)`) and plain values (`(h, n)`) with a tensor.
+/// `Tensor<P>`, a tuple of tensors (`(k, v)`) and plain values (`(h, n)`) with a tensor, or an
+/// `Option` or `Vec` of typed tensors or of such tuples (the runtime's `container_results!`).
 fn is_tensor_or_tuple(ty: &Type) -> bool {
     match ty {
         Type::Tuple(t) => {
@@ -491,7 +492,40 @@ fn is_tensor_or_tuple(ty: &Type) -> bool {
                     .iter()
                     .all(|e| is_tensor_type(e) || is_plain_type(e))
         }
-        other => is_tensor_type(other),
+        other => container_element(other).map_or_else(
+            || is_tensor_type(other),
+            |e| is_typed_tensor(e) || is_typed_tuple(e),
+        ),
+    }
+}
+
+/// `Tensor<X>` spelled with its precision: in a container, a bare `Tensor` may be candle's
+/// (`Vec<candle_core::Tensor>` stays the body's own value, as before containers exited).
+fn is_typed_tensor(ty: &Type) -> bool {
+    matches!(ty, Type::Path(p) if p.path.segments.last().is_some_and(|s| {
+        s.ident == "Tensor" && matches!(s.arguments, syn::PathArguments::AngleBracketed(_))
+    }))
+}
+
+/// A tuple of typed tensors and plain values, with a tensor.
+fn is_typed_tuple(ty: &Type) -> bool {
+    matches!(ty, Type::Tuple(t) if t.elems.iter().any(is_typed_tensor)
+        && t.elems.iter().all(|e| is_typed_tensor(e) || is_plain_type(e)))
+}
+
+/// `T` of an `Option<T>` or a `Vec<T>`.
+fn container_element(ty: &Type) -> Option<&Type> {
+    let Type::Path(p) = ty else { return None };
+    let last = p.path.segments.last()?;
+    if last.ident != "Option" && last.ident != "Vec" {
+        return None;
+    }
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    match args.args.first()? {
+        syn::GenericArgument::Type(t) if args.args.len() == 1 => Some(t),
+        _ => None,
     }
 }
 

@@ -164,7 +164,7 @@ pub fn exit<D, A: ExitAs<D>, E: From<candle_core::Error>>(
     message = "a region cannot return `{Self}` as `{D}`",
     label = "this value leaves the region as `{D}`",
     note = "a region's result is a tensor (a region value, a typed or a candle tensor) leaving \
-            as the `Tensor<P>` the signature declares, or a tuple of them"
+            as the `Tensor<P>` the signature declares, or a tuple, `Option` or `Vec` of them"
 )]
 pub trait ExitAs<D> {
     /// The value as `D`.
@@ -250,7 +250,7 @@ pub type RegionOutput<R> = <<R as RegionReturn>::Ok as RegionResult>::Region;
     label = "this value goes back to the calling region as `{D}`",
     note = "a module method returns tensors (region values, typed or candle tensors) declared \
             as `AmpTensor`, `Tensor<P>` or `candle_core::Tensor`, plain values (`usize`, `bool`, \
-            `f32`, `f64`, `DType`, ...), or a tuple of them"
+            `f32`, `f64`, `DType`, ...), or a tuple, `Option` or `Vec` of them"
 )]
 pub trait IntoRegion<D: RegionResult> {
     /// The value in region form.
@@ -309,6 +309,49 @@ tuple_results! {
     (A0 D0 0, A1 D1 1)
     (A0 D0 0, A1 D1 1, A2 D2 2)
     (A0 D0 0, A1 D1 1, A2 D2 2, A3 D3 3)
+}
+
+/// `Option`s and `Vec`s of results, element by element: a module returning an optional cache
+/// or one tensor per head, a region returning `Result<Option<Tensor<F32>>>`.
+impl<D: RegionResult> RegionResult for Option<D> {
+    type Region = Option<D::Region>;
+    fn cast_region(value: Self::Region, dtype: DType) -> Result<Self::Region> {
+        value.map(|v| D::cast_region(v, dtype)).transpose()
+    }
+}
+
+impl<V: ExitAs<D>, D> ExitAs<Option<D>> for Option<V> {
+    fn exit_as(self) -> Result<Option<D>> {
+        self.map(ExitAs::exit_as).transpose()
+    }
+}
+
+impl<V: IntoRegion<D>, D: RegionResult> IntoRegion<Option<D>> for Option<V> {
+    fn into_region(self) -> Option<D::Region> {
+        self.map(IntoRegion::into_region)
+    }
+}
+
+impl<D: RegionResult> RegionResult for Vec<D> {
+    type Region = Vec<D::Region>;
+    fn cast_region(value: Self::Region, dtype: DType) -> Result<Self::Region> {
+        value
+            .into_iter()
+            .map(|v| D::cast_region(v, dtype))
+            .collect()
+    }
+}
+
+impl<V: ExitAs<D>, D> ExitAs<Vec<D>> for Vec<V> {
+    fn exit_as(self) -> Result<Vec<D>> {
+        self.into_iter().map(ExitAs::exit_as).collect()
+    }
+}
+
+impl<V: IntoRegion<D>, D: RegionResult> IntoRegion<Vec<D>> for Vec<V> {
+    fn into_region(self) -> Vec<D::Region> {
+        self.into_iter().map(IntoRegion::into_region).collect()
+    }
 }
 
 /// A module body's result returned to a calling region (a module call) in region form: the
