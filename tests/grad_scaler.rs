@@ -1298,3 +1298,53 @@ fn gradients_from_another_scaler_are_an_error() -> Result<()> {
     assert!(disabled.step(&mut opt, grads)?.is_stepped());
     Ok(())
 }
+
+struct Half {
+    fc: nn::Linear,
+}
+
+impl Half {
+    #[autocast(fp16)]
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        self.fc.forward(x)
+    }
+}
+
+/// 70 NaN batches in a row back the scale off to 2^-54 (PyTorch's rule, kept); a finite batch
+/// then has fp16 gradients that underflow to exactly 0, and PyTorch reports the step as taken
+/// while nothing changes. Here that step is an error naming the scale and the skips.
+#[test]
+fn a_collapsed_scale_that_zeroes_every_gradient_is_an_error() -> Result<()> {
+    let vars = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&vars, DType::F32, &dev());
+    let net = Half {
+        fc: nn::linear(4, 1, vb.pp("fc"))?,
+    };
+    let mut opt = SGD::new(vars.all_vars(), 0.1)?;
+    let mut scaler = GradScaler::new();
+    let target = Tensor::<F32>::zeros((8, 1), &dev())?;
+    let mut iteration = |x: &Tensor<F32>, scaler: &mut GradScaler| -> Result<StepOutcome> {
+        let l = loss::mse(&net.forward(x)?, &target)?;
+        let grads = scaler.scale(&l)?.backward()?;
+        let outcome = scaler.step(&mut opt, grads)?;
+        scaler.update()?;
+        Ok(outcome)
+    };
+    let nan = Tensor::<F32>::from_candle(candle_core::Tensor::full(f32::NAN, (8, 4), &dev())?)?;
+    for _ in 0..70 {
+        assert!(iteration(&nan, &mut scaler)?.is_skipped());
+    }
+    assert_eq!(scaler.scale_value(), 2f32.powi(-54));
+    let x = Tensor::<F32>::ones((8, 4), &dev())?;
+    let before = bits(vars.all_vars()[0].as_tensor())?;
+    let msg = iteration(&x, &mut scaler).unwrap_err().to_string();
+    assert!(
+        msg.contains("every gradient is exactly 0") && msg.contains("70 steps skipped"),
+        "{msg}"
+    );
+    assert_eq!(bits(vars.all_vars()[0].as_tensor())?, before);
+    // At a healthy scale the same batch steps.
+    let mut fresh = GradScaler::new();
+    assert!(iteration(&x, &mut fresh)?.is_stepped());
+    Ok(())
+}

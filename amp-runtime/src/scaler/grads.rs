@@ -203,6 +203,23 @@ impl UnscaledGrads {
         !self.nonfinite.is_empty()
     }
 
+    /// Whether there are gradients and every element of every one is exactly 0 (a reduction per
+    /// gradient: the scaler asks only when the loss scale is below 1).
+    pub(super) fn all_zero(&self) -> Result<bool> {
+        let tensors = self.set.tensors();
+        for t in &tensors {
+            let largest = t
+                .abs()?
+                .max_all()?
+                .to_dtype(candle_core::DType::F32)?
+                .to_scalar::<f32>()?;
+            if largest > 0.0 {
+                return Ok(false);
+            }
+        }
+        Ok(!tensors.is_empty())
+    }
+
     /// The ids of the variables whose gradients held inf or NaN.
     pub(super) fn nonfinite_ids(&self) -> Vec<candle_core::TensorId> {
         self.nonfinite.iter().copied().collect()

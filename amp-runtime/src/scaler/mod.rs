@@ -239,6 +239,11 @@ impl GradScaler {
     /// [`ScaledGrads`]. A skipped step leaves the weights bit for bit as they were, counts in
     /// [`skipped_steps`](Self::skipped_steps) and emits a `tracing` warning. Disabled: always
     /// steps.
+    ///
+    /// # Errors
+    /// [`ScalerError::ScaleCollapsed`] when the scale is below 1 and every gradient is exactly
+    /// 0: the scale has backed off until the half-precision gradients underflow, and the step
+    /// would change nothing (PyTorch reports it as taken).
     pub fn step<O: Optimizer, G: Gradients>(
         &mut self,
         opt: &mut O,
@@ -255,6 +260,15 @@ impl GradScaler {
                 "non-finite gradients: optimizer step skipped"
             );
             return Ok(StepOutcome::Skipped);
+        }
+        // PyTorch steps here too, and the weights stay where they are: a run whose scale fell
+        // below 1 (after many non-finite steps) then trains on nothing without a word.
+        if self.enabled && self.state.scale < 1.0 && grads.all_zero()? {
+            return Err(ScalerError::ScaleCollapsed {
+                scale: self.state.scale,
+                skipped_steps: self.state.skipped_steps,
+            }
+            .into());
         }
         opt.step(grads.grad_store())?;
         // The masters changed in place: no cast of their old values may be reused.

@@ -34,6 +34,14 @@ pub enum ScalerError {
         backoff_factor: f64,
         consecutive_skips: u64,
     },
+    #[error(
+        "GradScaler: every gradient is exactly 0 at loss scale {scale:e}: the scale has backed \
+         off below 1 ({skipped_steps} steps skipped so far) until the scaled loss's half-precision \
+         gradients underflow, and this step would change nothing. Find what made the earlier \
+         steps non-finite (compare the same step with `enabled = false`), or keep the scale up \
+         with `min_scale`"
+    )]
+    ScaleCollapsed { scale: f32, skipped_steps: u64 },
 }
 
 /// The smallest scale a state may hold: the smallest normal f32, so that `1/scale` is finite
