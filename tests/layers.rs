@@ -870,6 +870,28 @@ fn dropout_and_activations_keep_their_input_precision_and_softmax_last_dim_is_f3
 }
 
 #[candle_amp::autocast(bf16)]
+fn candle_dropout(x: &Tensor<F32>, drop: &candle_nn::Dropout) -> Result<Vec<DType>> {
+    let h = x.cast::<BF16>()?;
+    let dropped = drop.forward(&h, true)?;
+    let kept = drop.forward_t(&h, false)?;
+    let full = drop.forward(&x, true)?;
+    let values = dropped.cast::<F32>()?.to_flat_vec::<f32>()?;
+    assert!(values.iter().all(|&v| v == 0.0 || v == 2.0), "{values:?}");
+    assert!(values.contains(&0.0) && values.contains(&2.0));
+    Ok(vec![dropped.dtype(), kept.dtype(), full.dtype()])
+}
+
+/// candle-nn's `Dropout`, the layer most candle models hold, runs in a region in the value's
+/// precision (it was refused at compile time), `forward` and `forward_t` alike.
+#[test]
+fn candle_nns_dropout_runs_in_a_region_in_the_values_precision() -> Result<()> {
+    let x = Tensor::<F32>::ones((16, 16), &dev())?;
+    let dtypes = candle_dropout(&x, &candle_nn::Dropout::new(0.5))?;
+    assert_eq!(dtypes, [DType::BF16, DType::BF16, DType::F32]);
+    Ok(())
+}
+
+#[candle_amp::autocast(bf16)]
 fn activate(x: &Tensor<F32>, act: &nn::Activation) -> Result<(DType, Tensor<F32>)> {
     let a = act.forward(&x.cast::<BF16>()?)?;
     Ok((a.dtype(), a.cast::<F32>()?))

@@ -2,7 +2,8 @@
 //! candle-amp's layers do, with its weights (whatever their dtype) cast to where the op runs.
 //! `Linear` and the convolutions are lower-precision, `LayerNorm`/`RmsNorm` fp32-class (through
 //! the differentiable compositions: candle-nn's fused kernels have no backward), `Embedding`
-//! looks up its table as it is.
+//! looks up its table as it is, `Dropout` (`forward(x, train)` and `forward_t`) drops in the
+//! value's precision, as candle-amp's does.
 
 use candle_core::{DType, Result, Tensor};
 use candle_nn::Module;
@@ -132,3 +133,17 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
         }
     }
 }
+
+/// candle-nn's `Dropout`, `forward(&h, train)` and `forward_t`: routed as `op::dropout` (on no
+/// list: the value's precision), running candle-nn's own dropout on it.
+macro_rules! candle_dropout {
+    ($($call:ident),*) => {$(
+        impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::$call, (A, bool)> for candle_nn::Dropout {
+            type Output = AmpTensor;
+            fn region_call(&self, (x, train): (A, bool)) -> Result<AmpTensor> {
+                unary::<Pol, op::dropout>(&x.to_amp(), |x| self.forward(x, train))
+            }
+        }
+    )*};
+}
+candle_dropout!(forward, forward_t);
