@@ -271,3 +271,35 @@ fn the_overflow_example_names_its_planted_line_in_json() -> Result<()> {
     );
     Ok(())
 }
+
+#[autocast(bf16)]
+fn spread_over_lines(a: &Tensor<F32>, layer: &nn::Linear) -> Result<Tensor<F32>> {
+    let h = a.matmul(&a.t()?)?;
+    let halves = ops::softmax(
+        &(&h / 2.0)?, // site: div
+        1,
+    )?;
+    let through = ops::softmax(
+        &h.apply(layer)?, // site: apply
+        1,
+    )?;
+    let n = [0u8; 2 * 2].len() + 1; // constant expressions stay as they are
+    assert_eq!(n, 5);
+    Ok((halves.sum_all()? + through.sum_all()?)?)
+}
+
+/// An operator and a `.apply(&layer)` written on their own lines inside another call's
+/// arguments are reported on their lines, not on the enclosing call's.
+#[test]
+fn operators_and_apply_are_reported_on_their_own_lines() -> Result<()> {
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &dev());
+    let layer = nn::linear(4, 3, vb.pp("l"))?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (4, 4), &dev())?;
+    let (y, rep) = report::record(|| spread_over_lines(&x, &layer));
+    y?;
+    let line = |op: &str| rep.op(op).next().and_then(|e| e.site).map(|s| s.line);
+    assert_eq!(line("affine"), Some(line_of("// site: div")), "{rep}");
+    assert_eq!(line("linear"), Some(line_of("// site: apply")), "{rep}");
+    Ok(())
+}

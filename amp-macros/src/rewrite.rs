@@ -202,6 +202,12 @@ impl Rewriter {
                 (#receiver).#call(::core::marker::PhantomData::<#policy>, (#(#args,)*))
             }));
         }
+        if name == "apply" && args.len() == 1 {
+            // `h.apply(&layer)`: the layer's ops run inside it; as a site of its own, they are
+            // reported on this line (the call itself is left as written).
+            let turbofish = &call.turbofish;
+            return Some(quote_spanned!(span=> (#receiver).#method #turbofish (#args)));
+        }
         let routed = Rt::Routed.at(span);
         let routed = quote_spanned!(span=> #routed::<#policy, _>::new(&(#receiver)));
         if optable::is_routed_method(&name, args.len()) {
@@ -210,6 +216,14 @@ impl Rewriter {
         }
         None
     }
+}
+
+/// `+`, `-`, `*`, `/`: the operators tensors have (not their `+=` forms, nor comparisons).
+fn is_arithmetic(op: &syn::BinOp) -> bool {
+    matches!(
+        op,
+        syn::BinOp::Add(_) | syn::BinOp::Sub(_) | syn::BinOp::Mul(_) | syn::BinOp::Div(_)
+    )
 }
 
 /// `forward` -> `Forward`.
@@ -276,6 +290,24 @@ pub(crate) fn take_marker(attrs: &mut Vec<Attribute>, name: &str) -> bool {
 }
 
 impl VisitMut for Rewriter {
+    fn visit_type_mut(&mut self, _: &mut syn::Type) {
+        // Types hold no ops, and their array lengths are constant expressions, where a site
+        // guard could not run.
+    }
+
+    fn visit_expr_repeat_mut(&mut self, repeat: &mut syn::ExprRepeat) {
+        // `[x; N]`: the element is code, the length a constant expression (as in types).
+        self.visit_expr_mut(&mut repeat.expr);
+    }
+
+    fn visit_generic_argument_mut(&mut self, _: &mut syn::GenericArgument) {
+        // Types and constant expressions (`f::<{ N * 2 }>()`), as above.
+    }
+
+    fn visit_expr_const_mut(&mut self, _: &mut syn::ExprConst) {
+        // `const { .. }`: evaluated at compile time.
+    }
+
     fn visit_item_mut(&mut self, _: &mut Item) {
         // Nested items are not part of the region.
     }
@@ -374,6 +406,17 @@ impl VisitMut for Rewriter {
         let rewritten = match expr {
             Expr::MethodCall(call) => Self::method_call(call, &policy)
                 .map(|routed| self.at_site(call.method.span(), routed)),
+            // Input:  `a / b` (`+`, `-`, `*` too; on tensors, routed by the operator traits)
+            // Output: the same expression at its own site, so that the precision report puts
+            //         a tensor operator on its line, not on the enclosing call's
+            Expr::Binary(binary) if is_arithmetic(&binary.op) => {
+                // As an argument: a left operand already rewritten is a block, and a statement
+                // that starts with a block ends there (`{ .. } + c` would not parse); parentheses
+                // would trip `unused_parens` in the user's crate.
+                let span = binary.op.span();
+                let call = quote_spanned!(span=> ::core::convert::identity(#binary));
+                Some(self.at_site(span, call))
+            }
             Expr::Call(call) => {
                 let span = call.func.span();
                 free_op_call(call, &policy).map(|routed| self.at_site(span, routed))
