@@ -485,17 +485,19 @@ fn returns_tensor_result(output: &ReturnType) -> bool {
 /// `Tensor<P>`, a tuple of tensors (`(k, v)`) and plain values (`(h, n)`) with a tensor, or an
 /// `Option` or `Vec` of typed tensors or of such tuples (the runtime's `container_results!`).
 fn is_tensor_or_tuple(ty: &Type) -> bool {
+    match container_element(ty) {
+        Some(element) => tensor_or_tuple_of(element, is_typed_tensor),
+        None => tensor_or_tuple_of(ty, is_tensor_type),
+    }
+}
+
+/// A tensor by `tensor`'s test, or a tuple of such tensors and plain values with a tensor.
+fn tensor_or_tuple_of(ty: &Type, tensor: fn(&Type) -> bool) -> bool {
     match ty {
         Type::Tuple(t) => {
-            t.elems.iter().any(is_tensor_type)
-                && t.elems
-                    .iter()
-                    .all(|e| is_tensor_type(e) || is_plain_type(e))
+            t.elems.iter().any(tensor) && t.elems.iter().all(|e| tensor(e) || is_plain_type(e))
         }
-        other => container_element(other).map_or_else(
-            || is_tensor_type(other),
-            |e| is_typed_tensor(e) || is_typed_tuple(e),
-        ),
+        other => tensor(other),
     }
 }
 
@@ -505,12 +507,6 @@ fn is_typed_tensor(ty: &Type) -> bool {
     matches!(ty, Type::Path(p) if p.path.segments.last().is_some_and(|s| {
         s.ident == "Tensor" && matches!(s.arguments, syn::PathArguments::AngleBracketed(_))
     }))
-}
-
-/// A tuple of typed tensors and plain values, with a tensor.
-fn is_typed_tuple(ty: &Type) -> bool {
-    matches!(ty, Type::Tuple(t) if t.elems.iter().any(is_typed_tensor)
-        && t.elems.iter().all(|e| is_typed_tensor(e) || is_plain_type(e)))
 }
 
 /// `T` of an `Option<T>` or a `Vec<T>`.
