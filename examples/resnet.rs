@@ -25,7 +25,8 @@
 //! variable names; the head `fc.*` is always new). AMP: bf16 on CPU (no loss scaling), fp16 on
 //! CUDA (with a GradScaler), as PyTorch's autocast defaults; `--precision` overrides.
 //!
-//! Prints a table per mode (ms per step, peak memory, final training loss, validation accuracy)
+//! Prints a table per mode (ms per step, the first two steps untimed; peak memory, final
+//! training loss, validation accuracy)
 //! and writes `loss.png` and `accuracy.png` to `--out`; `--json` prints `{"precision": ..,
 //! "f32": {..}, "amp": {..}}`, per mode `ms_per_step`, `peak_bytes`, `final_loss`,
 //! `val_accuracy` (per epoch), `skipped_steps`. With `--max-batch`: `{"f32": {"max_batch",
@@ -105,6 +106,9 @@ struct Args {
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
 }
+
+/// Training steps left out of `ms_per_step` (warm-up), as PyTorch timings leave them out.
+const UNTIMED_STEPS: usize = 2;
 
 /// A seeded generator (splitmix64): the same images on every run.
 struct Rng(u64);
@@ -216,7 +220,8 @@ fn train<Pol: Policy>(
     let label = if amp { Pol::NAME } else { "f32" };
     let bar = common::progress((args.epochs * steps_per_epoch) as u64, label, args.json);
     let (mut losses, mut val_accuracy) = (Vec::new(), Vec::new());
-    let mut timed = std::time::Duration::ZERO;
+    // The first steps are untimed: CUDA loads kernels and cuDNN picks algorithms per shape.
+    let (mut timed, mut timed_steps) = (std::time::Duration::ZERO, 0usize);
     for epoch in 0..args.epochs {
         // The usual step schedule: a tenth of the rate for the last quarter of the epochs.
         if epoch == args.epochs - args.epochs / 4 && args.epochs >= 4 {
@@ -238,7 +243,10 @@ fn train<Pol: Policy>(
             let _ = scaler.step(&mut opt, scaler.scale(l.as_candle())?.backward()?)?;
             scaler.update()?;
             let value = l.to_scalar::<f32>()?;
-            timed += start.elapsed();
+            if losses.len() >= UNTIMED_STEPS {
+                timed += start.elapsed();
+                timed_steps += 1;
+            }
             losses.push(value);
             bar.set_message(format!("epoch {} loss {value:.4}", epoch + 1));
             bar.inc(1);
@@ -247,7 +255,7 @@ fn train<Pol: Policy>(
     }
     bar.finish_and_clear();
     Ok(ModeResult {
-        ms_per_step: timed.as_secs_f64() * 1e3 / losses.len().max(1) as f64,
+        ms_per_step: timed.as_secs_f64() * 1e3 / timed_steps.max(1) as f64,
         peak_bytes: peak.bytes()?,
         final_loss: common::mean_tail(&losses),
         val_accuracy,

@@ -6,19 +6,22 @@
 # What it does, once (cached under $CUDA_ENV_DIR, default ~/.cache/candle-amp-cuda):
 #  - installs pinned CUDA 13.0 compiler, headers and libraries from PyPI into a virtualenv
 #    (13.0 on purpose: PTX from a newer nvcc fails on a CUDA 13.0 driver such as 580);
-#  - makes a link folder: lib*.so names for cuBLAS/cuBLASLt/cuRAND/NVRTC/cudart, and a link-time
-#    stub of the driver library (libcuda.so, soname libcuda.so.1) built from libcuda-symbols.txt,
-#    the list of driver symbols kept next to this script (scripts/libcuda-symbols.txt);
+#  - makes a link folder: lib*.so names for cuBLAS/cuBLASLt/cuRAND/NVRTC/cudart, and link-time
+#    stubs of the driver library (libcuda.so, soname libcuda.so.1) and of cuDNN 9 (libcudnn.so,
+#    soname libcudnn.so.9) built from the symbol lists kept next to this script
+#    (scripts/libcuda-symbols.txt, scripts/libcudnn-symbols.txt: cudarc's cuDNN bindings);
 #  - exports PATH (nvcc), CUDA_ROOT/CUDA_PATH, CUDA_COMPUTE_CAP (default 90: H100/H200; set it
 #    before sourcing for another GPU), LIBRARY_PATH.
 #
 # Running the result needs a GPU machine with a CUDA 13 driver and the CUDA 13 runtime libraries
-# (cuBLAS, cuRAND, cudart, NVRTC) on LD_LIBRARY_PATH. If that machine's Python has torch for
-# CUDA 13 (its pip wheels carry those libraries), copy the built binary there, then:
-#   export LD_LIBRARY_PATH=$(python3 -c "import nvidia,os;print(':'.join(os.path.join(p,'cu13','lib') for p in nvidia.__path__))"):$LD_LIBRARY_PATH
-# The real libcuda.so.1 comes with that machine's driver; the stub is never used at run time.
-# If linking reports a missing cu* symbol (after a cudarc upgrade), add its name to
-# scripts/libcuda-symbols.txt (one name a line); the stub is rebuilt on the next `source`.
+# (cuBLAS, cuRAND, cudart, NVRTC; cuDNN 9 for `--features cudnn`) on LD_LIBRARY_PATH. If that
+# machine's Python has torch for CUDA 13 (its pip wheels carry those libraries, in
+# nvidia/cu13/lib and nvidia/cudnn/lib), copy the built binary there, then:
+#   export LD_LIBRARY_PATH=$(python3 -c "import nvidia,os,glob;print(':'.join(glob.glob(os.path.join(nvidia.__path__[0],'*','lib'))))"):$LD_LIBRARY_PATH
+# The real libcuda.so.1 and libcudnn.so.9 come from that machine; the stubs are never used at
+# run time. If linking reports a missing cu* or cudnn* symbol (after a cudarc upgrade), add its
+# name to scripts/libcuda-symbols.txt or libcudnn-symbols.txt (one name a line); the stub is
+# rebuilt on the next `source`.
 
 CUDA_ENV_DIR=${CUDA_ENV_DIR:-$HOME/.cache/candle-amp-cuda}
 _cuda_env_here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -38,10 +41,16 @@ for _l in cublas cublasLt curand nvrtc cudart; do
   _f=$(ls "$_cuda_nv"/lib/lib$_l.so.* 2>/dev/null | head -n 1)
   [ -n "$_f" ] && ln -sf "$_f" "$CUDA_ENV_DIR/link/lib$_l.so"
 done
-if [ ! -f "$CUDA_ENV_DIR/link/libcuda.so" ] || [ "$_cuda_env_here/libcuda-symbols.txt" -nt "$CUDA_ENV_DIR/link/libcuda.so" ]; then
-  awk '{print "void " $1 "(void){}"}' "$_cuda_env_here/libcuda-symbols.txt" > "$CUDA_ENV_DIR/link/cudastub.c"
-  cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$CUDA_ENV_DIR/link/libcuda.so" "$CUDA_ENV_DIR/link/cudastub.c" || return 1
-fi
+# Link-time stubs: the driver's libcuda.so.1, and cuDNN 9's libcudnn.so.9 for `--features cudnn`
+# (cuDNN is a separate 700 MB download; the binary only needs its names to link, and finds the
+# real library on the GPU machine).
+for _l in cuda:1 cudnn:9; do
+  _name=${_l%%:*}
+  if [ ! -f "$CUDA_ENV_DIR/link/lib$_name.so" ] || [ "$_cuda_env_here/lib$_name-symbols.txt" -nt "$CUDA_ENV_DIR/link/lib$_name.so" ]; then
+    awk '{print "void " $1 "(void){}"}' "$_cuda_env_here/lib$_name-symbols.txt" > "$CUDA_ENV_DIR/link/${_name}stub.c"
+    cc -shared -fPIC -Wl,-soname,"lib$_name.so.${_l##*:}" -o "$CUDA_ENV_DIR/link/lib$_name.so" "$CUDA_ENV_DIR/link/${_name}stub.c" || return 1
+  fi
+done
 export PATH="$_cuda_nv/bin:$PATH" CUDA_ROOT="$_cuda_nv" CUDA_PATH="$_cuda_nv" CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 export LIBRARY_PATH="$CUDA_ENV_DIR/link${LIBRARY_PATH:+:$LIBRARY_PATH}"
-unset _cuda_nv _l _f _cuda_env_here
+unset _cuda_nv _l _f _name _cuda_env_here

@@ -26,7 +26,7 @@ mkdir -p "$out/examples" "$out/tests"
 examples=(quantized_sine amp_recipe gpt resnet bench)
 example_args=()
 for e in "${examples[@]}"; do example_args+=(--example "$e"); done
-cargo build --release --features cuda "${example_args[@]}"
+cargo build --release --features cuda,cudnn "${example_args[@]}"
 for e in "${examples[@]}"; do cp "target/release/examples/$e" "$out/examples/"; done
 
 # The test binaries, named without cargo's hash (`ops-1a2b...` -> `ops`). cargo prints each
@@ -39,7 +39,7 @@ for line in sys.stdin:
     if msg.get("reason") == "compiler-artifact" and msg.get("executable") and msg["profile"]["test"]:
         print(msg["executable"])'
 }
-{ list_tests --features cuda; list_tests -p amp-runtime --features cuda --lib; } |
+{ list_tests --features cuda,cudnn; list_tests -p amp-runtime --features cudnn --lib; } |
   while read -r exe; do
     name=$(basename "$exe")
     cp "$exe" "$out/tests/${name%-*}"

@@ -5,6 +5,7 @@
 //! the modules below: each uses only modules of lower layers (`tests/layering.rs` checks it).
 
 mod autocast_state;
+pub mod backends;
 mod cast;
 mod composite;
 pub mod fp32;

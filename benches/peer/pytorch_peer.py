@@ -117,6 +117,59 @@ def gpt_torch(torch, dev, width, seq, batch, layers, heads, vocab, steps, amp):
     return timed(step, steps)
 
 
+def resnet_torch(torch, dev, depth, image_size, classes, batch, steps, amp):
+    """ms per step of `examples/resnet.rs`'s model: torchvision's ResNet (bottleneck blocks for
+    50, stride on the 3x3 conv), built here so torchvision is not needed; batch norm in training
+    mode, cross-entropy on f32 logits, plain SGD (lr 0.02). Random images: the timing does not
+    depend on them."""
+    nn = torch.nn
+    torch.manual_seed(0)
+
+    def conv_bn(c_in, c_out, k, stride, relu):
+        layers = [nn.Conv2d(c_in, c_out, k, stride, k // 2, bias=False), nn.BatchNorm2d(c_out)]
+        return nn.Sequential(*layers, nn.ReLU()) if relu else nn.Sequential(*layers)
+
+    class Block(nn.Module):
+        def __init__(self, c_in, planes, stride):
+            super().__init__()
+            if depth == 50:
+                shapes, c_out = [(c_in, planes, 1, 1), (planes, planes, 3, stride), (planes, 4 * planes, 1, 1)], 4 * planes
+            else:
+                shapes, c_out = [(c_in, planes, 3, stride), (planes, planes, 3, 1)], planes
+            self.body = nn.Sequential(*(conv_bn(*s, relu=i < len(shapes) - 1) for i, s in enumerate(shapes)))
+            self.down = conv_bn(c_in, c_out, 1, stride, relu=False) if stride != 1 or c_in != c_out else None
+            self.c_out = c_out
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + (self.down(x) if self.down is not None else x))
+
+    blocks = {18: [2, 2, 2, 2], 34: [3, 4, 6, 3], 50: [3, 4, 6, 3]}[depth]
+    layers, c_in = [conv_bn(3, 64, 7, 2, relu=True), nn.MaxPool2d(3, 2, 1)], 64
+    for i, n in enumerate(blocks):
+        for b in range(n):
+            block = Block(c_in, 64 << i, 2 if b == 0 and i > 0 else 1)
+            layers.append(block)
+            c_in = block.c_out
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, classes)).to(dev.name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    x = torch.randn(batch, 3, image_size, image_size, device=dev.name)
+    y = torch.randint(classes, (batch,), device=dev.name)
+    dtype = torch.float16 if dev.cuda else torch.bfloat16
+    scaler = torch.amp.GradScaler(dev.name, enabled=amp and dev.cuda)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(dev.name, dtype=dtype, enabled=amp):
+            logits = model(x)
+        loss = nn.functional.cross_entropy(logits.float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss.item()
+
+    return timed(step, steps)
+
+
 class Device:
     """What differs between the CPU and the CUDA runs: autocast's dtype, the GradScaler, sizes."""
 
@@ -131,6 +184,8 @@ class Device:
             self.sine = dict(size=128, hidden=256, epochs=30)
             self.recipe = dict(width=1024, batch=256, batches=50, epochs=3)
         self.gpt = dict(width=256, seq=64, batch=16, layers=2, heads=4, vocab=16, steps=30)
+        # GPU only: ResNet-50 on 64 images of 128x128, 16 steps (2 epochs of 8 batches in ours)
+        self.resnet = dict(depth=50, image_size=128, classes=8, batch=64, steps=16) if self.cuda else None
 
     def step(self, torch, model, opt, amp, batch):
         """One training step (MSE loss, read back as a float: a sync per step, as ours)."""
@@ -176,6 +231,14 @@ def candle_amp(examples, dev, example, extra):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def peak_ratio(ours, amp_key):
+    """Our AMP mode's peak memory over our f32 mode's, where the example reports peaks."""
+    try:
+        return ours[amp_key]["peak_bytes"] / ours["f32"]["peak_bytes"]
+    except (KeyError, ZeroDivisionError):
+        return None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON line")
@@ -204,6 +267,7 @@ def main():
         "torch_amp": quantized_sine_torch(torch, dev, amp=True, **sine),
         "ours_f32": ours["f32"]["ms_per_step"],
         "ours_amp": ours["amp"]["ms_per_step"],
+        "ours_peak_amp_vs_f32": peak_ratio(ours, "amp"),
     }
     recipe = dev.recipe
     ours = candle_amp(
@@ -215,6 +279,7 @@ def main():
         "torch_amp": amp_recipe_torch(torch, dev, amp=True, **recipe),
         "ours_f32": ours["f32"]["ms_per_step"],
         "ours_amp": ours["amp"]["ms_per_step"],
+        "ours_peak_amp_vs_f32": peak_ratio(ours, "amp"),
     }
     gpt = dev.gpt
     cmd = [os.path.join(args.examples, "gpt")] if args.examples else [
@@ -230,7 +295,24 @@ def main():
         "torch_amp": gpt_torch(torch, dev, amp=True, **gpt),
         "ours_f32": ours["f32"]["ms_per_step"],
         "ours_amp": ours[dev.precision]["ms_per_step"],
+        "ours_peak_amp_vs_f32": peak_ratio(ours, dev.precision),
     }
+    if dev.resnet:
+        res = dev.resnet
+        ours = candle_amp(
+            args.examples, dev, "resnet",
+            ["--depth", str(res["depth"]), "--image-size", str(res["image_size"]),
+             "--classes", str(res["classes"]), "--batch", str(res["batch"]),
+             "--train-per-class", str(res["batch"] * res["steps"] // 2 // res["classes"]),
+             "--val-per-class", "8", "--epochs", "2", "--out", "target/peer"],
+        )
+        rows[f"resnet{res['depth']}"] = {
+            "torch_f32": resnet_torch(torch, dev, amp=False, **res),
+            "torch_amp": resnet_torch(torch, dev, amp=True, **res),
+            "ours_f32": ours["f32"]["ms_per_step"],
+            "ours_amp": ours["amp"]["ms_per_step"],
+            "ours_peak_amp_vs_f32": peak_ratio(ours, "amp"),
+        }
     for r in rows.values():
         r["ours_amp_vs_f32"] = r["ours_amp"] / r["ours_f32"]
         r["torch_amp_vs_f32"] = r["torch_amp"] / r["torch_f32"]
@@ -242,11 +324,12 @@ def main():
     where = torch.cuda.get_device_name() if dev.cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"PyTorch {torch.__version__}, {where}; ms per step (amp = {dev.precision} autocast)")
     print(f"{'workload':<16} {'torch f32':>10} {'torch amp':>10} {'ours f32':>9} {'ours amp':>9}"
-          f" {'ours amp/f32':>13} {'torch amp/f32':>14} {'ours/torch amp':>15}")
+          f" {'ours amp/f32':>13} {'torch amp/f32':>14} {'ours/torch amp':>15} {'ours peak amp/f32':>18}")
     for name, r in rows.items():
         print(f"{name:<16} {r['torch_f32']:>10.2f} {r['torch_amp']:>10.2f} {r['ours_f32']:>9.2f}"
               f" {r['ours_amp']:>9.2f} {r['ours_amp_vs_f32']:>13.2f} {r['torch_amp_vs_f32']:>14.2f}"
-              f" {r['ours_vs_torch_amp_step']:>15.2f}")
+              f" {r['ours_vs_torch_amp_step']:>15.2f}"
+              f" {'-' if r['ours_peak_amp_vs_f32'] is None else format(r['ours_peak_amp_vs_f32'], '.2f'):>18}")
     return 0
 
 

@@ -176,15 +176,12 @@ impl CustomOp1 for ChannelSums {
         storage: &candle_core::CudaStorage,
         layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
         let g = Geometry::along(layout.dims(), self.dim)?;
-        let zeros = vec![0f32; g.c];
-        let (sums, _) = cuda::batch_norm::sums(storage, layout, g, None, 0, &zeros, &zeros)?;
-        let sums: Vec<f32> = sums.into_iter().map(|s| s as f32).collect();
-        let dev = &storage.device;
-        Ok((
-            candle_core::CudaStorage::wrap_cuda_slice(dev.clone_htod(&sums)?, dev.clone()),
-            Shape::from(g.c),
-        ))
+        let (sums, _) = cuda::batch_norm::sums(storage, layout, g, None, 0, None, None)?;
+        // Row 0 of the f64 sums, rounded to f32 on the device.
+        let sums = sums.to_dtype(&Layout::contiguous(g.c), candle_core::DType::F32)?;
+        Ok((sums, Shape::from(g.c)))
     }
 }
 

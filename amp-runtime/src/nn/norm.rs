@@ -342,18 +342,22 @@ impl BatchNorm2d {
         Ok((self.running_mean.to_vec1()?, self.running_var.to_vec1()?))
     }
 
-    /// Folds a batch's per-channel mean and biased variance over `count` values per channel
-    /// into the running statistics (the variance made unbiased first, as PyTorch does).
-    pub(crate) fn record_batch(&self, mean: &[f64], var: &[f64], count: usize) -> Result<()> {
-        let dev = self.running_mean.device();
-        let to_tensor =
-            |v: &[f64]| candle_core::Tensor::from_iter(v.iter().map(|&v| v as f32), dev);
+    /// Folds a batch's per-channel mean and biased variance (f64 `(channels)` tensors) over
+    /// `count` values per channel into the running statistics (the variance made unbiased
+    /// first, as PyTorch does), on the statistics' device.
+    pub(crate) fn record_batch(
+        &self,
+        mean: &candle_core::Tensor,
+        var: &candle_core::Tensor,
+        count: usize,
+    ) -> Result<()> {
         let count = count as f64;
-        let unbiased: Vec<f64> = var.iter().map(|v| v * count / (count - 1.0)).collect();
-        self.update_running(&to_tensor(mean)?, &to_tensor(&unbiased)?)
+        let unbiased = ((var * count)? / (count - 1.0))?;
+        self.update_running(&mean.to_dtype(DType::F32)?, &unbiased.to_dtype(DType::F32)?)
     }
 
-    /// The CPU and CUDA kernels: the graph keeps `x` and per-channel statistics, nothing else.
+    /// The CPU and CUDA kernels: the graph keeps `x` and per-channel statistics, nothing else;
+    /// the per-channel arithmetic stays on `x`'s device.
     fn forward_fused(&self, x: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
         let x = &x.contiguous()?; // once, for the statistics and the op
         let c = self.channels();
@@ -362,9 +366,7 @@ impl BatchNorm2d {
             self.record_batch(&mean, &var, x.elem_count() / c)?;
             (mean, var)
         } else {
-            let stat = |v: &Var| -> Result<Vec<f64>> {
-                Ok(v.to_vec1::<f32>()?.into_iter().map(f64::from).collect())
-            };
+            let stat = |v: &Var| v.as_tensor().detach().to_dtype(DType::F64);
             (stat(&self.running_mean)?, stat(&self.running_var)?)
         };
         let (weight, bias) = match (&self.weight, &self.bias) {
@@ -375,11 +377,8 @@ impl BatchNorm2d {
             ),
         };
         let stats = kernels::batch_norm::Normalisation {
-            mean: mean.iter().map(|&m| m as f32).collect(),
-            invstd: var
-                .iter()
-                .map(|v| (1.0 / (v + self.eps).sqrt()) as f32)
-                .collect(),
+            mean: mean.to_dtype(DType::F32)?,
+            invstd: (var + self.eps)?.sqrt()?.recip()?.to_dtype(DType::F32)?,
             train,
             affine: self.weight.is_some(),
         };

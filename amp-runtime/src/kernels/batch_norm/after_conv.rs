@@ -240,57 +240,42 @@ impl CustomOp3 for ConvNorm {
             dz
         };
         // The batch-norm kernel's passes on the normalised values: centre 0, scale 1.
+        let dev = xhat.device();
         let unit = Normalisation {
-            mean: vec![0.0; c],
-            invstd: vec![1.0; c],
+            mean: Tensor::zeros(c, DType::F32, dev)?,
+            invstd: Tensor::ones(c, DType::F32, dev)?,
             train,
             affine: true,
         };
-        let sums = xhat
-            .apply_op2_no_bwd(&dz, &GradSums(unit))?
-            .to_vec2::<f64>()?;
-        let (sum_dz, sum_dz_xhat) = (&sums[0], &sums[1]);
-        let gamma = params.get(1)?.to_vec1::<f32>()?;
+        let sums = xhat.apply_op2_no_bwd(&dz, &GradSums(unit))?;
         let m = xhat.elem_count() as f64 / c as f64;
-        // dy = k * dz + p * xhat + q, k = gamma * invstd; with the batch's statistics
+        // dy = k * dz + p * xhat + q, k = gamma * invstd (`gain`); with the batch's statistics
         // p = -k * sum(dz * xhat) / m and q = -k * sum(dz) / m.
-        let mut grad = InputGrad {
-            mean: vec![0.0; c],
-            k: Vec::with_capacity(c),
-            p: Vec::with_capacity(c),
-            q: Vec::with_capacity(c),
-        };
+        let invstd = Tensor::from_iter(invstd.iter().map(|&v| f64::from(v)), dev)?;
+        let gain = (params.get(1)?.to_dtype(DType::F64)? * invstd)?;
+        let grad = InputGrad::new(
+            Tensor::zeros(c, DType::F32, dev)?,
+            &gain,
+            &Tensor::ones(c, DType::F64, dev)?,
+            &sums,
+            m,
+            train,
+        )?;
         // The conv bias's gradient, the sum of dy per channel, in closed form: with the batch's
         // statistics k * sum(dz) + p * sum(xhat) + q * m, exactly 0 (the bias only moves the
         // mean that batch norm removes; summing dy would give the rounding noise of a cancelling
         // sum, which Adam scales up into bias steps of full size); with running statistics
         // k * sum(dz).
-        let mut conv_bias = Vec::with_capacity(c);
-        for ch in 0..c {
-            let k = f64::from(gamma[ch]) * f64::from(invstd[ch]);
-            let (p, q) = if train {
-                (-k * sum_dz_xhat[ch] / m, -k * sum_dz[ch] / m)
-            } else {
-                (0.0, 0.0)
-            };
-            grad.k.push(k as f32);
-            grad.p.push(p as f32);
-            grad.q.push(q as f32);
-            conv_bias.push(if train { 0.0 } else { k * sum_dz[ch] });
-        }
+        let conv_bias = if train {
+            Tensor::zeros(c, DType::F32, dev)?
+        } else {
+            (&gain * sums.get(0)?)?.to_dtype(DType::F32)?
+        };
         let dy = xhat.apply_op2_no_bwd(&dz, &grad)?;
         let (dx, dk) = conv::input_and_kernel_grads(x, k, self.conv, &dy)?;
         let dparams = wanted(params, || {
-            let per_channel =
-                |v: &[f64]| Tensor::from_iter(v.iter().map(|&v| v as f32), params.device());
-            Tensor::stack(
-                &[
-                    per_channel(&conv_bias)?,
-                    per_channel(sum_dz_xhat)?,
-                    per_channel(sum_dz)?,
-                ],
-                0,
-            )
+            let f32 = |row: usize| sums.get(row)?.to_dtype(DType::F32);
+            Tensor::stack(&[conv_bias, f32(1)?, f32(0)?], 0)
         })?;
         Ok((dx, dk, dparams))
     }

@@ -14,6 +14,11 @@
 //! feature the same ops run on CUDA (`kernels::cuda::batch_norm`): the same sums (f32 per thread,
 //! f64 per block) and affine pass; other devices keep the composition of candle ops in
 //! `nn::BatchNorm2d`.
+//!
+//! The per-channel values (statistics, sums, the input gradient's constants) are `(channels)`
+//! tensors on the input's device, and the arithmetic between the passes is candle ops on them:
+//! on CUDA nothing is read back to the host inside a training step (each read-back would wait
+//! for the GPU to drain), on CPU the same ops cost microseconds.
 
 mod after_conv;
 
@@ -39,14 +44,48 @@ pub(crate) fn supports(x: &Tensor) -> bool {
     float && device && x.rank() == 4
 }
 
-/// Per-channel mean and biased variance of `x` (two passes; see [`crate::kernels::widen::lane_sums2`]).
-pub(crate) fn channel_stats(x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
-    let rows = x.contiguous()?.apply_op1_no_bwd(&ChannelStats)?.to_vec2()?;
-    let mut rows = rows.into_iter();
-    Ok((
-        rows.next().unwrap_or_default(),
-        rows.next().unwrap_or_default(),
-    ))
+/// Per-channel mean and biased variance of `x`, f64 `(channels)` tensors on its device (two
+/// passes; see [`crate::kernels::widen::lane_sums2`]). A NaN input makes its channel's
+/// variance NaN.
+pub(crate) fn channel_stats(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let x = x.contiguous()?;
+    if x.device().is_cpu() {
+        let rows = x.apply_op1_no_bwd(&ChannelStats)?;
+        return Ok((rows.get(0)?, rows.get(1)?));
+    }
+    device_stats(&x)
+}
+
+/// [`channel_stats`] off the CPU: the sum of the values, then the sum of squares about the
+/// f32-rounded mean, two passes of `amp_bn_sums`, the rest tensor ops on the device.
+#[cfg(feature = "cuda")]
+fn device_stats(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let c = x.dim(1)?;
+    let count = (x.elem_count() / c) as f64;
+    let zeros = Tensor::zeros(c, DType::F32, x.device())?;
+    let sums = x.apply_op2_no_bwd(&Tensor::stack(&[&zeros, &zeros], 0)?, &ChannelSums(0))?;
+    let mean = (sums.get(0)? / count)?;
+    let center = mean.to_dtype(DType::F32)?;
+    let per_channel = Tensor::stack(&[&center, &zeros], 0)?;
+    let squares = x.apply_op2_no_bwd(&per_channel, &ChannelSums(1))?.get(0)?;
+    Ok((mean.clone(), variance(&squares, &mean, &center, count)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_stats(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    candle_core::bail!("batch norm kernel: no kernel for {:?}", x.device())
+}
+
+/// The biased variance from the sum of squares about `center`, the f32-rounded `mean` (the
+/// values are centred on it), the (tiny) offset of that centre corrected exactly. A NaN (a NaN
+/// input) stays NaN, as PyTorch's does: clamping with `max` would make it 0, and a running
+/// variance that looks healthy beside a NaN running mean.
+#[cfg(feature = "cuda")]
+fn variance(squares: &Tensor, mean: &Tensor, center: &Tensor, count: f64) -> Result<Tensor> {
+    let shift = (center.to_dtype(DType::F64)? - mean)?;
+    let v = ((squares / count)? - shift.sqr()?)?;
+    // `v < 0` is false for NaN, which stays.
+    v.lt(0.0)?.where_cond(&v.zeros_like()?, &v)
 }
 
 /// `(x - mean) * invstd * weight + bias` per channel, in `x`'s dtype, differentiable in `x`,
@@ -63,17 +102,58 @@ pub(crate) fn batch_norm(
     x.contiguous()?.apply_op3(weight, bias, stats)
 }
 
-/// The per-channel constants of one batch-norm application.
+/// The per-channel constants of one batch-norm application: f32 `(channels)` tensors on the
+/// input's device.
 #[derive(Clone, Debug)]
 pub(crate) struct Normalisation {
-    pub mean: Vec<f32>,
-    pub invstd: Vec<f32>,
+    pub mean: Tensor,
+    pub invstd: Tensor,
     pub train: bool,
     pub affine: bool,
 }
 
-/// Two f64 values per channel from `x` alone: mean and biased variance.
+/// The values of a per-channel f32 tensor on the host (CPU kernels: a copy of `c` values).
+fn host(t: &Tensor) -> Result<Vec<f32>> {
+    t.to_dtype(DType::F32)?.to_vec1()
+}
+
+/// Two f64 values per channel from `x` alone: mean and biased variance (CPU: one task per
+/// channel takes both passes over it).
 struct ChannelStats;
+
+/// Per-channel sums over `x` (`amp_bn_sums`'s modes 0 and 1, CUDA) about the per-channel
+/// `(2, channels)` f32 `[center; scale]`: `(2, channels)` f64, the sums in row 0.
+#[cfg(feature = "cuda")]
+struct ChannelSums(i32);
+
+#[cfg(feature = "cuda")]
+impl CustomOp2 for ChannelSums {
+    fn name(&self) -> &'static str {
+        "amp-batch-norm-sums"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("amp-batch-norm-sums runs on CUDA (the CPU takes ChannelStats)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        per_channel: &candle_core::CudaStorage,
+        lp: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let g = Geometry::of(lx)?;
+        let (center, scale) = cuda::rows(per_channel, lp, g.c)?;
+        cuda::sums(x, lx, g, None, self.0, Some(center), Some(scale))
+    }
+}
 
 impl CustomOp1 for ChannelStats {
     fn name(&self) -> &'static str {
@@ -86,27 +166,6 @@ impl CustomOp1 for ChannelStats {
             with_floats!("batch norm", storage, layout, |xs| stats(xs, g));
         Ok((CpuStorage::F64([mean, var].concat()), Shape::from((2, g.c))))
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        storage: &candle_core::CudaStorage,
-        layout: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let g = Geometry::of(layout)?;
-        let m = g.count() as f64;
-        let zeros = vec![0f32; g.c];
-        let (sums, _) = cuda::sums(storage, layout, g, None, 0, &zeros, &zeros)?;
-        let mean: Vec<f64> = sums.iter().map(|s| s / m).collect();
-        let center: Vec<f32> = mean.iter().map(|&v| v as f32).collect();
-        let (squares, _) = cuda::sums(storage, layout, g, None, 1, &center, &zeros)?;
-        let var: Vec<f64> = squares
-            .iter()
-            .zip(&mean)
-            .map(|(&sq, &mean)| variance(sq, mean, m))
-            .collect();
-        cuda::upload_pair(&storage.device, &mean, &var)
-    }
 }
 
 fn stats<T: Real>(xs: &[T], g: Geometry) -> (Vec<f64>, Vec<f64>) {
@@ -115,17 +174,14 @@ fn stats<T: Real>(xs: &[T], g: Geometry) -> (Vec<f64>, Vec<f64>) {
         let mean = channel_sum(xs, g, c, |x| x) / m;
         let center = mean as f32;
         let squares = channel_sum(xs, g, c, |x| (x - center) * (x - center));
-        (mean, variance(squares, mean, m))
+        (mean, host_variance(squares, mean, m))
     })
     .into_iter()
     .unzip()
 }
 
-/// The biased variance from the sum of squares about the f32-rounded mean (the values are
-/// centred on it), the (tiny) offset of that mean corrected exactly.
-/// A NaN (a NaN input) stays NaN, as PyTorch's does: `f64::max` would make it 0, and a running
-/// variance that looks healthy beside a NaN running mean.
-fn variance(squares: f64, mean: f64, count: f64) -> f64 {
+/// [`variance`] of one channel, on the host.
+fn host_variance(squares: f64, mean: f64, count: f64) -> f64 {
     let shift = f64::from(mean as f32) - mean;
     let v = squares / count - shift * shift;
     if v < 0.0 {
@@ -157,7 +213,8 @@ impl CustomOp3 for Normalisation {
             crate::kernels::layout::contiguous(w, lw, "batch norm")?,
             crate::kernels::layout::contiguous(b, lb, "batch norm")?,
         );
-        if [w.len(), b.len(), self.mean.len(), self.invstd.len()] != [g.c; 4] {
+        let (mean, invstd) = (host(&self.mean)?, host(&self.invstd)?);
+        if [w.len(), b.len(), mean.len(), invstd.len()] != [g.c; 4] {
             candle_core::bail!(
                 "batch norm kernel: per-channel values do not match {} channels",
                 g.c
@@ -165,9 +222,9 @@ impl CustomOp3 for Normalisation {
         }
         // y = (x - mean) * scale + b, scale = invstd * w. Centering first keeps the accuracy
         // of inputs whose mean is large against their spread.
-        let scale: Vec<f32> = self.invstd.iter().zip(w).map(|(s, w)| s * w).collect();
+        let scale: Vec<f32> = invstd.iter().zip(w).map(|(s, w)| s * w).collect();
         let affine = Affine {
-            center: &self.mean,
+            center: &mean,
             scale: &scale,
             shift: b,
         };
@@ -187,11 +244,13 @@ impl CustomOp3 for Normalisation {
         bias: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (mean, lm) = self.mean.storage_and_layout();
+        let (invstd, li) = self.invstd.storage_and_layout();
         cuda::Apply {
-            center: &self.mean,
-            scale: &self.invstd,
-            mul: Some((weight, lw)),
-            shift: cuda::Shift::Device(bias, lb),
+            center: cuda::on_device(&mean, lm)?,
+            scale: cuda::on_device(&invstd, li)?,
+            mul: Some(cuda::PerChannel(weight, lw.clone())),
+            shift: cuda::PerChannel(bias, lb.clone()),
             dy: None,
         }
         .run(x, lx)
@@ -207,45 +266,23 @@ impl CustomOp3 for Normalisation {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let x = x.contiguous()?;
         let dy = dy.to_dtype(x.dtype())?.contiguous()?;
-        let sums = x
-            .apply_op2_no_bwd(&dy, &GradSums(self.clone()))?
-            .to_vec2::<f64>()?;
-        let (sum_dy, sum_dy_xhat) = (&sums[0], &sums[1]);
-        let w = weight.to_vec1::<f32>()?;
-        let m = x.elem_count() as f64 / w.len() as f64;
+        let sums = x.apply_op2_no_bwd(&dy, &GradSums(self.clone()))?;
+        let c = self.mean.elem_count();
+        let count = x.elem_count() as f64 / c as f64;
+        let invstd = self.invstd.to_dtype(DType::F64)?;
         // dx = k * dy + p * (x - mean) + q per channel, with k = w * invstd and, when the
         // statistics are the batch's: p = -k * invstd * sum(dy * xhat) / m, q = -k * sum(dy) / m
         // (the textbook k * (dy - mean(dy) - xhat * mean(dy * xhat)), expanded).
-        let mut grad = InputGrad {
-            mean: self.mean.clone(),
-            k: Vec::with_capacity(w.len()),
-            p: Vec::with_capacity(w.len()),
-            q: Vec::with_capacity(w.len()),
-        };
-        for c in 0..w.len() {
-            let invstd = f64::from(self.invstd[c]);
-            let k = f64::from(w[c]) * invstd;
-            let (p, q) = if self.train {
-                (-k * invstd * sum_dy_xhat[c] / m, -k * sum_dy[c] / m)
-            } else {
-                (0.0, 0.0)
-            };
-            grad.k.push(k as f32);
-            grad.p.push(p as f32);
-            grad.q.push(q as f32);
-        }
+        let k = (weight.to_dtype(DType::F64)? * &invstd)?;
+        let grad = InputGrad::new(self.mean.clone(), &k, &invstd, &sums, count, self.train)?;
         let dx = wanted(&x, || x.apply_op2_no_bwd(&dy, &grad))?;
         if !self.affine {
             return Ok((dx, None, None));
         }
-        let per_channel = |v: &[f64]| {
-            let v: Vec<f32> = v.iter().map(|&v| v as f32).collect();
-            Tensor::from_vec(v, w.len(), x.device())
-        };
         Ok((
             dx,
-            offer(weight, || per_channel(sum_dy_xhat))?,
-            offer(bias, || per_channel(sum_dy))?,
+            offer(weight, || sums.get(1)?.to_dtype(DType::F32))?,
+            offer(bias, || sums.get(0)?.to_dtype(DType::F32))?,
         ))
     }
 }
@@ -266,9 +303,13 @@ impl CustomOp2 for GradSums {
         ldy: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::of(lx)?;
+        let (mean, invstd) = (host(&self.0.mean)?, host(&self.0.invstd)?);
         let (sum_dy, sum_dy_xhat) =
             with_floats!("batch norm", x, lx, dy, ldy, |xs, dys| grad_sums(
-                xs, dys, &self.0, g
+                xs,
+                dys,
+                (&mean, &invstd),
+                g
             ));
         Ok((
             CpuStorage::F64([sum_dy, sum_dy_xhat].concat()),
@@ -284,23 +325,28 @@ impl CustomOp2 for GradSums {
         dy: &candle_core::CudaStorage,
         ldy: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let n = &self.0;
-        let (sum_dy, sum_dy_xhat) = cuda::sums(
+        let (mean, lm) = self.0.mean.storage_and_layout();
+        let (invstd, li) = self.0.invstd.storage_and_layout();
+        cuda::sums(
             x,
             lx,
             Geometry::of(lx)?,
             Some((dy, ldy)),
             2,
-            &n.mean,
-            &n.invstd,
-        )?;
-        cuda::upload_pair(&x.device, &sum_dy, &sum_dy_xhat)
+            Some(cuda::on_device(&mean, lm)?),
+            Some(cuda::on_device(&invstd, li)?),
+        )
     }
 }
 
-fn grad_sums<T: Real>(xs: &[T], dys: &[T], n: &Normalisation, g: Geometry) -> (Vec<f64>, Vec<f64>) {
+fn grad_sums<T: Real>(
+    xs: &[T],
+    dys: &[T],
+    (mean, invstd): (&[f32], &[f32]),
+    g: Geometry,
+) -> (Vec<f64>, Vec<f64>) {
     parallel::map_indices(g.c, |c| {
-        let (mean, invstd) = (n.mean[c], n.invstd[c]);
+        let (mean, invstd) = (mean[c], invstd[c]);
         let mut sum_dy = 0f64;
         let mut sum_dy_xhat = 0f64;
         for (x, dy) in g.rows(xs, c).zip(g.rows(dys, c)) {
@@ -318,12 +364,45 @@ fn grad_sums<T: Real>(xs: &[T], dys: &[T], n: &Normalisation, g: Geometry) -> (V
     .unzip()
 }
 
-/// The input gradient `dx = k * dy + p * (x - mean) + q` per channel, in `x`'s dtype.
+/// The input gradient `dx = k * dy + p * (x - center) + q` per channel, in `x`'s dtype (f32
+/// `(channels)` tensors on `x`'s device).
 struct InputGrad {
-    mean: Vec<f32>,
-    k: Vec<f32>,
-    p: Vec<f32>,
-    q: Vec<f32>,
+    center: Tensor,
+    k: Tensor,
+    p: Tensor,
+    q: Tensor,
+}
+
+impl InputGrad {
+    /// The constants for `k` (f64), the gradient sums `[sum(dy); sum(dy * xhat)]` ((2, c) f64)
+    /// over `count` values per channel, and `unit`, the factor from `x - center` to the `xhat`
+    /// of the sums (f64): with the batch's statistics (`train`) `p = -k * unit * sum(dy * xhat)
+    /// / count` and `q = -k * sum(dy) / count`; with running statistics both are 0.
+    fn new(
+        center: Tensor,
+        k: &Tensor,
+        unit: &Tensor,
+        sums: &Tensor,
+        count: f64,
+        train: bool,
+    ) -> Result<Self> {
+        let (p, q) = if train {
+            let minus_k = k.neg()?;
+            (
+                (((&minus_k * unit)? * sums.get(1)?)? / count)?,
+                ((minus_k * sums.get(0)?)? / count)?,
+            )
+        } else {
+            (k.zeros_like()?, k.zeros_like()?)
+        };
+        let f32 = |t: Tensor| t.to_dtype(DType::F32);
+        Ok(Self {
+            center,
+            k: f32(k.clone())?,
+            p: f32(p)?,
+            q: f32(q)?,
+        })
+    }
 }
 
 impl CustomOp2 for InputGrad {
@@ -339,13 +418,15 @@ impl CustomOp2 for InputGrad {
         ldy: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::of(lx)?;
+        let (center, k) = (host(&self.center)?, host(&self.k)?);
+        let (p, q) = (host(&self.p)?, host(&self.q)?);
         let affine = Affine {
-            center: &self.mean,
-            scale: &self.p,
-            shift: &self.q,
+            center: &center,
+            scale: &p,
+            shift: &q,
         };
         let dx = with_floats!("batch norm", x, lx, dy, ldy, |xs, dys| {
-            WithDType::to_cpu_storage_owned(affine.apply(xs, Some((dys, &self.k)), g))
+            WithDType::to_cpu_storage_owned(affine.apply(xs, Some((dys, &k)), g))
         });
         Ok((dx, lx.shape().clone()))
     }
@@ -358,12 +439,16 @@ impl CustomOp2 for InputGrad {
         dy: &candle_core::CudaStorage,
         ldy: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (center, lc) = self.center.storage_and_layout();
+        let (p, lp) = self.p.storage_and_layout();
+        let (q, lq) = self.q.storage_and_layout();
+        let (k, lk) = self.k.storage_and_layout();
         cuda::Apply {
-            center: &self.mean,
-            scale: &self.p,
+            center: cuda::on_device(&center, lc)?,
+            scale: cuda::on_device(&p, lp)?,
             mul: None,
-            shift: cuda::Shift::Host(&self.q),
-            dy: Some((dy, ldy, &self.k)),
+            shift: cuda::on_device(&q, lq)?,
+            dy: Some(((dy, ldy), cuda::on_device(&k, lk)?)),
         }
         .run(x, lx)
     }

@@ -50,6 +50,20 @@ impl Geometry {
         }
     }
 
+    /// The sizes cuDNN's descriptors take.
+    #[cfg(feature = "cudnn")]
+    pub(super) fn cudnn_shape(&self) -> crate::kernels::cuda::conv::ConvShape {
+        crate::kernels::cuda::conv::ConvShape {
+            x: [self.batch, self.c_in, self.h, self.w],
+            w: [self.c_out, self.c_in_g(), self.kh, self.kw],
+            y: [self.batch, self.c_out, self.out_h, self.out_w],
+            padding: self.p.padding,
+            stride: self.p.stride,
+            dilation: self.p.dilation,
+            groups: self.p.groups,
+        }
+    }
+
     pub(super) fn out_shape(&self) -> Shape {
         Shape::from((self.batch, self.c_out, self.out_h, self.out_w))
     }

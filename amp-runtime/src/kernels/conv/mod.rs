@@ -1,4 +1,5 @@
-//! `conv2d` on CPU as GEMMs, in f32, bf16 and f16, forward and both gradients.
+//! `conv2d` as one op with its own backward, in f32, bf16 and f16: on CPU as GEMMs, on CUDA on
+//! cuDNN (feature `cudnn`).
 //!
 //! candle's CPU conv2d fails on bf16 ("unsupported dtype BF16 for op matmul"), and its backward
 //! computes the input gradient with a direct `conv_transpose2d` loop (a scalar dot product per
@@ -15,6 +16,12 @@
 //! All three products run on [`crate::kernels::gemm`] with f32 accumulation (bf16 on `vdpbf16ps` where
 //! the CPU has it). The autograd graph keeps only the operands in their own dtype. Images run in
 //! parallel when each image's product is small, otherwise one at a time with the GEMM parallel.
+//!
+//! On CUDA with the `cudnn` feature the same op's forward and gradients are cuDNN's
+//! (`kernels::cuda::conv`): one graph node per convolution, the f32 master kernel rounded to
+//! the input's dtype inside it, the kernel gradient handed back in f32 (cuDNN computes it in
+//! the input's dtype with f32 accumulation, then it is widened: PyTorch's result). A pointwise
+//! convolution stays a cuBLAS product ([`pointwise_product`]).
 
 mod geometry;
 mod ops;
@@ -26,7 +33,9 @@ pub(crate) use ops::{f32_sums, input_and_kernel_grads};
 
 use candle_core::{DType, Result, Tensor};
 
-use ops::GemmConv2d;
+use ops::Conv2dOp;
+#[cfg(feature = "cudnn")]
+use ops::ConvTranspose2dOp;
 use pointwise::pointwise_product;
 
 /// Convolution hyper-parameters, as candle's `conv2d` takes them.
@@ -118,13 +127,22 @@ pub(crate) fn conv2d(
     p: Conv2dParams,
 ) -> Result<Tensor> {
     check_geometry("conv2d", x.dims(), k.dims(), p)?;
+    if on_cudnn(x, k, p) {
+        // The op's CUDA forward and gradients are cuDNN's; the bias is the bias op's (its
+        // gradient summed in f32).
+        let y = x.contiguous()?.apply_op2(&k.contiguous()?, Conv2dOp(p))?;
+        return match bias {
+            Some(b) => crate::kernels::bias::add_bias(&y, b, 1),
+            None => Ok(y),
+        };
+    }
     let bias_fits =
         bias.is_none_or(|b| b.dims() == [k.dim(0).unwrap_or(0)] && b.dtype() == k.dtype());
     if handles(x, k, p) && bias_fits {
         let (x, k) = (x.contiguous()?, k.contiguous()?);
         match bias {
-            Some(b) => x.apply_op3(&k, &b.contiguous()?, GemmConv2d(p)),
-            None => x.apply_op2(&k, GemmConv2d(p)),
+            Some(b) => x.apply_op3(&k, &b.contiguous()?, Conv2dOp(p)),
+            None => x.apply_op2(&k, Conv2dOp(p)),
         }
     } else {
         let k = crate::kernels::convert::to_dtype(k, x.dtype())?;
@@ -185,6 +203,23 @@ pub(crate) struct TransposeParams {
 /// runs as it is.
 pub(crate) fn conv_transpose(x: &Tensor, k: &Tensor, t: TransposeParams) -> Result<Tensor> {
     check_transpose(x.dims(), k.dims(), t)?;
+    // cuDNN: the transposed conv is the conv's input gradient, of an output padding smaller
+    // than the stride (a larger one, possible with a larger dilation, makes a conv input the
+    // conv does not map back onto `x`'s size).
+    #[cfg(feature = "cudnn")]
+    if x.device().is_cuda() && x.rank() == 4 && dtypes_fit(x, k) && t.output_padding < t.stride {
+        let conv = Conv2dParams {
+            padding: t.padding,
+            stride: t.stride,
+            dilation: t.dilation,
+            groups: t.groups,
+        };
+        let op = ConvTranspose2dOp {
+            conv,
+            output_padding: t.output_padding,
+        };
+        return x.contiguous()?.apply_op2(&k.contiguous()?, op);
+    }
     let run = |x: &Tensor, k: &Tensor| {
         if x.rank() == 3 {
             x.conv_transpose1d(
@@ -207,6 +242,22 @@ pub(crate) fn conv_transpose(x: &Tensor, k: &Tensor, t: TransposeParams) -> Resu
         &crate::kernels::convert::to_dtype(k, DType::F32)?,
     )?;
     crate::kernels::convert::to_dtype(&y, x.dtype())
+}
+
+/// The output sizes of a 2-D transposed convolution of `x` by `k` (checked by
+/// [`check_transpose`]): `(batch, c_out, (h - 1) * stride - 2 * padding + dilation * (kh - 1) +
+/// output_padding + 1, ..)`, the kernel `(c_in, c_out / groups, kh, kw)`.
+#[cfg(feature = "cudnn")]
+pub(crate) fn transpose_out_dims(
+    x: &[usize],
+    k: &[usize],
+    p: Conv2dParams,
+    output_padding: usize,
+) -> [usize; 4] {
+    let side = |size: usize, taps: usize| {
+        (size - 1) * p.stride + p.dilation * (taps - 1) + output_padding + 1 - 2 * p.padding
+    };
+    [x[0], k[1] * p.groups, side(x[2], k[2]), side(x[3], k[3])]
 }
 
 /// Checks a transposed convolution's operands against its parameters, as PyTorch does: `x` is
@@ -280,15 +331,30 @@ fn pointwise(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
     simple && x.rank() == 4 && matches!(k.dims(), &[_, c_in, 1, 1] if x.dim(1).ok() == Some(c_in))
 }
 
-/// Whether [`conv2d`] takes its own path: CPU, one float dtype, shapes candle accepts.
+/// Whether the op takes these dtypes: one float dtype, or an f32 master kernel of a half `x`.
+fn dtypes_fit(x: &Tensor, k: &Tensor) -> bool {
+    let masters = k.dtype() == DType::F32 && matches!(x.dtype(), DType::F16 | DType::BF16);
+    matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && (x.dtype() == k.dtype() || masters)
+}
+
+/// Whether [`conv2d`] runs on cuDNN (feature `cudnn`): a CUDA `x` of rank 4 whose convolution
+/// is not pointwise (a pointwise one is a cuBLAS product, [`pointwise_product`]).
+fn on_cudnn(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
+    cfg!(feature = "cudnn")
+        && x.device().is_cuda()
+        && x.rank() == 4
+        && dtypes_fit(x, k)
+        && !pointwise(x, k, p)
+}
+
+/// Whether [`conv2d`] takes its own path on CPU: one float dtype, shapes candle accepts.
 pub(crate) fn handles(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
     let (&[_, c_in, h, w], &[c_out, c_in_g, kh, kw]) = (x.dims(), k.dims()) else {
         return false;
     };
-    let masters = k.dtype() == DType::F32 && matches!(x.dtype(), DType::F16 | DType::BF16);
     x.device().is_cpu()
-        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
-        && (x.dtype() == k.dtype() || masters)
+        && dtypes_fit(x, k)
         && p.groups > 0
         && p.stride > 0
         && p.dilation > 0

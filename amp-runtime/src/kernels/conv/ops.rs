@@ -1,4 +1,6 @@
-//! The convolution's custom ops: the forward with bias, and the three gradients.
+//! The convolution's custom ops: the forward with bias, and the three gradients. Their CUDA
+//! forwards (feature `cudnn`; the bias op's excepted, the bias going through the bias op there)
+//! are cuDNN's.
 
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
@@ -6,13 +8,27 @@ use candle_core::{
 
 use super::geometry::Geometry;
 use super::Conv2dParams;
+#[cfg(feature = "cudnn")]
+use crate::kernels::cuda::conv as cudnn;
 use crate::kernels::elem::with_floats;
 use crate::kernels::elem::Real;
 use crate::kernels::leaf_grads::{offer, wanted};
 use crate::kernels::parallel;
+#[cfg(feature = "cudnn")]
+use candle_core::{backend::BackendStorage, CudaStorage};
 
 /// The conv op with its backward (see the module docs).
-pub(super) struct GemmConv2d(pub Conv2dParams);
+pub(super) struct Conv2dOp(pub Conv2dParams);
+
+/// The 2-D transposed convolution on cuDNN (its forward is the conv's input gradient, cuDNN's
+/// "backward data"), with its backward: the input gradient is the conv's forward of the output
+/// gradient, the kernel gradient the conv's kernel gradient with the roles of input and output
+/// gradient swapped. CUDA only (feature `cudnn`): on CPU candle's transposed conv runs.
+#[cfg(feature = "cudnn")]
+pub(super) struct ConvTranspose2dOp {
+    pub conv: Conv2dParams,
+    pub output_padding: usize,
+}
 
 /// `s` (contiguous, `layout`) in the dtype of `like`, with its layout: itself, or an f32
 /// master rounded to the half dtype of `like` (contiguous from 0).
@@ -102,8 +118,10 @@ pub(crate) fn input_and_kernel_grads(
         // An f32 master kernel: the input gradient uses it rounded as the forward did.
         let k_used = if k.dtype() == x.dtype() {
             k.clone()
-        } else {
+        } else if k.device().is_cpu() {
             k.apply_op1_no_bwd(&crate::kernels::convert::Convert(x.dtype()))?
+        } else {
+            k.detach().to_dtype(x.dtype())?
         };
         k_used.apply_op2_no_bwd(&grad, &GradInput(geo))
     })?;
@@ -111,7 +129,7 @@ pub(crate) fn input_and_kernel_grads(
     Ok((grad_x, grad_k))
 }
 
-impl CustomOp2 for GemmConv2d {
+impl CustomOp2 for Conv2dOp {
     fn name(&self) -> &'static str {
         "amp-gemm-conv2d"
     }
@@ -129,6 +147,24 @@ impl CustomOp2 for GemmConv2d {
         Ok((y, geo.out_shape()))
     }
 
+    #[cfg(feature = "cudnn")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let geo = Geometry::new(l1.dims(), l2.dims(), self.0);
+        let rounded = cuda_in_dtype(s2, l2, s1.dtype())?;
+        let (w, lw) = match &rounded {
+            Some((w, lw)) => (w, lw),
+            None => (s2, l2),
+        };
+        let y = cudnn::forward((s1, l1), (w, lw), &geo.cudnn_shape())?;
+        Ok((y, geo.out_shape()))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -140,7 +176,21 @@ impl CustomOp2 for GemmConv2d {
     }
 }
 
-impl CustomOp3 for GemmConv2d {
+/// A CUDA storage converted to `dtype` (with its fresh layout), or `None` when it has it: an f32
+/// master kernel rounded to the input's half dtype, as the CPU's `in_dtype_of`.
+#[cfg(feature = "cudnn")]
+fn cuda_in_dtype(
+    s: &CudaStorage,
+    l: &Layout,
+    dtype: DType,
+) -> Result<Option<(CudaStorage, Layout)>> {
+    if s.dtype() == dtype {
+        return Ok(None);
+    }
+    Ok(Some((s.to_dtype(l, dtype)?, Layout::contiguous(l.shape()))))
+}
+
+impl CustomOp3 for Conv2dOp {
     fn name(&self) -> &'static str {
         "amp-gemm-conv2d-bias"
     }
@@ -226,6 +276,19 @@ impl CustomOp2 for GradInput {
         });
         Ok((gx, Shape::from((geo.batch, geo.c_in, geo.h, geo.w))))
     }
+
+    #[cfg(feature = "cudnn")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let geo = self.0;
+        let gx = cudnn::backward_data((s1, l1), (s2, l2), &geo.cudnn_shape())?;
+        Ok((gx, Shape::from((geo.batch, geo.c_in, geo.h, geo.w))))
+    }
 }
 
 /// `(x, grad_y) -> grad_kernel`, stored in the kernel's dtype (f32 for an f32 master).
@@ -249,5 +312,89 @@ impl CustomOp2 for GradWeight {
         });
         let shape = Shape::from((geo.c_out, geo.c_in_g(), geo.kh, geo.kw));
         Ok((stored(sums, self.1), shape))
+    }
+
+    #[cfg(feature = "cudnn")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let geo = self.0;
+        let shape = Shape::from((geo.c_out, geo.c_in_g(), geo.kh, geo.kw));
+        let gw = cudnn::backward_filter((s1, l1), (s2, l2), &geo.cudnn_shape())?;
+        // cuDNN's sums in the input's dtype, widened for an f32 master.
+        let gw = match cuda_in_dtype(&gw, &Layout::contiguous(&shape), self.1)? {
+            Some((wide, _)) => wide,
+            None => gw,
+        };
+        Ok((gw, shape))
+    }
+}
+
+#[cfg(feature = "cudnn")]
+impl ConvTranspose2dOp {
+    /// The geometry of the convolution this op transposes: its input is this op's output
+    /// (`y_dims`), its output this op's input.
+    fn geometry(&self, y_dims: &[usize], k: &[usize]) -> Geometry {
+        Geometry::new(y_dims, k, self.conv)
+    }
+}
+
+#[cfg(feature = "cudnn")]
+impl CustomOp2 for ConvTranspose2dOp {
+    fn name(&self) -> &'static str {
+        "amp-conv-transpose2d"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("amp-conv-transpose2d runs on CUDA only (cuDNN)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let y = super::transpose_out_dims(l1.dims(), l2.dims(), self.conv, self.output_padding);
+        let geo = self.geometry(&y, l2.dims());
+        let rounded = cuda_in_dtype(s2, l2, s1.dtype())?;
+        let (w, lw) = match &rounded {
+            Some((w, lw)) => (w, lw),
+            None => (s2, l2),
+        };
+        let out = cudnn::backward_data((w, lw), (s1, l1), &geo.cudnn_shape())?;
+        Ok((out, Shape::from(&y)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        k: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let geo = self.geometry(res.dims(), k.dims());
+        let grad = grad.contiguous()?;
+        let grad_x = wanted(x, || {
+            let k_used = if k.dtype() == x.dtype() {
+                k.clone()
+            } else {
+                k.detach().to_dtype(x.dtype())?
+            };
+            grad.apply_op2_no_bwd(&k_used, &Conv2dOp(self.conv))
+        })?;
+        let grad_k = offer(k, || grad.apply_op2_no_bwd(x, &GradWeight(geo, k.dtype())))?;
+        Ok((grad_x, grad_k))
     }
 }

@@ -1,14 +1,14 @@
 //! The CUDA forwards of the batch-norm ops (`batch_norm.cu`): the per-channel sums and the
 //! per-channel affine pass of the CPU kernels, f32 arithmetic per element and f64 block totals.
-//! Per-channel constants go up as small arrays; the sums come back to the host (the CPU ops'
-//! contract: `Normalisation` and `InputGrad` hold host vectors), one read-back per sum pass.
+//! Per-channel values stay on the device: the constants are read from device arrays and the
+//! sums are written to one, nothing is read back.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaStream, DevicePtr, LaunchConfig, PushKernelArg, SyncOnDrop,
+    CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
+use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage};
 
 use super::{address, address_like, alloc, code, grid_dim, grid_stride, out_address, Module};
 use crate::kernels::channels::Geometry;
@@ -29,49 +29,98 @@ const SPAN: usize = THREADS as usize * 8;
 /// of a large activation splits over several blocks (more loads in flight).
 const PER_THREAD: u64 = 64;
 
-/// `(2, channels)` f64 values as a storage on `dev`: what the sum ops return.
-pub(crate) fn upload_pair(dev: &CudaDevice, a: &[f64], b: &[f64]) -> Result<(CudaStorage, Shape)> {
-    let both = dev.clone_htod(&[a, b].concat())?;
-    Ok((
-        CudaStorage::wrap_cuda_slice(both, dev.clone()),
-        Shape::from((2, a.len())),
-    ))
+/// A per-channel f32 array on the device: a storage and the layout of its values.
+pub(crate) struct PerChannel<'a>(pub &'a CudaStorage, pub Layout);
+
+impl<'a> PerChannel<'a> {
+    /// The address of the `c` f32 values, and the guard that orders the launch after earlier
+    /// writes to them.
+    fn address(
+        &self,
+        stream: &'a CudaStream,
+        what: &str,
+        c: usize,
+    ) -> Result<(u64, SyncOnDrop<'a>)> {
+        f32_address(self.0, &self.1, stream, what, c)
+    }
+
+    /// [`Self::address`] of an optional array: 0 (a null pointer) and no guard for none.
+    fn optional(
+        pc: Option<&Self>,
+        stream: &'a CudaStream,
+        what: &str,
+        c: usize,
+    ) -> Result<(u64, Option<SyncOnDrop<'a>>)> {
+        Ok(match pc {
+            Some(pc) => {
+                let (p, guard) = pc.address(stream, what, c)?;
+                (p, Some(guard))
+            }
+            None => (0, None),
+        })
+    }
+}
+
+/// The CUDA storage of a tensor's (read-locked) storage, as a [`PerChannel`].
+pub(crate) fn on_device<'a>(storage: &'a Storage, layout: &Layout) -> Result<PerChannel<'a>> {
+    match storage {
+        Storage::Cuda(s) => Ok(PerChannel(s, layout.clone())),
+        _ => candle_core::bail!("batch norm kernel: per-channel values must be on the CUDA device"),
+    }
+}
+
+/// The two rows of a contiguous `(2, c)` storage, as [`PerChannel`]s.
+pub(crate) fn rows<'a>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    c: usize,
+) -> Result<(PerChannel<'a>, PerChannel<'a>)> {
+    match l.contiguous_offsets() {
+        Some((start, end)) if end - start == 2 * c => Ok((
+            PerChannel(s, Layout::contiguous_with_offset(c, start)),
+            PerChannel(s, Layout::contiguous_with_offset(c, start + c)),
+        )),
+        _ => candle_core::bail!("batch norm kernel: per-channel rows must be (2, {c}) contiguous"),
+    }
 }
 
 /// Per-channel sums over `x` (and `dy`, mode 2) as batch_norm.cu's `amp_bn_sums` defines them,
-/// `x` of geometry `g`.
+/// `x` of geometry `g`: a `(2, channels)` f64 storage, `out0` in row 0 and `out1` in row 1.
+/// Mode 0 reads neither `center` nor `scale`, mode 1 `center`, mode 2 both.
 pub(crate) fn sums(
     x: &CudaStorage,
     lx: &Layout,
     g: Geometry,
     dy: Option<(&CudaStorage, &Layout)>,
     mode: i32,
-    center: &[f32],
-    scale: &[f32],
-) -> Result<(Vec<f64>, Vec<f64>)> {
+    center: Option<PerChannel<'_>>,
+    scale: Option<PerChannel<'_>>,
+) -> Result<(CudaStorage, Shape)> {
+    if (mode >= 1 && center.is_none()) || (mode == 2 && scale.is_none()) {
+        candle_core::bail!("batch norm kernel: sums of mode {mode} need their per-channel values")
+    }
     if lx.shape().elem_count() != g.n * g.c * g.hw {
         candle_core::bail!("batch norm kernel: {:?} is not of {g:?}", lx.shape())
     }
     let dev = &x.device;
     let count = g.count() as u64;
+    let mut out = dev.alloc_zeros::<f64>(2 * g.c)?;
     if g.c == 0 || count == 0 {
-        return Ok((vec![0.0; g.c], vec![0.0; g.c]));
-    }
-    if center.len() != g.c || scale.len() != g.c {
-        candle_core::bail!(
-            "batch norm kernel: per-channel values do not match {} channels",
-            g.c
-        )
+        return Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((2, g.c)),
+        ));
     }
     let stream = dev.cuda_stream();
     let dt = code(x.dtype())?;
     let (xp, _x_guard) = address(x, lx, &stream)?;
     let (dyp, _dy_guard) = address_like(dy, x, lx, &stream)?;
+    let (center, _center_guard) = PerChannel::optional(center.as_ref(), &stream, "center", g.c)?;
+    let (scale, _scale_guard) = PerChannel::optional(scale.as_ref(), &stream, "scale", g.c)?;
     let splits = count.div_ceil(u64::from(THREADS) * PER_THREAD).min(65_535);
     let per_split = count.div_ceil(splits);
-    let (d_center, d_scale) = (dev.clone_htod(center)?, dev.clone_htod(scale)?);
-    let mut out0 = dev.alloc_zeros::<f64>(g.c)?;
-    let mut out1 = dev.alloc_zeros::<f64>(g.c)?;
+    let (out0, out_guard) = out.device_ptr_mut(&stream);
+    let out1 = out0 + (g.c * std::mem::size_of::<f64>()) as u64;
     let channels = grid_dim(g.c, "channels")?;
     let hw = g.hw as u64;
     let func = dev.get_or_load_custom_func("amp_bn_sums", BATCH_NORM.name, BATCH_NORM.ptx()?)?;
@@ -89,32 +138,33 @@ pub(crate) fn sums(
     builder.arg(&hw);
     builder.arg(&count);
     builder.arg(&per_split);
-    builder.arg(&d_center);
-    builder.arg(&d_scale);
-    builder.arg(&mut out0);
-    builder.arg(&mut out1);
+    builder.arg(&center);
+    builder.arg(&scale);
+    builder.arg(&out0);
+    builder.arg(&out1);
     // SAFETY: the arguments match `amp_bn_sums`; `xp` (and `dyp` in mode 2) address `n * c *
-    // hw` values of the kernel's dtype in storages borrowed for the launch; the per-channel
-    // arrays hold `channels` values; every index the grid reaches is below `count` per channel.
+    // hw` values of the kernel's dtype in storages borrowed for the launch; `center` and
+    // `scale` hold `channels` f32 values (checked by `f32_address`) where the mode reads them
+    // (checked above), `out0` and `out1` the two
+    // rows of `channels` zeroed f64 values of `out`; every index the grid reaches is below
+    // `count` per channel.
     unsafe { builder.launch(cfg) }.w()?;
-    Ok((dev.clone_dtoh(&out0)?, dev.clone_dtoh(&out1)?))
+    drop(out_guard); // ends the borrow of `out`
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        Shape::from((2, g.c)),
+    ))
 }
 
 /// The per-channel affine pass `amp_bn_apply` into a fresh storage of `x`'s dtype:
-/// `(x - center) * scale * mul + shift (+ k * dy)`; `mul` is a device f32 `(channels)` storage
-/// (the weight), or ones when `None`; `shift` too may be a device storage (the bias).
+/// `(x - center) * scale * mul + shift (+ k * dy)`; `mul` (the weight) is ones when `None`.
 pub(crate) struct Apply<'a> {
-    pub center: &'a [f32],
-    pub scale: &'a [f32],
-    pub mul: Option<(&'a CudaStorage, &'a Layout)>,
-    pub shift: Shift<'a>,
-    pub dy: Option<(&'a CudaStorage, &'a Layout, &'a [f32])>,
-}
-
-/// Where the shift comes from: host values or a device storage.
-pub(crate) enum Shift<'a> {
-    Host(&'a [f32]),
-    Device(&'a CudaStorage, &'a Layout),
+    pub center: PerChannel<'a>,
+    pub scale: PerChannel<'a>,
+    pub mul: Option<PerChannel<'a>>,
+    pub shift: PerChannel<'a>,
+    /// The input gradient's `dy` and its factor `k`.
+    pub dy: Option<((&'a CudaStorage, &'a Layout), PerChannel<'a>)>,
 }
 
 impl Apply<'_> {
@@ -128,47 +178,14 @@ impl Apply<'_> {
         }
         let stream = dev.cuda_stream();
         let dt = code(x.dtype())?;
-        let per_channel = |what: &str, n: usize| -> Result<()> {
-            if n != g.c {
-                candle_core::bail!("batch norm kernel: {what} has {n} values, not {}", g.c)
-            }
-            Ok(())
-        };
-        per_channel("center", self.center.len())?;
-        per_channel("scale", self.scale.len())?;
         let (xp, _x_guard) = address(x, lx, &stream)?;
-        let (mul, _mul_guard) = match self.mul {
-            Some((s, l)) => {
-                let (p, guard) = f32_address(s, l, &stream, "weight", g.c)?;
-                (p, Some(guard))
-            }
-            None => (0u64, None),
-        };
-        let host_shift;
-        let (shift, _shift_guard) = match self.shift {
-            Shift::Device(s, l) => {
-                let (p, guard) = f32_address(s, l, &stream, "bias", g.c)?;
-                (p, Some(guard))
-            }
-            Shift::Host(v) => {
-                per_channel("shift", v.len())?;
-                host_shift = dev.clone_htod(v)?;
-                let (p, guard) = host_shift.device_ptr(&stream);
-                (p, Some(guard))
-            }
-        };
-        let (dyp, _dy_guard) = address_like(self.dy.map(|(s, l, _)| (s, l)), x, lx, &stream)?;
-        let host_k;
-        let (kp, _k_guard) = match self.dy {
-            Some((_, _, k)) => {
-                per_channel("k", k.len())?;
-                host_k = dev.clone_htod(k)?;
-                let (kp, k_guard) = host_k.device_ptr(&stream);
-                (kp, Some(k_guard))
-            }
-            None => (0u64, None),
-        };
-        let (d_center, d_scale) = (dev.clone_htod(self.center)?, dev.clone_htod(self.scale)?);
+        let (d_center, _center_guard) = self.center.address(&stream, "center", g.c)?;
+        let (d_scale, _scale_guard) = self.scale.address(&stream, "scale", g.c)?;
+        let (shift, _shift_guard) = self.shift.address(&stream, "shift", g.c)?;
+        let (mul, _mul_guard) = PerChannel::optional(self.mul.as_ref(), &stream, "weight", g.c)?;
+        let (dyp, _dy_guard) = address_like(self.dy.as_ref().map(|(d, _)| *d), x, lx, &stream)?;
+        let k = self.dy.as_ref().map(|(_, k)| k);
+        let (kp, _k_guard) = PerChannel::optional(k, &stream, "k", g.c)?;
         let (out_ptr, out_guard) = out_address(&mut out, &stream);
         let rows = grid_dim(g.n * g.c, "rows")?;
         let chunks = u32::try_from(g.hw.div_ceil(SPAN))

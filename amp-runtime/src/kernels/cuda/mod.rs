@@ -1,5 +1,6 @@
 //! The CUDA side of the kernels: each op's launches in a file of their own beside the CUDA C
-//! source it runs (`unscale`, `batch_norm`, `activation`), and here what they share: NVRTC
+//! source it runs (`unscale`, `batch_norm`, `activation`; `conv` calls cuDNN, feature
+//! `cudnn`), and here what they share: NVRTC
 //! compilation of the sources ([`Module`]), storage addresses with the guards that order
 //! launches after earlier work, fresh outputs, and launch geometry.
 //!
@@ -11,6 +12,8 @@
 
 pub(crate) mod activation;
 pub(crate) mod batch_norm;
+#[cfg(feature = "cudnn")]
+pub(crate) mod conv;
 pub(crate) mod unscale;
 
 use std::sync::OnceLock;

@@ -1,0 +1,213 @@
+//! The CUDA ops against the CPU ops on the same inputs: values and every gradient, in f32, f16
+//! and bf16 (needs a GPU; built with `--features cuda`, and `cudnn` for the cuDNN
+//! convolutions). The CPU op is the reference: f32 accumulation, one rounding per output.
+//!
+//! Tolerances: the two devices sum in different orders, and cuDNN rounds the kernel gradient
+//! to the input's dtype before widening it (the CPU op keeps it in f32); f32 convolutions may
+//! use TF32 (10-bit mantissa products), PyTorch's default. Each value is compared against
+//! `tol * max(|reference|, mean |reference|)`.
+#![cfg(feature = "cuda")]
+
+use candle_amp::nn::{self, Conv1dConfig, Conv2dConfig};
+use candle_amp::{Precision, Tensor, BF16, F16, F32};
+use candle_core::{DType, Device, Result, Var};
+
+mod common;
+
+/// Relative tolerance of one precision (a few units of its last place; TF32's for f32).
+fn tol(dtype: DType) -> f32 {
+    if dtype == DType::BF16 {
+        4.0 * 2f32.powi(-8)
+    } else {
+        // f16's 11 significant bits; TF32's too.
+        4.0 * 2f32.powi(-11)
+    }
+}
+
+fn assert_close(
+    what: &str,
+    got: &candle_core::Tensor,
+    want: &candle_core::Tensor,
+    tol: f32,
+) -> Result<()> {
+    assert_eq!(got.dims(), want.dims(), "{what}: shapes");
+    let got = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let want = want.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let scale = want.iter().map(|v| v.abs()).sum::<f32>() / want.len().max(1) as f32;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let bound = tol * w.abs().max(scale);
+        assert!(
+            (g - w).abs() <= bound,
+            "{what}[{i}]: cuda {g} vs cpu {w} (bound {bound})"
+        );
+    }
+    Ok(())
+}
+
+/// What one run of a layer gives: the output, and the gradients of the input, weight and bias
+/// of `sum(y * r)` for fixed random `r`.
+struct Run {
+    y: candle_core::Tensor,
+    grads: Vec<candle_core::Tensor>,
+}
+
+/// Values from [`common::values`] as an f32 tensor on `dev`.
+fn randn(shape: &[usize], seed: u64, dev: &Device) -> Result<candle_core::Tensor> {
+    let n = shape.iter().product();
+    candle_core::Tensor::from_vec(common::values(n, seed), shape, dev)
+}
+
+/// `layer(x)` on `dev` from the f32 master weight and bias and an input rounded to `P`, with
+/// the gradients of `sum(y * r)` (input, weight, bias).
+fn run<P: Precision>(
+    dev: &Device,
+    x_shape: &[usize],
+    w_shape: &[usize],
+    layer: impl Fn(Var, Var) -> Result<Box<dyn Fn(&Tensor<P>) -> Result<Tensor<P>>>>,
+) -> Result<Run> {
+    let x = Var::from_tensor(&randn(x_shape, 1, dev)?.to_dtype(P::DTYPE)?)?;
+    let w = Var::from_tensor(&(randn(w_shape, 2, dev)? * 0.5)?)?;
+    let b = Var::from_tensor(&randn(&[w_shape[0]], 3, dev)?)?;
+    let forward = layer(w.clone(), b.clone())?;
+    let y = forward(&Tensor::<P>::from_candle(x.as_tensor().clone())?)?;
+    let y = y.as_candle().clone();
+    let r = randn(y.dims(), 4, dev)?;
+    let grads = (y.to_dtype(DType::F32)? * r)?.sum_all()?.backward()?;
+    let grads = [&x, &w, &b]
+        .iter()
+        .map(|v| {
+            grads
+                .get(v)
+                .cloned()
+                .ok_or_else(|| candle_core::Error::Msg("a gradient is missing".into()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Run { y, grads })
+}
+
+/// The CUDA run against the CPU run: values, then each gradient (the weight's and bias's f32).
+fn compare<P: Precision>(
+    what: &str,
+    x_shape: &[usize],
+    w_shape: &[usize],
+    layer: impl Fn(Var, Var) -> Result<Box<dyn Fn(&Tensor<P>) -> Result<Tensor<P>>>>,
+) -> Result<()> {
+    let cuda = Device::new_cuda(0)?;
+    let want = run::<P>(&Device::Cpu, x_shape, w_shape, &layer)?;
+    let got = run::<P>(&cuda, x_shape, w_shape, &layer)?;
+    assert_eq!(got.y.dtype(), P::DTYPE, "{what}: output dtype");
+    let t = tol(P::DTYPE);
+    assert_close(&format!("{what} {:?} y", P::DTYPE), &got.y, &want.y, t)?;
+    for (name, (g, w)) in ["grad x", "grad w", "grad b"]
+        .iter()
+        .zip(got.grads.iter().zip(&want.grads))
+    {
+        if *name != "grad x" {
+            assert_eq!(g.dtype(), DType::F32, "{what}: {name} of an f32 master");
+        }
+        assert_close(&format!("{what} {:?} {name}", P::DTYPE), g, w, t)?;
+    }
+    Ok(())
+}
+
+/// The geometries the convolution tests run: 3x3 same-padding, strided, a strided 1x1 (the
+/// ResNet downsample), the 7x7 stem, dilated, grouped.
+fn conv2d_configs() -> Vec<(usize, Conv2dConfig)> {
+    let cfg = |padding, stride, dilation, groups| Conv2dConfig {
+        padding,
+        stride,
+        dilation,
+        groups,
+        ..Default::default()
+    };
+    vec![
+        (3, cfg(1, 1, 1, 1)),
+        (3, cfg(1, 2, 1, 1)),
+        (1, cfg(0, 2, 1, 1)),
+        (7, cfg(3, 2, 1, 1)),
+        (3, cfg(2, 1, 2, 1)),
+        (3, cfg(1, 1, 1, 2)),
+        (1, cfg(0, 1, 1, 1)),
+    ]
+}
+
+fn conv2d_matches_cpu<P: Precision>() -> Result<()> {
+    for (k, cfg) in conv2d_configs() {
+        let what = format!("conv2d k{k} {cfg:?}");
+        compare::<P>(
+            &what,
+            &[2, 4, 11, 11],
+            &[6, 4 / cfg.groups, k, k],
+            |w, b| {
+                let conv = nn::Conv2d::new(w, Some(b), cfg)?;
+                Ok(Box::new(move |x: &Tensor<P>| conv.forward(x)))
+            },
+        )?;
+    }
+    Ok(())
+}
+
+fn conv1d_matches_cpu<P: Precision>() -> Result<()> {
+    for (padding, stride) in [(2, 1), (0, 2)] {
+        let cfg = Conv1dConfig {
+            padding,
+            stride,
+            ..Default::default()
+        };
+        compare::<P>(
+            &format!("conv1d {cfg:?}"),
+            &[2, 4, 17],
+            &[6, 4, 5],
+            |w, b| {
+                let conv = nn::Conv1d::new(w, Some(b), cfg)?;
+                Ok(Box::new(move |x: &Tensor<P>| conv.forward(x)))
+            },
+        )?;
+    }
+    Ok(())
+}
+
+/// The transposed conv (the tensor method; no bias: `b` is added to the output instead, so that
+/// the comparison still covers a bias gradient). The kernel is `(c_in, c_out, kh, kw)`: 6 in,
+/// 6 out, as the bias's length.
+fn conv_transpose2d_matches_cpu<P: Precision>() -> Result<()> {
+    for (k, padding, output_padding, stride) in [(3, 1, 1, 2), (4, 1, 0, 2), (3, 0, 0, 1)] {
+        let what = format!("conv_transpose2d k{k} p{padding} op{output_padding} s{stride}");
+        compare::<P>(&what, &[2, 6, 7, 7], &[6, 6, k, k], move |w, b| {
+            Ok(Box::new(move |x: &Tensor<P>| {
+                let k = Tensor::<F32>::from_candle(w.as_tensor().clone())?.cast::<P>()?;
+                let y = x.conv_transpose2d(&k, padding, output_padding, stride, 1)?;
+                let b = Tensor::<F32>::from_candle(b.as_tensor().reshape((1, 6, 1, 1))?)?;
+                Tensor::<P>::from_candle(
+                    y.as_candle().broadcast_add(&b.cast::<P>()?.into_candle())?,
+                )
+            }))
+        })?;
+    }
+    Ok(())
+}
+
+macro_rules! per_precision {
+    ($body:ident: $f32:ident, $f16:ident, $bf16:ident) => {
+        #[test]
+        fn $f32() -> Result<()> {
+            $body::<F32>()
+        }
+        #[test]
+        fn $f16() -> Result<()> {
+            $body::<F16>()
+        }
+        #[test]
+        fn $bf16() -> Result<()> {
+            $body::<BF16>()
+        }
+    };
+}
+
+per_precision!(conv2d_matches_cpu: conv2d_f32_cuda, conv2d_f16_cuda, conv2d_bf16_cuda);
+per_precision!(conv1d_matches_cpu: conv1d_f32_cuda, conv1d_f16_cuda, conv1d_bf16_cuda);
+per_precision!(
+    conv_transpose2d_matches_cpu: conv_transpose2d_f32_cuda,
+    conv_transpose2d_f16_cuda,
+    conv_transpose2d_bf16_cuda
+);
