@@ -19,7 +19,8 @@
 //!   ops, one host sync per gradient) over the fused pass, on copies of the same gradients.
 //! - `amp_vs_f32_step` (target < 1): one training step of the PyTorch AMP recipe MLP
 //!   (Linear+ReLU, Linear+ReLU, Linear, MSE, SGD lr 1e-3; `--width` 1024, `--batch` 256 by
-//!   default) under autocast in the device's default precision (bf16 without loss scaling on
+//!   default on CPU, the recipe's own 4096 and 512 on CUDA, where the smaller step is bound by
+//!   kernel launches whatever the precision) under autocast in the device's default precision (bf16 without loss scaling on
 //!   CPU, fp16 with a `GradScaler` on CUDA, as PyTorch's defaults), over the same step in plain
 //!   f32 (the same function with `enabled = false`, `backward` and `opt.step`).
 //! - `bf16_matmul_vs_candle_f32` (target >= 1.8): GFLOP/s of a 1024^3 matmul of two
@@ -74,12 +75,14 @@ struct Args {
     /// Print one JSON line on stdout instead of the table.
     #[arg(long)]
     json: bool,
-    /// Width of the training-step MLP (`amp_vs_f32_step`).
-    #[arg(long, default_value_t = 1024, value_parser = positive)]
-    width: usize,
-    /// Batch size of the training-step MLP (`amp_vs_f32_step`).
-    #[arg(long, default_value_t = 256, value_parser = positive)]
-    batch: usize,
+    /// Width of the training-step MLP (`amp_vs_f32_step`) and of the AdamW weights [default:
+    /// 1024 on CPU, 4096 on CUDA].
+    #[arg(long, value_parser = positive)]
+    width: Option<usize>,
+    /// Batch size of the training-step MLP (`amp_vs_f32_step`) [default: 256 on CPU, 512 on
+    /// CUDA].
+    #[arg(long, value_parser = positive)]
+    batch: Option<usize>,
     /// Timed runs per side for the unscale figures (medians are reported).
     #[arg(long, default_value_t = 30, value_parser = positive)]
     samples: usize,
@@ -95,6 +98,20 @@ struct Args {
     /// Device: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
     #[arg(long, default_value = "cpu", value_parser = device::parse_device)]
     device: Device,
+}
+
+/// The MLP's width: `--width`, else by device. On a GPU the CPU's sizes are launch-bound (a step
+/// of ~100 kernels of microseconds each, whatever the precision): there the MLP is PyTorch's
+/// AMP recipe's, 4096 wide, batch 512.
+fn width(args: &Args) -> usize {
+    let default = if args.device.is_cuda() { 4096 } else { 1024 };
+    args.width.unwrap_or(default)
+}
+
+/// The MLP's batch: `--batch`, else by device (see [`width`]).
+fn batch(args: &Args) -> usize {
+    let default = if args.device.is_cuda() { 512 } else { 256 };
+    args.batch.unwrap_or(default)
 }
 
 fn positive(s: &str) -> std::result::Result<usize, String> {
@@ -276,9 +293,12 @@ fn measure_step(args: &Args, dev: &Device) -> Result<Step> {
 
 fn measure_step_in<Pol: Policy>(args: &Args, dev: &Device) -> Result<Step> {
     let vars = VarMap::new();
-    let mlp = Mlp::new(args.width, &VarBuilder::from_varmap(&vars, DType::F32, dev))?;
-    let x = Tensor::<F32>::randn(0.0, 1.0, (args.batch, args.width), dev)?;
-    let y = Tensor::<F32>::randn(0.0, 1.0, (args.batch, args.width), dev)?;
+    let mlp = Mlp::new(
+        width(args),
+        &VarBuilder::from_varmap(&vars, DType::F32, dev),
+    )?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (batch(args), width(args)), dev)?;
+    let y = Tensor::<F32>::randn(0.0, 1.0, (batch(args), width(args)), dev)?;
     // Two optimizers over the same master weights: SGD keeps no state, and each side needs its
     // own `&mut`.
     let mut amp_opt = SGD::new(vars.all_vars(), 1e-3)?;
@@ -320,7 +340,7 @@ fn measure_adamw(args: &Args, dev: &Device) -> Result<AdamWStep> {
     let side = || -> Result<(Vec<candle_core::Var>, candle_core::backprop::GradStore)> {
         let vars = (0..3)
             .map(|i| {
-                let t = (candle_core::Tensor::ones((args.width, args.width), DType::F32, dev)?
+                let t = (candle_core::Tensor::ones((width(args), width(args)), DType::F32, dev)?
                     * (0.01 * f64::from(i + 1)))?;
                 candle_core::Var::from_tensor(&t)
             })
@@ -561,8 +581,8 @@ fn report(args: &Args, m: &Measured) -> Report {
         amp_skipped_steps: s.amp_skipped,
         unscale_tensors: u.tensors,
         unscale_bytes: u.bytes,
-        width: args.width,
-        batch: args.batch,
+        width: width(args),
+        batch: batch(args),
         samples: args.samples,
         forward_samples: args.forward_samples,
         step_samples: args.step_samples,

@@ -4,7 +4,7 @@
 #   scripts/gpu-bundle.sh              ->  target/gpu-bundle.tar.xz   (then scripts/gpu-check.sh there)
 #
 # What goes in: the release examples the check runs, every test binary built with `--features
-# cuda` (the root package's integration tests and amp-runtime's unit tests), and the PyTorch peer
+# cuda,cudnn` (the root package's integration tests and amp-runtime's unit tests), and the PyTorch peer
 # script. Binaries are built for a portable x86-64-v3 CPU (the workspace builds for the CPU at
 # hand otherwise; set RUSTFLAGS to choose another). Each binary embeds the same PTX of candle's
 # kernels (~50 MB apiece), so they are packed together with a large xz dictionary: one archive

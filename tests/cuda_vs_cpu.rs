@@ -1,6 +1,7 @@
 //! The CUDA ops against the CPU ops on the same inputs: values and every gradient, in f32, f16
 //! and bf16 (needs a GPU; built with `--features cuda`, and `cudnn` for the cuDNN
-//! convolutions). The CPU op is the reference: f32 accumulation, one rounding per output.
+//! convolutions): convolutions, batch norm, max pooling. The CPU op is the reference: f32
+//! accumulation, one rounding per output.
 //!
 //! Tolerances: the two devices sum in different orders, and cuDNN rounds the kernel gradient
 //! to the input's dtype before widening it (the CPU op keeps it in f32); f32 convolutions may
@@ -167,8 +168,8 @@ fn conv1d_matches_cpu<P: Precision>() -> Result<()> {
     Ok(())
 }
 
-/// The transposed conv (the tensor method; no bias: `b` is added to the output instead, so that
-/// the comparison still covers a bias gradient). The kernel is `(c_in, c_out, kh, kw)`: 6 in,
+/// The transposed conv (the tensor method; no bias: `b` is added to the output instead, in f32,
+/// so that the comparison still covers a bias gradient). The kernel is `(c_in, c_out, kh, kw)`: 6 in,
 /// 6 out, as the bias's length.
 fn conv_transpose2d_matches_cpu<P: Precision>() -> Result<()> {
     for (k, padding, output_padding, stride) in [(3, 1, 1, 2), (4, 1, 0, 2), (3, 0, 0, 1)] {
@@ -177,14 +178,64 @@ fn conv_transpose2d_matches_cpu<P: Precision>() -> Result<()> {
             Ok(Box::new(move |x: &Tensor<P>| {
                 let k = Tensor::<F32>::from_candle(w.as_tensor().clone())?.cast::<P>()?;
                 let y = x.conv_transpose2d(&k, padding, output_padding, stride, 1)?;
-                let b = Tensor::<F32>::from_candle(b.as_tensor().reshape((1, 6, 1, 1))?)?;
-                Tensor::<P>::from_candle(
-                    y.as_candle().broadcast_add(&b.cast::<P>()?.into_candle())?,
-                )
+                // The bias added in f32 (candle's broadcast add of half values would sum the
+                // bias's gradient in half, in a different order on each device).
+                let b = b.as_tensor().reshape((1, 6, 1, 1))?;
+                let y = y.cast::<F32>()?.into_candle().broadcast_add(&b)?;
+                Tensor::<F32>::from_candle(y)?.cast::<P>()
             }))
         })?;
     }
     Ok(())
+}
+
+/// `BatchNorm2d` in training mode (batch statistics, the running ones moved), then in evaluation
+/// mode with the moved running statistics: both outputs, batched, so that the comparison covers
+/// the running-statistics update too.
+fn batch_norm_matches_cpu<P: Precision>() -> Result<()> {
+    compare::<P>("batch_norm2d", &[4, 6, 5, 5], &[6], |w, b| {
+        let dev = w.device().clone();
+        let running_mean = Var::from_tensor(&(randn(&[6], 5, &dev)? * 0.1)?)?;
+        let running_var = Var::from_tensor(&(randn(&[6], 6, &dev)?.abs()? + 0.5)?)?;
+        let bn = nn::BatchNorm2d::new(running_mean, running_var, Some((w, b)), 1e-5, 0.1)?;
+        Ok(Box::new(move |x: &Tensor<P>| {
+            let train = bn.forward_t(x, true)?;
+            let eval = bn.forward_t(x, false)?;
+            Tensor::<P>::from_candle(candle_core::Tensor::cat(
+                &[train.as_candle(), eval.as_candle()],
+                0,
+            )?)
+        }))
+    })
+}
+
+/// `MaxPool2d` (ResNet's stem pool: 3x3, stride 2, padding 1, overlapping windows): the same
+/// values, bit for bit (each output is a copy of its window's first maximum), and the input
+/// gradient (summed in f32 where windows overlap, rounded once).
+fn max_pool_matches_cpu<P: Precision>() -> Result<()> {
+    let run = |dev: &Device| -> Result<(candle_core::Tensor, candle_core::Tensor)> {
+        let x = Var::from_tensor(&randn(&[2, 3, 9, 9], 7, dev)?.to_dtype(P::DTYPE)?)?;
+        let pool = nn::MaxPool2d::with_stride(3, 2).with_padding(1);
+        let y = pool
+            .forward(&Tensor::<P>::from_candle(x.as_tensor().clone())?)?
+            .into_candle();
+        let r = randn(y.dims(), 8, dev)?;
+        let grads = (y.to_dtype(DType::F32)? * r)?.sum_all()?.backward()?;
+        let gx = grads
+            .get(&x)
+            .cloned()
+            .ok_or_else(|| candle_core::Error::Msg("no input gradient".into()))?;
+        Ok((y, gx))
+    };
+    let (want_y, want_g) = run(&Device::Cpu)?;
+    let (got_y, got_g) = run(&Device::new_cuda(0)?)?;
+    assert_close(&format!("max_pool {:?} y", P::DTYPE), &got_y, &want_y, 0.0)?;
+    assert_close(
+        &format!("max_pool {:?} grad x", P::DTYPE),
+        &got_g,
+        &want_g,
+        tol(P::DTYPE),
+    )
 }
 
 macro_rules! per_precision {
@@ -205,6 +256,8 @@ macro_rules! per_precision {
 }
 
 per_precision!(conv2d_matches_cpu: conv2d_f32_cuda, conv2d_f16_cuda, conv2d_bf16_cuda);
+per_precision!(batch_norm_matches_cpu: batch_norm_f32_cuda, batch_norm_f16_cuda, batch_norm_bf16_cuda);
+per_precision!(max_pool_matches_cpu: max_pool_f32_cuda, max_pool_f16_cuda, max_pool_bf16_cuda);
 per_precision!(conv1d_matches_cpu: conv1d_f32_cuda, conv1d_f16_cuda, conv1d_bf16_cuda);
 per_precision!(
     conv_transpose2d_matches_cpu: conv_transpose2d_f32_cuda,

@@ -361,13 +361,22 @@ impl BatchNorm2d {
     fn forward_fused(&self, x: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
         let x = &x.contiguous()?; // once, for the statistics and the op
         let c = self.channels();
-        let (mean, var) = if train {
-            let (mean, var) = kernels::batch_norm::channel_stats(x)?;
-            self.record_batch(&mean, &var, x.elem_count() / c)?;
-            (mean, var)
+        let (mean, invstd) = if train {
+            let rows = kernels::batch_norm::batch_stats(
+                x,
+                self.running_mean.as_tensor(),
+                self.running_var.as_tensor(),
+                self.eps,
+                self.momentum,
+            )?;
+            // Rows: mean, invstd, the new running mean and variance.
+            self.running_mean.set(&rows.get(2)?)?;
+            self.running_var.set(&rows.get(3)?)?;
+            (rows.get(0)?, rows.get(1)?)
         } else {
-            let stat = |v: &Var| v.as_tensor().detach().to_dtype(DType::F64);
-            (stat(&self.running_mean)?, stat(&self.running_var)?)
+            let var = self.running_var.as_tensor().detach().to_dtype(DType::F64)?;
+            let invstd = (var + self.eps)?.sqrt()?.recip()?.to_dtype(DType::F32)?;
+            (self.running_mean.as_tensor().detach(), invstd)
         };
         let (weight, bias) = match (&self.weight, &self.bias) {
             (Some(w), Some(b)) => (w.as_tensor().clone(), b.as_tensor().clone()),
@@ -377,8 +386,8 @@ impl BatchNorm2d {
             ),
         };
         let stats = kernels::batch_norm::Normalisation {
-            mean: mean.to_dtype(DType::F32)?,
-            invstd: (var + self.eps)?.sqrt()?.recip()?.to_dtype(DType::F32)?,
+            mean,
+            invstd,
             train,
             affine: self.weight.is_some(),
         };

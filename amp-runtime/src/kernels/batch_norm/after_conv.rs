@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 
-use super::{stats, GradSums, InputGrad, Normalisation};
+use super::{grad_consts, stats, GradSums, InputGrad, Normalisation};
 use crate::kernels::channels::Geometry;
 use crate::kernels::conv::{self, Conv2dParams};
 use crate::kernels::elem::Real;
@@ -249,33 +249,39 @@ impl CustomOp3 for ConvNorm {
         };
         let sums = xhat.apply_op2_no_bwd(&dz, &GradSums(unit))?;
         let m = xhat.elem_count() as f64 / c as f64;
-        // dy = k * dz + p * xhat + q, k = gamma * invstd (`gain`); with the batch's statistics
-        // p = -k * sum(dz * xhat) / m and q = -k * sum(dz) / m.
-        let invstd = Tensor::from_iter(invstd.iter().map(|&v| f64::from(v)), dev)?;
-        let gain = (params.get(1)?.to_dtype(DType::F64)? * invstd)?;
-        let grad = InputGrad::new(
-            Tensor::zeros(c, DType::F32, dev)?,
-            &gain,
-            &Tensor::ones(c, DType::F64, dev)?,
+        // dy = k * dz + p * xhat + q, k = gamma * invstd; with the batch's statistics
+        // p = -k * sum(dz * xhat) / m and q = -k * sum(dz) / m (sums over xhat: `unit`).
+        let gamma = params.get(1)?;
+        let consts = grad_consts(
             &sums,
+            &gamma,
+            &Tensor::from_slice(&invstd, c, dev)?,
             m,
             train,
+            true,
         )?;
+        let grad = InputGrad {
+            center: Tensor::zeros(c, DType::F32, dev)?,
+            consts: consts.clone(),
+        };
         // The conv bias's gradient, the sum of dy per channel, in closed form: with the batch's
         // statistics k * sum(dz) + p * sum(xhat) + q * m, exactly 0 (the bias only moves the
         // mean that batch norm removes; summing dy would give the rounding noise of a cancelling
         // sum, which Adam scales up into bias steps of full size); with running statistics
         // k * sum(dz).
         let conv_bias = if train {
-            Tensor::zeros(c, DType::F32, dev)?
+            vec![0f32; c]
         } else {
-            (&gain * sums.get(0)?)?.to_dtype(DType::F32)?
+            let (gamma, sum_dz) = (gamma.to_vec1::<f32>()?, sums.get(0)?.to_vec1::<f64>()?);
+            (0..c)
+                .map(|ch| (f64::from(gamma[ch]) * f64::from(invstd[ch]) * sum_dz[ch]) as f32)
+                .collect()
         };
         let dy = xhat.apply_op2_no_bwd(&dz, &grad)?;
         let (dx, dk) = conv::input_and_kernel_grads(x, k, self.conv, &dy)?;
         let dparams = wanted(params, || {
-            let f32 = |row: usize| sums.get(row)?.to_dtype(DType::F32);
-            Tensor::stack(&[conv_bias, f32(1)?, f32(0)?], 0)
+            let conv_bias = Tensor::from_vec(conv_bias, c, dev)?;
+            Tensor::stack(&[conv_bias, consts.get(3)?, consts.get(4)?], 0)
         })?;
         Ok((dx, dk, dparams))
     }

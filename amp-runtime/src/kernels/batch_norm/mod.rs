@@ -33,10 +33,10 @@ use crate::kernels::elem::Real;
 use crate::kernels::leaf_grads::{offer, wanted};
 use crate::kernels::parallel;
 use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
+    CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
 };
 
-/// Whether [`channel_stats`] and [`batch_norm`] handle `x`: a 4-d f32, f16 or bf16 tensor on
+/// Whether [`batch_stats`] and [`batch_norm`] handle `x`: a 4-d f32, f16 or bf16 tensor on
 /// CPU, or (feature `cuda`) on a CUDA device.
 pub(crate) fn supports(x: &Tensor) -> bool {
     let float = matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16);
@@ -44,48 +44,25 @@ pub(crate) fn supports(x: &Tensor) -> bool {
     float && device && x.rank() == 4
 }
 
-/// Per-channel mean and biased variance of `x`, f64 `(channels)` tensors on its device (two
-/// passes; see [`crate::kernels::widen::lane_sums2`]). A NaN input makes its channel's
-/// variance NaN.
-pub(crate) fn channel_stats(x: &Tensor) -> Result<(Tensor, Tensor)> {
-    let x = x.contiguous()?;
-    if x.device().is_cpu() {
-        let rows = x.apply_op1_no_bwd(&ChannelStats)?;
-        return Ok((rows.get(0)?, rows.get(1)?));
-    }
-    device_stats(&x)
-}
-
-/// [`channel_stats`] off the CPU: the sum of the values, then the sum of squares about the
-/// f32-rounded mean, two passes of `amp_bn_sums`, the rest tensor ops on the device.
-#[cfg(feature = "cuda")]
-fn device_stats(x: &Tensor) -> Result<(Tensor, Tensor)> {
-    let c = x.dim(1)?;
-    let count = (x.elem_count() / c) as f64;
-    let zeros = Tensor::zeros(c, DType::F32, x.device())?;
-    let sums = x.apply_op2_no_bwd(&Tensor::stack(&[&zeros, &zeros], 0)?, &ChannelSums(0))?;
-    let mean = (sums.get(0)? / count)?;
-    let center = mean.to_dtype(DType::F32)?;
-    let per_channel = Tensor::stack(&[&center, &zeros], 0)?;
-    let squares = x.apply_op2_no_bwd(&per_channel, &ChannelSums(1))?.get(0)?;
-    Ok((mean.clone(), variance(&squares, &mean, &center, count)?))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn device_stats(x: &Tensor) -> Result<(Tensor, Tensor)> {
-    candle_core::bail!("batch norm kernel: no kernel for {:?}", x.device())
-}
-
-/// The biased variance from the sum of squares about `center`, the f32-rounded `mean` (the
-/// values are centred on it), the (tiny) offset of that centre corrected exactly. A NaN (a NaN
-/// input) stays NaN, as PyTorch's does: clamping with `max` would make it 0, and a running
-/// variance that looks healthy beside a NaN running mean.
-#[cfg(feature = "cuda")]
-fn variance(squares: &Tensor, mean: &Tensor, center: &Tensor, count: f64) -> Result<Tensor> {
-    let shift = (center.to_dtype(DType::F64)? - mean)?;
-    let v = ((squares / count)? - shift.sqr()?)?;
-    // `v < 0` is false for NaN, which stays.
-    v.lt(0.0)?.where_cond(&v.zeros_like()?, &v)
+/// A training forward's per-channel values from `x` and the running statistics (f32
+/// `(channels)` tensors on `x`'s device): a `(4, channels)` f32 tensor of the batch's mean, its
+/// inverse standard deviation `1 / sqrt(var + eps)` (biased variance, two passes: see
+/// [`crate::kernels::widen::lane_sums2`]) and the running mean and variance moved by `momentum`
+/// towards the batch's (the variance made unbiased first, as PyTorch does). One op with no
+/// backward: on CUDA three small launches besides the two passes, nothing read back. A NaN input
+/// makes its channel's variance NaN.
+pub(crate) fn batch_stats(
+    x: &Tensor,
+    running_mean: &Tensor,
+    running_var: &Tensor,
+    eps: f64,
+    momentum: f64,
+) -> Result<Tensor> {
+    x.contiguous()?.apply_op3_no_bwd(
+        &running_mean.contiguous()?,
+        &running_var.contiguous()?,
+        &BatchStats { eps, momentum },
+    )
 }
 
 /// `(x - mean) * invstd * weight + bias` per channel, in `x`'s dtype, differentiable in `x`,
@@ -117,54 +94,66 @@ fn host(t: &Tensor) -> Result<Vec<f32>> {
     t.to_dtype(DType::F32)?.to_vec1()
 }
 
-/// Two f64 values per channel from `x` alone: mean and biased variance (CPU: one task per
-/// channel takes both passes over it).
-struct ChannelStats;
-
-/// Per-channel sums over `x` (`amp_bn_sums`'s modes 0 and 1, CUDA) about the per-channel
-/// `(2, channels)` f32 `[center; scale]`: `(2, channels)` f64, the sums in row 0.
-#[cfg(feature = "cuda")]
-struct ChannelSums(i32);
-
-#[cfg(feature = "cuda")]
-impl CustomOp2 for ChannelSums {
-    fn name(&self) -> &'static str {
-        "amp-batch-norm-sums"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("amp-batch-norm-sums runs on CUDA (the CPU takes ChannelStats)")
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        lx: &Layout,
-        per_channel: &candle_core::CudaStorage,
-        lp: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let g = Geometry::of(lx)?;
-        let (center, scale) = cuda::rows(per_channel, lp, g.c)?;
-        cuda::sums(x, lx, g, None, self.0, Some(center), Some(scale))
-    }
+/// See [`batch_stats`].
+struct BatchStats {
+    eps: f64,
+    momentum: f64,
 }
 
-impl CustomOp1 for ChannelStats {
+impl CustomOp3 for BatchStats {
     fn name(&self) -> &'static str {
         "amp-batch-norm-stats"
     }
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let g = Geometry::of(layout)?;
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        running_mean: &CpuStorage,
+        lm: &Layout,
+        running_var: &CpuStorage,
+        lv: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::of(lx)?;
+        let (CpuStorage::F32(rm), CpuStorage::F32(rv)) = (running_mean, running_var) else {
+            candle_core::bail!("batch norm kernel: the running statistics must be f32")
+        };
+        let rm = crate::kernels::layout::contiguous(rm, lm, "batch norm")?;
+        let rv = crate::kernels::layout::contiguous(rv, lv, "batch norm")?;
+        if rm.len() != g.c || rv.len() != g.c {
+            candle_core::bail!("batch norm kernel: running statistics of {} channels", g.c)
+        }
         let (mean, var): (Vec<f64>, Vec<f64>) =
-            with_floats!("batch norm", storage, layout, |xs| stats(xs, g));
-        Ok((CpuStorage::F64([mean, var].concat()), Shape::from((2, g.c))))
+            with_floats!("batch norm", x, lx, |xs| stats(xs, g));
+        let count = g.count() as f64;
+        let (keep, moved) = ((1.0 - self.momentum) as f32, self.momentum as f32);
+        let mut out = vec![0f32; 4 * g.c];
+        for c in 0..g.c {
+            let mean32 = mean[c] as f32;
+            let unbiased = (var[c] * count / (count - 1.0)) as f32;
+            out[c] = mean32;
+            out[g.c + c] = (1.0 / (var[c] + self.eps).sqrt()) as f32;
+            out[2 * g.c + c] = rm[c] * keep + mean32 * moved;
+            out[3 * g.c + c] = rv[c] * keep + unbiased * moved;
+        }
+        Ok((CpuStorage::F32(out), Shape::from((4, g.c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        running_mean: &candle_core::CudaStorage,
+        lm: &Layout,
+        running_var: &candle_core::CudaStorage,
+        lv: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let running = (
+            cuda::PerChannel(running_mean, lm.clone()),
+            cuda::PerChannel(running_var, lv.clone()),
+        );
+        cuda::batch_stats(x, lx, running, self.eps, self.momentum)
     }
 }
 
@@ -174,14 +163,17 @@ fn stats<T: Real>(xs: &[T], g: Geometry) -> (Vec<f64>, Vec<f64>) {
         let mean = channel_sum(xs, g, c, |x| x) / m;
         let center = mean as f32;
         let squares = channel_sum(xs, g, c, |x| (x - center) * (x - center));
-        (mean, host_variance(squares, mean, m))
+        (mean, variance(squares, mean, m))
     })
     .into_iter()
     .unzip()
 }
 
-/// [`variance`] of one channel, on the host.
-fn host_variance(squares: f64, mean: f64, count: f64) -> f64 {
+/// The biased variance from the sum of squares about the f32-rounded mean (the values are
+/// centred on it), the (tiny) offset of that mean corrected exactly. A NaN (a NaN input) stays
+/// NaN, as PyTorch's does: `f64::max` would make it 0, and a running variance that looks
+/// healthy beside a NaN running mean.
+fn variance(squares: f64, mean: f64, count: f64) -> f64 {
     let shift = f64::from(mean as f32) - mean;
     let v = squares / count - shift * shift;
     if v < 0.0 {
@@ -267,23 +259,121 @@ impl CustomOp3 for Normalisation {
         let x = x.contiguous()?;
         let dy = dy.to_dtype(x.dtype())?.contiguous()?;
         let sums = x.apply_op2_no_bwd(&dy, &GradSums(self.clone()))?;
-        let c = self.mean.elem_count();
-        let count = x.elem_count() as f64 / c as f64;
-        let invstd = self.invstd.to_dtype(DType::F64)?;
+        let count = x.elem_count() as f64 / self.mean.elem_count() as f64;
         // dx = k * dy + p * (x - mean) + q per channel, with k = w * invstd and, when the
         // statistics are the batch's: p = -k * invstd * sum(dy * xhat) / m, q = -k * sum(dy) / m
         // (the textbook k * (dy - mean(dy) - xhat * mean(dy * xhat)), expanded).
-        let k = (weight.to_dtype(DType::F64)? * &invstd)?;
-        let grad = InputGrad::new(self.mean.clone(), &k, &invstd, &sums, count, self.train)?;
+        let consts = grad_consts(&sums, weight, &self.invstd, count, self.train, false)?;
+        let grad = InputGrad {
+            center: self.mean.clone(),
+            consts: consts.clone(),
+        };
         let dx = wanted(&x, || x.apply_op2_no_bwd(&dy, &grad))?;
         if !self.affine {
             return Ok((dx, None, None));
         }
         Ok((
             dx,
-            offer(weight, || sums.get(1)?.to_dtype(DType::F32))?,
-            offer(bias, || sums.get(0)?.to_dtype(DType::F32))?,
+            offer(weight, || consts.get(3))?,
+            offer(bias, || consts.get(4))?,
         ))
+    }
+}
+
+/// The input gradient's per-channel constants from the gradient sums `[sum(dy); sum(dy *
+/// xhat)]` ((2, c) f64) over `count` values per channel, the weight and `invstd` (f32 `(c)`): a
+/// `(5, c)` f32 tensor of `k = weight * invstd`, `p`, `q` (with the batch's statistics, `train`:
+/// `p = -k * u * sum(dy * xhat) / count`, `q = -k * sum(dy) / count`, `u` = `invstd`, or 1 with
+/// `unit`, sums over values already normalised; otherwise 0), and the two sums in f32 (the
+/// weight's and the bias's gradients). The arithmetic is f64, rounded once to f32.
+fn grad_consts(
+    sums: &Tensor,
+    weight: &Tensor,
+    invstd: &Tensor,
+    count: f64,
+    train: bool,
+    unit: bool,
+) -> Result<Tensor> {
+    sums.contiguous()?.apply_op3_no_bwd(
+        &weight.contiguous()?,
+        &invstd.contiguous()?,
+        &GradConsts { count, train, unit },
+    )
+}
+
+/// See [`grad_consts`].
+struct GradConsts {
+    count: f64,
+    train: bool,
+    unit: bool,
+}
+
+impl CustomOp3 for GradConsts {
+    fn name(&self) -> &'static str {
+        "amp-batch-norm-grad-consts"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sums: &CpuStorage,
+        ls: &Layout,
+        weight: &CpuStorage,
+        lw: &Layout,
+        invstd: &CpuStorage,
+        li: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F64(sums), CpuStorage::F32(w), CpuStorage::F32(s)) =
+            (sums, weight, invstd)
+        else {
+            candle_core::bail!("batch norm kernel: f64 sums and f32 weight and invstd expected")
+        };
+        let sums = crate::kernels::layout::contiguous(sums, ls, "batch norm")?;
+        let w = crate::kernels::layout::contiguous(w, lw, "batch norm")?;
+        let s = crate::kernels::layout::contiguous(s, li, "batch norm")?;
+        let c = w.len();
+        if sums.len() != 2 * c || s.len() != c {
+            candle_core::bail!("batch norm kernel: per-channel values do not match {c} channels")
+        }
+        let mut out = vec![0f32; 5 * c];
+        for ch in 0..c {
+            let invstd = f64::from(s[ch]);
+            let k = f64::from(w[ch]) * invstd;
+            let (p, q) = if self.train {
+                let u = if self.unit { 1.0 } else { invstd };
+                (
+                    -k * u * sums[c + ch] / self.count,
+                    -k * sums[ch] / self.count,
+                )
+            } else {
+                (0.0, 0.0)
+            };
+            out[ch] = k as f32;
+            out[c + ch] = p as f32;
+            out[2 * c + ch] = q as f32;
+            out[3 * c + ch] = sums[c + ch] as f32;
+            out[4 * c + ch] = sums[ch] as f32;
+        }
+        Ok((CpuStorage::F32(out), Shape::from((5, c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sums: &candle_core::CudaStorage,
+        ls: &Layout,
+        weight: &candle_core::CudaStorage,
+        lw: &Layout,
+        invstd: &candle_core::CudaStorage,
+        li: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::grad_consts(
+            (sums, ls),
+            cuda::PerChannel(weight, lw.clone()),
+            cuda::PerChannel(invstd, li.clone()),
+            self.count,
+            self.train,
+            self.unit,
+        )
     }
 }
 
@@ -364,45 +454,11 @@ fn grad_sums<T: Real>(
     .unzip()
 }
 
-/// The input gradient `dx = k * dy + p * (x - center) + q` per channel, in `x`'s dtype (f32
-/// `(channels)` tensors on `x`'s device).
+/// The input gradient `dx = k * dy + p * (x - center) + q` per channel, in `x`'s dtype: `center`
+/// f32 `(c)`, `consts` the `(5, c)` f32 of [`grad_consts`] (rows k, p, q), on `x`'s device.
 struct InputGrad {
     center: Tensor,
-    k: Tensor,
-    p: Tensor,
-    q: Tensor,
-}
-
-impl InputGrad {
-    /// The constants for `k` (f64), the gradient sums `[sum(dy); sum(dy * xhat)]` ((2, c) f64)
-    /// over `count` values per channel, and `unit`, the factor from `x - center` to the `xhat`
-    /// of the sums (f64): with the batch's statistics (`train`) `p = -k * unit * sum(dy * xhat)
-    /// / count` and `q = -k * sum(dy) / count`; with running statistics both are 0.
-    fn new(
-        center: Tensor,
-        k: &Tensor,
-        unit: &Tensor,
-        sums: &Tensor,
-        count: f64,
-        train: bool,
-    ) -> Result<Self> {
-        let (p, q) = if train {
-            let minus_k = k.neg()?;
-            (
-                (((&minus_k * unit)? * sums.get(1)?)? / count)?,
-                ((minus_k * sums.get(0)?)? / count)?,
-            )
-        } else {
-            (k.zeros_like()?, k.zeros_like()?)
-        };
-        let f32 = |t: Tensor| t.to_dtype(DType::F32);
-        Ok(Self {
-            center,
-            k: f32(k.clone())?,
-            p: f32(p)?,
-            q: f32(q)?,
-        })
-    }
+    consts: Tensor,
 }
 
 impl CustomOp2 for InputGrad {
@@ -418,15 +474,18 @@ impl CustomOp2 for InputGrad {
         ldy: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::of(lx)?;
-        let (center, k) = (host(&self.center)?, host(&self.k)?);
-        let (p, q) = (host(&self.p)?, host(&self.q)?);
+        let center = host(&self.center)?;
+        let consts = host(&self.consts.flatten_all()?)?;
+        let (k, rest) = consts.split_at(g.c);
+        let (p, rest) = rest.split_at(g.c);
+        let q = &rest[..g.c];
         let affine = Affine {
             center: &center,
-            scale: &p,
-            shift: &q,
+            scale: p,
+            shift: q,
         };
         let dx = with_floats!("batch norm", x, lx, dy, ldy, |xs, dys| {
-            WithDType::to_cpu_storage_owned(affine.apply(xs, Some((dys, &k)), g))
+            WithDType::to_cpu_storage_owned(affine.apply(xs, Some((dys, k)), g))
         });
         Ok((dx, lx.shape().clone()))
     }
@@ -440,15 +499,22 @@ impl CustomOp2 for InputGrad {
         ldy: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (center, lc) = self.center.storage_and_layout();
-        let (p, lp) = self.p.storage_and_layout();
-        let (q, lq) = self.q.storage_and_layout();
-        let (k, lk) = self.k.storage_and_layout();
+        let (consts, lk) = self.consts.storage_and_layout();
+        let candle_core::Storage::Cuda(consts) = &*consts else {
+            candle_core::bail!(
+                "batch norm kernel: the gradient constants must be on the CUDA device"
+            )
+        };
+        let mut rows = cuda::rows(consts, lk, 5, lx.dims()[1])?.into_iter();
+        let (Some(k), Some(p), Some(q)) = (rows.next(), rows.next(), rows.next()) else {
+            candle_core::bail!("batch norm kernel: five rows of gradient constants expected")
+        };
         cuda::Apply {
             center: cuda::on_device(&center, lc)?,
-            scale: cuda::on_device(&p, lp)?,
+            scale: p,
             mul: None,
-            shift: cuda::on_device(&q, lq)?,
-            dy: Some(((dy, ldy), cuda::on_device(&k, lk)?)),
+            shift: q,
+            dy: Some(((dy, ldy), k)),
         }
         .run(x, lx)
     }

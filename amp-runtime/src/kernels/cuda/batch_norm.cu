@@ -1,6 +1,6 @@
-// The CUDA half of kernels::batch_norm: per-channel sums, the per-channel affine pass and the
-// bias add over (n, c, hw) tensors of f32, f16 or bf16 (dt 0, 1, 2; see half.cuh), all
-// arithmetic in f32.
+// The CUDA half of kernels::batch_norm: per-channel sums, the per-channel statistics and
+// gradient constants, the per-channel affine pass and the bias add over (n, c, hw) tensors of
+// f32, f16 or bf16 (dt 0, 1, 2; see half.cuh), all arithmetic on values in f32.
 // Compiled at run time by NVRTC after half.cuh.
 
 // Per-channel sums. Grid (channels, splits), AMP_BN_THREADS threads: block (c, s) takes the
@@ -69,6 +69,72 @@ extern "C" __global__ void amp_bn_sums(
             atomicAdd(out1 + c, sb[0]);
         }
     }
+}
+
+// The per-channel statistics of a training forward, one thread per channel, in two stages around
+// the second sums pass (kernels::batch_norm's BatchStats; the CPU op's f64 arithmetic, each
+// operation rounded as there: no contraction into fused multiply-adds). `out` is (4, channels)
+// f32: the mean, the inverse standard deviation, the new running mean and running variance.
+//   stage 0: mean = sum[c] / count, kept in mean64[c]; out[0][c] = (float)mean (the centre of the
+//            second pass).
+//   stage 1: var = squares[c] / count - ((double)out[0][c] - mean)^2, 0 where negative (a NaN
+//            stays NaN); out[1][c] = (float)(1 / sqrt(var + eps)); out[2][c] and out[3][c]: the
+//            running mean and unbiased variance moved by `momentum`, in f32 as candle's ops on
+//            the CPU move them.
+extern "C" __global__ void amp_bn_stats(
+    int stage, unsigned int channels, double count, double eps, double momentum,
+    const double* sum, double* mean64, const double* squares,
+    const float* running_mean, const float* running_var, float* out)
+{
+    const unsigned int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) {
+        return;
+    }
+    if (stage == 0) {
+        const double mean = __ddiv_rn(sum[c], count);
+        mean64[c] = mean;
+        out[c] = (float)mean;
+        return;
+    }
+    const double mean = mean64[c];
+    const double shift = __dsub_rn((double)out[c], mean);
+    double var = __dsub_rn(__ddiv_rn(squares[c], count), __dmul_rn(shift, shift));
+    if (var < 0.0) {
+        var = 0.0;
+    }
+    out[channels + c] = (float)__ddiv_rn(1.0, sqrt(__dadd_rn(var, eps)));
+    const float keep = (float)__dsub_rn(1.0, momentum);
+    const float moved = (float)momentum;
+    const float unbiased = (float)__ddiv_rn(__dmul_rn(var, count), __dsub_rn(count, 1.0));
+    out[2 * channels + c] = __fadd_rn(__fmul_rn(running_mean[c], keep), __fmul_rn(out[c], moved));
+    out[3 * channels + c] = __fadd_rn(__fmul_rn(running_var[c], keep), __fmul_rn(unbiased, moved));
+}
+
+// The input gradient's per-channel constants from the gradient sums (f64 (2, channels): sum(dy),
+// sum(dy * xhat)), one thread per channel: k = weight * invstd and, with the batch's statistics
+// (`train`), p = -k * u * sum(dy * xhat) / count and q = -k * sum(dy) / count, u = invstd (or 1
+// with `unit`: sums taken over values already normalised); otherwise p = q = 0. `out` is (5,
+// channels) f32: k, p, q, then the two sums (the weight's and the bias's gradients).
+extern "C" __global__ void amp_bn_grad_consts(
+    unsigned int channels, double count, int train, int unit,
+    const double* sums, const float* weight, const float* invstd, float* out)
+{
+    const unsigned int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) {
+        return;
+    }
+    const double s = (double)invstd[c];
+    const double k = __dmul_rn((double)weight[c], s);
+    double p = 0.0, q = 0.0;
+    if (train) {
+        p = __ddiv_rn(__dmul_rn(__dmul_rn(-k, unit ? 1.0 : s), sums[channels + c]), count);
+        q = __ddiv_rn(__dmul_rn(-k, sums[c]), count);
+    }
+    out[c] = (float)k;
+    out[channels + c] = (float)p;
+    out[2 * channels + c] = (float)q;
+    out[3 * channels + c] = (float)sums[channels + c];
+    out[4 * channels + c] = (float)sums[c];
 }
 
 // The per-channel affine pass, rounded once to dt:

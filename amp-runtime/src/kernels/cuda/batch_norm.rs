@@ -5,7 +5,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
+    CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage};
@@ -69,19 +69,165 @@ pub(crate) fn on_device<'a>(storage: &'a Storage, layout: &Layout) -> Result<Per
     }
 }
 
-/// The two rows of a contiguous `(2, c)` storage, as [`PerChannel`]s.
+/// The `n` rows of a contiguous `(n, c)` f32 storage, as [`PerChannel`]s.
 pub(crate) fn rows<'a>(
     s: &'a CudaStorage,
     l: &Layout,
+    n: usize,
     c: usize,
-) -> Result<(PerChannel<'a>, PerChannel<'a>)> {
+) -> Result<Vec<PerChannel<'a>>> {
     match l.contiguous_offsets() {
-        Some((start, end)) if end - start == 2 * c => Ok((
-            PerChannel(s, Layout::contiguous_with_offset(c, start)),
-            PerChannel(s, Layout::contiguous_with_offset(c, start + c)),
-        )),
-        _ => candle_core::bail!("batch norm kernel: per-channel rows must be (2, {c}) contiguous"),
+        Some((start, end)) if end - start == n * c => Ok((0..n)
+            .map(|r| PerChannel(s, Layout::contiguous_with_offset(c, start + r * c)))
+            .collect()),
+        _ => {
+            candle_core::bail!("batch norm kernel: per-channel rows must be ({n}, {c}) contiguous")
+        }
     }
+}
+
+/// The address of a contiguous f64 storage of `len` values.
+fn f64_address<'a>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    stream: &'a CudaStream,
+    len: usize,
+) -> Result<(u64, SyncOnDrop<'a>)> {
+    let (Some((start, end)), Ok(slice)) = (l.contiguous_offsets(), s.as_cuda_slice::<f64>()) else {
+        candle_core::bail!("batch norm kernel: per-channel sums must be contiguous f64")
+    };
+    if end - start != len {
+        candle_core::bail!(
+            "batch norm kernel: {} sums where {len} were expected",
+            end - start
+        )
+    }
+    let (base, guard) = slice.device_ptr(stream);
+    Ok((base + (start * std::mem::size_of::<f64>()) as u64, guard))
+}
+
+/// A launch of one thread per channel.
+fn per_channel_launch(c: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid_dim: (grid_dim(c.div_ceil(THREADS as usize), "channels")?, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// A training forward's statistics (`amp_bn_stats` around two passes of `amp_bn_sums`): a
+/// `(4, channels)` f32 storage of the mean, the inverse standard deviation (of the biased
+/// variance plus `eps`), and the running mean and variance moved by `momentum`.
+pub(crate) fn batch_stats(
+    x: &CudaStorage,
+    lx: &Layout,
+    running: (PerChannel<'_>, PerChannel<'_>),
+    eps: f64,
+    momentum: f64,
+) -> Result<(CudaStorage, Shape)> {
+    let g = Geometry::of(lx)?;
+    let dev = &x.device;
+    let mut out = alloc(dev, DType::F32, 4 * g.c)?;
+    if g.c == 0 {
+        return Ok((out, Shape::from((4, 0))));
+    }
+    let (sums, _) = self::sums(x, lx, g, None, 0, None, None)?;
+    let mut mean64 = dev.alloc_zeros::<f64>(g.c)?;
+    let stream = dev.cuda_stream();
+    let func = dev.get_or_load_custom_func("amp_bn_stats", BATCH_NORM.name, BATCH_NORM.ptx()?)?;
+    let (channels, count) = (grid_dim(g.c, "channels")?, g.count() as f64);
+    let (rm, _rm_guard) = running.0.address(&stream, "running mean", g.c)?;
+    let (rv, _rv_guard) = running.1.address(&stream, "running variance", g.c)?;
+    // Stage 0: the mean and the centre (row 0 of `out`).
+    {
+        let (sum, _sum_guard) = f64_address(&sums, &Layout::contiguous(2 * g.c), &stream, 2 * g.c)?;
+        let (m64, _m_guard) = mean64.device_ptr_mut(&stream);
+        let (o, _o_guard) = out_address(&mut out, &stream);
+        let mut builder = func.builder();
+        let stage = 0i32;
+        builder.arg(&stage);
+        builder.arg(&channels);
+        builder.arg(&count);
+        builder.arg(&eps);
+        builder.arg(&momentum);
+        builder.arg(&sum);
+        builder.arg(&m64);
+        builder.arg(&sum); // `squares`: not read in stage 0
+        builder.arg(&rm);
+        builder.arg(&rv);
+        builder.arg(&o);
+        // SAFETY: the arguments match `amp_bn_stats`; `sum` and `m64` address `channels` f64
+        // values, `rm` and `rv` `channels` f32 values (checked by `address`), `o` the 4 *
+        // `channels` f32 values of `out`; one thread per channel, threads past the last return.
+        unsafe { builder.launch(per_channel_launch(g.c)?) }.w()?;
+    }
+    // The squares about the centre, then stage 1.
+    let centre = rows(&out, &Layout::contiguous((4, g.c)), 4, g.c)?.swap_remove(0);
+    let (squares, _) = self::sums(x, lx, g, None, 1, Some(centre), None)?;
+    {
+        let (sq, _sq_guard) =
+            f64_address(&squares, &Layout::contiguous(2 * g.c), &stream, 2 * g.c)?;
+        let (m64, _m_guard) = mean64.device_ptr_mut(&stream);
+        let (o, _o_guard) = out_address(&mut out, &stream);
+        let mut builder = func.builder();
+        let stage = 1i32;
+        builder.arg(&stage);
+        builder.arg(&channels);
+        builder.arg(&count);
+        builder.arg(&eps);
+        builder.arg(&momentum);
+        builder.arg(&sq); // `sum`: not read in stage 1
+        builder.arg(&m64);
+        builder.arg(&sq);
+        builder.arg(&rm);
+        builder.arg(&rv);
+        builder.arg(&o);
+        // SAFETY: as for stage 0, `sq` addressing the `channels` f64 squares.
+        unsafe { builder.launch(per_channel_launch(g.c)?) }.w()?;
+    }
+    Ok((out, Shape::from((4, g.c))))
+}
+
+/// The input gradient's constants (`amp_bn_grad_consts`) from the `(2, channels)` f64 gradient
+/// sums over `count` values per channel, the weight and the inverse standard deviation: a `(5,
+/// channels)` f32 storage of k, p, q and the two sums (see `batch_norm.cu`).
+pub(crate) fn grad_consts(
+    (sums, ls): (&CudaStorage, &Layout),
+    weight: PerChannel<'_>,
+    invstd: PerChannel<'_>,
+    count: f64,
+    train: bool,
+    unit: bool,
+) -> Result<(CudaStorage, Shape)> {
+    let c = ls.shape().elem_count() / 2;
+    let dev = &sums.device;
+    let mut out = alloc(dev, DType::F32, 5 * c)?;
+    if c == 0 {
+        return Ok((out, Shape::from((5, 0))));
+    }
+    let stream = dev.cuda_stream();
+    let (sp, _s_guard) = f64_address(sums, ls, &stream, 2 * c)?;
+    let (wp, _w_guard) = weight.address(&stream, "weight", c)?;
+    let (ip, _i_guard) = invstd.address(&stream, "invstd", c)?;
+    let (o, out_guard) = out_address(&mut out, &stream);
+    let func =
+        dev.get_or_load_custom_func("amp_bn_grad_consts", BATCH_NORM.name, BATCH_NORM.ptx()?)?;
+    let (channels, train, unit) = (grid_dim(c, "channels")?, i32::from(train), i32::from(unit));
+    let mut builder = func.builder();
+    builder.arg(&channels);
+    builder.arg(&count);
+    builder.arg(&train);
+    builder.arg(&unit);
+    builder.arg(&sp);
+    builder.arg(&wp);
+    builder.arg(&ip);
+    builder.arg(&o);
+    // SAFETY: the arguments match `amp_bn_grad_consts`; `sp` addresses 2 * `channels` f64
+    // values, `wp` and `ip` `channels` f32 values (checked above), `o` the 5 * `channels` f32
+    // values of `out`; one thread per channel, threads past the last return.
+    unsafe { builder.launch(per_channel_launch(c)?) }.w()?;
+    drop(out_guard); // ends the borrow of `out`
+    Ok((out, Shape::from((5, c))))
 }
 
 /// Per-channel sums over `x` (and `dy`, mode 2) as batch_norm.cu's `amp_bn_sums` defines them,

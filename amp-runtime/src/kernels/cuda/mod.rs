@@ -1,5 +1,5 @@
 //! The CUDA side of the kernels: each op's launches in a file of their own beside the CUDA C
-//! source it runs (`unscale`, `batch_norm`, `activation`; `conv` calls cuDNN, feature
+//! source it runs (`unscale`, `batch_norm`, `activation`, `pool`; `conv` calls cuDNN, feature
 //! `cudnn`), and here what they share: NVRTC
 //! compilation of the sources ([`Module`]), storage addresses with the guards that order
 //! launches after earlier work, fresh outputs, and launch geometry.
@@ -14,6 +14,7 @@ pub(crate) mod activation;
 pub(crate) mod batch_norm;
 #[cfg(feature = "cudnn")]
 pub(crate) mod conv;
+pub(crate) mod pool;
 pub(crate) mod unscale;
 
 use std::sync::OnceLock;
@@ -183,7 +184,7 @@ pub(crate) fn grid_dim(n: usize, what: &str) -> Result<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{activation, batch_norm, unscale};
+    use super::{activation, batch_norm, pool, unscale};
 
     /// NVRTC accepts the kernel sources with their defines (needs the NVRTC library, not a GPU).
     #[test]
@@ -196,7 +197,13 @@ mod tests {
             );
         }
         let ptx = batch_norm::BATCH_NORM.ptx().unwrap();
-        for kernel in ["amp_bn_sums", "amp_bn_apply", "amp_bias_add"] {
+        for kernel in [
+            "amp_bn_sums",
+            "amp_bn_stats",
+            "amp_bn_grad_consts",
+            "amp_bn_apply",
+            "amp_bias_add",
+        ] {
             assert!(
                 ptx.contains(&format!(".entry {kernel}(")),
                 "{kernel} missing"
@@ -206,5 +213,12 @@ mod tests {
             .ptx()
             .unwrap()
             .contains(".entry amp_activation("));
+        let ptx = pool::POOL.ptx().unwrap();
+        for kernel in ["amp_max_pool", "amp_max_pool_grad"] {
+            assert!(
+                ptx.contains(&format!(".entry {kernel}(")),
+                "{kernel} missing"
+            );
+        }
     }
 }

@@ -14,10 +14,12 @@
 //! PyTorch's default `count_include_pad=True`) and rounds once, as PyTorch's CPU kernel does;
 //! its backward spreads each output's gradient evenly over the window, in f32.
 //!
-//! Off the CPU both pools are compositions of candle ops with the same semantics
-//! ([`max_pool2d_composed`], [`avg_pool2d_composed`]): every window tap gathered by
-//! `index_select`, then the argmax gathered or the f32 sum divided; they cost a copy of the
-//! output per tap, and train at any stride and padding.
+//! On CUDA the max pool is the same op (`kernels::cuda::pool`: one thread per output, the
+//! gradient added in f32 and rounded once). Elsewhere, and for the average pool off the CPU,
+//! the pools are compositions of candle ops with the same semantics ([`max_pool2d_composed`],
+//! [`avg_pool2d_composed`]): every window tap gathered by `index_select`, then the argmax
+//! gathered or the f32 sum divided; they cost a copy of the output per tap, and train at any
+//! stride and padding.
 
 use crate::kernels::elem::with_floats;
 use std::ops::Range;
@@ -216,11 +218,18 @@ fn check(op: &str, p: Pool2d, (h, w): (usize, usize)) -> Result<()> {
     Ok(())
 }
 
-/// Max pooling of `x`: this op on CPU (float dtypes), [`max_pool2d_composed`] elsewhere.
+/// Max pooling of `x`: this op on CPU and (feature `cuda`) CUDA, float dtypes;
+/// [`max_pool2d_composed`] elsewhere.
 pub(crate) fn max_pool2d(x: &Tensor, p: Pool2d) -> Result<Tensor> {
     let (_, _, h, w) = x.dims4()?;
     check("max_pool2d", p, (h, w))?;
-    if crate::kernels::elem::cpu_float(x) {
+    let cuda_float = cfg!(feature = "cuda")
+        && x.device().is_cuda()
+        && matches!(
+            x.dtype(),
+            candle_core::DType::F32 | candle_core::DType::F16 | candle_core::DType::BF16
+        );
+    if crate::kernels::elem::cpu_float(x) || cuda_float {
         x.contiguous()?.apply_op1(MaxPool(p))
     } else {
         max_pool2d_composed(x, p)
@@ -349,11 +358,42 @@ impl CustomOp1 for MaxPool {
         Ok((out, Shape::from((d[0], d[1], oh, ow))))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let shape = cuda_shape(self.0, l);
+        let y = crate::kernels::cuda::pool::max_pool(s, l, &shape)?;
+        Ok((
+            y,
+            Shape::from((l.dims()[0], l.dims()[1], shape.oh, shape.ow)),
+        ))
+    }
+
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(arg.apply_op2_no_bwd(
             &grad.contiguous()?,
             &MaxPoolGrad(self.0),
         )?))
+    }
+}
+
+/// The geometry of `p` over the `(n, c, h, w)` input of layout `l`, as the CUDA kernels take it.
+#[cfg(feature = "cuda")]
+fn cuda_shape(p: Pool2d, l: &Layout) -> crate::kernels::cuda::pool::PoolShape {
+    let (planes, h, w) = planes(l);
+    let (oh, ow) = p.out((h, w));
+    crate::kernels::cuda::pool::PoolShape {
+        planes,
+        h,
+        w,
+        oh,
+        ow,
+        kernel: p.kernel,
+        stride: p.stride,
+        padding: p.padding,
     }
 }
 
@@ -402,6 +442,19 @@ impl CustomOp2 for MaxPoolGrad {
             WithDType::to_cpu_storage_owned(self.run(x, l1, g))
         });
         Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let shape = cuda_shape(self.0, l1);
+        let grad = crate::kernels::cuda::pool::max_pool_grad((s1, l1), (s2, l2), &shape)?;
+        Ok((grad, l1.shape().clone()))
     }
 }
 
