@@ -238,6 +238,60 @@ fn max_pool_matches_cpu<P: Precision>() -> Result<()> {
     )
 }
 
+/// `ConvBnReLU2d` on CUDA, where batch norm and the ReLU are one op, against `ConvBn2d` and a
+/// separate ReLU on the same device and variables: the same values (rounding commutes with
+/// ReLU) and gradients (the mask from the output is the mask from the input), up to the order
+/// of the statistics' sums.
+fn conv_bn_relu_matches_conv_bn_then_relu<P: Precision>() -> Result<()> {
+    let dev = Device::new_cuda(0)?;
+    let x = Var::from_tensor(&randn(&[2, 4, 9, 9], 11, &dev)?.to_dtype(P::DTYPE)?)?;
+    let w = Var::from_tensor(&(randn(&[6, 4, 3, 3], 12, &dev)? * 0.5)?)?;
+    let (gamma, beta) = (
+        Var::from_tensor(&(randn(&[6], 13, &dev)? + 1.0)?)?,
+        Var::from_tensor(&randn(&[6], 14, &dev)?)?,
+    );
+    let layer = |relu: bool| -> Result<(candle_core::Tensor, Vec<candle_core::Tensor>)> {
+        let cfg = Conv2dConfig {
+            padding: 1,
+            ..Default::default()
+        };
+        let conv = nn::Conv2d::new(w.clone(), None, cfg)?;
+        let stats = |v: f32| Var::from_tensor(&candle_core::Tensor::full(v, 6, &dev)?);
+        let bn = nn::BatchNorm2d::new(
+            stats(0.0)?,
+            stats(1.0)?,
+            Some((gamma.clone(), beta.clone())),
+            1e-5,
+            0.1,
+        )?;
+        let xt = Tensor::<P>::from_candle(x.as_tensor().clone())?;
+        let y = if relu {
+            nn::ConvBnReLU2d::new(conv, bn)?.forward_t(&xt, true)?
+        } else {
+            nn::ConvBn2d::new(conv, bn)?.forward_t(&xt, true)?.relu()?
+        };
+        let y = y.into_candle();
+        let r = randn(y.dims(), 15, &dev)?;
+        let grads = (y.to_dtype(DType::F32)? * r)?.sum_all()?.backward()?;
+        let grads = [&x, &w, &gamma, &beta]
+            .iter()
+            .map(|v| grads.get(v).cloned())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| candle_core::Error::Msg("a gradient is missing".into()))?;
+        Ok((y, grads))
+    };
+    let (fused, fused_grads) = layer(true)?;
+    let (apart, apart_grads) = layer(false)?;
+    let what = format!("conv_bn_relu {:?}", P::DTYPE);
+    // The batch-norm sums are f64 atomics: their order, not their terms, may differ between
+    // the runs, and move a rounding by a unit.
+    assert_close(&format!("{what} y"), &fused, &apart, tol(P::DTYPE))?;
+    for (g, w) in fused_grads.iter().zip(&apart_grads) {
+        assert_close(&format!("{what} grads"), g, w, tol(P::DTYPE))?;
+    }
+    Ok(())
+}
+
 macro_rules! per_precision {
     ($body:ident: $f32:ident, $f16:ident, $bf16:ident) => {
         #[test]
@@ -258,6 +312,11 @@ macro_rules! per_precision {
 per_precision!(conv2d_matches_cpu: conv2d_f32_cuda, conv2d_f16_cuda, conv2d_bf16_cuda);
 per_precision!(batch_norm_matches_cpu: batch_norm_f32_cuda, batch_norm_f16_cuda, batch_norm_bf16_cuda);
 per_precision!(max_pool_matches_cpu: max_pool_f32_cuda, max_pool_f16_cuda, max_pool_bf16_cuda);
+per_precision!(
+    conv_bn_relu_matches_conv_bn_then_relu: conv_bn_relu_f32_cuda,
+    conv_bn_relu_f16_cuda,
+    conv_bn_relu_bf16_cuda
+);
 per_precision!(conv1d_matches_cpu: conv1d_f32_cuda, conv1d_f16_cuda, conv1d_bf16_cuda);
 per_precision!(
     conv_transpose2d_matches_cpu: conv_transpose2d_f32_cuda,

@@ -111,10 +111,13 @@ impl ConvBn2d {
         let params = Conv2dParams::from(self.conv.config());
         let x = x.as_candle();
         if !(x.device().is_cpu() && kernels::conv2d_handles(x, w.as_tensor(), params)) {
-            let y = self
-                .bn
-                .forward_t(&self.conv.forward(&Tensor::<P>::wrap(x.clone()))?, train)?;
-            return if self.relu { y.relu() } else { Ok(y) };
+            // The conv op, then batch norm (and the ReLU in the same op).
+            let z = self.conv.forward(&Tensor::<P>::wrap(x.clone()))?;
+            return if self.relu {
+                self.bn.forward_t_relu(&z, train)
+            } else {
+                self.bn.forward_t(&z, train)
+            };
         }
         count_master_casts::<P>(w, bias);
         let c = self.bn.channels();

@@ -297,11 +297,26 @@ impl BatchNorm2d {
         }
         self.check_input(x.dims(), train)?;
         if kernels::batch_norm::supports(x.as_candle()) {
-            self.forward_fused(x.as_candle(), train)
+            self.forward_fused(x.as_candle(), train, false)
         } else {
             self.forward_composed(x.as_candle(), train)
         }
         .and_then(Tensor::<P>::from_candle)
+    }
+
+    /// [`Self::forward_t`] and a ReLU, one op where the fused kernels run (`ConvBnReLU2d` off the
+    /// CPU: no ReLU pass and no ReLU node).
+    pub(crate) fn forward_t_relu<P: Precision>(
+        &self,
+        x: &Tensor<P>,
+        train: bool,
+    ) -> Result<Tensor<P>> {
+        self.check_input(x.dims(), train)?;
+        if kernels::batch_norm::supports(x.as_candle()) {
+            Tensor::<P>::from_candle(self.forward_fused(x.as_candle(), train, true)?)
+        } else {
+            self.forward_t(x, train)?.relu()
+        }
     }
 
     /// The checks of an input of dimensions `dims`: `(batch, channels, h, w)` with the layer's
@@ -358,7 +373,12 @@ impl BatchNorm2d {
 
     /// The CPU and CUDA kernels: the graph keeps `x` and per-channel statistics, nothing else;
     /// the per-channel arithmetic stays on `x`'s device.
-    fn forward_fused(&self, x: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
+    fn forward_fused(
+        &self,
+        x: &candle_core::Tensor,
+        train: bool,
+        relu: bool,
+    ) -> Result<candle_core::Tensor> {
         let x = &x.contiguous()?; // once, for the statistics and the op
         let c = self.channels();
         let (mean, invstd) = if train {
@@ -390,6 +410,7 @@ impl BatchNorm2d {
             invstd,
             train,
             affine: self.weight.is_some(),
+            relu,
         };
         kernels::batch_norm::batch_norm(x, &weight, &bias, stats)
     }

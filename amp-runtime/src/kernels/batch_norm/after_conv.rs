@@ -246,6 +246,7 @@ impl CustomOp3 for ConvNorm {
             invstd: Tensor::ones(c, DType::F32, dev)?,
             train,
             affine: true,
+            relu: false,
         };
         let sums = xhat.apply_op2_no_bwd(&dz, &GradSums(unit))?;
         let m = xhat.elem_count() as f64 / c as f64;

@@ -87,6 +87,8 @@ pub(crate) struct Normalisation {
     pub invstd: Tensor,
     pub train: bool,
     pub affine: bool,
+    /// The output goes through a ReLU (in the same pass; its backward masks `dy` by the output).
+    pub relu: bool,
 }
 
 /// The values of a per-channel f32 tensor on the host (CPU kernels: a copy of `c` values).
@@ -220,9 +222,13 @@ impl CustomOp3 for Normalisation {
             scale: &scale,
             shift: b,
         };
-        let y = with_floats!("batch norm", x, lx, |xs| WithDType::to_cpu_storage_owned(
-            affine.apply(xs, None, g)
-        ));
+        let y = with_floats!("batch norm", x, lx, |xs| {
+            let mut y = affine.apply(xs, None, g);
+            if self.relu {
+                relu_in_place(&mut y);
+            }
+            WithDType::to_cpu_storage_owned(y)
+        });
         Ok((y, lx.shape().clone()))
     }
 
@@ -244,6 +250,7 @@ impl CustomOp3 for Normalisation {
             mul: Some(cuda::PerChannel(weight, lw.clone())),
             shift: cuda::PerChannel(bias, lb.clone()),
             dy: None,
+            relu: self.relu,
         }
         .run(x, lx)
     }
@@ -253,11 +260,17 @@ impl CustomOp3 for Normalisation {
         x: &Tensor,
         weight: &Tensor,
         bias: &Tensor,
-        _y: &Tensor,
+        y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let x = x.contiguous()?;
         let dy = dy.to_dtype(x.dtype())?.contiguous()?;
+        // Through the ReLU: the gradient where the output is positive.
+        let dy = if self.relu {
+            crate::kernels::activation::relu_grad_from_output(y, &dy)?
+        } else {
+            dy
+        };
         let sums = x.apply_op2_no_bwd(&dy, &GradSums(self.clone()))?;
         let count = x.elem_count() as f64 / self.mean.elem_count() as f64;
         // dx = k * dy + p * (x - mean) + q per channel, with k = w * invstd and, when the
@@ -374,6 +387,13 @@ impl CustomOp3 for GradConsts {
             self.train,
             self.unit,
         )
+    }
+}
+
+/// ReLU in place (`v < 0` is false for NaN, which passes through).
+fn relu_in_place<T: Real>(values: &mut [T]) {
+    for v in values.iter_mut().filter(|v| v.get() < 0.0) {
+        *v = T::put(0.0);
     }
 }
 
@@ -515,6 +535,7 @@ impl CustomOp2 for InputGrad {
             mul: None,
             shift: q,
             dy: Some(((dy, ldy), k)),
+            relu: false,
         }
         .run(x, lx)
     }

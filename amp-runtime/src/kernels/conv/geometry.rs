@@ -64,6 +64,16 @@ impl Geometry {
         }
     }
 
+    /// The input's shape `(batch, c_in, h, w)` (its gradient's).
+    pub(super) fn in_shape(&self) -> Shape {
+        Shape::from((self.batch, self.c_in, self.h, self.w))
+    }
+
+    /// The kernel's shape `(c_out, c_in / groups, kh, kw)` (its gradient's).
+    pub(super) fn kernel_shape(&self) -> Shape {
+        Shape::from((self.c_out, self.c_in_g(), self.kh, self.kw))
+    }
+
     pub(super) fn out_shape(&self) -> Shape {
         Shape::from((self.batch, self.c_out, self.out_h, self.out_w))
     }

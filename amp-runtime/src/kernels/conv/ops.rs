@@ -274,7 +274,7 @@ impl CustomOp2 for GradInput {
         let gx = with_floats!("conv2d input gradient", s1, l1, s2, l2, |w, g| {
             WithDType::to_cpu_storage_owned(geo.grad_input(w, g))
         });
-        Ok((gx, Shape::from((geo.batch, geo.c_in, geo.h, geo.w))))
+        Ok((gx, geo.in_shape()))
     }
 
     #[cfg(feature = "cudnn")]
@@ -287,7 +287,7 @@ impl CustomOp2 for GradInput {
     ) -> Result<(CudaStorage, Shape)> {
         let geo = self.0;
         let gx = cudnn::backward_data((s1, l1), (s2, l2), &geo.cudnn_shape())?;
-        Ok((gx, Shape::from((geo.batch, geo.c_in, geo.h, geo.w))))
+        Ok((gx, geo.in_shape()))
     }
 }
 
@@ -310,7 +310,7 @@ impl CustomOp2 for GradWeight {
         let sums = with_floats!("conv2d weight gradient", s1, l1, s2, l2, |x, g| {
             geo.grad_weight(x, g)
         });
-        let shape = Shape::from((geo.c_out, geo.c_in_g(), geo.kh, geo.kw));
+        let shape = geo.kernel_shape();
         Ok((stored(sums, self.1), shape))
     }
 
@@ -323,7 +323,7 @@ impl CustomOp2 for GradWeight {
         l2: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let geo = self.0;
-        let shape = Shape::from((geo.c_out, geo.c_in_g(), geo.kh, geo.kw));
+        let shape = geo.kernel_shape();
         let gw = cudnn::backward_filter((s1, l1), (s2, l2), &geo.cudnn_shape())?;
         // cuDNN's sums in the input's dtype, widened for an f32 master.
         let gw = match cuda_in_dtype(&gw, &Layout::contiguous(&shape), self.1)? {

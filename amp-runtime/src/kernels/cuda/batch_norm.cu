@@ -138,7 +138,7 @@ extern "C" __global__ void amp_bn_grad_consts(
 }
 
 // The per-channel affine pass, rounded once to dt:
-//   out = (x - center[c]) * (scale[c] * mul[c]) + shift[c] (+ k[c] * dy)
+//   out = (x - center[c]) * (scale[c] * mul[c]) + shift[c] (+ k[c] * dy), through a ReLU if `relu`
 // `mul`, `dy` and `k` may be null (mul then 1, no dy term). The forward is center = mean,
 // scale = invstd, mul = weight, shift = bias; the input gradient center = mean, scale = p,
 // shift = q, k * dy (kernels::batch_norm's InputGrad). Grid (rows, chunks of AMP_BN_SPAN
@@ -149,7 +149,7 @@ extern "C" __global__ void amp_bn_apply(
     const void* x, const void* dy, void* out, int dt,
     unsigned int channels, unsigned long long hw,
     const float* center, const float* scale, const float* mul, const float* shift,
-    const float* k)
+    const float* k, int relu)
 {
     const unsigned long long row = blockIdx.x;
     const unsigned int c = (unsigned int)(row % channels);
@@ -164,6 +164,10 @@ extern "C" __global__ void amp_bn_apply(
         float v = (amp_get(x, at, dt) - m) * s + t;
         if (dy) {
             v = kc * amp_get(dy, at, dt) + v;
+        }
+        // `v < 0` is false for NaN, which passes through (ReLU keeps NaN).
+        if (relu && v < 0.0f) {
+            v = 0.0f;
         }
         amp_put(out, at, v, dt);
     }

@@ -303,7 +303,8 @@ pub(crate) fn sums(
 }
 
 /// The per-channel affine pass `amp_bn_apply` into a fresh storage of `x`'s dtype:
-/// `(x - center) * scale * mul + shift (+ k * dy)`; `mul` (the weight) is ones when `None`.
+/// `(x - center) * scale * mul + shift (+ k * dy)`, through a ReLU with `relu`; `mul` (the
+/// weight) is ones when `None`.
 pub(crate) struct Apply<'a> {
     pub center: PerChannel<'a>,
     pub scale: PerChannel<'a>,
@@ -311,6 +312,8 @@ pub(crate) struct Apply<'a> {
     pub shift: PerChannel<'a>,
     /// The input gradient's `dy` and its factor `k`.
     pub dy: Option<((&'a CudaStorage, &'a Layout), PerChannel<'a>)>,
+    /// The output goes through a ReLU.
+    pub relu: bool,
 }
 
 impl Apply<'_> {
@@ -358,6 +361,8 @@ impl Apply<'_> {
         builder.arg(&mul);
         builder.arg(&shift);
         builder.arg(&kp);
+        let relu = i32::from(self.relu);
+        builder.arg(&relu);
         // SAFETY: the arguments match `amp_bn_apply`; `xp`, `dyp` (when not null) and `out_ptr`
         // address `rows * hw` values of the kernel's dtype in storages held for the launch
         // (`out` freshly allocated, distinct from the inputs); every per-channel array holds

@@ -16,11 +16,19 @@ struct AmpPool {
     unsigned int sw, unsigned int pad
 #define AMP_POOL_MAKE AmpPool p = {planes, h, w, oh, ow, kh, kw, sh, sw, pad}
 
-// The offset within its plane of output (oy, ox)'s window maximum; -1 for a window wholly in the
-// padding (the caller's checks leave none).
-__device__ long long amp_pool_argmax(const void* x, int dt, unsigned long long base,
-                                     AmpPool p, unsigned int oy, unsigned int ox)
+// The offset of output i's plane in the input.
+__device__ unsigned long long amp_pool_plane(AmpPool p, unsigned long long i)
 {
+    return i / ((unsigned long long)p.oh * p.ow) * p.h * p.w;
+}
+
+// The offset within its plane (at `base`) of output i's window maximum; -1 for a window wholly
+// in the padding (the caller's checks leave none).
+__device__ long long amp_pool_argmax(const void* x, int dt, unsigned long long base,
+                                     AmpPool p, unsigned long long i)
+{
+    const unsigned int r = (unsigned int)(i % ((unsigned long long)p.oh * p.ow));
+    const unsigned int oy = r / p.ow, ox = r % p.ow;
     const int y0 = (int)(oy * p.sh) - (int)p.pad;
     const int x0 = (int)(ox * p.sw) - (int)p.pad;
     long long best = -1;
@@ -46,10 +54,8 @@ extern "C" __global__ void amp_max_pool(const void* x, void* y, int dt, AMP_POOL
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
          i < outputs; i += stride) {
-        const unsigned long long plane = i / ((unsigned long long)p.oh * p.ow);
-        const unsigned int r = (unsigned int)(i - plane * p.oh * p.ow);
-        const unsigned long long base = plane * p.h * p.w;
-        const long long at = amp_pool_argmax(x, dt, base, p, r / p.ow, r % p.ow);
+        const unsigned long long base = amp_pool_plane(p, i);
+        const long long at = amp_pool_argmax(x, dt, base, p, i);
         if (dt == 0) {
             ((float*)y)[i] = at < 0 ? __int_as_float(0xff800000) : ((const float*)x)[base + at];
         } else {
@@ -71,10 +77,8 @@ extern "C" __global__ void amp_max_pool_grad(const void* x, const void* dy, floa
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
          i < outputs; i += stride) {
-        const unsigned long long plane = i / ((unsigned long long)p.oh * p.ow);
-        const unsigned int r = (unsigned int)(i - plane * p.oh * p.ow);
-        const unsigned long long base = plane * p.h * p.w;
-        const long long at = amp_pool_argmax(x, dt, base, p, r / p.ow, r % p.ow);
+        const unsigned long long base = amp_pool_plane(p, i);
+        const long long at = amp_pool_argmax(x, dt, base, p, i);
         if (at >= 0) {
             atomicAdd(grad + base + at, amp_get(dy, i, dt));
         }
