@@ -973,6 +973,55 @@ fn modules_take_optional_candle_masks_by_reference() -> Result<()> {
     Ok(())
 }
 
+// ---- A master written in place by candle inside a region part. ----
+
+/// Uses `w` (the value of `var`), writes `new` into `var` with candle's `Var::set`, clears the
+/// weight-cast cache, and uses `w` again: all in one region part.
+#[autocast(fp16)]
+fn products_around_a_set(
+    x: &Tensor<F32>,
+    w: &Tensor<F32>,
+    var: &candle_core::Var,
+    new: &candle_core::Tensor,
+) -> Result<(Tensor<F32>, Tensor<F32>)> {
+    let before = x.matmul(w)?;
+    var.set(new)?;
+    candle_amp::clear_autocast_cache();
+    let after = x.matmul(w)?;
+    Ok((before, after))
+}
+
+/// candle's tensors carry no version counter, so no cache sees `Var::set` write a master it has
+/// a cast of; `clear_autocast_cache()` (PyTorch's name) after the write makes the next use cast
+/// the new value: the second product is the new weight's (f16 products against the f32 ones).
+#[test]
+fn clearing_the_cast_cache_after_var_set_gives_the_new_weight() -> Result<()> {
+    let var = candle_core::Var::randn(0f32, 0.3, (8, 8), &dev())?;
+    let new = candle_core::Tensor::randn(0f32, 0.3, (8, 8), &dev())?;
+    let old = var.as_tensor().copy()?;
+    let w = Tensor::<F32>::from_candle(var.as_tensor().clone())?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 8), &dev())?;
+    let (before, after) = products_around_a_set(&x, &w, &var, &new)?;
+    let close = |got: &Tensor<F32>, weight: &candle_core::Tensor| -> Result<f32> {
+        let want = x.as_candle().matmul(weight)?;
+        (got.as_candle() - want)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()
+    };
+    // f16 operands and products: within a few units of f16's last place of values near 1.
+    assert!(
+        close(&before, &old)? < 1e-2,
+        "the first product is the old weight's"
+    );
+    assert!(
+        close(&after, &new)? < 1e-2,
+        "the second product is the new weight's"
+    );
+    assert!(close(&after, &old)? > 0.1, "and not the old weight's");
+    Ok(())
+}
+
 // ---- No stale weights: optimizer steps inside a long region see their own updates. ----
 //
 // The weight is a master used as it is (`x.matmul(w)`), so its cast is cached for the region

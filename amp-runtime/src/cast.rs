@@ -11,8 +11,11 @@
 //! innermost region part (fn or method body) running when it was made, and is dropped when that
 //! part returns: a model's `forward` that is a region reuses its casts within one call, and casts
 //! afresh at the next call, even when both calls run inside one long region (an epoch under
-//! `#[autocast]` whose optimizer steps run in a plain helper). [`GradScaler::step`] also drops
-//! every cached cast after stepping the optimizer, for the loop written in one region body.
+//! `#[autocast]` whose optimizer steps run in a plain helper). [`GradScaler::step`] and
+//! candle-amp's optimizers also drop every cached cast after stepping, for the loop written in
+//! one region body; a write candle-amp does not make (`Var::set`) needs
+//! [`clear_autocast_cache`], which nothing can call for it: candle's tensors have no version
+//! counter.
 //! PyTorch keys its cache on the tensor until the outermost autocast exits, and so reuses a stale
 //! cast in that loop.
 //!
@@ -85,9 +88,16 @@ pub(crate) fn count_casts(n: u64, elements: usize, dtype: DType) {
     });
 }
 
-/// Drops every cached weight cast on this thread: called after anything in candle-amp that
-/// writes master weights (the scaler's optimizer step).
-pub(crate) fn invalidate_weight_casts() {
+/// Drops every cached weight cast on this thread (PyTorch's `torch.clear_autocast_cache()`).
+///
+/// candle-amp's optimizers and [`GradScaler::step`] call it after writing the master weights.
+/// Anything else that writes a master in place inside a region part and then uses it again in
+/// the same part must call it in between: candle's `Var::set` and candle-nn's optimizers copy
+/// into the variable's own storage, and candle 0.11's tensors carry no version counter, so no
+/// cache can tell that the value changed.
+///
+/// [`GradScaler::step`]: crate::scaler::GradScaler::step
+pub fn clear_autocast_cache() {
     STATE.with(|s| s.borrow_mut().cache.clear());
 }
 
@@ -214,7 +224,7 @@ mod tests {
         // A cast made in the outer part itself is dropped by the scaler's step.
         let stale = convert(w.as_tensor(), DType::F16)?;
         w.set(&Tensor::full(3f32, 4, &Device::Cpu)?)?;
-        invalidate_weight_casts();
+        clear_autocast_cache();
         let fresh = convert(w.as_tensor(), DType::F16)?;
         assert_ne!(stale.id(), fresh.id());
         assert_eq!(

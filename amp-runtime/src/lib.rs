@@ -21,6 +21,7 @@ pub mod report;
 pub mod scaler;
 mod tensor;
 
+pub use cast::clear_autocast_cache;
 pub use op::{Fp32Input, Op, OpClass, SamePrecision};
 pub use precision::{Half, Precision, Promote, BF16, F16, F32};
 pub use region::{

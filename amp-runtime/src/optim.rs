@@ -123,7 +123,7 @@ impl Optimizer for SGD {
                 var.set(&updated.to_dtype(var.dtype())?)?;
             }
         }
-        crate::cast::invalidate_weight_casts();
+        crate::cast::clear_autocast_cache();
         Ok(())
     }
 
@@ -247,7 +247,7 @@ impl Optimizer for AdamW {
                 }
             }
         }
-        crate::cast::invalidate_weight_casts();
+        crate::cast::clear_autocast_cache();
         Ok(())
     }
 

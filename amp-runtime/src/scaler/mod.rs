@@ -272,7 +272,7 @@ impl GradScaler {
         }
         opt.step(grads.grad_store())?;
         // The masters changed in place: no cast of their old values may be reused.
-        crate::cast::invalidate_weight_casts();
+        crate::cast::clear_autocast_cache();
         Ok(StepOutcome::Stepped)
     }
 
