@@ -58,9 +58,8 @@ pub(crate) fn relu_grad_from_output(y: &Tensor, grad: &Tensor) -> Result<Tensor>
 
 /// Whether the op runs `x`: an f32, f16 or bf16 tensor on CPU, or (feature `cuda`) on CUDA.
 fn supported(x: &Tensor) -> bool {
-    use candle_core::DType;
-    let float = matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    float && (x.device().is_cpu() || (cfg!(feature = "cuda") && x.device().is_cuda()))
+    use crate::kernels::elem::{cpu_float, cuda_float};
+    cpu_float(x) || cuda_float(x)
 }
 
 fn apply(x: &Tensor, form: Form) -> Result<Tensor> {

@@ -132,8 +132,18 @@ pub(crate) fn wide(dtype: candle_core::DType) -> candle_core::DType {
 
 /// Whether `t` is an f32, f16 or bf16 tensor on CPU: what every kernel here reads.
 pub(crate) fn cpu_float(t: &candle_core::Tensor) -> bool {
+    t.device().is_cpu() && float(t)
+}
+
+/// Whether `t` is an f32, f16 or bf16 tensor on a CUDA device (and the crate has its CUDA
+/// kernels: feature `cuda`).
+pub(crate) fn cuda_float(t: &candle_core::Tensor) -> bool {
+    cfg!(feature = "cuda") && t.device().is_cuda() && float(t)
+}
+
+fn float(t: &candle_core::Tensor) -> bool {
     use candle_core::DType;
-    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16)
+    matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16)
 }
 
 /// `xs` read as f32 slice when `T` is f32 (no copy), `None` for the 16-bit types.

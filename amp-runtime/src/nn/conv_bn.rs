@@ -146,9 +146,7 @@ impl ConvBn2d {
         )?;
         self.bn.check_input(z.dims(), train)?;
         if let Some((mean, var)) = batch {
-            let per_channel = |v: Vec<f64>| candle_core::Tensor::from_vec(v, c, x.device());
-            self.bn
-                .record_batch(&per_channel(mean)?, &per_channel(var)?, z.elem_count() / c)?;
+            self.bn.record_batch(&mean, &var, z.elem_count() / c)?;
         }
         Tensor::from_candle(z)
     }

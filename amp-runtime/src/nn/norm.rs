@@ -357,18 +357,16 @@ impl BatchNorm2d {
         Ok((self.running_mean.to_vec1()?, self.running_var.to_vec1()?))
     }
 
-    /// Folds a batch's per-channel mean and biased variance (f64 `(channels)` tensors) over
-    /// `count` values per channel into the running statistics (the variance made unbiased
-    /// first, as PyTorch does), on the statistics' device.
-    pub(crate) fn record_batch(
-        &self,
-        mean: &candle_core::Tensor,
-        var: &candle_core::Tensor,
-        count: usize,
-    ) -> Result<()> {
+    /// Folds a batch's per-channel mean and biased variance over `count` values per channel
+    /// into the running statistics (the variance made unbiased first, as PyTorch does): the
+    /// CPU's `ConvBn2d`, whose op returns its statistics on the host.
+    pub(crate) fn record_batch(&self, mean: &[f64], var: &[f64], count: usize) -> Result<()> {
+        let dev = self.running_mean.device();
+        let to_tensor =
+            |v: &[f64]| candle_core::Tensor::from_iter(v.iter().map(|&v| v as f32), dev);
         let count = count as f64;
-        let unbiased = ((var * count)? / (count - 1.0))?;
-        self.update_running(&mean.to_dtype(DType::F32)?, &unbiased.to_dtype(DType::F32)?)
+        let unbiased: Vec<f64> = var.iter().map(|v| v * count / (count - 1.0)).collect();
+        self.update_running(&to_tensor(mean)?, &to_tensor(&unbiased)?)
     }
 
     /// The CPU and CUDA kernels: the graph keeps `x` and per-channel statistics, nothing else;

@@ -39,9 +39,8 @@ use candle_core::{
 /// Whether [`batch_stats`] and [`batch_norm`] handle `x`: a 4-d f32, f16 or bf16 tensor on
 /// CPU, or (feature `cuda`) on a CUDA device.
 pub(crate) fn supports(x: &Tensor) -> bool {
-    let float = matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    let device = x.device().is_cpu() || (cfg!(feature = "cuda") && x.device().is_cuda());
-    float && device && x.rank() == 4
+    use crate::kernels::elem::{cpu_float, cuda_float};
+    (cpu_float(x) || cuda_float(x)) && x.rank() == 4
 }
 
 /// A training forward's per-channel values from `x` and the running statistics (f32
@@ -520,12 +519,8 @@ impl CustomOp2 for InputGrad {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (center, lc) = self.center.storage_and_layout();
         let (consts, lk) = self.consts.storage_and_layout();
-        let candle_core::Storage::Cuda(consts) = &*consts else {
-            candle_core::bail!(
-                "batch norm kernel: the gradient constants must be on the CUDA device"
-            )
-        };
-        let mut rows = cuda::rows(consts, lk, 5, lx.dims()[1])?.into_iter();
+        let cuda::PerChannel(consts, lk) = cuda::on_device(&consts, lk)?;
+        let mut rows = cuda::rows(consts, &lk, 5, lx.dims()[1])?.into_iter();
         let (Some(k), Some(p), Some(q)) = (rows.next(), rows.next(), rows.next()) else {
             candle_core::bail!("batch norm kernel: five rows of gradient constants expected")
         };

@@ -248,7 +248,7 @@ pub(crate) fn conv_transpose(x: &Tensor, k: &Tensor, t: TransposeParams) -> Resu
 /// [`check_transpose`]): `(batch, c_out, (h - 1) * stride - 2 * padding + dilation * (kh - 1) +
 /// output_padding + 1, ..)`, the kernel `(c_in, c_out / groups, kh, kw)`.
 #[cfg(feature = "cudnn")]
-pub(crate) fn transpose_out_dims(
+fn transpose_out_dims(
     x: &[usize],
     k: &[usize],
     p: Conv2dParams,

@@ -115,18 +115,22 @@ pub(crate) fn input_and_kernel_grads(
     let geo = Geometry::new(x.dims(), k.dims(), p);
     let grad = grad.contiguous()?;
     let grad_x = wanted(x, || {
-        // An f32 master kernel: the input gradient uses it rounded as the forward did.
-        let k_used = if k.dtype() == x.dtype() {
-            k.clone()
-        } else if k.device().is_cpu() {
-            k.apply_op1_no_bwd(&crate::kernels::convert::Convert(x.dtype()))?
-        } else {
-            k.detach().to_dtype(x.dtype())?
-        };
-        k_used.apply_op2_no_bwd(&grad, &GradInput(geo))
+        kernel_as_used(k, x.dtype())?.apply_op2_no_bwd(&grad, &GradInput(geo))
     })?;
     let grad_k = offer(k, || x.apply_op2_no_bwd(&grad, &GradWeight(geo, k.dtype())))?;
     Ok((grad_x, grad_k))
+}
+
+/// The kernel `k` as the forward used it, outside the graph: itself, or an f32 master rounded to
+/// the input's `dtype` (an input gradient is taken with the rounded kernel).
+fn kernel_as_used(k: &Tensor, dtype: DType) -> Result<Tensor> {
+    if k.dtype() == dtype {
+        Ok(k.clone())
+    } else if k.device().is_cpu() {
+        k.apply_op1_no_bwd(&crate::kernels::convert::Convert(dtype))
+    } else {
+        k.detach().to_dtype(dtype)
+    }
 }
 
 impl CustomOp2 for Conv2dOp {
@@ -156,12 +160,9 @@ impl CustomOp2 for Conv2dOp {
         l2: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
         let geo = Geometry::new(l1.dims(), l2.dims(), self.0);
-        let rounded = cuda_in_dtype(s2, l2, s1.dtype())?;
-        let (w, lw) = match &rounded {
-            Some((w, lw)) => (w, lw),
-            None => (s2, l2),
-        };
-        let y = cudnn::forward((s1, l1), (w, lw), &geo.cudnn_shape())?;
+        let y = in_dtype((s2, l2), s1.dtype(), |w| {
+            cudnn::forward((s1, l1), w, &geo.cudnn_shape())
+        })?;
         Ok((y, geo.out_shape()))
     }
 
@@ -176,18 +177,18 @@ impl CustomOp2 for Conv2dOp {
     }
 }
 
-/// A CUDA storage converted to `dtype` (with its fresh layout), or `None` when it has it: an f32
-/// master kernel rounded to the input's half dtype, as the CPU's `in_dtype_of`.
+/// `f` of the CUDA storage `(s, l)` in `dtype`: itself, or converted (an f32 master kernel
+/// rounded to the input's half dtype, as the CPU's `in_dtype_of`).
 #[cfg(feature = "cudnn")]
-fn cuda_in_dtype(
-    s: &CudaStorage,
-    l: &Layout,
+fn in_dtype<R>(
+    (s, l): (&CudaStorage, &Layout),
     dtype: DType,
-) -> Result<Option<(CudaStorage, Layout)>> {
+    f: impl FnOnce((&CudaStorage, &Layout)) -> Result<R>,
+) -> Result<R> {
     if s.dtype() == dtype {
-        return Ok(None);
+        return f((s, l));
     }
-    Ok(Some((s.to_dtype(l, dtype)?, Layout::contiguous(l.shape()))))
+    f((&s.to_dtype(l, dtype)?, &Layout::contiguous(l.shape())))
 }
 
 impl CustomOp3 for Conv2dOp {
@@ -326,9 +327,10 @@ impl CustomOp2 for GradWeight {
         let shape = geo.kernel_shape();
         let gw = cudnn::backward_filter((s1, l1), (s2, l2), &geo.cudnn_shape())?;
         // cuDNN's sums in the input's dtype, widened for an f32 master.
-        let gw = match cuda_in_dtype(&gw, &Layout::contiguous(&shape), self.1)? {
-            Some((wide, _)) => wide,
-            None => gw,
+        let gw = if gw.dtype() == self.1 {
+            gw
+        } else {
+            gw.to_dtype(&Layout::contiguous(&shape), self.1)?
         };
         Ok((gw, shape))
     }
@@ -368,12 +370,9 @@ impl CustomOp2 for ConvTranspose2dOp {
     ) -> Result<(CudaStorage, Shape)> {
         let y = super::transpose_out_dims(l1.dims(), l2.dims(), self.conv, self.output_padding);
         let geo = self.geometry(&y, l2.dims());
-        let rounded = cuda_in_dtype(s2, l2, s1.dtype())?;
-        let (w, lw) = match &rounded {
-            Some((w, lw)) => (w, lw),
-            None => (s2, l2),
-        };
-        let out = cudnn::backward_data((w, lw), (s1, l1), &geo.cudnn_shape())?;
+        let out = in_dtype((s2, l2), s1.dtype(), |w| {
+            cudnn::backward_data(w, (s1, l1), &geo.cudnn_shape())
+        })?;
         Ok((out, Shape::from(&y)))
     }
 
@@ -387,12 +386,7 @@ impl CustomOp2 for ConvTranspose2dOp {
         let geo = self.geometry(res.dims(), k.dims());
         let grad = grad.contiguous()?;
         let grad_x = wanted(x, || {
-            let k_used = if k.dtype() == x.dtype() {
-                k.clone()
-            } else {
-                k.detach().to_dtype(x.dtype())?
-            };
-            grad.apply_op2_no_bwd(&k_used, &Conv2dOp(self.conv))
+            grad.apply_op2_no_bwd(&kernel_as_used(k, x.dtype())?, &Conv2dOp(self.conv))
         })?;
         let grad_k = offer(k, || grad.apply_op2_no_bwd(x, &GradWeight(geo, k.dtype())))?;
         Ok((grad_x, grad_k))

@@ -5,7 +5,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage};
@@ -138,53 +138,40 @@ pub(crate) fn batch_stats(
     let (channels, count) = (grid_dim(g.c, "channels")?, g.count() as f64);
     let (rm, _rm_guard) = running.0.address(&stream, "running mean", g.c)?;
     let (rv, _rv_guard) = running.1.address(&stream, "running variance", g.c)?;
-    // Stage 0: the mean and the centre (row 0 of `out`).
-    {
-        let (sum, _sum_guard) = f64_address(&sums, &Layout::contiguous(2 * g.c), &stream, 2 * g.c)?;
+    // One stage of `amp_bn_stats`, reading `input` (`(2, c)` f64: the sums in stage 0, the
+    // squares in stage 1; the kernel reads one per stage, so both arguments get it).
+    let stage = |stage: i32,
+                 input: &CudaStorage,
+                 mean64: &mut CudaSlice<f64>,
+                 out: &mut CudaStorage|
+     -> Result<()> {
+        let (inp, _in_guard) = f64_address(input, &Layout::contiguous(2 * g.c), &stream, 2 * g.c)?;
         let (m64, _m_guard) = mean64.device_ptr_mut(&stream);
-        let (o, _o_guard) = out_address(&mut out, &stream);
+        let (o, _o_guard) = out_address(out, &stream);
         let mut builder = func.builder();
-        let stage = 0i32;
         builder.arg(&stage);
         builder.arg(&channels);
         builder.arg(&count);
         builder.arg(&eps);
         builder.arg(&momentum);
-        builder.arg(&sum);
+        builder.arg(&inp);
         builder.arg(&m64);
-        builder.arg(&sum); // `squares`: not read in stage 0
+        builder.arg(&inp);
         builder.arg(&rm);
         builder.arg(&rv);
         builder.arg(&o);
-        // SAFETY: the arguments match `amp_bn_stats`; `sum` and `m64` address `channels` f64
-        // values, `rm` and `rv` `channels` f32 values (checked by `address`), `o` the 4 *
-        // `channels` f32 values of `out`; one thread per channel, threads past the last return.
+        // SAFETY: the arguments match `amp_bn_stats`; `inp` addresses the first `channels` f64
+        // values of the `(2, channels)` input, `m64` `channels` f64 values, `rm` and `rv`
+        // `channels` f32 values (checked by `address`), `o` the 4 * `channels` f32 values of
+        // `out`; one thread per channel, threads past the last return.
         unsafe { builder.launch(per_channel_launch(g.c)?) }.w()?;
-    }
-    // The squares about the centre, then stage 1.
+        Ok(())
+    };
+    // Stage 0: the mean and the centre (row 0 of `out`); the squares about the centre; stage 1.
+    stage(0, &sums, &mut mean64, &mut out)?;
     let centre = rows(&out, &Layout::contiguous((4, g.c)), 4, g.c)?.swap_remove(0);
     let (squares, _) = self::sums(x, lx, g, None, 1, Some(centre), None)?;
-    {
-        let (sq, _sq_guard) =
-            f64_address(&squares, &Layout::contiguous(2 * g.c), &stream, 2 * g.c)?;
-        let (m64, _m_guard) = mean64.device_ptr_mut(&stream);
-        let (o, _o_guard) = out_address(&mut out, &stream);
-        let mut builder = func.builder();
-        let stage = 1i32;
-        builder.arg(&stage);
-        builder.arg(&channels);
-        builder.arg(&count);
-        builder.arg(&eps);
-        builder.arg(&momentum);
-        builder.arg(&sq); // `sum`: not read in stage 1
-        builder.arg(&m64);
-        builder.arg(&sq);
-        builder.arg(&rm);
-        builder.arg(&rv);
-        builder.arg(&o);
-        // SAFETY: as for stage 0, `sq` addressing the `channels` f64 squares.
-        unsafe { builder.launch(per_channel_launch(g.c)?) }.w()?;
-    }
+    stage(1, &squares, &mut mean64, &mut out)?;
     Ok((out, Shape::from((4, g.c))))
 }
 

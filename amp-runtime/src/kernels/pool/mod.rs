@@ -21,7 +21,7 @@
 //! gathered or the f32 sum divided; they cost a copy of the output per tap, and train at any
 //! stride and padding.
 
-use crate::kernels::elem::with_floats;
+use crate::kernels::elem::{cpu_float, cuda_float, with_floats};
 use std::ops::Range;
 
 use crate::kernels::parallel;
@@ -223,13 +223,7 @@ fn check(op: &str, p: Pool2d, (h, w): (usize, usize)) -> Result<()> {
 pub(crate) fn max_pool2d(x: &Tensor, p: Pool2d) -> Result<Tensor> {
     let (_, _, h, w) = x.dims4()?;
     check("max_pool2d", p, (h, w))?;
-    let cuda_float = cfg!(feature = "cuda")
-        && x.device().is_cuda()
-        && matches!(
-            x.dtype(),
-            candle_core::DType::F32 | candle_core::DType::F16 | candle_core::DType::BF16
-        );
-    if crate::kernels::elem::cpu_float(x) || cuda_float {
+    if cpu_float(x) || cuda_float(x) {
         x.contiguous()?.apply_op1(MaxPool(p))
     } else {
         max_pool2d_composed(x, p)
@@ -240,7 +234,7 @@ pub(crate) fn max_pool2d(x: &Tensor, p: Pool2d) -> Result<Tensor> {
 pub(crate) fn avg_pool2d(x: &Tensor, p: Pool2d) -> Result<Tensor> {
     let (_, _, h, w) = x.dims4()?;
     check("avg_pool2d", p, (h, w))?;
-    if crate::kernels::elem::cpu_float(x) {
+    if cpu_float(x) {
         x.contiguous()?.apply_op1(AvgPool(p))
     } else {
         avg_pool2d_composed(x, p)
