@@ -292,6 +292,94 @@ fn conv_bn_relu_matches_conv_bn_then_relu<P: Precision>() -> Result<()> {
     Ok(())
 }
 
+/// What a training step of a conv + batch norm + ReLU gives: the output, the gradients of the
+/// input, kernel, scale and shift (and the conv bias, when it has one), and the new running mean
+/// and variance.
+struct ConvBnRun {
+    y: candle_core::Tensor,
+    grads: Vec<candle_core::Tensor>,
+    running: [candle_core::Tensor; 2],
+}
+
+/// `ConvBnReLU2d` in training on CUDA, one op there (the conv's forward, the batch's statistics
+/// and the normalisation behind one graph node), against the CPU's `Conv2d`, `BatchNorm2d` and
+/// ReLU as three layers, the conv there without the bias (which the batch's mean removes): the
+/// values, the gradients of the input, kernel, scale and shift, the running variance; on CUDA
+/// the bias's gradient is exactly 0 and the running mean moves by `momentum * bias` more.
+/// Pointwise (a cuBLAS product) and 3x3 (cuDNN) convolutions.
+fn conv_bn_relu_train_matches_cpu_layers<P: Precision>() -> Result<()> {
+    let run = |dev: &Device, ks: usize, fused: bool| -> Result<ConvBnRun> {
+        let x = Var::from_tensor(&randn(&[2, 4, 9, 9], 21, dev)?.to_dtype(P::DTYPE)?)?;
+        let w = Var::from_tensor(&(randn(&[6, 4, ks, ks], 22, dev)? * 0.5)?)?;
+        let b = Var::from_tensor(&randn(&[6], 23, dev)?)?;
+        let gamma = Var::from_tensor(&(randn(&[6], 24, dev)? + 1.0)?)?;
+        let beta = Var::from_tensor(&randn(&[6], 25, dev)?)?;
+        let cfg = Conv2dConfig {
+            padding: ks / 2,
+            ..Default::default()
+        };
+        let stats = |v: f32| Var::from_tensor(&candle_core::Tensor::full(v, 6, dev)?);
+        let (running_mean, running_var) = (stats(0.5)?, stats(2.0)?);
+        let bn = nn::BatchNorm2d::new(
+            running_mean.clone(),
+            running_var.clone(),
+            Some((gamma.clone(), beta.clone())),
+            1e-5,
+            0.1,
+        )?;
+        let xt = Tensor::<P>::from_candle(x.as_tensor().clone())?;
+        let (y, mut vars) = if fused {
+            let conv = nn::Conv2d::new(w.clone(), Some(b.clone()), cfg)?;
+            let y = nn::ConvBnReLU2d::new(conv, bn)?.forward_t(&xt, true)?;
+            (y, vec![&x, &w, &gamma, &beta, &b])
+        } else {
+            let conv = nn::Conv2d::new(w.clone(), None, cfg)?;
+            let y = bn.forward_t(&conv.forward(&xt)?, true)?.relu()?;
+            (y, vec![&x, &w, &gamma, &beta])
+        };
+        let y = y.into_candle();
+        let r = randn(y.dims(), 26, dev)?;
+        let grads = (y.to_dtype(DType::F32)? * r)?.sum_all()?.backward()?;
+        let grads = vars
+            .drain(..)
+            .map(|v| grads.get(v).cloned())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| candle_core::Error::Msg("a gradient is missing".into()))?;
+        let running = [
+            running_mean.as_tensor().clone(),
+            running_var.as_tensor().clone(),
+        ];
+        Ok(ConvBnRun { y, grads, running })
+    };
+    let cuda = Device::new_cuda(0)?;
+    let t = tol(P::DTYPE);
+    for ks in [1, 3] {
+        let got = run(&cuda, ks, true)?;
+        let want = run(&Device::Cpu, ks, false)?;
+        let what = format!("conv_bn_relu train {ks}x{ks} {:?}", P::DTYPE);
+        assert_eq!(got.y.dtype(), P::DTYPE, "{what}: output dtype");
+        assert_close(&format!("{what} y"), &got.y, &want.y, t)?;
+        for (name, (g, w)) in ["x", "w", "gamma", "beta"]
+            .iter()
+            .zip(got.grads.iter().zip(&want.grads))
+        {
+            assert_close(&format!("{what} grad {name}"), g, w, t)?;
+        }
+        let bias_grad = got.grads[4].to_vec1::<f32>()?;
+        assert_eq!(bias_grad, vec![0.0; 6], "{what}: the conv bias's gradient");
+        let bias = randn(&[6], 23, &Device::Cpu)?;
+        let moved = (&want.running[0] + (bias * 0.1)?)?;
+        assert_close(&format!("{what} running mean"), &got.running[0], &moved, t)?;
+        assert_close(
+            &format!("{what} running var"),
+            &got.running[1],
+            &want.running[1],
+            t,
+        )?;
+    }
+    Ok(())
+}
+
 macro_rules! per_precision {
     ($body:ident: $f32:ident, $f16:ident, $bf16:ident) => {
         #[test]
@@ -316,6 +404,11 @@ per_precision!(
     conv_bn_relu_matches_conv_bn_then_relu: conv_bn_relu_f32_cuda,
     conv_bn_relu_f16_cuda,
     conv_bn_relu_bf16_cuda
+);
+per_precision!(
+    conv_bn_relu_train_matches_cpu_layers: conv_bn_relu_train_f32_cuda,
+    conv_bn_relu_train_f16_cuda,
+    conv_bn_relu_train_bf16_cuda
 );
 per_precision!(conv1d_matches_cpu: conv1d_f32_cuda, conv1d_f16_cuda, conv1d_bf16_cuda);
 per_precision!(

@@ -70,7 +70,8 @@ pub(crate) use binary::{
     broadcast_sub, spread, sub,
 };
 pub(crate) use conv::{
-    conv1d, conv2d, conv_transpose, handles as conv2d_handles, Conv2dParams, TransposeParams,
+    conv1d, conv2d, conv_transpose, handles as conv2d_handles,
+    one_op_on_cuda as conv_one_op_on_cuda, Conv2dParams, TransposeParams,
 };
 pub(crate) use convert::to_dtype;
 pub(crate) use elem::{cpu_float, wide};

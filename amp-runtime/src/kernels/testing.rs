@@ -20,3 +20,16 @@ pub(crate) fn max_abs_diff(
         .max(0)?
         .to_scalar()
 }
+
+/// Deterministic pseudo-random values in [-1, 1) (a 64-bit LCG): the kernels' test inputs.
+pub(crate) fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((s >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+        })
+        .collect()
+}

@@ -111,6 +111,9 @@ impl ConvBn2d {
         let params = Conv2dParams::from(self.conv.config());
         let x = x.as_candle();
         if !(x.device().is_cpu() && kernels::conv2d_handles(x, w.as_tensor(), params)) {
+            if train && kernels::conv_one_op_on_cuda(x, w.as_tensor(), params) {
+                return self.forward_train_cuda(x);
+            }
             // The conv op, then batch norm (and the ReLU in the same op).
             let z = self.conv.forward(&Tensor::<P>::wrap(x.clone()))?;
             return if self.relu {
@@ -120,15 +123,8 @@ impl ConvBn2d {
             };
         }
         count_master_casts::<P>(w, bias);
+        let packed = self.packed_params(x.device())?;
         let c = self.bn.channels();
-        let f32_zeros = || candle_core::Tensor::zeros(c, candle_core::DType::F32, x.device());
-        let f32_ones = || candle_core::Tensor::ones(c, candle_core::DType::F32, x.device());
-        let conv_bias = bias.map_or_else(f32_zeros, |b| Ok(b.as_tensor().clone()))?;
-        let (gamma, beta) = match self.bn.affine() {
-            Some((g, b)) => (g.as_tensor().clone(), b.as_tensor().clone()),
-            None => (f32_ones()?, f32_zeros()?),
-        };
-        let packed = candle_core::Tensor::stack(&[conv_bias, gamma, beta], 0)?;
         let running = if train {
             None
         } else {
@@ -149,6 +145,41 @@ impl ConvBn2d {
             self.bn.record_batch(&mean, &var, z.elem_count() / c)?;
         }
         Tensor::from_candle(z)
+    }
+
+    /// A training forward on CUDA, for the convolutions that are one op there: one node of
+    /// the graph (`kernels::batch_norm::conv_batch_norm_train`).
+    fn forward_train_cuda<P: Precision>(&self, x: &candle_core::Tensor) -> Result<Tensor<P>> {
+        let w = self.conv.weight();
+        count_master_casts::<P>(w, self.conv.bias());
+        let (y, rows) = kernels::batch_norm::conv_batch_norm_train(
+            x,
+            w.as_tensor(),
+            &self.packed_params(x.device())?,
+            Conv2dParams::from(self.conv.config()),
+            self.bn.running(),
+            self.relu,
+            |dims| self.bn.check_input(dims, true),
+        )?;
+        self.bn.set_running(&rows)?;
+        Tensor::from_candle(y)
+    }
+
+    /// The conv's bias, the batch norm's scale and its shift as the rows of one f32 `(3, c)`
+    /// tensor (zeros and ones where the layers have none), the fused ops' parameters.
+    fn packed_params(&self, dev: &candle_core::Device) -> Result<candle_core::Tensor> {
+        let c = self.bn.channels();
+        let f32_zeros = || candle_core::Tensor::zeros(c, candle_core::DType::F32, dev);
+        let f32_ones = || candle_core::Tensor::ones(c, candle_core::DType::F32, dev);
+        let conv_bias = match self.conv.bias() {
+            Some(b) => b.as_tensor().clone(),
+            None => f32_zeros()?,
+        };
+        let (gamma, beta) = match self.bn.affine() {
+            Some((g, b)) => (g.as_tensor().clone(), b.as_tensor().clone()),
+            None => (f32_ones()?, f32_zeros()?),
+        };
+        candle_core::Tensor::stack(&[conv_bias, gamma, beta], 0)
     }
 
     /// The variables: the conv's weight (and bias), the batch norm's scale and shift (if

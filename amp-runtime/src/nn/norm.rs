@@ -357,6 +357,23 @@ impl BatchNorm2d {
         Ok((self.running_mean.to_vec1()?, self.running_var.to_vec1()?))
     }
 
+    /// The running statistics, `eps` and momentum, for the kernels' training forwards.
+    pub(crate) fn running(&self) -> kernels::batch_norm::Running<'_> {
+        kernels::batch_norm::Running {
+            mean: self.running_mean.as_tensor(),
+            var: self.running_var.as_tensor(),
+            eps: self.eps,
+            momentum: self.momentum,
+        }
+    }
+
+    /// The running statistics moved, from the `(4, channels)` rows of the kernels' training
+    /// statistics (mean, invstd, the new running mean and variance).
+    pub(crate) fn set_running(&self, rows: &candle_core::Tensor) -> Result<()> {
+        self.running_mean.set(&rows.get(2)?)?;
+        self.running_var.set(&rows.get(3)?)
+    }
+
     /// Folds a batch's per-channel mean and biased variance over `count` values per channel
     /// into the running statistics (the variance made unbiased first, as PyTorch does): the
     /// CPU's `ConvBn2d`, whose op returns its statistics on the host.
@@ -380,16 +397,9 @@ impl BatchNorm2d {
         let x = &x.contiguous()?; // once, for the statistics and the op
         let c = self.channels();
         let (mean, invstd) = if train {
-            let rows = kernels::batch_norm::batch_stats(
-                x,
-                self.running_mean.as_tensor(),
-                self.running_var.as_tensor(),
-                self.eps,
-                self.momentum,
-            )?;
-            // Rows: mean, invstd, the new running mean and variance.
-            self.running_mean.set(&rows.get(2)?)?;
-            self.running_var.set(&rows.get(3)?)?;
+            let r = self.running();
+            let rows = kernels::batch_norm::batch_stats(x, r.mean, r.var, None, r.eps, r.momentum)?;
+            self.set_running(&rows)?;
             (rows.get(0)?, rows.get(1)?)
         } else {
             let var = self.running_var.as_tensor().detach().to_dtype(DType::F64)?;

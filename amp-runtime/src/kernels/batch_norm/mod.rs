@@ -21,8 +21,10 @@
 //! for the GPU to drain), on CPU the same ops cost microseconds.
 
 mod after_conv;
+mod after_conv_op;
 
 pub(crate) use after_conv::conv_batch_norm;
+pub(crate) use after_conv_op::{conv_batch_norm_train, Running};
 
 use crate::kernels::channels::{channel_sum, Affine, Geometry};
 #[cfg(feature = "cuda")]
@@ -49,18 +51,25 @@ pub(crate) fn supports(x: &Tensor) -> bool {
 /// [`crate::kernels::widen::lane_sums2`]) and the running mean and variance moved by `momentum`
 /// towards the batch's (the variance made unbiased first, as PyTorch does). One op with no
 /// backward: on CUDA three small launches besides the two passes, nothing read back. A NaN input
-/// makes its channel's variance NaN.
+/// makes its channel's variance NaN. `shift` (f32 `(channels)`), when given, is added to the
+/// batch's mean (in f64) before the running mean moves towards it: the bias of a convolution
+/// whose output `x` was taken without it.
 pub(crate) fn batch_stats(
     x: &Tensor,
     running_mean: &Tensor,
     running_var: &Tensor,
+    shift: Option<&Tensor>,
     eps: f64,
     momentum: f64,
 ) -> Result<Tensor> {
     x.contiguous()?.apply_op3_no_bwd(
         &running_mean.contiguous()?,
         &running_var.contiguous()?,
-        &BatchStats { eps, momentum },
+        &BatchStats {
+            eps,
+            momentum,
+            shift: shift.map(Tensor::contiguous).transpose()?,
+        },
     )
 }
 
@@ -99,6 +108,7 @@ fn host(t: &Tensor) -> Result<Vec<f32>> {
 struct BatchStats {
     eps: f64,
     momentum: f64,
+    shift: Option<Tensor>,
 }
 
 impl CustomOp3 for BatchStats {
@@ -126,15 +136,27 @@ impl CustomOp3 for BatchStats {
         }
         let (mean, var): (Vec<f64>, Vec<f64>) =
             with_floats!("batch norm", x, lx, |xs| stats(xs, g));
+        let shift = match &self.shift {
+            Some(t) => host(t)?,
+            None => vec![0.0; g.c],
+        };
+        if shift.len() != g.c {
+            candle_core::bail!(
+                "batch norm kernel: a shift of {} for {} channels",
+                shift.len(),
+                g.c
+            )
+        }
         let count = g.count() as f64;
         let (keep, moved) = ((1.0 - self.momentum) as f32, self.momentum as f32);
         let mut out = vec![0f32; 4 * g.c];
         for c in 0..g.c {
             let mean32 = mean[c] as f32;
+            let towards = (mean[c] + f64::from(shift[c])) as f32;
             let unbiased = (var[c] * count / (count - 1.0)) as f32;
             out[c] = mean32;
             out[g.c + c] = (1.0 / (var[c] + self.eps).sqrt()) as f32;
-            out[2 * g.c + c] = rm[c] * keep + mean32 * moved;
+            out[2 * g.c + c] = rm[c] * keep + towards * moved;
             out[3 * g.c + c] = rv[c] * keep + unbiased * moved;
         }
         Ok((CpuStorage::F32(out), Shape::from((4, g.c))))
@@ -154,7 +176,12 @@ impl CustomOp3 for BatchStats {
             cuda::PerChannel(running_mean, lm.clone()),
             cuda::PerChannel(running_var, lv.clone()),
         );
-        cuda::batch_stats(x, lx, running, self.eps, self.momentum)
+        let shift = self.shift.as_ref().map(Tensor::storage_and_layout);
+        let shift = match &shift {
+            Some((s, l)) => Some(cuda::on_device(s, l)?),
+            None => None,
+        };
+        cuda::batch_stats(x, lx, running, shift, self.eps, self.momentum)
     }
 }
 
@@ -262,7 +289,33 @@ impl CustomOp3 for Normalisation {
         y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let x = x.contiguous()?;
+        let (dx, consts) = self.grads(&x.contiguous()?, weight, y, dy, |x, dy, grad| {
+            wanted(x, || x.apply_op2_no_bwd(dy, grad))
+        })?;
+        if !self.affine {
+            return Ok((dx, None, None));
+        }
+        Ok((
+            dx,
+            offer(weight, || consts.get(3))?,
+            offer(bias, || consts.get(4))?,
+        ))
+    }
+}
+
+impl Normalisation {
+    /// The backward's passes for the output `y` of the contiguous input `x` and its gradient
+    /// `dy`: the input gradient, as `input_grad(x, dy, op)` computes it with the [`InputGrad`]
+    /// op (through the ReLU's mask when there is one), and the `(5, c)` constants of
+    /// [`grad_consts`] (rows 3 and 4: the weight's and bias's gradients).
+    fn grads<G>(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        y: &Tensor,
+        dy: &Tensor,
+        input_grad: impl FnOnce(&Tensor, &Tensor, &InputGrad) -> Result<G>,
+    ) -> Result<(G, Tensor)> {
         let dy = dy.to_dtype(x.dtype())?.contiguous()?;
         // Through the ReLU: the gradient where the output is positive.
         let dy = if self.relu {
@@ -280,15 +333,7 @@ impl CustomOp3 for Normalisation {
             center: self.mean.clone(),
             consts: consts.clone(),
         };
-        let dx = wanted(&x, || x.apply_op2_no_bwd(&dy, &grad))?;
-        if !self.affine {
-            return Ok((dx, None, None));
-        }
-        Ok((
-            dx,
-            offer(weight, || consts.get(3))?,
-            offer(bias, || consts.get(4))?,
-        ))
+        Ok((input_grad(x, &dy, &grad)?, consts))
     }
 }
 

@@ -348,6 +348,29 @@ fn on_cudnn(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
         && !pointwise(x, k, p)
 }
 
+/// Whether [`conv2d`] runs this convolution as one op of this crate on a CUDA `x`, whose
+/// gradients [`conv2d_grads`] computes: on cuDNN, or a pointwise product.
+pub(crate) fn one_op_on_cuda(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
+    x.device().is_cuda() && dtypes_fit(x, k) && (on_cudnn(x, k, p) || pointwise(x, k, p))
+}
+
+/// The input and kernel gradients of `conv2d(x, k)` without a bias (`k` an f32 master of a half
+/// `x`, or of `x`'s dtype) for the output gradient `dy`, as the conv's op computes them on
+/// `x`'s device: on CPU and cuDNN [`input_and_kernel_grads`], for a pointwise conv off the CPU
+/// the product's. For an op that runs the conv's forward itself (`batch_norm::after_conv_op`).
+pub(crate) fn conv2d_grads(
+    x: &Tensor,
+    k: &Tensor,
+    p: Conv2dParams,
+    dy: &Tensor,
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    if !x.device().is_cpu() && pointwise(x, k, p) {
+        pointwise::master_grads(x, k, dy)
+    } else {
+        input_and_kernel_grads(x, k, p, dy)
+    }
+}
+
 /// Whether [`conv2d`] takes its own path on CPU: one float dtype, shapes candle accepts.
 pub(crate) fn handles(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
     let (&[_, c_in, h, w], &[c_out, c_in_g, kh, kw]) = (x.dims(), k.dims()) else {

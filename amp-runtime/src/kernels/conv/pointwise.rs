@@ -52,35 +52,59 @@ impl crate::kernels::matmul::Product for Pointwise {
 
     /// The input and weight gradients from the output gradient `dy`.
     fn grads(x: &Tensor, k: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (b, c_in, h, w) = x.dims4()?;
-        let c_out = k.dim(0)?;
-        let k2 = k.reshape((c_out, c_in))?;
-        let dy3 = dy.reshape((b, c_out, h * w))?;
-        let dx = wanted(x, || {
-            let kt = k2.t()?.contiguous()?;
-            let per_image = if b == 1 {
-                kt.unsqueeze(0)?
-            } else {
-                kt.broadcast_left(b)?
-            };
-            per_image.matmul(&dy3)?.reshape((b, c_in, h, w))
-        })?;
-        let dk = offer(k, || {
-            // The images side by side: one product sums the batch in f32.
-            let columns = |t: &Tensor, c: usize| -> Result<Tensor> {
-                if b == 1 {
-                    t.reshape((c, h * w))
-                } else {
-                    t.reshape((b, c, h * w))?
-                        .transpose(0, 1)?
-                        .contiguous()?
-                        .reshape((c, b * h * w))
-                }
-            };
-            columns(dy, c_out)?
-                .matmul(&columns(x, c_in)?.t()?)?
-                .reshape((c_out, c_in, 1, 1))
-        })?;
+        let dx = wanted(x, || input_grad(x.dims(), k, dy))?;
+        let dk = offer(k, || kernel_grad(x, dy))?;
         Ok((dx, dk))
     }
+}
+
+/// The input and kernel gradients of the pointwise conv of `x` by the f32 master `k` of a half
+/// `x` (or a kernel of `x`'s dtype), as [`pointwise_product`] computes them with the kernel
+/// rounded first: the kernel's gradient in `k`'s dtype.
+pub(super) fn master_grads(
+    x: &Tensor,
+    k: &Tensor,
+    dy: &Tensor,
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    let dx = wanted(x, || {
+        input_grad(x.dims(), &k.detach().to_dtype(x.dtype())?, dy)
+    })?;
+    let dk = offer(k, || kernel_grad(x, dy)?.to_dtype(k.dtype()))?;
+    Ok((dx, dk))
+}
+
+/// `k^T dy` per image, the input gradient of a pointwise conv of input dimensions `x_dims`.
+fn input_grad(x_dims: &[usize], k: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let &[b, c_in, h, w] = x_dims else {
+        candle_core::bail!("pointwise conv: input {x_dims:?}")
+    };
+    let kt = k.reshape((k.dim(0)?, c_in))?.t()?.contiguous()?;
+    let per_image = if b == 1 {
+        kt.unsqueeze(0)?
+    } else {
+        kt.broadcast_left(b)?
+    };
+    per_image
+        .matmul(&dy.reshape((b, (), h * w))?)?
+        .reshape((b, c_in, h, w))
+}
+
+/// `dy x^T` over every image, the kernel gradient of a pointwise conv, in `x`'s dtype: the images
+/// side by side, so that one product sums the batch in f32.
+fn kernel_grad(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let (b, c_in, h, w) = x.dims4()?;
+    let c_out = dy.dim(1)?;
+    let columns = |t: &Tensor, c: usize| -> Result<Tensor> {
+        if b == 1 {
+            t.reshape((c, h * w))
+        } else {
+            t.reshape((b, c, h * w))?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((c, b * h * w))
+        }
+    };
+    columns(dy, c_out)?
+        .matmul(&columns(x, c_in)?.t()?)?
+        .reshape((c_out, c_in, 1, 1))
 }

@@ -80,11 +80,12 @@ extern "C" __global__ void amp_bn_sums(
 //   stage 1: var = squares[c] / count - ((double)out[0][c] - mean)^2, 0 where negative (a NaN
 //            stays NaN); out[1][c] = (float)(1 / sqrt(var + eps)); out[2][c] and out[3][c]: the
 //            running mean and unbiased variance moved by `momentum`, in f32 as candle's ops on
-//            the CPU move them.
+//            the CPU move them. `bias` (null: none) is added to the mean the running mean moves
+//            towards, in f64: the bias of a conv whose biasless output was normalised.
 extern "C" __global__ void amp_bn_stats(
     int stage, unsigned int channels, double count, double eps, double momentum,
     const double* sum, double* mean64, const double* squares,
-    const float* running_mean, const float* running_var, float* out)
+    const float* running_mean, const float* running_var, const float* bias, float* out)
 {
     const unsigned int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) {
@@ -106,7 +107,8 @@ extern "C" __global__ void amp_bn_stats(
     const float keep = (float)__dsub_rn(1.0, momentum);
     const float moved = (float)momentum;
     const float unbiased = (float)__ddiv_rn(__dmul_rn(var, count), __dsub_rn(count, 1.0));
-    out[2 * channels + c] = __fadd_rn(__fmul_rn(running_mean[c], keep), __fmul_rn(out[c], moved));
+    const float towards = bias ? (float)__dadd_rn(mean, (double)bias[c]) : out[c];
+    out[2 * channels + c] = __fadd_rn(__fmul_rn(running_mean[c], keep), __fmul_rn(towards, moved));
     out[3 * channels + c] = __fadd_rn(__fmul_rn(running_var[c], keep), __fmul_rn(unbiased, moved));
 }
 

@@ -117,11 +117,13 @@ fn per_channel_launch(c: usize) -> Result<LaunchConfig> {
 
 /// A training forward's statistics (`amp_bn_stats` around two passes of `amp_bn_sums`): a
 /// `(4, channels)` f32 storage of the mean, the inverse standard deviation (of the biased
-/// variance plus `eps`), and the running mean and variance moved by `momentum`.
+/// variance plus `eps`), and the running mean and variance moved by `momentum` (the running
+/// mean towards the mean plus `shift`, when given).
 pub(crate) fn batch_stats(
     x: &CudaStorage,
     lx: &Layout,
     running: (PerChannel<'_>, PerChannel<'_>),
+    shift: Option<PerChannel<'_>>,
     eps: f64,
     momentum: f64,
 ) -> Result<(CudaStorage, Shape)> {
@@ -138,6 +140,7 @@ pub(crate) fn batch_stats(
     let (channels, count) = (grid_dim(g.c, "channels")?, g.count() as f64);
     let (rm, _rm_guard) = running.0.address(&stream, "running mean", g.c)?;
     let (rv, _rv_guard) = running.1.address(&stream, "running variance", g.c)?;
+    let (sh, _sh_guard) = PerChannel::optional(shift.as_ref(), &stream, "shift", g.c)?;
     // One stage of `amp_bn_stats`, reading `input` (`(2, c)` f64: the sums in stage 0, the
     // squares in stage 1; the kernel reads one per stage, so both arguments get it).
     let stage = |stage: i32,
@@ -159,11 +162,12 @@ pub(crate) fn batch_stats(
         builder.arg(&inp);
         builder.arg(&rm);
         builder.arg(&rv);
+        builder.arg(&sh);
         builder.arg(&o);
         // SAFETY: the arguments match `amp_bn_stats`; `inp` addresses the first `channels` f64
-        // values of the `(2, channels)` input, `m64` `channels` f64 values, `rm` and `rv`
-        // `channels` f32 values (checked by `address`), `o` the 4 * `channels` f32 values of
-        // `out`; one thread per channel, threads past the last return.
+        // values of the `(2, channels)` input, `m64` `channels` f64 values, `rm`, `rv` and `sh`
+        // (unless null) `channels` f32 values (checked by `address`), `o` the 4 * `channels`
+        // f32 values of `out`; one thread per channel, threads past the last return.
         unsafe { builder.launch(per_channel_launch(g.c)?) }.w()?;
         Ok(())
     };
