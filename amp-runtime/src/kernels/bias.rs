@@ -178,7 +178,7 @@ impl CustomOp1 for ChannelSums {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
         let g = Geometry::along(layout.dims(), self.dim)?;
-        let (sums, _) = cuda::batch_norm::sums(storage, layout, g, None, 0, None, None)?;
+        let (sums, _) = cuda::batch_norm::sums(storage, layout, g, None, 0, None, None, None)?;
         // Row 0 of the f64 sums, rounded to f32 on the device.
         let sums = sums.to_dtype(&Layout::contiguous(g.c), candle_core::DType::F32)?;
         Ok((sums, Shape::from(g.c)))

@@ -179,7 +179,7 @@ impl ConvBn2d {
             Some((g, b)) => (g.as_tensor().clone(), b.as_tensor().clone()),
             None => (f32_ones()?, f32_zeros()?),
         };
-        candle_core::Tensor::stack(&[conv_bias, gamma, beta], 0)
+        kernels::batch_norm::pack_rows([&conv_bias, &gamma, &beta])
     }
 
     /// The variables: the conv's weight (and bias), the batch norm's scale and shift (if

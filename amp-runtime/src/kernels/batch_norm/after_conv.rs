@@ -248,7 +248,13 @@ impl CustomOp3 for ConvNorm {
             affine: true,
             relu: false,
         };
-        let sums = xhat.apply_op2_no_bwd(&dz, &GradSums(unit))?;
+        let sums = xhat.apply_op2_no_bwd(
+            &dz,
+            &GradSums {
+                norm: unit,
+                relu: None,
+            },
+        )?;
         let m = xhat.elem_count() as f64 / c as f64;
         // dy = k * dz + p * xhat + q, k = gamma * invstd; with the batch's statistics
         // p = -k * sum(dz * xhat) / m and q = -k * sum(dz) / m (sums over xhat: `unit`).
@@ -264,6 +270,7 @@ impl CustomOp3 for ConvNorm {
         let grad = InputGrad {
             center: Tensor::zeros(c, DType::F32, dev)?,
             consts: consts.clone(),
+            relu: None,
         };
         // The conv bias's gradient, the sum of dy per channel, in closed form: with the batch's
         // statistics k * sum(dz) + p * sum(xhat) + q * m, exactly 0 (the bias only moves the

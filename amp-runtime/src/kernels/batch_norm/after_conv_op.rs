@@ -140,11 +140,11 @@ impl CustomOp3 for AfterConv {
         x: &Tensor,
         k: &Tensor,
         params: &Tensor,
-        y: &Tensor,
+        _y: &Tensor, // the ReLU's mask is recomputed from z
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let gamma = params.get(1)?;
-        let (dz, consts) = self.norm.grads(&self.z, &gamma, y, dy, |z, dy, grad| {
+        let affine = (&params.get(1)?, &params.get(2)?);
+        let (dz, consts) = self.norm.grads(&self.z, affine, dy, |z, dy, grad| {
             z.apply_op2_no_bwd(dy, grad)
         })?;
         let (dx, dk) = conv::conv2d_grads(x, k, self.conv, &dz)?;

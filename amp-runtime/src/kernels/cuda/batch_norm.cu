@@ -11,12 +11,24 @@
 //   1: out0[c] = sum((x - center[c])^2)
 //   2: out0[c] = sum(dy), out1[c] = sum(dy * (x - center[c]) * scale[c])
 // AMP_BN_THREADS, the threads per block, is defined by the Rust side (kernels::cuda::batch_norm).
+//
+// A forward's ReLU, for the backward's kernels (mode 2 of the sums, the input gradient's affine
+// pass): with `relu_scale` not null, dy counts only where the forward's output was positive, that
+// output recomputed as the forward computed it, amp_relu_kept below (no pass over the output
+// and no masked copy of dy).
+// Whether the forward's output at a value `v` of x, amp_bn_apply's (v - center) * (scale * mul)
+// + shift through its ReLU and rounded to dt, is positive (a NaN output is not).
+__device__ __forceinline__ bool amp_relu_kept(float v, float center, float scale_mul, float shift,
+                                              int dt) {
+    return amp_round(__fmaf_rn(v - center, scale_mul, shift), dt) > 0.0f;
+}
 
 extern "C" __global__ void amp_bn_sums(
     const void* x, const void* dy, int dt, int mode,
     unsigned int channels, unsigned long long hw, unsigned long long count,
     unsigned long long per_split,
     const float* center, const float* scale,
+    const float* relu_scale, const float* relu_mul, const float* relu_shift,
     double* out0, double* out1)
 {
     const unsigned int c = blockIdx.x;
@@ -24,6 +36,8 @@ extern "C" __global__ void amp_bn_sums(
     const unsigned long long end = begin + per_split < count ? begin + per_split : count;
     const float m = mode == 0 ? 0.0f : center[c];
     const float s = mode == 2 ? scale[c] : 0.0f;
+    const float rs = relu_scale ? relu_scale[c] * relu_mul[c] : 0.0f;
+    const float rt = relu_scale ? relu_shift[c] : 0.0f;
     float a = 0.0f, b = 0.0f;
     // The j-th value of the channel is at (n, r) = (j / hw, j % hw): divided once, then carried
     // forward (a 64-bit division per value had made this pass several times slower than the
@@ -46,7 +60,10 @@ extern "C" __global__ void amp_bn_sums(
         } else if (mode == 1) {
             a += (v - m) * (v - m);
         } else {
-            const float g = amp_get(dy, at, dt);
+            float g = amp_get(dy, at, dt);
+            if (relu_scale && !amp_relu_kept(v, m, rs, rt, dt)) {
+                g = 0.0f;
+            }
             a += g;
             b += g * (v - m) * s;
         }
@@ -143,15 +160,17 @@ extern "C" __global__ void amp_bn_grad_consts(
 //   out = (x - center[c]) * (scale[c] * mul[c]) + shift[c] (+ k[c] * dy), through a ReLU if `relu`
 // `mul`, `dy` and `k` may be null (mul then 1, no dy term). The forward is center = mean,
 // scale = invstd, mul = weight, shift = bias; the input gradient center = mean, scale = p,
-// shift = q, k * dy (kernels::batch_norm's InputGrad). Grid (rows, chunks of AMP_BN_SPAN
-// values of a row's hw): a block's row fixes its channel.
+// shift = q, k * dy (kernels::batch_norm's InputGrad), dy masked by the forward's ReLU where
+// `relu_scale` is not null (see amp_relu_kept). Grid (rows, chunks of AMP_BN_SPAN values of a
+// row's hw): a block's row fixes its channel.
 #define AMP_BN_SPAN (AMP_BN_THREADS * 8)
 
 extern "C" __global__ void amp_bn_apply(
     const void* x, const void* dy, void* out, int dt,
     unsigned int channels, unsigned long long hw,
     const float* center, const float* scale, const float* mul, const float* shift,
-    const float* k, int relu)
+    const float* k, int relu,
+    const float* relu_scale, const float* relu_mul, const float* relu_shift)
 {
     const unsigned long long row = blockIdx.x;
     const unsigned int c = (unsigned int)(row % channels);
@@ -159,13 +178,20 @@ extern "C" __global__ void amp_bn_apply(
     const float s = mul ? scale[c] * mul[c] : scale[c];
     const float t = shift[c];
     const float kc = k ? k[c] : 0.0f;
+    const float rs = relu_scale ? relu_scale[c] * relu_mul[c] : 0.0f;
+    const float rt = relu_scale ? relu_shift[c] : 0.0f;
     const unsigned long long begin = (unsigned long long)blockIdx.y * AMP_BN_SPAN;
     const unsigned long long end = begin + AMP_BN_SPAN < hw ? begin + AMP_BN_SPAN : hw;
     for (unsigned long long i = begin + threadIdx.x; i < end; i += AMP_BN_THREADS) {
         const unsigned long long at = row * hw + i;
-        float v = (amp_get(x, at, dt) - m) * s + t;
+        const float xv = amp_get(x, at, dt);
+        float v = __fmaf_rn(xv - m, s, t);
         if (dy) {
-            v = kc * amp_get(dy, at, dt) + v;
+            float g = amp_get(dy, at, dt);
+            if (relu_scale && !amp_relu_kept(xv, m, rs, rt, dt)) {
+                g = 0.0f;
+            }
+            v = kc * g + v;
         }
         // `v < 0` is false for NaN, which passes through (ReLU keeps NaN).
         if (relu && v < 0.0f) {
@@ -190,12 +216,6 @@ extern "C" __global__ void amp_bias_add(
         const unsigned int c = narrow
             ? ((unsigned int)i / (unsigned int)inner) % channels
             : (unsigned int)((i / inner) % channels);
-        float b = bias[c];
-        if (dt != 0) {
-            unsigned short rounded;
-            amp_store(&rounded, b, dt == 2);
-            b = amp_load(&rounded, dt == 2);
-        }
-        amp_put(out, i, amp_get(y, i, dt) + b, dt);
+        amp_put(out, i, amp_get(y, i, dt) + amp_round(bias[c], dt), dt);
     }
 }

@@ -61,6 +61,34 @@ impl<'a> PerChannel<'a> {
     }
 }
 
+/// A forward's ReLU for the backward's kernels, its per-channel scale (the inverse deviation),
+/// weight and shift: `dy` counts only where the forward's output, recomputed, was positive
+/// (`amp_relu_kept` in `batch_norm.cu`).
+pub(crate) struct ReluMask<'a> {
+    pub scale: PerChannel<'a>,
+    pub mul: PerChannel<'a>,
+    pub shift: PerChannel<'a>,
+}
+
+/// The three addresses of an optional [`ReluMask`] (null pointers for none) and their guards.
+type MaskAddresses<'a> = ([u64; 3], Vec<SyncOnDrop<'a>>);
+
+impl<'a> ReluMask<'a> {
+    fn addresses(
+        mask: Option<&Self>,
+        stream: &'a CudaStream,
+        c: usize,
+    ) -> Result<MaskAddresses<'a>> {
+        let Some(m) = mask else {
+            return Ok(([0; 3], Vec::new()));
+        };
+        let (scale, g0) = m.scale.address(stream, "ReLU scale", c)?;
+        let (mul, g1) = m.mul.address(stream, "ReLU weight", c)?;
+        let (shift, g2) = m.shift.address(stream, "ReLU shift", c)?;
+        Ok(([scale, mul, shift], vec![g0, g1, g2]))
+    }
+}
+
 /// The CUDA storage of a tensor's (read-locked) storage, as a [`PerChannel`].
 pub(crate) fn on_device<'a>(storage: &'a Storage, layout: &Layout) -> Result<PerChannel<'a>> {
     match storage {
@@ -133,7 +161,7 @@ pub(crate) fn batch_stats(
     if g.c == 0 {
         return Ok((out, Shape::from((4, 0))));
     }
-    let (sums, _) = self::sums(x, lx, g, None, 0, None, None)?;
+    let (sums, _) = self::sums(x, lx, g, None, 0, None, None, None)?;
     let mut mean64 = dev.alloc_zeros::<f64>(g.c)?;
     let stream = dev.cuda_stream();
     let func = dev.get_or_load_custom_func("amp_bn_stats", BATCH_NORM.name, BATCH_NORM.ptx()?)?;
@@ -174,7 +202,7 @@ pub(crate) fn batch_stats(
     // Stage 0: the mean and the centre (row 0 of `out`); the squares about the centre; stage 1.
     stage(0, &sums, &mut mean64, &mut out)?;
     let centre = rows(&out, &Layout::contiguous((4, g.c)), 4, g.c)?.swap_remove(0);
-    let (squares, _) = self::sums(x, lx, g, None, 1, Some(centre), None)?;
+    let (squares, _) = self::sums(x, lx, g, None, 1, Some(centre), None, None)?;
     stage(1, &squares, &mut mean64, &mut out)?;
     Ok((out, Shape::from((4, g.c))))
 }
@@ -223,7 +251,9 @@ pub(crate) fn grad_consts(
 
 /// Per-channel sums over `x` (and `dy`, mode 2) as batch_norm.cu's `amp_bn_sums` defines them,
 /// `x` of geometry `g`: a `(2, channels)` f64 storage, `out0` in row 0 and `out1` in row 1.
-/// Mode 0 reads neither `center` nor `scale`, mode 1 `center`, mode 2 both.
+/// Mode 0 reads neither `center` nor `scale`, mode 1 `center`, mode 2 both (and `relu`, where
+/// given, masks `dy`).
+#[allow(clippy::too_many_arguments)] // the kernel's operands, each optional by mode
 pub(crate) fn sums(
     x: &CudaStorage,
     lx: &Layout,
@@ -232,6 +262,7 @@ pub(crate) fn sums(
     mode: i32,
     center: Option<PerChannel<'_>>,
     scale: Option<PerChannel<'_>>,
+    relu: Option<ReluMask<'_>>,
 ) -> Result<(CudaStorage, Shape)> {
     if (mode >= 1 && center.is_none()) || (mode == 2 && scale.is_none()) {
         candle_core::bail!("batch norm kernel: sums of mode {mode} need their per-channel values")
@@ -254,6 +285,7 @@ pub(crate) fn sums(
     let (dyp, _dy_guard) = address_like(dy, x, lx, &stream)?;
     let (center, _center_guard) = PerChannel::optional(center.as_ref(), &stream, "center", g.c)?;
     let (scale, _scale_guard) = PerChannel::optional(scale.as_ref(), &stream, "scale", g.c)?;
+    let (relu, _relu_guards) = ReluMask::addresses(relu.as_ref(), &stream, g.c)?;
     let splits = count.div_ceil(u64::from(THREADS) * PER_THREAD).min(65_535);
     let per_split = count.div_ceil(splits);
     let (out0, out_guard) = out.device_ptr_mut(&stream);
@@ -277,12 +309,15 @@ pub(crate) fn sums(
     builder.arg(&per_split);
     builder.arg(&center);
     builder.arg(&scale);
+    for p in &relu {
+        builder.arg(p);
+    }
     builder.arg(&out0);
     builder.arg(&out1);
     // SAFETY: the arguments match `amp_bn_sums`; `xp` (and `dyp` in mode 2) address `n * c *
     // hw` values of the kernel's dtype in storages borrowed for the launch; `center` and
     // `scale` hold `channels` f32 values (checked by `f32_address`) where the mode reads them
-    // (checked above), `out0` and `out1` the two
+    // (checked above), so do the three of `relu` unless null, `out0` and `out1` the two
     // rows of `channels` zeroed f64 values of `out`; every index the grid reaches is below
     // `count` per channel.
     unsafe { builder.launch(cfg) }.w()?;
@@ -305,6 +340,8 @@ pub(crate) struct Apply<'a> {
     pub dy: Option<((&'a CudaStorage, &'a Layout), PerChannel<'a>)>,
     /// The output goes through a ReLU.
     pub relu: bool,
+    /// The forward's ReLU, masking `dy`.
+    pub relu_mask: Option<ReluMask<'a>>,
 }
 
 impl Apply<'_> {
@@ -326,6 +363,7 @@ impl Apply<'_> {
         let (dyp, _dy_guard) = address_like(self.dy.as_ref().map(|(d, _)| *d), x, lx, &stream)?;
         let k = self.dy.as_ref().map(|(_, k)| k);
         let (kp, _k_guard) = PerChannel::optional(k, &stream, "k", g.c)?;
+        let (mask, _mask_guards) = ReluMask::addresses(self.relu_mask.as_ref(), &stream, g.c)?;
         let (out_ptr, out_guard) = out_address(&mut out, &stream);
         let rows = grid_dim(g.n * g.c, "rows")?;
         let chunks = u32::try_from(g.hw.div_ceil(SPAN))
@@ -354,10 +392,13 @@ impl Apply<'_> {
         builder.arg(&kp);
         let relu = i32::from(self.relu);
         builder.arg(&relu);
+        for p in &mask {
+            builder.arg(p);
+        }
         // SAFETY: the arguments match `amp_bn_apply`; `xp`, `dyp` (when not null) and `out_ptr`
         // address `rows * hw` values of the kernel's dtype in storages held for the launch
-        // (`out` freshly allocated, distinct from the inputs); every per-channel array holds
-        // `channels` f32 values (checked above).
+        // (`out` freshly allocated, distinct from the inputs); every per-channel array (the
+        // mask's unless null) holds `channels` f32 values (checked above).
         unsafe { builder.launch(cfg) }.w()?;
         drop(out_guard); // ends the borrow of `out`
         Ok((out, lx.shape().clone()))

@@ -45,3 +45,13 @@ __device__ __forceinline__ void amp_put(void* p, unsigned long long i, float v, 
         amp_store((unsigned short*)p + i, v, dt == 2);
     }
 }
+
+// `v` rounded to the dtype of a dt array and read back as f32 (itself for f32).
+__device__ __forceinline__ float amp_round(float v, int dt) {
+    if (dt == 0) {
+        return v;
+    }
+    unsigned short bits;
+    amp_store(&bits, v, dt == 2);
+    return amp_load(&bits, dt == 2);
+}
