@@ -192,8 +192,17 @@ fn conv_transpose2d_matches_cpu<P: Precision>() -> Result<()> {
 /// `BatchNorm2d` in training mode (batch statistics, the running ones moved), then in evaluation
 /// mode with the moved running statistics: both outputs, batched, so that the comparison covers
 /// the running-statistics update too.
+/// Batch norm in training and evaluation; rows of 25 values (one at a time) and of 32 (the
+/// kernels' 16-byte loads).
 fn batch_norm_matches_cpu<P: Precision>() -> Result<()> {
-    compare::<P>("batch_norm2d", &[4, 6, 5, 5], &[6], |w, b| {
+    for x_shape in [[4, 6, 5, 5], [2, 6, 8, 4]] {
+        batch_norm_matches_cpu_on::<P>(&x_shape)?;
+    }
+    Ok(())
+}
+
+fn batch_norm_matches_cpu_on<P: Precision>(x_shape: &[usize]) -> Result<()> {
+    compare::<P>("batch_norm2d", x_shape, &[6], |w, b| {
         let dev = w.device().clone();
         let running_mean = Var::from_tensor(&(randn(&[6], 5, &dev)? * 0.1)?)?;
         let running_var = Var::from_tensor(&(randn(&[6], 6, &dev)?.abs()? + 0.5)?)?;
@@ -306,10 +315,11 @@ struct ConvBnRun {
 /// ReLU as three layers, the conv there without the bias (which the batch's mean removes): the
 /// values, the gradients of the input, kernel, scale and shift, the running variance; on CUDA
 /// the bias's gradient is exactly 0 and the running mean moves by `momentum * bias` more.
-/// Pointwise (a cuBLAS product) and 3x3 (cuDNN) convolutions.
+/// Pointwise (a cuBLAS product) and 3x3 (cuDNN) convolutions, on 9x9 images (rows read one
+/// value at a time) and 8x8 (16-byte loads).
 fn conv_bn_relu_train_matches_cpu_layers<P: Precision>() -> Result<()> {
-    let run = |dev: &Device, ks: usize, fused: bool| -> Result<ConvBnRun> {
-        let x = Var::from_tensor(&randn(&[2, 4, 9, 9], 21, dev)?.to_dtype(P::DTYPE)?)?;
+    let run = |dev: &Device, ks: usize, side: usize, fused: bool| -> Result<ConvBnRun> {
+        let x = Var::from_tensor(&randn(&[2, 4, side, side], 21, dev)?.to_dtype(P::DTYPE)?)?;
         let w = Var::from_tensor(&(randn(&[6, 4, ks, ks], 22, dev)? * 0.5)?)?;
         let b = Var::from_tensor(&randn(&[6], 23, dev)?)?;
         let gamma = Var::from_tensor(&(randn(&[6], 24, dev)? + 1.0)?)?;
@@ -353,10 +363,13 @@ fn conv_bn_relu_train_matches_cpu_layers<P: Precision>() -> Result<()> {
     };
     let cuda = Device::new_cuda(0)?;
     let t = tol(P::DTYPE);
-    for ks in [1, 3] {
-        let got = run(&cuda, ks, true)?;
-        let want = run(&Device::Cpu, ks, false)?;
-        let what = format!("conv_bn_relu train {ks}x{ks} {:?}", P::DTYPE);
+    for (ks, side) in [(1, 9), (3, 9), (1, 8), (3, 8)] {
+        let got = run(&cuda, ks, side, true)?;
+        let want = run(&Device::Cpu, ks, side, false)?;
+        let what = format!(
+            "conv_bn_relu train {ks}x{ks} on {side}x{side} {:?}",
+            P::DTYPE
+        );
         assert_eq!(got.y.dtype(), P::DTYPE, "{what}: output dtype");
         assert_close(&format!("{what} y"), &got.y, &want.y, t)?;
         for (name, (g, w)) in ["x", "w", "gamma", "beta"]

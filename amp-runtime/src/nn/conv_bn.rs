@@ -66,6 +66,9 @@ pub struct ConvBn2d {
     bn: BatchNorm2d,
     /// A ReLU after the batch norm (`ConvBnReLU2d`).
     relu: bool,
+    /// The conv's bias where it has none: f32 zeros on the weight's device, made once (the
+    /// fused ops take a bias row).
+    zero_bias: candle_core::Tensor,
 }
 
 impl ConvBn2d {
@@ -78,10 +81,13 @@ impl ConvBn2d {
                 bn.channels()
             )
         }
+        let w = conv.weight();
+        let zero_bias = candle_core::Tensor::zeros(c_out, candle_core::DType::F32, w.device())?;
         Ok(Self {
             conv,
             bn,
             relu: false,
+            zero_bias,
         })
     }
 
@@ -171,15 +177,12 @@ impl ConvBn2d {
         let c = self.bn.channels();
         let f32_zeros = || candle_core::Tensor::zeros(c, candle_core::DType::F32, dev);
         let f32_ones = || candle_core::Tensor::ones(c, candle_core::DType::F32, dev);
-        let conv_bias = match self.conv.bias() {
-            Some(b) => b.as_tensor().clone(),
-            None => f32_zeros()?,
-        };
+        let conv_bias = self.conv.bias().map_or(&self.zero_bias, |b| b.as_tensor());
         let (gamma, beta) = match self.bn.affine() {
             Some((g, b)) => (g.as_tensor().clone(), b.as_tensor().clone()),
             None => (f32_ones()?, f32_zeros()?),
         };
-        kernels::batch_norm::pack_rows([&conv_bias, &gamma, &beta])
+        kernels::batch_norm::pack_rows([conv_bias, &gamma, &beta])
     }
 
     /// The variables: the conv's weight (and bias), the batch norm's scale and shift (if

@@ -289,7 +289,7 @@ impl CustomOp3 for ConvNorm {
         let (dx, dk) = conv::input_and_kernel_grads(x, k, self.conv, &dy)?;
         let dparams = wanted(params, || {
             let conv_bias = Tensor::from_vec(conv_bias, c, dev)?;
-            Tensor::stack(&[conv_bias, consts.get(3)?, consts.get(4)?], 0)
+            Tensor::stack(&[conv_bias, consts.get(4)?, consts.get(5)?], 0)
         })?;
         Ok((dx, dk, dparams))
     }

@@ -148,10 +148,8 @@ impl CustomOp3 for AfterConv {
             z.apply_op2_no_bwd(dy, grad)
         })?;
         let (dx, dk) = conv::conv2d_grads(x, k, self.conv, &dz)?;
-        let dparams = wanted(params, || {
-            let conv_bias = consts.get(3)?.zeros_like()?;
-            Tensor::stack(&[conv_bias, consts.get(3)?, consts.get(4)?], 0)
-        })?;
+        // Rows 3 to 5 of the constants: 0 for the conv bias, then the scale's and shift's.
+        let dparams = wanted(params, || consts.narrow(0, 3, 3))?;
         Ok((dx, dk, dparams))
     }
 }

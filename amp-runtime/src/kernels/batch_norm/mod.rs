@@ -119,7 +119,8 @@ impl PackRows {
     ) -> Result<(S, Shape)> {
         let c = rows[0].1.shape().elem_count();
         let shape = Shape::from((3, c));
-        let mut out = dev.zeros_impl(&shape, DType::F32)?;
+        // SAFETY: the three copies below write all 3 * c values before the storage is read.
+        let mut out = unsafe { dev.alloc_uninit(&shape, DType::F32) }?;
         for (r, (s, l)) in rows.into_iter().enumerate() {
             s.copy_strided_src(&mut out, r * c, l)?;
         }
@@ -387,8 +388,8 @@ impl CustomOp3 for Normalisation {
         }
         Ok((
             dx,
-            offer(weight, || consts.get(3))?,
-            offer(bias, || consts.get(4))?,
+            offer(weight, || consts.get(4))?,
+            offer(bias, || consts.get(5))?,
         ))
     }
 }
@@ -396,7 +397,7 @@ impl CustomOp3 for Normalisation {
 impl Normalisation {
     /// The backward's passes for the contiguous input `x` of the forward with `(weight, bias)`
     /// and the output's gradient `dy`: the input gradient, as `input_grad(x, dy, op)` computes it
-    /// with the [`InputGrad`] op, and the `(5, c)` constants of [`grad_consts`] (rows 3 and 4:
+    /// with the [`InputGrad`] op, and the `(6, c)` constants of [`grad_consts`] (rows 4 and 5:
     /// the weight's and bias's gradients). Through the ReLU, both passes count `dy` only where
     /// the output was positive, recomputing it from `x` ([`ForwardRelu`]).
     fn grads<G>(
@@ -484,10 +485,12 @@ impl ForwardRelu {
 
 /// The input gradient's per-channel constants from the gradient sums `[sum(dy); sum(dy *
 /// xhat)]` ((2, c) f64) over `count` values per channel, the weight and `invstd` (f32 `(c)`): a
-/// `(5, c)` f32 tensor of `k = weight * invstd`, `p`, `q` (with the batch's statistics, `train`:
+/// `(6, c)` f32 tensor of `k = weight * invstd`, `p`, `q` (with the batch's statistics, `train`:
 /// `p = -k * u * sum(dy * xhat) / count`, `q = -k * sum(dy) / count`, `u` = `invstd`, or 1 with
-/// `unit`, sums over values already normalised; otherwise 0), and the two sums in f32 (the
-/// weight's and the bias's gradients). The arithmetic is f64, rounded once to f32.
+/// `unit`, sums over values already normalised; otherwise 0), a row of zeros, and the two sums
+/// in f32 (the weight's and the bias's gradients). The arithmetic is f64, rounded once to f32.
+/// Rows 3 to 5 are the gradient of the packed `[conv bias; weight; bias]` of the conv +
+/// batch-norm ops in training (the conv bias's exactly 0), a view.
 fn grad_consts(
     sums: &Tensor,
     weight: &Tensor,
@@ -502,6 +505,9 @@ fn grad_consts(
         &GradConsts { count, train, unit },
     )
 }
+
+/// The rows of [`grad_consts`].
+pub(crate) const CONST_ROWS: usize = 6;
 
 /// See [`grad_consts`].
 struct GradConsts {
@@ -536,7 +542,7 @@ impl CustomOp3 for GradConsts {
         if sums.len() != 2 * c || s.len() != c {
             candle_core::bail!("batch norm kernel: per-channel values do not match {c} channels")
         }
-        let mut out = vec![0f32; 5 * c];
+        let mut out = vec![0f32; CONST_ROWS * c];
         for ch in 0..c {
             let invstd = f64::from(s[ch]);
             let k = f64::from(w[ch]) * invstd;
@@ -552,10 +558,10 @@ impl CustomOp3 for GradConsts {
             out[ch] = k as f32;
             out[c + ch] = p as f32;
             out[2 * c + ch] = q as f32;
-            out[3 * c + ch] = sums[c + ch] as f32;
-            out[4 * c + ch] = sums[ch] as f32;
+            out[4 * c + ch] = sums[c + ch] as f32;
+            out[5 * c + ch] = sums[ch] as f32;
         }
-        Ok((CpuStorage::F32(out), Shape::from((5, c))))
+        Ok((CpuStorage::F32(out), Shape::from((CONST_ROWS, c))))
     }
 
     #[cfg(feature = "cuda")]
@@ -674,7 +680,7 @@ fn grad_sums<T: Real>(
 }
 
 /// The input gradient `dx = k * dy + p * (x - center) + q` per channel, in `x`'s dtype: `center`
-/// f32 `(c)`, `consts` the `(5, c)` f32 of [`grad_consts`] (rows k, p, q), on `x`'s device; `dy`
+/// f32 `(c)`, `consts` the `(6, c)` f32 of [`grad_consts`] (rows k, p, q), on `x`'s device; `dy`
 /// through the forward's ReLU where there was one.
 struct InputGrad {
     center: Tensor,
@@ -726,9 +732,9 @@ impl CustomOp2 for InputGrad {
         let (center, lc) = self.center.storage_and_layout();
         let (consts, lk) = self.consts.storage_and_layout();
         let cuda::PerChannel(consts, lk) = cuda::on_device(&consts, lk)?;
-        let mut rows = cuda::rows(consts, &lk, 5, lx.dims()[1])?.into_iter();
+        let mut rows = cuda::rows(consts, &lk, CONST_ROWS, lx.dims()[1])?.into_iter();
         let (Some(k), Some(p), Some(q)) = (rows.next(), rows.next(), rows.next()) else {
-            candle_core::bail!("batch norm kernel: five rows of gradient constants expected")
+            candle_core::bail!("batch norm kernel: six rows of gradient constants expected")
         };
         let apply = |relu_mask: Option<cuda::ReluMask<'_>>| {
             cuda::Apply {
@@ -794,7 +800,11 @@ mod tests {
                         relu,
                     };
                     let y = batch_norm(x.as_tensor(), &w, &b, norm)?;
-                    let y = if relu { y } else { crate::kernels::activation::relu(&y)? };
+                    let y = if relu {
+                        y
+                    } else {
+                        crate::kernels::activation::relu(&y)?
+                    };
                     let grads = (y.to_dtype(DType::F32)? * &r)?.sum_all()?.backward()?;
                     Ok((y, grads))
                 };

@@ -4,9 +4,10 @@
 // Compiled at run time by NVRTC after half.cuh.
 
 // Per-channel sums. Grid (channels, splits), AMP_BN_THREADS threads: block (c, s) takes the
-// s-th of `splits` equal ranges of channel c's n * hw values. Each thread sums its values in
-// f32, the block adds the threads' sums in f64 and adds its total to the f64 outputs (zeroed
-// by the caller). Modes:
+// s-th of `splits` equal ranges of channel c's n * hw values, read in groups of `width` values
+// (one 16-byte load each where the rows and arrays allow: amp_get_w in half.cuh). Each thread
+// sums its values in f32, the block adds the threads' sums in f64 and adds its total to the f64
+// outputs (zeroed by the caller). Modes:
 //   0: out0[c] = sum(x)
 //   1: out0[c] = sum((x - center[c])^2)
 //   2: out0[c] = sum(dy), out1[c] = sum(dy * (x - center[c]) * scale[c])
@@ -23,7 +24,9 @@ __device__ __forceinline__ bool amp_relu_kept(float v, float center, float scale
     return amp_round(__fmaf_rn(v - center, scale_mul, shift), dt) > 0.0f;
 }
 
-extern "C" __global__ void amp_bn_sums(
+// The sums' body over groups of W values (see amp_get_w): `count` and `per_split` count groups.
+template <int W>
+__device__ __forceinline__ void amp_bn_sums_w(
     const void* x, const void* dy, int dt, int mode,
     unsigned int channels, unsigned long long hw, unsigned long long count,
     unsigned long long per_split,
@@ -39,33 +42,45 @@ extern "C" __global__ void amp_bn_sums(
     const float rs = relu_scale ? relu_scale[c] * relu_mul[c] : 0.0f;
     const float rt = relu_scale ? relu_shift[c] : 0.0f;
     float a = 0.0f, b = 0.0f;
-    // The j-th value of the channel is at (n, r) = (j / hw, j % hw): divided once, then carried
-    // forward (a 64-bit division per value had made this pass several times slower than the
-    // bandwidth allows), with a 32-bit division on a wrap where hw fits.
+    // The j-th group of the channel starts at (n, r) = (j * W / hw, j * W % hw): divided once,
+    // then carried forward (a 64-bit division per value had made this pass several times slower
+    // than the bandwidth allows), with a 32-bit division on a wrap where hw fits.
     unsigned long long j = begin + threadIdx.x;
-    unsigned long long n = j / hw;
-    unsigned long long r = j - n * hw;
+    unsigned long long n = j * W / hw;
+    unsigned long long r = j * W - n * hw;
     const bool narrow = hw < 0xffff0000ull;
     for (; j < end; j += AMP_BN_THREADS) {
         const unsigned long long at = (n * channels + c) * hw + r;
-        r += AMP_BN_THREADS;
+        r += AMP_BN_THREADS * W;
         if (r >= hw) {
             const unsigned long long q = narrow ? (unsigned int)r / (unsigned int)hw : r / hw;
             n += q;
             r -= q * hw;
         }
-        const float v = amp_get(x, at, dt);
+        float xs[W];
+        amp_get_w<W>(x, at, dt, xs);
         if (mode == 0) {
-            a += v;
-        } else if (mode == 1) {
-            a += (v - m) * (v - m);
-        } else {
-            float g = amp_get(dy, at, dt);
-            if (relu_scale && !amp_relu_kept(v, m, rs, rt, dt)) {
-                g = 0.0f;
+#pragma unroll
+            for (int k = 0; k < W; ++k) {
+                a += xs[k];
             }
-            a += g;
-            b += g * (v - m) * s;
+        } else if (mode == 1) {
+#pragma unroll
+            for (int k = 0; k < W; ++k) {
+                a += (xs[k] - m) * (xs[k] - m);
+            }
+        } else {
+            float gs[W];
+            amp_get_w<W>(dy, at, dt, gs);
+#pragma unroll
+            for (int k = 0; k < W; ++k) {
+                float g = gs[k];
+                if (relu_scale && !amp_relu_kept(xs[k], m, rs, rt, dt)) {
+                    g = 0.0f;
+                }
+                a += g;
+                b += g * (xs[k] - m) * s;
+            }
         }
     }
     __shared__ double sa[AMP_BN_THREADS];
@@ -85,6 +100,29 @@ extern "C" __global__ void amp_bn_sums(
         if (mode == 2) {
             atomicAdd(out1 + c, sb[0]);
         }
+    }
+}
+
+// `width`: values per load, 1, or 4 (f32) or 8 (f16, bf16) where every channel row's length
+// hw is a multiple of it and x and dy are 16-byte aligned; `count` and `per_split` count groups
+// of `width` values.
+extern "C" __global__ void amp_bn_sums(
+    const void* x, const void* dy, int dt, int mode, int width,
+    unsigned int channels, unsigned long long hw, unsigned long long count,
+    unsigned long long per_split,
+    const float* center, const float* scale,
+    const float* relu_scale, const float* relu_mul, const float* relu_shift,
+    double* out0, double* out1)
+{
+    if (width == 8) {
+        amp_bn_sums_w<8>(x, dy, dt, mode, channels, hw, count, per_split, center, scale,
+                         relu_scale, relu_mul, relu_shift, out0, out1);
+    } else if (width == 4) {
+        amp_bn_sums_w<4>(x, dy, dt, mode, channels, hw, count, per_split, center, scale,
+                         relu_scale, relu_mul, relu_shift, out0, out1);
+    } else {
+        amp_bn_sums_w<1>(x, dy, dt, mode, channels, hw, count, per_split, center, scale,
+                         relu_scale, relu_mul, relu_shift, out0, out1);
     }
 }
 
@@ -132,8 +170,8 @@ extern "C" __global__ void amp_bn_stats(
 // The input gradient's per-channel constants from the gradient sums (f64 (2, channels): sum(dy),
 // sum(dy * xhat)), one thread per channel: k = weight * invstd and, with the batch's statistics
 // (`train`), p = -k * u * sum(dy * xhat) / count and q = -k * sum(dy) / count, u = invstd (or 1
-// with `unit`: sums taken over values already normalised); otherwise p = q = 0. `out` is (5,
-// channels) f32: k, p, q, then the two sums (the weight's and the bias's gradients).
+// with `unit`: sums taken over values already normalised); otherwise p = q = 0. `out` is (6,
+// channels) f32: k, p, q, 0, then the two sums (the weight's and the bias's gradients).
 extern "C" __global__ void amp_bn_grad_consts(
     unsigned int channels, double count, int train, int unit,
     const double* sums, const float* weight, const float* invstd, float* out)
@@ -152,8 +190,9 @@ extern "C" __global__ void amp_bn_grad_consts(
     out[c] = (float)k;
     out[channels + c] = (float)p;
     out[2 * channels + c] = (float)q;
-    out[3 * channels + c] = (float)sums[channels + c];
-    out[4 * channels + c] = (float)sums[c];
+    out[3 * channels + c] = 0.0f;
+    out[4 * channels + c] = (float)sums[channels + c];
+    out[5 * channels + c] = (float)sums[c];
 }
 
 // The per-channel affine pass, rounded once to dt:
@@ -165,7 +204,8 @@ extern "C" __global__ void amp_bn_grad_consts(
 // row's hw): a block's row fixes its channel.
 #define AMP_BN_SPAN (AMP_BN_THREADS * 8)
 
-extern "C" __global__ void amp_bn_apply(
+template <int W>
+__device__ __forceinline__ void amp_bn_apply_w(
     const void* x, const void* dy, void* out, int dt,
     unsigned int channels, unsigned long long hw,
     const float* center, const float* scale, const float* mul, const float* shift,
@@ -182,22 +222,50 @@ extern "C" __global__ void amp_bn_apply(
     const float rt = relu_scale ? relu_shift[c] : 0.0f;
     const unsigned long long begin = (unsigned long long)blockIdx.y * AMP_BN_SPAN;
     const unsigned long long end = begin + AMP_BN_SPAN < hw ? begin + AMP_BN_SPAN : hw;
-    for (unsigned long long i = begin + threadIdx.x; i < end; i += AMP_BN_THREADS) {
+    for (unsigned long long i = begin + threadIdx.x * W; i < end; i += AMP_BN_THREADS * W) {
         const unsigned long long at = row * hw + i;
-        const float xv = amp_get(x, at, dt);
-        float v = __fmaf_rn(xv - m, s, t);
+        float xs[W], vs[W], gs[W];
+        amp_get_w<W>(x, at, dt, xs);
         if (dy) {
-            float g = amp_get(dy, at, dt);
-            if (relu_scale && !amp_relu_kept(xv, m, rs, rt, dt)) {
-                g = 0.0f;
+            amp_get_w<W>(dy, at, dt, gs);
+        }
+#pragma unroll
+        for (int q = 0; q < W; ++q) {
+            float v = __fmaf_rn(xs[q] - m, s, t);
+            if (dy) {
+                float g = gs[q];
+                if (relu_scale && !amp_relu_kept(xs[q], m, rs, rt, dt)) {
+                    g = 0.0f;
+                }
+                v = kc * g + v;
             }
-            v = kc * g + v;
+            // `v < 0` is false for NaN, which passes through (ReLU keeps NaN).
+            if (relu && v < 0.0f) {
+                v = 0.0f;
+            }
+            vs[q] = v;
         }
-        // `v < 0` is false for NaN, which passes through (ReLU keeps NaN).
-        if (relu && v < 0.0f) {
-            v = 0.0f;
-        }
-        amp_put(out, at, v, dt);
+        amp_put_w<W>(out, at, vs, dt);
+    }
+}
+
+// `width` as for amp_bn_sums (x, dy and out 16-byte aligned, hw a multiple of it).
+extern "C" __global__ void amp_bn_apply(
+    const void* x, const void* dy, void* out, int dt, int width,
+    unsigned int channels, unsigned long long hw,
+    const float* center, const float* scale, const float* mul, const float* shift,
+    const float* k, int relu,
+    const float* relu_scale, const float* relu_mul, const float* relu_shift)
+{
+    if (width == 8) {
+        amp_bn_apply_w<8>(x, dy, out, dt, channels, hw, center, scale, mul, shift, k, relu,
+                          relu_scale, relu_mul, relu_shift);
+    } else if (width == 4) {
+        amp_bn_apply_w<4>(x, dy, out, dt, channels, hw, center, scale, mul, shift, k, relu,
+                          relu_scale, relu_mul, relu_shift);
+    } else {
+        amp_bn_apply_w<1>(x, dy, out, dt, channels, hw, center, scale, mul, shift, k, relu,
+                          relu_scale, relu_mul, relu_shift);
     }
 }
 

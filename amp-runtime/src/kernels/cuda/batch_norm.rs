@@ -29,6 +29,18 @@ const SPAN: usize = THREADS as usize * 8;
 /// of a large activation splits over several blocks (more loads in flight).
 const PER_THREAD: u64 = 64;
 
+/// Values per load of `amp_bn_sums` and `amp_bn_apply`: 16 bytes' worth (4 f32 or 8 f16/bf16)
+/// where every row of `hw` values holds whole groups of them and each array (its address; 0 for
+/// none) is 16-byte aligned, 1 otherwise.
+fn width(dtype: DType, hw: usize, addresses: &[u64]) -> i32 {
+    let w = if dtype == DType::F32 { 4 } else { 8 };
+    if hw.is_multiple_of(w) && addresses.iter().all(|a| a % 16 == 0) {
+        w as i32
+    } else {
+        1
+    }
+}
+
 /// A per-channel f32 array on the device: a storage and the layout of its values.
 pub(crate) struct PerChannel<'a>(pub &'a CudaStorage, pub Layout);
 
@@ -208,8 +220,8 @@ pub(crate) fn batch_stats(
 }
 
 /// The input gradient's constants (`amp_bn_grad_consts`) from the `(2, channels)` f64 gradient
-/// sums over `count` values per channel, the weight and the inverse standard deviation: a `(5,
-/// channels)` f32 storage of k, p, q and the two sums (see `batch_norm.cu`).
+/// sums over `count` values per channel, the weight and the inverse standard deviation: a `(6,
+/// channels)` f32 storage of k, p, q, zeros and the two sums (see `batch_norm.cu`).
 pub(crate) fn grad_consts(
     (sums, ls): (&CudaStorage, &Layout),
     weight: PerChannel<'_>,
@@ -218,11 +230,13 @@ pub(crate) fn grad_consts(
     train: bool,
     unit: bool,
 ) -> Result<(CudaStorage, Shape)> {
+    // `amp_bn_grad_consts`'s rows, the layout the CPU op shares.
+    const ROWS: usize = 6;
     let c = ls.shape().elem_count() / 2;
     let dev = &sums.device;
-    let mut out = alloc(dev, DType::F32, 5 * c)?;
+    let mut out = alloc(dev, DType::F32, ROWS * c)?;
     if c == 0 {
-        return Ok((out, Shape::from((5, 0))));
+        return Ok((out, Shape::from((ROWS, 0))));
     }
     let stream = dev.cuda_stream();
     let (sp, _s_guard) = f64_address(sums, ls, &stream, 2 * c)?;
@@ -242,11 +256,11 @@ pub(crate) fn grad_consts(
     builder.arg(&ip);
     builder.arg(&o);
     // SAFETY: the arguments match `amp_bn_grad_consts`; `sp` addresses 2 * `channels` f64
-    // values, `wp` and `ip` `channels` f32 values (checked above), `o` the 5 * `channels` f32
+    // values, `wp` and `ip` `channels` f32 values (checked above), `o` the 6 * `channels` f32
     // values of `out`; one thread per channel, threads past the last return.
     unsafe { builder.launch(per_channel_launch(c)?) }.w()?;
     drop(out_guard); // ends the borrow of `out`
-    Ok((out, Shape::from((5, c))))
+    Ok((out, Shape::from((ROWS, c))))
 }
 
 /// Per-channel sums over `x` (and `dy`, mode 2) as batch_norm.cu's `amp_bn_sums` defines them,
@@ -286,8 +300,11 @@ pub(crate) fn sums(
     let (center, _center_guard) = PerChannel::optional(center.as_ref(), &stream, "center", g.c)?;
     let (scale, _scale_guard) = PerChannel::optional(scale.as_ref(), &stream, "scale", g.c)?;
     let (relu, _relu_guards) = ReluMask::addresses(relu.as_ref(), &stream, g.c)?;
+    let width = width(x.dtype(), g.hw, &[xp, dyp]);
     let splits = count.div_ceil(u64::from(THREADS) * PER_THREAD).min(65_535);
-    let per_split = count.div_ceil(splits);
+    // In groups of `width` values, as the kernel counts.
+    let groups = count / width as u64;
+    let per_split = groups.div_ceil(splits);
     let (out0, out_guard) = out.device_ptr_mut(&stream);
     let out1 = out0 + (g.c * std::mem::size_of::<f64>()) as u64;
     let channels = grid_dim(g.c, "channels")?;
@@ -303,9 +320,10 @@ pub(crate) fn sums(
     builder.arg(&dyp);
     builder.arg(&dt);
     builder.arg(&mode);
+    builder.arg(&width);
     builder.arg(&channels);
     builder.arg(&hw);
-    builder.arg(&count);
+    builder.arg(&groups);
     builder.arg(&per_split);
     builder.arg(&center);
     builder.arg(&scale);
@@ -315,7 +333,8 @@ pub(crate) fn sums(
     builder.arg(&out0);
     builder.arg(&out1);
     // SAFETY: the arguments match `amp_bn_sums`; `xp` (and `dyp` in mode 2) address `n * c *
-    // hw` values of the kernel's dtype in storages borrowed for the launch; `center` and
+    // hw` values of the kernel's dtype in storages borrowed for the launch, aligned and of rows
+    // of whole groups where `width` > 1; `center` and
     // `scale` hold `channels` f32 values (checked by `f32_address`) where the mode reads them
     // (checked above), so do the three of `relu` unless null, `out0` and `out1` the two
     // rows of `channels` zeroed f64 values of `out`; every index the grid reaches is below
@@ -365,6 +384,7 @@ impl Apply<'_> {
         let (kp, _k_guard) = PerChannel::optional(k, &stream, "k", g.c)?;
         let (mask, _mask_guards) = ReluMask::addresses(self.relu_mask.as_ref(), &stream, g.c)?;
         let (out_ptr, out_guard) = out_address(&mut out, &stream);
+        let width = width(x.dtype(), g.hw, &[xp, dyp, out_ptr]);
         let rows = grid_dim(g.n * g.c, "rows")?;
         let chunks = u32::try_from(g.hw.div_ceil(SPAN))
             .ok()
@@ -383,6 +403,7 @@ impl Apply<'_> {
         builder.arg(&dyp);
         builder.arg(&out_ptr);
         builder.arg(&dt);
+        builder.arg(&width);
         builder.arg(&channels);
         builder.arg(&hw);
         builder.arg(&d_center);
@@ -397,7 +418,8 @@ impl Apply<'_> {
         }
         // SAFETY: the arguments match `amp_bn_apply`; `xp`, `dyp` (when not null) and `out_ptr`
         // address `rows * hw` values of the kernel's dtype in storages held for the launch
-        // (`out` freshly allocated, distinct from the inputs); every per-channel array (the
+        // (`out` freshly allocated, distinct from the inputs), aligned and of rows of whole
+        // groups where `width` > 1; every per-channel array (the
         // mask's unless null) holds `channels` f32 values (checked above).
         unsafe { builder.launch(cfg) }.w()?;
         drop(out_guard); // ends the borrow of `out`

@@ -55,3 +55,49 @@ __device__ __forceinline__ float amp_round(float v, int dt) {
     amp_store(&bits, v, dt == 2);
     return amp_load(&bits, dt == 2);
 }
+
+// W consecutive values of a dt array from element i on, as f32, in one load where W > 1: W = 4
+// for f32 (a float4) and 8 for f16 and bf16 (16 bytes); `i` a multiple of W and the array 16-byte
+// aligned (the caller's check). W = 1: one value of any dtype.
+template <int W>
+__device__ __forceinline__ void amp_get_w(const void* p, unsigned long long i, int dt, float* out) {
+    if (W == 1) {
+        out[0] = amp_get(p, i, dt);
+    } else if (W == 4) {
+        const float4 v = *((const float4*)((const float*)p + i));
+        out[0] = v.x;
+        out[1] = v.y;
+        out[2] = v.z;
+        out[3] = v.w;
+    } else {
+        const uint4 raw = *((const uint4*)((const unsigned short*)p + i));
+        const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int k = 0; k < W; ++k) {
+            const unsigned short h = (unsigned short)(words[k >> 1] >> (16 * (k & 1)));
+            out[k] = amp_load(&h, dt == 2);
+        }
+    }
+}
+
+// Stores W values rounded to the array's dtype from element i on, as amp_get_w reads them.
+template <int W>
+__device__ __forceinline__ void amp_put_w(void* p, unsigned long long i, const float* v, int dt) {
+    if (W == 1) {
+        amp_put(p, i, v[0], dt);
+    } else if (W == 4) {
+        *((float4*)((float*)p + i)) = make_float4(v[0], v[1], v[2], v[3]);
+    } else {
+        unsigned short h[W];
+#pragma unroll
+        for (int k = 0; k < W; ++k) {
+            amp_store(&h[k], v[k], dt == 2);
+        }
+        unsigned int words[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            words[k] = (unsigned int)h[2 * k] | ((unsigned int)h[2 * k + 1] << 16);
+        }
+        *((uint4*)((unsigned short*)p + i)) = make_uint4(words[0], words[1], words[2], words[3]);
+    }
+}
