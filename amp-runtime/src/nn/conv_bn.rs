@@ -12,8 +12,11 @@
 //! region's precision (the input cast, the f32 master weight and bias rounded), f32 statistics,
 //! the output in the input's precision, the gradients of every parameter f32. The graph keeps
 //! as much as the two layers' graph (a half tensor the size of the output, the normalised
-//! values, in place of the conv's output) in one node instead of two. On other devices and for
-//! convolutions the CPU kernel does not take (see `Conv2d`), it is the two layers in a row.
+//! values, in place of the conv's output) in one node instead of two. Training on CUDA, for the
+//! convolutions that are one op there (cuDNN's, pointwise products), it is one node too
+//! (`kernels::batch_norm::after_conv_op`): the conv's output rounded to the input's precision
+//! first, as between the two layers, the conv bias folded as on the CPU. Elsewhere (evaluation
+//! on CUDA, other devices, convolutions neither kernel takes) it is the two layers in a row.
 //!
 //! `ConvBnReLU2d` applies the ReLU in the same op, on the f32 output before it is rounded (ReLU
 //! commutes with rounding, so the values are those of `ConvBn2d` and `relu`), and its backward
