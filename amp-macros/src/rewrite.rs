@@ -9,7 +9,8 @@
 //! Nested items are left alone. Closures are rewritten (they run in the region), but a `return`
 //! inside one returns from the closure and is not treated as the region's exit. Inside macro
 //! calls whose arguments are plain expressions (`vec!`, `println!`, `format!`, `assert*!`,
-//! `write*!`, `dbg!`) the arguments are rewritten too; other macros are left as written.
+//! `write*!`, `dbg!`) the arguments are rewritten too, and so is the expression `matches!`
+//! tests (its pattern is left as written); other macros are left as written.
 //!
 //! The rewrite cannot fail: what could make a body unfit for it (`.backward()` in a region) is
 //! rejected by validation first, and rewritten expressions are spliced in as tokens
@@ -47,15 +48,38 @@ const EXPR_MACROS: &[&str] = &[
     "panic",
 ];
 
+/// The expressions among a macro call's arguments that a region sees into, and what follows
+/// them as written.
+pub(crate) struct MacroArgs {
+    pub exprs: Punctuated<Expr, Token![,]>,
+    /// `matches!`'s pattern (and guard); empty for the expression macros.
+    pub tail: TokenStream,
+}
+
 /// The arguments of an expression macro (`vec![..]`, `println!(..)`, ...), if `mac` is one and
-/// its arguments parse as expressions; the rewrite and validation visit the same ones.
-pub(crate) fn expr_macro_args(mac: &Macro) -> Option<Punctuated<Expr, Token![,]>> {
+/// its arguments parse as expressions, or the tested expression of `matches!(expr, pattern)`;
+/// the rewrite and validation visit the same ones.
+pub(crate) fn expr_macro_args(mac: &Macro) -> Option<MacroArgs> {
     let name = mac.path.segments.last()?.ident.to_string();
+    if name == "matches" {
+        let parser = |input: syn::parse::ParseStream| -> syn::Result<MacroArgs> {
+            let mut exprs = Punctuated::new();
+            exprs.push_value(input.parse::<Expr>()?);
+            exprs.push_punct(input.parse::<Token![,]>()?);
+            let tail = input.parse::<TokenStream>()?;
+            Ok(MacroArgs { exprs, tail })
+        };
+        return syn::parse::Parser::parse2(parser, mac.tokens.clone()).ok();
+    }
     if !EXPR_MACROS.contains(&name.as_str()) {
         return None;
     }
     let parser = Punctuated::<Expr, Token![,]>::parse_terminated;
-    syn::parse::Parser::parse2(parser, mac.tokens.clone()).ok()
+    let exprs = syn::parse::Parser::parse2(parser, mac.tokens.clone()).ok()?;
+    Some(MacroArgs {
+        exprs,
+        tail: TokenStream::new(),
+    })
 }
 
 /// Input:  a region body `{ stmts; tail }`, the policy it runs under, how a returned value leaves
@@ -163,14 +187,15 @@ impl Rewriter {
         })
     }
 
-    /// Input:  `vec![x.relu()?, y]`
-    /// Output: `vec![Routed::<Pol, _>::new(&(x)).relu()?, y]`
+    /// Input:  `vec![x.relu()?, y]`, `matches!(x.relu()?.dims(), [_, 2])`
+    /// Output: `vec![Routed::<Pol, _>::new(&(x)).relu()?, y]`,
+    ///         `matches!(Routed::<Pol, _>::new(&(x)).relu()?.dims(), [_, 2])`
     fn rewrite_macro(&mut self, mac: &mut Macro) {
-        if let Some(mut exprs) = expr_macro_args(mac) {
+        if let Some(MacroArgs { mut exprs, tail }) = expr_macro_args(mac) {
             for e in &mut exprs {
                 self.visit_expr_mut(e);
             }
-            mac.tokens = quote!(#exprs);
+            mac.tokens = quote!(#exprs #tail);
         }
     }
 

@@ -294,7 +294,7 @@ impl RegionBody<'_> {
     }
 
     fn macro_args(&mut self, mac: &syn::Macro) {
-        for arg in expr_macro_args(mac).iter().flatten() {
+        for arg in expr_macro_args(mac).iter().flat_map(|a| a.exprs.iter()) {
             self.visit_expr(arg);
         }
     }
