@@ -43,11 +43,16 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Result, Tensor, Var};
 pub use candle_nn::{Optimizer, ParamsAdamW};
 
-use crate::kernels::optim::{AdamWStep, Rule, Update};
+use crate::kernels::optim::{AdamWApply, AdamWMoments, AdamWStep, Rule, Update};
 
 /// Whether `var` takes the in-place CPU pass.
 fn in_place(var: &Var) -> bool {
     crate::kernels::cpu_float(var.as_tensor()) && var.is_contiguous()
+}
+
+/// Whether `var` takes the in-place CUDA kernels (`kernels::cuda::optim`).
+fn on_cuda(var: &Var) -> bool {
+    crate::kernels::elem::cuda_float(var.as_tensor()) && var.is_contiguous()
 }
 
 /// Applies `rule` to `var` from its gradient, in place (the CPU pass; see [`in_place`]).
@@ -111,7 +116,7 @@ impl Optimizer for SGD {
             let Some(grad) = grads.get(var) else {
                 continue;
             };
-            if in_place(var) {
+            if in_place(var) || on_cuda(var) {
                 update(var, grad, Rule::Sgd { lr: lr as f32 }, None)?;
             } else if var.dtype() == DType::F32 {
                 var.set(&var.sub(&(grad * lr)?)?)?;
@@ -136,12 +141,14 @@ impl Optimizer for SGD {
     }
 }
 
-/// AdamW's moments for one parameter: host vectors for the in-place pass, tensors on the
-/// parameter's device otherwise (in [`moment_dtype`]).
+/// AdamW's moments for one parameter: host vectors for the in-place CPU pass, one `(2, n)` f32
+/// tensor (m, then v) for the in-place CUDA kernels, tensors on the parameter's device
+/// otherwise (in [`moment_dtype`]).
 #[derive(Debug)]
 enum Moments {
     Host { m: Vec<f32>, v: Vec<f32> },
-    Device { m: Tensor, v: Tensor },
+    Device(Tensor),
+    Tensors { m: Tensor, v: Tensor },
 }
 
 #[derive(Debug)]
@@ -204,15 +211,17 @@ impl Optimizer for AdamW {
         let params = float_vars(vars)
             .into_iter()
             .map(|var| {
+                let n = var.elem_count();
                 let moments = if in_place(&var) {
-                    let n = var.elem_count();
                     Moments::Host {
                         m: vec![0.0; n],
                         v: vec![0.0; n],
                     }
+                } else if on_cuda(&var) {
+                    Moments::Device(Tensor::zeros((2, n), DType::F32, var.device())?)
                 } else {
                     let zeros = || Tensor::zeros(var.shape(), moment_dtype(&var), var.device());
-                    Moments::Device {
+                    Moments::Tensors {
                         m: zeros()?,
                         v: zeros()?,
                     }
@@ -240,7 +249,12 @@ impl Optimizer for AdamW {
             let param = &mut self.params[i];
             match &mut param.moments {
                 Moments::Host { m, v } => update(&param.var, grad, Rule::AdamW(s), Some((m, v)))?,
-                Moments::Device { m, v } => {
+                Moments::Device(mv) => {
+                    // Detached: see `tensor_adamw`.
+                    mv.inplace_op2(&grad.detach().contiguous()?, &AdamWMoments(s))?;
+                    param.var.as_tensor().inplace_op2(mv, &AdamWApply(s))?;
+                }
+                Moments::Tensors { m, v } => {
                     let (next_m, next_v) = tensor_adamw(&param.var, grad, m, v, &s)?;
                     *m = next_m;
                     *v = next_v;
@@ -344,8 +358,8 @@ mod tests {
             opt.step(&grads)?;
         }
         match &opt.params[0].moments {
-            Moments::Device { m, v } => assert!(!m.track_op() && !v.track_op()),
-            Moments::Host { .. } => panic!("f64 moments are tensors"),
+            Moments::Tensors { m, v } => assert!(!m.track_op() && !v.track_op()),
+            _ => panic!("f64 moments are tensors"),
         }
         Ok(())
     }

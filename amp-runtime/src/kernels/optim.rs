@@ -16,6 +16,8 @@ use crate::kernels::parallel;
 
 use crate::kernels::elem::Real;
 
+#[cfg(feature = "cuda")]
+use crate::kernels::cuda::optim as cuda;
 use crate::kernels::widen::BLOCK;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, InplaceOp2, Layout, Result};
@@ -92,6 +94,159 @@ impl InplaceOp2 for Update<'_> {
             ),
         }
     }
+
+    /// SGD on CUDA (`kernels::cuda::optim`); AdamW there is [`AdamWMoments`] then
+    /// [`AdamWApply`], its moments a device tensor.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        src: &candle_core::CudaStorage,
+        src_l: &Layout,
+    ) -> Result<()> {
+        match self.rule {
+            Rule::Sgd { lr } => cuda::sgd(dst, dst_l, src, src_l, lr),
+            Rule::AdamW(_) => candle_core::bail!(
+                "{}: AdamW on CUDA runs as AdamWMoments and AdamWApply",
+                self.name()
+            ),
+        }
+    }
+}
+
+impl AdamWStep {
+    /// The moments' constants in f32: `[beta1, 1 - beta1, beta2, 1 - beta2]`.
+    #[allow(clippy::cast_possible_truncation)]
+    fn moment_consts(&self) -> [f32; 4] {
+        let f = |x: f64| x as f32;
+        [
+            f(self.beta1),
+            f(1.0 - self.beta1),
+            f(self.beta2),
+            f(1.0 - self.beta2),
+        ]
+    }
+
+    /// The parameter's constants in f32: `[lr, decay, scale_m, scale_v, eps]`.
+    #[allow(clippy::cast_possible_truncation)]
+    fn apply_consts(&self) -> [f32; 5] {
+        let f = |x: f64| x as f32;
+        [
+            f(self.lr),
+            f(self.decay),
+            f(self.scale_m),
+            f(self.scale_v),
+            f(self.eps),
+        ]
+    }
+}
+
+/// AdamW's moments, a `(2, n)` f32 tensor (m, then v) updated in place from the gradient: the
+/// first half of the step where the moments live on the parameter's device (CUDA), one launch.
+pub(crate) struct AdamWMoments(pub AdamWStep);
+
+/// AdamW's parameter update in place from the moments [`AdamWMoments`] moved: the second half.
+pub(crate) struct AdamWApply(pub AdamWStep);
+
+/// The `(m, v)` halves of a contiguous `(2, n)` f32 moments storage.
+fn halves<'a>(mv: &'a [f32], l: &Layout, name: &str) -> Result<(&'a [f32], &'a [f32])> {
+    let mv = contiguous(mv, l, name)?;
+    Ok(mv.split_at(mv.len() / 2))
+}
+
+impl InplaceOp2 for AdamWMoments {
+    fn name(&self) -> &'static str {
+        "amp-adamw-moments"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        src: &CpuStorage,
+        src_l: &Layout,
+    ) -> Result<()> {
+        let name = self.name();
+        let (CpuStorage::F32(mv), Some((start, end))) = (dst, dst_l.contiguous_offsets()) else {
+            candle_core::bail!("{name}: the moments must be contiguous f32")
+        };
+        let (m, v) = mv[start..end].split_at_mut((end - start) / 2);
+        crate::kernels::elem::with_floats!(name, src, src_l, |g| {
+            if g.len() != m.len() {
+                candle_core::bail!("{name}: {} moments for {} gradients", m.len(), g.len())
+            }
+            let mut gf = vec![0f32; g.len()];
+            for (o, x) in gf.iter_mut().zip(g) {
+                *o = x.get();
+            }
+            moments_f32(&gf, m, v, &self.0);
+            Ok(())
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        src: &candle_core::CudaStorage,
+        src_l: &Layout,
+    ) -> Result<()> {
+        cuda::adamw_moments(dst, dst_l, src, src_l, self.0.moment_consts())
+    }
+}
+
+impl InplaceOp2 for AdamWApply {
+    fn name(&self) -> &'static str {
+        "amp-adamw-apply"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        src: &CpuStorage,
+        src_l: &Layout,
+    ) -> Result<()> {
+        let name = self.name();
+        let CpuStorage::F32(mv) = src else {
+            candle_core::bail!("{name}: the moments must be f32")
+        };
+        let (m, v) = halves(mv, src_l, name)?;
+        let range = dst_l
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg(format!("{name}: parameter not contiguous")))?;
+        match dst {
+            CpuStorage::F32(w) if w[range.0..range.1].len() == m.len() => {
+                apply_widened(&mut w[range.0..range.1], m, v, &self.0);
+            }
+            CpuStorage::BF16(w) if w[range.0..range.1].len() == m.len() => {
+                apply_widened(&mut w[range.0..range.1], m, v, &self.0);
+            }
+            CpuStorage::F16(w) if w[range.0..range.1].len() == m.len() => {
+                apply_widened(&mut w[range.0..range.1], m, v, &self.0);
+            }
+            w => candle_core::bail!(
+                "{name}: a {:?} parameter of {} values for {} moments",
+                w.dtype(),
+                range.1 - range.0,
+                m.len()
+            ),
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        src: &candle_core::CudaStorage,
+        src_l: &Layout,
+    ) -> Result<()> {
+        cuda::adamw_apply(dst, dst_l, src, src_l, self.0.apply_consts())
+    }
 }
 
 impl Update<'_> {
@@ -158,17 +313,33 @@ pub(crate) fn adamw<T: Real + Send + Sync>(
 }
 
 /// The AdamW element loop on f32 runs (see [`AdamWStep`]): each product and sum rounded to f32
-/// as candle-nn's tensor ops round them.
-#[allow(clippy::cast_possible_truncation)]
+/// as candle-nn's tensor ops round them (and `optim.cu`'s kernels).
 fn adamw_f32(w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], s: &AdamWStep) {
-    let f = |x: f64| x as f32;
-    let (lr, decay, eps) = (f(s.lr), f(s.decay), f(s.eps));
-    let (beta1, beta2, scale_m, scale_v) = (f(s.beta1), f(s.beta2), f(s.scale_m), f(s.scale_v));
-    let (one_minus_beta1, one_minus_beta2) = (f(1.0 - s.beta1), f(1.0 - s.beta2));
-    for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m).zip(v) {
+    moments_f32(g, m, v, s);
+    apply_f32(w, m, v, s);
+}
+
+/// The moments' half of [`adamw_f32`].
+fn moments_f32(g: &[f32], m: &mut [f32], v: &mut [f32], s: &AdamWStep) {
+    let [beta1, one_minus_beta1, beta2, one_minus_beta2] = s.moment_consts();
+    for ((&g, m), v) in g.iter().zip(m).zip(v) {
         *m = *m * beta1 + g * one_minus_beta1;
         *v = *v * beta2 + (g * g) * one_minus_beta2;
-        let step = (*m * scale_m) / ((*v * scale_v).sqrt() + eps);
+    }
+}
+
+/// [`apply_f32`] on a parameter of any float type, widened to f32 and rounded once.
+fn apply_widened<T: Real>(w: &mut [T], m: &[f32], v: &[f32], s: &AdamWStep) {
+    let mut wf: Vec<f32> = w.iter().map(|x| x.get()).collect();
+    apply_f32(&mut wf, m, v, s);
+    T::narrow(&wf, w);
+}
+
+/// The parameter's half of [`adamw_f32`].
+fn apply_f32(w: &mut [f32], m: &[f32], v: &[f32], s: &AdamWStep) {
+    let [lr, decay, scale_m, scale_v, eps] = s.apply_consts();
+    for ((w, &m), &v) in w.iter_mut().zip(m).zip(v) {
+        let step = (m * scale_m) / ((v * scale_v).sqrt() + eps);
         *w = *w * decay - step * lr;
     }
 }
@@ -231,6 +402,54 @@ mod tests {
                     .collect()
             })
             .collect()
+    }
+
+    /// The device path's two ops (the moments, then the parameter; run here on the CPU)
+    /// against the one CPU pass: the same parameters and moments, bit for bit, over several
+    /// steps, for f32 and bf16 parameters.
+    #[test]
+    fn adamw_moments_then_apply_match_the_one_pass() -> Result<()> {
+        use candle_core::{DType, Device, Tensor};
+        let n = 37;
+        for dtype in [DType::F32, DType::BF16] {
+            let w0: Vec<f32> = (0..n).map(|i| (i % 31) as f32 / 10.0 - 1.5).collect();
+            let w = Tensor::new(w0.as_slice(), &Device::Cpu)?.to_dtype(dtype)?;
+            let mv = Tensor::zeros((2, n), DType::F32, &Device::Cpu)?;
+            let pass = w.to_dtype(dtype)?.copy()?;
+            let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+            for (t, g) in grads(n, 4).iter().enumerate() {
+                let g = Tensor::new(g.as_slice(), &Device::Cpu)?.to_dtype(dtype)?;
+                let s = step(1e-2, 0.1, 0.9, 0.999, 1e-8, t as i32 + 1);
+                mv.inplace_op2(&g, &AdamWMoments(s))?;
+                w.inplace_op2(&mv, &AdamWApply(s))?;
+                let update = Update {
+                    rule: Rule::AdamW(s),
+                    moments: std::cell::Cell::new(Some((m.as_mut_slice(), v.as_mut_slice()))),
+                };
+                pass.inplace_op2(&g, &update)?;
+            }
+            let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                Ok(t.to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect())
+            };
+            assert_eq!(bits(&w)?, bits(&pass)?, "{dtype:?}: parameters");
+            assert_eq!(
+                bits(&mv.get(0)?)?,
+                m.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+            assert_eq!(
+                bits(&mv.get(1)?)?,
+                v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+            assert_ne!(
+                bits(&w)?,
+                bits(&Tensor::new(w0.as_slice(), &Device::Cpu)?.to_dtype(dtype)?)?
+            );
+        }
+        Ok(())
     }
 
     #[test]
