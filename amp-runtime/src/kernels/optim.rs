@@ -177,9 +177,7 @@ impl InplaceOp2 for AdamWMoments {
                 candle_core::bail!("{name}: {} moments for {} gradients", m.len(), g.len())
             }
             let mut gf = vec![0f32; g.len()];
-            for (o, x) in gf.iter_mut().zip(g) {
-                *o = x.get();
-            }
+            Real::widen(g, &mut gf);
             moments_f32(&gf, m, v, &self.0);
             Ok(())
         })
@@ -217,22 +215,18 @@ impl InplaceOp2 for AdamWApply {
         let range = dst_l
             .contiguous_offsets()
             .ok_or_else(|| candle_core::Error::Msg(format!("{name}: parameter not contiguous")))?;
-        match dst {
-            CpuStorage::F32(w) if w[range.0..range.1].len() == m.len() => {
-                apply_widened(&mut w[range.0..range.1], m, v, &self.0);
-            }
-            CpuStorage::BF16(w) if w[range.0..range.1].len() == m.len() => {
-                apply_widened(&mut w[range.0..range.1], m, v, &self.0);
-            }
-            CpuStorage::F16(w) if w[range.0..range.1].len() == m.len() => {
-                apply_widened(&mut w[range.0..range.1], m, v, &self.0);
-            }
-            w => candle_core::bail!(
-                "{name}: a {:?} parameter of {} values for {} moments",
-                w.dtype(),
+        if range.1 - range.0 != m.len() {
+            candle_core::bail!(
+                "{name}: a parameter of {} values for {} moments",
                 range.1 - range.0,
                 m.len()
-            ),
+            )
+        }
+        match dst {
+            CpuStorage::F32(w) => apply_widened(&mut w[range.0..range.1], m, v, &self.0),
+            CpuStorage::BF16(w) => apply_widened(&mut w[range.0..range.1], m, v, &self.0),
+            CpuStorage::F16(w) => apply_widened(&mut w[range.0..range.1], m, v, &self.0),
+            w => candle_core::bail!("{name}: an f32, bf16 or f16 parameter, got {:?}", w.dtype()),
         }
         Ok(())
     }
@@ -330,7 +324,8 @@ fn moments_f32(g: &[f32], m: &mut [f32], v: &mut [f32], s: &AdamWStep) {
 
 /// [`apply_f32`] on a parameter of any float type, widened to f32 and rounded once.
 fn apply_widened<T: Real>(w: &mut [T], m: &[f32], v: &[f32], s: &AdamWStep) {
-    let mut wf: Vec<f32> = w.iter().map(|x| x.get()).collect();
+    let mut wf = vec![0f32; w.len()];
+    T::widen(w, &mut wf);
     apply_f32(&mut wf, m, v, s);
     T::narrow(&wf, w);
 }

@@ -123,9 +123,9 @@ pub(crate) fn input_and_kernel_grads(
 
 /// The kernel `k` as the forward used it, outside the graph: itself, or an f32 master rounded to
 /// the input's `dtype` (an input gradient is taken with the rounded kernel).
-fn kernel_as_used(k: &Tensor, dtype: DType) -> Result<Tensor> {
+pub(super) fn kernel_as_used(k: &Tensor, dtype: DType) -> Result<Tensor> {
     if k.dtype() == dtype {
-        Ok(k.clone())
+        Ok(k.detach())
     } else if k.device().is_cpu() {
         k.apply_op1_no_bwd(&crate::kernels::convert::Convert(dtype))
     } else {

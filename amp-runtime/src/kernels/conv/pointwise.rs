@@ -67,7 +67,7 @@ pub(super) fn master_grads(
     dy: &Tensor,
 ) -> Result<(Option<Tensor>, Option<Tensor>)> {
     let dx = wanted(x, || {
-        input_grad(x.dims(), &k.detach().to_dtype(x.dtype())?, dy)
+        input_grad(x.dims(), &super::ops::kernel_as_used(k, x.dtype())?, dy)
     })?;
     let dk = offer(k, || kernel_grad(x, dy)?.to_dtype(k.dtype()))?;
     Ok((dx, dk))

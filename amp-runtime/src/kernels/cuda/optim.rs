@@ -47,6 +47,44 @@ fn check(what: &str, other: &Layout, dtype: DType, other_dtype: DType, n: usize)
     Ok(())
 }
 
+/// One launch of an `optim.cu` kernel `(dst, src, dt, n, consts...)` over `n` values: `dst`
+/// written in place, `src` read, `dt` the dtype code of whichever of the two holds the
+/// parameter's or gradient's dtype (`dt_of`), the other f32.
+fn launch(
+    kernel: &str,
+    (dst, ldst): (&mut CudaStorage, &Layout),
+    (src, lsrc): (&CudaStorage, &Layout),
+    dt_of: DType,
+    n: usize,
+    consts: &[f32],
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let dev = dst.device.clone();
+    let stream = dev.cuda_stream();
+    let dt = code(dt_of)?;
+    let (sp, _s_guard) = address(src, lsrc, &stream)?;
+    let (dp, d_guard) = address_mut(dst, ldst, &stream)?;
+    let n64 = n as u64;
+    let func = dev.get_or_load_custom_func(kernel, OPTIM.name, OPTIM.ptx()?)?;
+    let mut builder = func.builder();
+    builder.arg(&dp);
+    builder.arg(&sp);
+    builder.arg(&dt);
+    builder.arg(&n64);
+    for c in consts {
+        builder.arg(c);
+    }
+    // SAFETY: the arguments match the kernel's (each caller passes its constants); `dp` and
+    // `sp` address the values each kernel reads for `n` (checked by the callers: `n` of `dt`'s
+    // dtype, or 2 * `n` f32 moments) in storages held for the launch, `dp` writable and
+    // distinct from `sp` (a `&mut` and a `&` storage).
+    unsafe { builder.launch(grid_stride(n64, THREADS)) }.w()?;
+    drop(d_guard);
+    Ok(())
+}
+
 /// `w -= g * lr` in place (`amp_sgd`).
 pub(crate) fn sgd(
     w: &mut CudaStorage,
@@ -57,28 +95,8 @@ pub(crate) fn sgd(
 ) -> Result<()> {
     let n = lw.shape().elem_count();
     check("gradient", lg, w.dtype(), g.dtype(), n)?;
-    if n == 0 {
-        return Ok(());
-    }
-    let dev = w.device.clone();
-    let stream = dev.cuda_stream();
-    let dt = code(w.dtype())?;
-    let (gp, _g_guard) = address(g, lg, &stream)?;
-    let (wp, w_guard) = address_mut(w, lw, &stream)?;
-    let n64 = n as u64;
-    let func = dev.get_or_load_custom_func("amp_sgd", OPTIM.name, OPTIM.ptx()?)?;
-    let mut builder = func.builder();
-    builder.arg(&wp);
-    builder.arg(&gp);
-    builder.arg(&dt);
-    builder.arg(&n64);
-    builder.arg(&lr);
-    // SAFETY: the arguments match `amp_sgd`; `wp` and `gp` address `n` values of the kernel's
-    // dtype (checked above) in storages held for the launch, `wp` writable and distinct from
-    // `gp` (a `&mut` and a `&` storage).
-    unsafe { builder.launch(grid_stride(n64, THREADS)) }.w()?;
-    drop(w_guard);
-    Ok(())
+    let dtype = w.dtype();
+    launch("amp_sgd", (w, lw), (g, lg), dtype, n, &[lr])
 }
 
 /// AdamW's moments `mv` (`(2, n)` f32: m, then v) moved by the gradient `g`
@@ -92,30 +110,14 @@ pub(crate) fn adamw_moments(
 ) -> Result<()> {
     let n = lg.shape().elem_count();
     check("moments", lmv, DType::F32, mv.dtype(), 2 * n)?;
-    if n == 0 {
-        return Ok(());
-    }
-    let dev = mv.device.clone();
-    let stream = dev.cuda_stream();
-    let dt = code(g.dtype())?;
-    let (gp, _g_guard) = address(g, lg, &stream)?;
-    let (mp, m_guard) = address_mut(mv, lmv, &stream)?;
-    let n64 = n as u64;
-    let func = dev.get_or_load_custom_func("amp_adamw_moments", OPTIM.name, OPTIM.ptx()?)?;
-    let mut builder = func.builder();
-    builder.arg(&mp);
-    builder.arg(&gp);
-    builder.arg(&dt);
-    builder.arg(&n64);
-    for c in &consts {
-        builder.arg(c);
-    }
-    // SAFETY: the arguments match `amp_adamw_moments`; `mp` addresses the 2 * `n` f32 values
-    // of the moments (checked above), writable, and `gp` `n` values of the kernel's dtype, in
-    // storages held for the launch.
-    unsafe { builder.launch(grid_stride(n64, THREADS)) }.w()?;
-    drop(m_guard);
-    Ok(())
+    launch(
+        "amp_adamw_moments",
+        (mv, lmv),
+        (g, lg),
+        g.dtype(),
+        n,
+        &consts,
+    )
 }
 
 /// AdamW's step of the parameter `w` from the moments `mv` (`amp_adamw_apply`), `consts` =
@@ -129,28 +131,6 @@ pub(crate) fn adamw_apply(
 ) -> Result<()> {
     let n = lw.shape().elem_count();
     check("moments", lmv, DType::F32, mv.dtype(), 2 * n)?;
-    if n == 0 {
-        return Ok(());
-    }
-    let dev = w.device.clone();
-    let stream = dev.cuda_stream();
-    let dt = code(w.dtype())?;
-    let (mp, _m_guard) = address(mv, lmv, &stream)?;
-    let (wp, w_guard) = address_mut(w, lw, &stream)?;
-    let n64 = n as u64;
-    let func = dev.get_or_load_custom_func("amp_adamw_apply", OPTIM.name, OPTIM.ptx()?)?;
-    let mut builder = func.builder();
-    builder.arg(&wp);
-    builder.arg(&mp);
-    builder.arg(&dt);
-    builder.arg(&n64);
-    for c in &consts {
-        builder.arg(c);
-    }
-    // SAFETY: the arguments match `amp_adamw_apply`; `wp` addresses `n` values of the kernel's
-    // dtype, writable, and `mp` the 2 * `n` f32 values of the moments (checked above), in
-    // storages held for the launch.
-    unsafe { builder.launch(grid_stride(n64, THREADS)) }.w()?;
-    drop(w_guard);
-    Ok(())
+    let dtype = w.dtype();
+    launch("amp_adamw_apply", (w, lw), (mv, lmv), dtype, n, &consts)
 }
