@@ -5,7 +5,7 @@
 //! Run: `cargo run --release --example custom_op`
 
 use candle_amp::nn::{self, loss};
-use candle_amp::{autocast, custom_bwd, custom_fwd, Tensor, F16, F32};
+use candle_amp::{autocast, custom_bwd, custom_fwd, Tensor, F32};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape};
 use candle_nn::{VarBuilder, VarMap};
 
@@ -82,9 +82,9 @@ struct Model {
 impl Model {
     fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
         let h = self.gate.forward(&self.fc.forward(&x)?)?; // f16, the caller's policy
-                                                           // A raw candle custom op on the f16 values: its backward hands f16 gradients back.
-        let h =
-            Tensor::<F16>::from_candle(h.cast::<F16>()?.into_candle().apply_op1(SignedSquare)?)?;
+                                                           // A raw candle custom op on the f16 values (a region's values are candle tensors): its
+                                                           // backward hands f16 gradients back.
+        let h = h.apply_op1(SignedSquare)?;
         Ok(LogSumExp { dim: 1 }.forward(&h)?) // f32 inside, whatever came in
     }
 }

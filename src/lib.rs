@@ -27,7 +27,9 @@ pub use amp_runtime::*;
 pub mod prelude {
     pub use amp_macros::{autocast, custom_bwd, custom_fwd, keep_fp32, policy};
     pub use amp_runtime::nn::{self, loss, AmpLayer};
-    pub use amp_runtime::{fp32, ops, AmpModule, AmpTensor, Precision, Tensor, BF16, F16, F32};
+    pub use amp_runtime::{
+        fp32, ops, AmpModule, AmpTensor, Precision, RegionValue, Tensor, BF16, F16, F32,
+    };
     pub use amp_runtime::{GradScaler, StepOutcome};
 }
 

@@ -11,7 +11,7 @@ use std::cell::RefCell;
 use candle_amp::nn::{self, loss};
 use candle_amp::{
     autocast, cast_count, keep_fp32, ops, AmpTensor, Bf16Policy, Fp16Policy, Policy, Precision,
-    Tensor, BF16, F16, F32,
+    RegionValue, Tensor, BF16, F16, F32,
 };
 use candle_core::{DType, Device, IndexOp, Result};
 use candle_nn::{VarBuilder, VarMap};
@@ -551,14 +551,26 @@ mod reexported {
     pub use candle_amp::ops as amp_ops;
 }
 
-/// candle-amp's `ops` through three spellings is routed (softmax is fp32-class); candle-nn's
-/// `ops`, imported under the same name, is another crate's: its softmax is called as written,
-/// in the value's own dtype. `Tensor::cat` is candle-amp's (promote: f16 with f32 gives f32);
-/// `candle_core::Tensor::cat` joins candle tensors as candle does.
+/// A user's own functions named like candle-nn's ops (with their signatures).
+#[allow(clippy::unnecessary_wraps)]
+mod mine {
+    pub fn softmax(x: &candle_core::Tensor, _: usize) -> candle_core::Result<candle_core::Tensor> {
+        Ok(x.clone())
+    }
+    pub fn softmax_last_dim(x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+        Ok(x.clone())
+    }
+}
+
+/// candle-amp's `ops` through three spellings is routed (softmax is fp32-class), and so is
+/// candle-nn's, whatever it is called (the functions are told apart by their types, not their
+/// spelling); a user's own function of the same name is called as written, in the value's own
+/// dtype. `Tensor::cat`, candle-amp's or candle's, promotes: f16 with f32 gives f32, f16 with
+/// f16 stays f16.
 #[autocast(fp16)]
 fn spellings(x: &Tensor<F32>, w: &Tensor<F32>) -> Result<Vec<DType>> {
     let h = x.matmul(w)?;
-    let parts = vec![h.as_candle().clone(), h.as_candle().clone()];
+    let parts = vec![h.clone(), h.clone()];
     // A routed free op at a statement's start, followed by `?` and a method: still one operand.
     ops::softmax(&h, 1)?.dims();
     Ok(vec![
@@ -568,10 +580,21 @@ fn spellings(x: &Tensor<F32>, w: &Tensor<F32>) -> Result<Vec<DType>> {
         reexported::amp_ops::softmax(&h, 1)?.dtype(),
         {
             use candle_nn::ops;
-            ops::softmax(h.as_candle(), 1)?.dtype()
+            ops::softmax(&h, candle_core::D::Minus1)?.dtype()
+        },
+        candle_nn::ops::softmax_last_dim(&h)?.dtype(),
+        {
+            use candle_nn::ops::softmax_last_dim;
+            softmax_last_dim(&h)?.dtype()
+        },
+        mine::softmax(&h, 1)?.dtype(),
+        {
+            use mine::softmax_last_dim;
+            softmax_last_dim(&h)?.dtype()
         },
         Tensor::cat(&[&h, x], 0)?.dtype(),
         candle_core::Tensor::cat(&parts, 0)?.dtype(),
+        candle_core::Tensor::cat(&[&h, x], 0)?.dtype(),
     ])
 }
 
@@ -580,7 +603,10 @@ fn free_ops_follow_what_their_path_names() -> Result<()> {
     let x = Tensor::<F32>::randn(0.0, 1.0, (2, 4), &dev())?;
     let w = Tensor::<F32>::randn(0.0, 1.0, (4, 4), &dev())?;
     let (f16, f32) = (DType::F16, DType::F32);
-    assert_eq!(spellings(&x, &w)?, [f16, f32, f32, f32, f16, f32, f16]);
+    assert_eq!(
+        spellings(&x, &w)?,
+        [f16, f32, f32, f32, f32, f32, f32, f16, f16, f32, f16, f32]
+    );
     Ok(())
 }
 
@@ -739,7 +765,11 @@ fn candle_methods(
     x: &Tensor<F32>,
     y: &Tensor<F32>,
 ) -> Result<Vec<(&'static str, DType, Vec<f32>)>> {
-    fn row(name: &'static str, t: &candle_core::Tensor) -> Result<(&'static str, DType, Vec<f32>)> {
+    fn row(
+        name: &'static str,
+        t: impl std::borrow::Borrow<candle_core::Tensor>,
+    ) -> Result<(&'static str, DType, Vec<f32>)> {
+        let t = t.borrow();
         Ok((
             name,
             t.dtype(),
@@ -759,31 +789,28 @@ fn candle_methods(
     let stacked = Tensor::stack(&[&chunks[0], &chunks[2]], 0)?;
     let high = h.broadcast_gt(&col)?;
     Ok(vec![
-        row("h", h.as_candle())?,
+        row("h", &h)?,
         row(
             "permute+squeeze",
-            h.unsqueeze(0)?.permute((0, 2, 1))?.squeeze(0)?.as_candle(),
+            h.unsqueeze(0)?.permute((0, 2, 1))?.squeeze(0)?,
         )?,
-        row("stack", stacked.as_candle())?,
-        row("ones_like", h.ones_like()?.as_candle())?,
-        row("maximum", h.maximum(&h.neg()?)?.as_candle())?,
-        row("broadcast_maximum", h.broadcast_maximum(&col)?.as_candle())?,
-        row("broadcast_minimum", h.broadcast_minimum(&col)?.as_candle())?,
+        row("stack", stacked)?,
+        row("ones_like", h.ones_like()?)?,
+        row("maximum", h.maximum(&h.neg()?)?)?,
+        row("broadcast_maximum", h.broadcast_maximum(&col)?)?,
+        row("broadcast_minimum", h.broadcast_minimum(&col)?)?,
         row("broadcast_gt", &high)?,
         row("broadcast_eq", &h.broadcast_eq(&h)?)?,
         row(
             "where_cond",
-            high.where_cond(&h, &col.broadcast_as((2, 3))?)?.as_candle(),
+            high.where_cond(&h, &col.broadcast_as((2, 3))?)?,
         )?,
-        row("clamp", h.clamp(-0.5, 0.5)?.as_candle())?,
-        row("gelu", h.gelu()?.as_candle())?,
-        row("silu", h.silu()?.as_candle())?,
-        row("tanh", h.tanh()?.as_candle())?,
-        row("powf", h.abs()?.powf(1.5)?.as_candle())?,
-        row(
-            "broadcast_pow",
-            h.abs()?.broadcast_pow(&col.abs()?)?.as_candle(),
-        )?,
+        row("clamp", h.clamp(-0.5, 0.5)?)?,
+        row("gelu", h.gelu()?)?,
+        row("silu", h.silu()?)?,
+        row("tanh", h.tanh()?)?,
+        row("powf", h.abs()?.powf(1.5)?)?,
+        row("broadcast_pow", h.abs()?.broadcast_pow(&col.abs()?)?)?,
     ])
 }
 
@@ -1074,7 +1101,7 @@ fn inline_epoch(
     let mut losses = Vec::new();
     for (x, y) in batches {
         let l = loss::mse(&x.matmul(w)?.relu()?, y)?;
-        losses.push(scaled_step(scaler, opt, l.as_candle())?);
+        losses.push(scaled_step(scaler, opt, &l)?);
     }
     Ok(losses)
 }
@@ -1089,7 +1116,7 @@ fn inline_batch(
     y: &Tensor<F32>,
 ) -> Result<f32> {
     let l = loss::mse(&x.matmul(w)?.relu()?, y)?;
-    scaled_step(scaler, opt, l.as_candle())
+    scaled_step(scaler, opt, &l)
 }
 
 fn scaled_step(

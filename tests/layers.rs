@@ -5,7 +5,7 @@
 #![allow(clippy::float_cmp)]
 
 use candle_amp::nn::{self, loss, AmpLayer};
-use candle_amp::{fp32, Op, OpClass, Precision, Tensor, BF16, F16, F32};
+use candle_amp::{fp32, Op, OpClass, Precision, RegionValue, Tensor, BF16, F16, F32};
 use candle_core::{DType, Device, Result, Var};
 use candle_nn::{VarBuilder, VarMap};
 

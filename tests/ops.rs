@@ -670,8 +670,7 @@ fn half_transposed_convolutions_sum_in_f32() -> Result<()> {
 fn routed_transpose(x: &Tensor<F32>) -> Result<f32> {
     let y = x.conv_transpose1d(x, 0, 0, 1, 1, 1)?;
     assert_eq!(y.dtype(), DType::BF16);
-    y.as_candle()
-        .to_dtype(DType::F32)?
+    y.to_dtype(DType::F32)?
         .to_vec3::<f32>()
         .map(|v| v[0][0][299])
 }

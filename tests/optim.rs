@@ -295,8 +295,8 @@ fn epoch_in_one_body(
     let mut losses = Vec::new();
     for (x, y) in batches {
         let l = loss::mse(&x.matmul(w)?, y)?;
-        opt.backward_step(l.as_candle())?;
-        losses.push(l.as_candle().to_scalar()?);
+        opt.backward_step(&l)?;
+        losses.push(l.to_scalar()?);
     }
     Ok(losses)
 }
@@ -305,8 +305,8 @@ fn epoch_in_one_body(
 #[autocast(bf16)]
 fn one_batch(w: &Tensor<F32>, opt: &mut SGD, x: &Tensor<F32>, y: &Tensor<F32>) -> Result<f32> {
     let l = loss::mse(&x.matmul(w)?, y)?;
-    opt.backward_step(l.as_candle())?;
-    l.as_candle().to_scalar()
+    opt.backward_step(&l)?;
+    l.to_scalar()
 }
 
 #[test]

@@ -16,7 +16,7 @@ use syn::{
 use crate::args::{AutocastArgs, PolicyArg};
 use crate::custom;
 use crate::model::{is_marker, Impl, Mode, ParamKind, Part, Region, RegionCallSig, Target};
-use crate::rewrite;
+use crate::rewrite::{self, Exit};
 use crate::runtime::Rt;
 use crate::syntax::verbatim_block;
 
@@ -74,10 +74,55 @@ fn region_block(part: &Part, region_args: &AutocastArgs) -> Block {
     // Called as a plain fn or method, a part that inherits its policy runs under the innermost
     // region running on this thread (f32 outside any): a helper method keeps its caller's.
     let policy = policy(args, &part.mode, Rt::CallerPolicy);
-    let exit = part
-        .exits_as_tensor(args)
-        .then(|| Rt::Exit.into_token_stream());
-    verbatim_block(region_body(part, &policy, args, exit))
+    verbatim_block(region_body(part, &policy, args, leave_as_declared(part)))
+}
+
+/// How a fn or method's results leave it: as the declared return type, by the probe of
+/// `region/exit.rs`; none for a fn returning `()` or an `impl Trait` (which no expression can
+/// name), whose values leave as they are.
+fn leave_as_declared(part: &Part) -> Option<Exit> {
+    let syn::ReturnType::Type(_, ty) = &part.sig.output else {
+        return None;
+    };
+    let mut finder = ImplTraitFinder(false);
+    syn::visit::Visit::visit_type(&mut finder, ty);
+    (!finder.0).then(|| Exit::Leave(ty.clone()))
+}
+
+/// Whether a type holds an `impl Trait`.
+struct ImplTraitFinder(bool);
+
+impl<'a> syn::visit::Visit<'a> for ImplTraitFinder {
+    fn visit_type_impl_trait(&mut self, _: &'a syn::TypeImplTrait) {
+        self.0 = true;
+    }
+}
+
+/// Input:  tensor parameters `x`, `ids`, `output = bf16` (or none)
+/// Output: `let __amp_leave = Leave::at_entry(&[floating_dtype(&x), floating_dtype(&ids)],
+///         Some(DType::BF16));`: how the part's results leave, decided before it pushes its own
+///         policy (see `Leave::at_entry`)
+fn leave_at_entry(part: &Part, args: &AutocastArgs) -> TokenStream {
+    let (leave, floating, candle) = (Rt::Leave, Rt::FloatingDtype, Rt::CandleCore);
+    let inputs: Vec<_> = part
+        .tensor_params
+        .iter()
+        .filter(|p| p.kind == ParamKind::Tensor)
+        .map(|p| {
+            let name = p.name;
+            quote!(#floating(&#name))
+        })
+        .collect();
+    let declared = match args.output().map(ToString::to_string).as_deref() {
+        Some("input") => quote!([#(#inputs),*].into_iter().flatten().next()),
+        Some(p @ ("f32" | "f16" | "bf16")) => {
+            let variant = format_ident!("{}", p.to_uppercase());
+            quote!(::core::option::Option::Some(#candle::DType::#variant))
+        }
+        _ => quote!(::core::option::Option::None),
+    };
+    let binding = Exit::leave_binding();
+    quote!(let #binding = #leave::at_entry(&[#(#inputs),*], #declared);)
 }
 
 /// The policy a part runs under; `inherited` where it takes its caller's.
@@ -91,40 +136,6 @@ fn policy(args: &AutocastArgs, mode: &Mode, inherited: impl ToTokens) -> TokenSt
     }
 }
 
-/// A candle module's exit: `xs` (its first tensor parameter) is the activation; the result
-/// leaves in `xs`'s dtype, or in the one `output = f32|f16|bf16` names, or uncast when a region
-/// called the module (`candle_module_call`), all decided at entry.
-/// Input:  `fn forward(&self, xs: &Tensor) -> Result<Tensor>`
-/// Output: `let __amp_exit = { let dtype = candle_exit_dtype(xs.dtype(), None);
-///         move |r| exit_like(r, dtype) };` and the closure's name, which the body's returns go
-///         through
-fn candle_module_exit(part: &Part, args: &AutocastArgs) -> Option<(TokenStream, TokenStream)> {
-    if !part.candle_module {
-        return None;
-    }
-    let first = part
-        .tensor_params
-        .iter()
-        .find(|p| p.kind == ParamKind::Tensor)?;
-    let (name, exit_like, candle) = (first.name, Rt::ExitLike, Rt::CandleCore);
-    let exit_dtype = Rt::CandleExitDtype;
-    let closure = syn::Ident::new("__amp_exit", Span::mixed_site());
-    let declared = match args.output().map(ToString::to_string) {
-        Some(p) if p != "input" => {
-            let variant = format_ident!("{}", p.to_uppercase());
-            quote!(::core::option::Option::Some(#candle::DType::#variant))
-        }
-        _ => quote!(::core::option::Option::None),
-    };
-    let exit = quote! {
-        let #closure = {
-            let dtype = #exit_dtype(#name.dtype(), #declared);
-            move |r| #exit_like(r, dtype)
-        };
-    };
-    Some((exit, closure.into_token_stream()))
-}
-
 /// The statements of one region part:
 /// Input:  `{ stmts; tail }` with tensor params `x`
 /// Output: `let _g = RegionGuard::enter(); let x = enter(&x);
@@ -134,7 +145,7 @@ fn region_body(
     part: &Part,
     policy: &TokenStream,
     args: &AutocastArgs,
-    exit: Option<TokenStream>,
+    exit: Option<Exit>,
 ) -> TokenStream {
     let enabled = args.enabled();
     // Mixed-site: the guard must not shadow or be reachable from the user's names.
@@ -144,16 +155,12 @@ fn region_body(
     // Input:  `x: &Tensor<F32>`, `ids: &candle_core::Tensor`, `y: Tensor<F16>`
     // Output: `let x = &enter::<Tensor<F32>, _>(&x);` (a region value), `let ids = &enter::<
     //         candle_core::Tensor, _>(&ids);` (passed through), `let y = enter::<..>(&y);`
-    let (mut candle_exit, mut exit) = (TokenStream::new(), exit);
-    if let Some((closure, exit_closure)) = candle_module_exit(part, args) {
-        (candle_exit, exit) = (closure, Some(exit_closure));
-    }
+    let leave = match &exit {
+        Some(Exit::Leave(_)) => leave_at_entry(part, args),
+        _ => TokenStream::new(),
+    };
     let enter = part.tensor_params.iter().map(|p| {
         let (name, declared) = (p.name, p.declared);
-        if part.candle_module && p.kind == ParamKind::Tensor {
-            let enter_activation = Rt::EnterActivation;
-            return quote_spanned!(name.span()=> let #name = &#enter_activation(#name)?;);
-        }
         let mutability = p.mutable.then(|| quote!(mut));
         // Input:  `bias: Option<&Tensor<F32>>`, `xs: &[Tensor<F32>]`
         // Output: `let bias = bias.map(|t| enter::<Tensor<F32>, _>(t)); let bias = bias.as_ref();`,
@@ -209,7 +216,7 @@ fn region_body(
             &part.sig.ident.to_string(),
         );
         let run = match &exit {
-            Some(exit) => quote!(#exit(#body)),
+            Some(exit) => exit.wrap(Span::call_site(), &body),
             None => body.into_token_stream(),
         };
         quote!({
@@ -227,7 +234,7 @@ fn region_body(
     };
     quote! {
         let #guard = #region_guard::enter();
-        #candle_exit
+        #leave
         #(#enter)*
         #run
     }
@@ -263,12 +270,12 @@ fn region_impl(imp: &Impl, region_args: &AutocastArgs) -> TokenStream {
 
 /// An `#[autocast] impl candle_nn::Module` (or `ModuleT`) called from a region: the trait's
 /// method runs on the region value's tensor under the caller's policy, and its result stays the
-/// region value the body made.
+/// candle tensor the body made.
 /// Input:  `impl candle_nn::Module for M { fn forward(&self, xs: &Tensor) -> Result<Tensor> }`
 /// Output: `impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for M {
-///              type Output = AmpTensor;
-///              fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
-///                  candle_module_call::<Pol>(&x.to_amp(), |xs| <M as candle_nn::Module>::forward(self, xs))
+///              type Output = candle_core::Tensor;
+///              fn region_call(&self, (x,): (A,)) -> Result<candle_core::Tensor> {
+///                  candle_module_call::<Pol, A>(x, |xs| <M as candle_nn::Module>::forward(self, xs))
 ///              } }`
 ///         (`forward_t`: the arguments `(A, bool)`, and `train` passed on)
 fn candle_module_region_call(imp: &ItemImpl, part: &Part) -> Option<TokenStream> {
@@ -285,13 +292,7 @@ fn candle_module_region_call(imp: &ItemImpl, part: &Part) -> Option<TokenStream>
     generics.params.push(bounded(&a, Rt::AsAmp));
     let (impl_generics, _, where_clause) = generics.split_for_impl();
     let self_ty = &imp.self_ty;
-    let (region_call, calls, amp, as_amp, call) = (
-        Rt::RegionCall,
-        Rt::Calls,
-        Rt::AmpTensor,
-        Rt::AsAmp,
-        Rt::CandleModuleCall,
-    );
+    let (region_call, calls, call) = (Rt::RegionCall, Rt::Calls, Rt::CandleModuleCall);
     let candle_core = Rt::CandleCore;
     let (types, pats) = match &train {
         Some(t) => (quote!((#a, bool)), quote!((#x, #t))),
@@ -300,10 +301,9 @@ fn candle_module_region_call(imp: &ItemImpl, part: &Part) -> Option<TokenStream>
     let extra = train.as_ref().map(|t| quote!(, #t));
     Some(quote! {
         impl #impl_generics #region_call<#pol, #calls::#method, #types> for #self_ty #where_clause {
-            type Output = #amp;
-            fn region_call(&self, #pats: #types) -> #candle_core::Result<#amp> {
-                let #x = <#a as #as_amp>::to_amp(&#x);
-                #call::<#pol>(&#x, |xs| <#self_ty as #trait_path>::#method(self, xs #extra))
+            type Output = #candle_core::Tensor;
+            fn region_call(&self, #pats: #types) -> #candle_core::Result<Self::Output> {
+                #call::<#pol, #a>(#x, |xs| <#self_ty as #trait_path>::#method(self, xs #extra))
             }
         }
     })
@@ -475,7 +475,7 @@ fn bounded(name: &syn::Ident, bound: impl ToTokens) -> GenericParam {
 
 /// Input:  `fn forward(&self, x: &Tensor<F32>, train: bool) -> Result<Tensor<F32>> { body }`
 /// Output: `impl<Pol: Policy, A0: EnterAs<Tensor<F32>>> RegionCall<Pol, calls::forward, (A0, bool)> for
-///         Module { type Output = RegionOutput<Result<Tensor<F32>>>; (AmpTensor)
+///         Module { type Output = RegionOutput<Result<Tensor<F32>>>; (a candle tensor)
 ///         fn region_call(&self, (x, train): (A0, bool)) -> Result<Self::Output> { .. } }`
 ///         whose body runs `body` as a region under the caller's policy (or the module's own),
 ///         or, for a cast_inputs op, casts the tensors and calls the method itself
@@ -524,13 +524,13 @@ fn region_call_impl(
         let policy = policy(args, &part.mode, &header.pol);
         // A declared `output = f32|f16|bf16` holds for the calling region too.
         let declared = args.output().and_then(|p| Rt::precision(&p.to_string()));
-        let exit = Some(match declared {
+        let exit = Some(Exit::Call(match declared {
             Some(marker) => {
                 let exit_as = Rt::ExitToRegionAs;
                 quote!(#exit_as::<#ret, #marker, _, _>)
             }
             None => exit_to_region.into_token_stream(),
-        });
+        }));
         let stmts = region_body(part, &policy, args, exit);
         quote!({ #stmts })
     };

@@ -119,22 +119,12 @@ pub(crate) struct Part<'a> {
     pub(crate) own_args: Option<AutocastArgs>,
     /// Parameters typed `Tensor<P>`/`&Tensor<P>` (or a candle `Tensor`), which enter the region.
     pub(crate) tensor_params: Vec<TensorParam<'a>>,
-    /// Whether the signature returns `Result<Tensor<..>, ..>`: then the region's value leaves
-    /// as that typed tensor, cast to its precision.
-    pub(crate) returns_tensor: bool,
-    /// `forward`/`forward_t` of an `impl candle_nn::Module`/`ModuleT`: the candle tensor it
-    /// takes is the activation (a region value), and the result leaves as a candle tensor in
-    /// the input's dtype.
+    /// `forward`/`forward_t` of an `impl candle_nn::Module`/`ModuleT`: the trait's method, which
+    /// gets a `RegionCall` of its own that calls it (`candle_module_call`).
     pub(crate) candle_module: bool,
 }
 
 impl Part<'_> {
-    /// Whether the region's value leaves as a typed tensor: the signature says so, or it names
-    /// a type alias (`-> R`) and `output = ..` declares the precision behind it.
-    pub(crate) fn exits_as_tensor(&self, args: &AutocastArgs) -> bool {
-        self.returns_tensor || (args.output().is_some() && returns_alias(&self.sig.output))
-    }
-
     /// The arguments this part runs with: its own, else those of the item's attribute.
     pub(crate) fn args<'s>(&'s self, region: &'s AutocastArgs) -> &'s AutocastArgs {
         self.own_args.as_ref().unwrap_or(region)
@@ -305,7 +295,6 @@ impl<'a> Part<'a> {
             mode,
             own_args,
             tensor_params: sig.inputs.iter().filter_map(TensorParam::new).collect(),
-            returns_tensor: returns_tensor_result(&sig.output),
             candle_module: false,
         }
     }
@@ -448,92 +437,6 @@ pub(crate) fn is_tensor_type(ty: &Type) -> bool {
         Type::Reference(r) => is_tensor_type(&r.elem),
         Type::Path(p) => p.path.segments.last().is_some_and(|s| s.ident == "Tensor"),
         Type::Paren(p) => is_tensor_type(&p.elem),
-        _ => false,
-    }
-}
-
-/// Whether the signature returns a bare type name (`-> R`), which may be an alias of
-/// `Result<Tensor<P>>` that the macro cannot see through.
-pub(crate) fn returns_alias(output: &ReturnType) -> bool {
-    let ReturnType::Type(_, ty) = output else {
-        return false;
-    };
-    matches!(&**ty, Type::Path(p) if p.qself.is_none()
-        && p.path.segments.len() == 1
-        && p.path.segments[0].arguments.is_none()
-        && !is_tensor_type(ty))
-}
-
-/// Whether the signature returns `Result<Tensor<..>, ..>`.
-fn returns_tensor_result(output: &ReturnType) -> bool {
-    let ReturnType::Type(_, ty) = output else {
-        return false;
-    };
-    let Type::Path(p) = &**ty else { return false };
-    let Some(last) = p.path.segments.last() else {
-        return false;
-    };
-    if last.ident != "Result" {
-        return false;
-    }
-    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
-        return false;
-    };
-    matches!(args.args.first(), Some(syn::GenericArgument::Type(t)) if is_tensor_or_tuple(t))
-}
-
-/// `Tensor<P>`, a tuple of tensors (`(k, v)`) and plain values (`(h, n)`) with a tensor, or an
-/// `Option` or `Vec` of typed tensors or of such tuples (the runtime's `container_results!`).
-fn is_tensor_or_tuple(ty: &Type) -> bool {
-    match container_element(ty) {
-        Some(element) => tensor_or_tuple_of(element, is_typed_tensor),
-        None => tensor_or_tuple_of(ty, is_tensor_type),
-    }
-}
-
-/// A tensor by `tensor`'s test, or a tuple of such tensors and plain values with a tensor.
-fn tensor_or_tuple_of(ty: &Type, tensor: fn(&Type) -> bool) -> bool {
-    match ty {
-        Type::Tuple(t) => {
-            t.elems.iter().any(tensor) && t.elems.iter().all(|e| tensor(e) || is_plain_type(e))
-        }
-        other => tensor(other),
-    }
-}
-
-/// `Tensor<X>` spelled with its precision: in a container, a bare `Tensor` may be candle's
-/// (`Vec<candle_core::Tensor>` stays the body's own value, as before containers exited).
-fn is_typed_tensor(ty: &Type) -> bool {
-    matches!(ty, Type::Path(p) if p.path.segments.last().is_some_and(|s| {
-        s.ident == "Tensor" && matches!(s.arguments, syn::PathArguments::AngleBracketed(_))
-    }))
-}
-
-/// `T` of an `Option<T>` or a `Vec<T>`.
-fn container_element(ty: &Type) -> Option<&Type> {
-    let Type::Path(p) = ty else { return None };
-    let last = p.path.segments.last()?;
-    if last.ident != "Option" && last.ident != "Vec" {
-        return None;
-    }
-    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
-        return None;
-    };
-    match args.args.first()? {
-        syn::GenericArgument::Type(t) if args.args.len() == 1 => Some(t),
-        _ => None,
-    }
-}
-
-/// The plain values a region's result carries beside tensors, unchanged (the runtime's
-/// `plain_results!` list).
-fn is_plain_type(ty: &Type) -> bool {
-    const PLAIN: &[&str] = &["bool", "usize", "u32", "i64", "f32", "f64", "DType"];
-    match ty {
-        Type::Path(p) => p.path.segments.last().is_some_and(|s| {
-            s.arguments.is_none() && PLAIN.contains(&s.ident.to_string().as_str())
-        }),
-        Type::Tuple(t) => t.elems.is_empty(),
         _ => false,
     }
 }

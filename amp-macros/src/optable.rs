@@ -226,6 +226,23 @@ pub(crate) fn is_routed_method(name: &str, args: usize) -> bool {
         .any(|r| r.name == name && r.method.is_some_and(|m| m.arity() == args))
 }
 
+/// candle-nn's functions of the free ops, routed where a region calls them (`region/foreign.rs`
+/// has the routed side): the name, candle-nn's module, its number of arguments (a call with
+/// another count is another function, such as `nn::layer_norm(size, eps, vb)`), and whether it
+/// is generic over the dimension (then compared as instantiated for candle's `D`).
+pub(crate) const CANDLE_NN_FNS: &[(&str, &str, usize, bool)] = &[
+    ("softmax", "ops", 2, true),
+    ("log_softmax", "ops", 2, true),
+    ("softmax_last_dim", "ops", 1, false),
+    ("sigmoid", "ops", 1, false),
+    ("layer_norm", "ops", 4, false),
+    ("rms_norm", "ops", 3, false),
+    ("nll", "loss", 2, false),
+    ("cross_entropy", "loss", 2, false),
+    ("mse", "loss", 2, false),
+    ("binary_cross_entropy_with_logit", "loss", 2, false),
+];
+
 /// The module or type a free op is reached through (`ops`, `loss`, `Tensor`), if `name` is one.
 pub(crate) fn free_module(name: &str) -> Option<Free> {
     OPS.iter().find(|r| r.name == name).and_then(|r| r.free)

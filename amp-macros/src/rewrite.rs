@@ -82,12 +82,56 @@ pub(crate) fn expr_macro_args(mac: &Macro) -> Option<MacroArgs> {
     })
 }
 
+/// How a region part's returned values (its tail and each `return`) leave it.
+#[derive(Clone)]
+pub(crate) enum Exit {
+    /// Passed to a function: a module's `exit_to_region::<R, _, _>`.
+    Call(TokenStream),
+    /// Through the leaving probe (`region/exit.rs`), as the declared type.
+    Leave(Box<syn::Type>),
+}
+
+impl Exit {
+    /// The binding of the part's `Leave`, decided at its entry.
+    pub(crate) fn leave_binding() -> syn::Ident {
+        syn::Ident::new("__amp_leave", proc_macro2::Span::mixed_site())
+    }
+
+    /// Input:  `v` (at `span`)
+    /// Output: `exit_to_region::<R, _, _>(v)`, or `{ let value = v; use ..; (&&&Leaving::<D,
+    ///         _>::new(value, __amp_leave)).__amp_leave() }`: Rust's method probe picks the way
+    ///         out by the value's and the declared type's types
+    pub(crate) fn wrap(&self, span: proc_macro2::Span, value: impl ToTokens) -> TokenStream {
+        match self {
+            Self::Call(f) => quote_spanned!(span=> #f(#value)),
+            Self::Leave(declared) => {
+                let (leaving, leave) = (Rt::Leaving.at(span), Self::leave_binding());
+                let ways =
+                    [Rt::LeaveConverted, Rt::LeaveAsIs, Rt::LeaveAsDeclared].map(|w| w.at(span));
+                let v = syn::Ident::new("__amp_value", proc_macro2::Span::mixed_site());
+                // The value is computed before the traits come into scope, in a block of its
+                // own (items after a statement would trip `items_after_statements`).
+                quote_spanned!(span=> {
+                    let #v = #value;
+                    {
+                        #(
+                            #[allow(unused_imports)]
+                            use #ways as _;
+                        )*
+                        (&&&#leaving::<#declared, _>::new(#v, #leave)).__amp_leave()
+                    }
+                })
+            }
+        }
+    }
+}
+
 /// Input:  a region body `{ stmts; tail }`, the policy it runs under, how a returned value leaves
 /// Output: the body with its op calls, module calls, free ops and `return`s routed
 pub(crate) fn body(
     block: &Block,
     policy: TokenStream,
-    exit: Option<TokenStream>,
+    exit: Option<Exit>,
     function: &str,
 ) -> Block {
     let mut body = block.clone();
@@ -127,9 +171,8 @@ struct Rewriter {
     /// How many `#[keep_fp32]` statements or blocks enclose the current expression: inside
     /// one, ops run under the f32 policy.
     kept_fp32: usize,
-    /// The function wrapping a returned value (`exit`, `exit_to_region`, or a candle module's
-    /// exit closure).
-    exit: Option<TokenStream>,
+    /// How a returned value leaves.
+    exit: Option<Exit>,
     closures: usize,
     /// The region part's name, for the sites of its op calls.
     function: String,
@@ -213,25 +256,36 @@ impl Rewriter {
         // call point at the method the user wrote.
         let span = method.span();
         if optable::MODULE_CALLS.contains(&name.as_str()) {
-            let module_call = Rt::ModuleCall.at(span);
-            let call = format_ident!("__amp_{}", method, span = span);
-            // `forward_t` -> `__AmpForwardT`, `__AmpForwardTMut`: the method's two traits.
-            let camel: String = name.split('_').map(capitalized).collect();
-            let by_ref = format_ident!("__Amp{}", camel, span = span);
-            let by_mut = format_ident!("__Amp{}Mut", camel, span = span);
-            let args = args.iter();
-            // One of the two is used, which one the probe decides.
-            return Some(quote_spanned!(span=> {
-                #[allow(unused_imports)]
-                use #module_call::{#by_ref as _, #by_mut as _};
-                (#receiver).#call(::core::marker::PhantomData::<#policy>, (#(#args,)*))
-            }));
+            let args = args.iter().map(ToTokens::to_token_stream);
+            return Some(module_call(&name, span, receiver, args, policy));
         }
-        if name == "apply" && args.len() == 1 {
-            // `h.apply(&layer)`: the layer's ops run inside it; as a site of its own, they are
-            // reported on this line (the call itself is left as written).
-            let turbofish = &call.turbofish;
-            return Some(quote_spanned!(span=> (#receiver).#method #turbofish (#args)));
+        // Input:  `h.apply(&layer)`, `h.apply_t(&layer, train)` (candle's way to call a module)
+        // Output: `{ use ApplyRegionCall as _; use ApplyAmpModule as _;
+        //         let x = AsAmp::to_amp(&(h));
+        //         (&&Applied::<Pol, _>::new(&layer)).__amp_apply(&x) }`: a module call, or an
+        //         `AmpModule`'s under the region running, by the module's type
+        //         (`region/module.rs`)
+        let applied = match (name.as_str(), args.len()) {
+            ("apply", 1) => Some(("__amp_apply", Rt::ApplyRegionCall)),
+            ("apply_t", 2) => Some(("__amp_apply_t", Rt::ApplyTRegionCall)),
+            _ => None,
+        };
+        if let Some((apply, way)) = applied {
+            let mut args = args.iter();
+            let module = args.next()?;
+            let train = args.next().map(|t| quote!(, #t));
+            let apply = syn::Ident::new(apply, span);
+            let ways = [way, Rt::ApplyAmpModule].map(|w| w.at(span));
+            let (applied, as_amp) = (Rt::Applied.at(span), Rt::AsAmp.at(span));
+            let x = syn::Ident::new("__amp_x", proc_macro2::Span::mixed_site());
+            return Some(quote_spanned!(span=> {
+                #(
+                    #[allow(unused_imports)]
+                    use #ways as _;
+                )*
+                let #x = #as_amp::to_amp(&(#receiver));
+                (&&#applied::<#policy, _>::new(#module)).#apply(&#x #train)
+            }));
         }
         let routed = Rt::Routed.at(span);
         let routed = quote_spanned!(span=> #routed::<#policy, _>::new(&(#receiver)));
@@ -243,12 +297,65 @@ impl Rewriter {
     }
 }
 
-/// `+`, `-`, `*`, `/`: the operators tensors have (not their `+=` forms, nor comparisons).
-fn is_arithmetic(op: &syn::BinOp) -> bool {
-    matches!(
-        op,
-        syn::BinOp::Add(_) | syn::BinOp::Sub(_) | syn::BinOp::Mul(_) | syn::BinOp::Div(_)
-    )
+/// Input:  module `m`, method `forward` (or `forward_t`, `forward_train`), arguments `args`
+/// Output: `{ use module_call::{__AmpForward as _, __AmpForwardMut as _};
+///         (m).__amp_forward(PhantomData::<Pol>, (args,)) }`: a method call on `m` as written,
+///         so that Rust borrows it as the module's method needs (`&self` or `&mut self`)
+fn module_call(
+    name: &str,
+    span: proc_macro2::Span,
+    module: &dyn ToTokens,
+    args: impl Iterator<Item = TokenStream>,
+    policy: &TokenStream,
+) -> TokenStream {
+    let module_call = Rt::ModuleCall.at(span);
+    let call = format_ident!("__amp_{}", name, span = span);
+    // `forward_t` -> `__AmpForwardT`, `__AmpForwardTMut`: the method's two traits.
+    let camel: String = name.split('_').map(capitalized).collect();
+    let by_ref = format_ident!("__Amp{}", camel, span = span);
+    let by_mut = format_ident!("__Amp{}Mut", camel, span = span);
+    // One of the two is used, which one the probe decides.
+    quote_spanned!(span=> {
+        #[allow(unused_imports)]
+        use #module_call::{#by_ref as _, #by_mut as _};
+        (#module).#call(::core::marker::PhantomData::<#policy>, (#(#args,)*))
+    })
+}
+
+/// An arithmetic operator, routed when its operands are tensors: `+`, `-`, `*`, `/` (not their
+/// `+=` forms, nor comparisons), at its own site, so that the precision report puts it on its
+/// line, not on the enclosing call's.
+/// Input:  `a + b`
+/// Output: `{ use TensorOperators as _; use ScalarRight as _; use ScalarLeft as _;
+///         use PlainAdd as _; (&&&Operands::<Pol, _, _>::new(a, b)).__amp_add() }`: the method
+///         probe picks the way by the operands' types (`region/operators.rs`): a routed op for
+///         two tensors, an affine map for a tensor and an `f64`, the operator as written for
+///         anything else
+fn operator(binary: &syn::ExprBinary, policy: &TokenStream) -> Option<TokenStream> {
+    let (method, plain) = match binary.op {
+        syn::BinOp::Add(_) => ("__amp_add", Rt::PlainAdd),
+        syn::BinOp::Sub(_) => ("__amp_sub", Rt::PlainSub),
+        syn::BinOp::Mul(_) => ("__amp_mul", Rt::PlainMul),
+        syn::BinOp::Div(_) => ("__amp_div", Rt::PlainDiv),
+        _ => return None,
+    };
+    let span = binary.op.span();
+    let method = syn::Ident::new(method, span);
+    let operands = Rt::Operands.at(span);
+    let ways = [Rt::TensorOperators, Rt::ScalarRight, Rt::ScalarLeft, plain].map(|w| w.at(span));
+    // Parentheses around an operand are the call's now (they would trip `unused_parens`).
+    let unparen = |e: &Expr| match e {
+        Expr::Paren(p) if p.attrs.is_empty() => p.expr.to_token_stream(),
+        other => other.to_token_stream(),
+    };
+    let (left, right) = (unparen(&binary.left), unparen(&binary.right));
+    Some(quote_spanned!(span=> {
+        #(
+            #[allow(unused_imports)]
+            use #ways as _;
+        )*
+        (&&&#operands::<#policy, _, _>::new(#left, #right)).#method()
+    }))
 }
 
 /// `forward` -> `Forward`.
@@ -431,16 +538,8 @@ impl VisitMut for Rewriter {
         let rewritten = match expr {
             Expr::MethodCall(call) => Self::method_call(call, &policy)
                 .map(|routed| self.at_site(call.method.span(), routed)),
-            // Input:  `a / b` (`+`, `-`, `*` too; on tensors, routed by the operator traits)
-            // Output: the same expression at its own site, so that the precision report puts
-            //         a tensor operator on its line, not on the enclosing call's
-            Expr::Binary(binary) if is_arithmetic(&binary.op) => {
-                // As an argument: a left operand already rewritten is a block, and a statement
-                // that starts with a block ends there (`{ .. } + c` would not parse); parentheses
-                // would trip `unused_parens` in the user's crate.
-                let span = binary.op.span();
-                let call = quote_spanned!(span=> ::core::convert::identity(#binary));
-                Some(self.at_site(span, call))
+            Expr::Binary(binary) => {
+                operator(binary, &policy).map(|routed| self.at_site(binary.op.span(), routed))
             }
             Expr::Call(call) => {
                 let span = call.func.span();
@@ -453,8 +552,7 @@ impl VisitMut for Rewriter {
                     if matches!(&*c.func, Expr::Path(p) if p.path.is_ident("Err")));
                 if let (Some(exit), Some(value), false) = (&self.exit, &mut ret.expr, is_err) {
                     // Input: `return v`  Output: `return exit(v)`, the `return` kept as written.
-                    let span = value.span();
-                    let wrapped = quote_spanned!(span=> #exit(#value));
+                    let wrapped = exit.wrap(value.span(), &value);
                     **value = Expr::Verbatim(wrapped);
                 }
                 None
@@ -547,8 +645,11 @@ fn free_op_call(call: &syn::ExprCall, policy: &TokenStream) -> Option<TokenStrea
     }
     let mut prefix = path.path.clone();
     let name = prefix.segments.pop()?.into_value();
-    let owner = prefix.segments.last()?;
     let module = optable::free_module(&name.ident.to_string())?;
+    let Some(owner) = prefix.segments.last() else {
+        // A single name (`softmax_last_dim(&h)`, imported): routed only if it is candle-nn's.
+        return candle_nn_call(call, None, &name.ident, policy);
+    };
     let args: Vec<_> = call.args.iter().collect();
     // Hygienic names located at the user's arguments, so that a type error about one (a region
     // value given to candle-nn's `softmax`) points at the argument, not at the attribute.
@@ -591,6 +692,9 @@ fn free_op_call(call: &syn::ExprCall, policy: &TokenStream) -> Option<TokenStrea
         if !module_like || !owner.arguments.is_none() {
             return None;
         }
+        if let Some(call) = candle_nn_call(call, Some(&prefix), ident, policy) {
+            return Some(call);
+        }
         let (alias, arg) = (
             syn::Ident::new("__amp_routed", span),
             syn::Ident::new("__amp_arg", span),
@@ -615,6 +719,73 @@ fn free_op_call(call: &syn::ExprCall, policy: &TokenStream) -> Option<TokenStrea
     };
     // A `match` is not a postfix expression: an invisible group keeps `ops::softmax(..)?` a
     // valid `?` operand wherever it stood, a statement's start included.
+    let call = quote_spanned!(span=> match (#(#args,)*) { (#(#binds,)*) => #routed });
+    let group = proc_macro2::Group::new(proc_macro2::Delimiter::None, call);
+    Some(group.into_token_stream())
+}
+
+/// A call of a function named like one of candle-nn's ops (`optable::CANDLE_NN_FNS`), routed
+/// when it is candle-nn's function, by the function's type (`region/foreign.rs`).
+/// Input:  `m::softmax(&h, D::Minus1)` (`prefix` `m`), or `softmax_last_dim(&h)` (no prefix)
+/// Output: `match (&h, D::Minus1,) { (a0, a1,) => { use m as __amp_routed; { use m::*;
+///              use Unrouted as _; use CandleNnRouted as _; use AsWritten as _;
+///              (&&CandleNnFn::new(__amp_routed::softmax,
+///                  candle_nn::ops::softmax::<candle_core::D>)).__amp_softmax(a0, a1)
+///                  .__amp_policy::<Pol>() } } }`: candle-amp's own `ops` shadow
+///         `__amp_routed` with their routed module, as for any free op; a single name is the
+///         function it names
+fn candle_nn_call(
+    call: &syn::ExprCall,
+    prefix: Option<&syn::Path>,
+    name: &syn::Ident,
+    policy: &TokenStream,
+) -> Option<TokenStream> {
+    let written = name.to_string();
+    let &(_, candle_module, _, generic) = optable::CANDLE_NN_FNS
+        .iter()
+        .find(|&&(n, _, arity, _)| n == written && arity == call.args.len())?;
+    let span = name.span();
+    let args: Vec<_> = call.args.iter().collect();
+    let binds: Vec<_> = (0..args.len())
+        .map(|i| {
+            let span = proc_macro2::Span::mixed_site().located_at(args[i].span());
+            format_ident!("__amp_a{}", i, span = span)
+        })
+        .collect();
+    let (candle_nn, candle_core) = (Rt::CandleNn.at(span), Rt::CandleCore.at(span));
+    let candle_module = syn::Ident::new(candle_module, span);
+    let dim = generic.then(|| quote!(::<#candle_core::D>));
+    let candle = quote!(#candle_nn::#candle_module::#name #dim);
+    let method = format_ident!("__amp_{}", name, span = span);
+    let ways = [Rt::Unrouted, Rt::CandleNnRouted, Rt::AsWritten].map(|w| w.at(span));
+    let probe = Rt::CandleNnFn.at(span);
+    let alias = syn::Ident::new("__amp_routed", span);
+    let function = if prefix.is_some() {
+        quote!(#alias::#name)
+    } else {
+        quote!(#name)
+    };
+    let routed = quote_spanned!(span=> {
+        #(
+            #[allow(unused_imports)]
+            use #ways as _;
+        )*
+        (&&#probe::new(#function, #candle)).#method(#(#binds),*).__amp_policy::<#policy>()
+    });
+    let routed = match prefix {
+        // The module's glob in an inner block, so that candle-amp's `ops`/`loss` shadow the
+        // alias with their routed module.
+        Some(prefix) => quote_spanned!(span=> {
+            #[allow(unused_imports)]
+            use #prefix as #alias;
+            {
+                #[allow(unused_imports, clippy::wildcard_imports)]
+                use #prefix::*;
+                #routed
+            }
+        }),
+        None => routed,
+    };
     let call = quote_spanned!(span=> match (#(#args,)*) { (#(#binds,)*) => #routed });
     let group = proc_macro2::Group::new(proc_macro2::Delimiter::None, call);
     Some(group.into_token_stream())

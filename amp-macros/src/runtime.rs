@@ -36,22 +36,22 @@ pub(crate) enum Rt {
     RegionParam,
     EnterFp32,
     EnterCast,
-    Exit,
+    /// How a part's results leave it, decided at entry (`Leave::at_entry`).
+    Leave,
+    /// A returned value on its way out, and the three traits of its ways out.
+    Leaving,
+    LeaveConverted,
+    LeaveAsIs,
+    LeaveAsDeclared,
+    /// A tensor parameter's dtype, when floating.
+    FloatingDtype,
     ExitToRegion,
     /// A module's result back to its calling region in its declared `output = ..` precision.
     ExitToRegionAs,
     /// A module method's declared return type in region form (its `RegionCall::Output`).
     RegionOutput,
-    /// A candle module's input entering as the region value it is.
-    EnterActivation,
-    /// A candle module's result leaving as a candle tensor in the input's dtype.
-    ExitLike,
-    /// The dtype a candle module's result leaves in, decided at its entry.
-    CandleExitDtype,
     /// A candle module called from a region.
     CandleModuleCall,
-    /// A region value.
-    AmpTensor,
     GradLike,
     GradsLike,
     F32,
@@ -66,6 +66,27 @@ pub(crate) enum Rt {
     ForeignJoin,
     /// The check on the first argument of another crate's function named like an op.
     ForeignArg,
+    /// A call of a function named like candle-nn's op, and the traits of its two ways
+    /// (`region/foreign.rs`).
+    CandleNnFn,
+    CandleNnRouted,
+    AsWritten,
+    /// The candle-nn crate.
+    CandleNn,
+    /// `h.apply(&m)`'s module, and the traits of its two ways (`region/module.rs`).
+    Applied,
+    ApplyRegionCall,
+    ApplyTRegionCall,
+    ApplyAmpModule,
+    /// An operator's operands, and the traits of its three ways (`region/operators.rs`).
+    Operands,
+    TensorOperators,
+    ScalarRight,
+    ScalarLeft,
+    PlainAdd,
+    PlainSub,
+    PlainMul,
+    PlainDiv,
     /// An op call's place in the source, for the precision report.
     Site,
     /// Marks the op call site running while it lives.
@@ -75,7 +96,7 @@ pub(crate) enum Rt {
 impl Rt {
     /// Every name, for the test that pins the contract with the facade.
     #[cfg(test)]
-    pub(crate) const ALL: [Self; 39] = [
+    pub(crate) const ALL: [Self; 56] = [
         Self::Fp16Policy,
         Self::Bf16Policy,
         Self::Fp32Policy,
@@ -94,15 +115,16 @@ impl Rt {
         Self::RegionParam,
         Self::EnterFp32,
         Self::EnterCast,
-        Self::Exit,
+        Self::Leave,
+        Self::Leaving,
+        Self::LeaveConverted,
+        Self::LeaveAsIs,
+        Self::LeaveAsDeclared,
+        Self::FloatingDtype,
         Self::ExitToRegion,
         Self::ExitToRegionAs,
         Self::RegionOutput,
-        Self::EnterActivation,
-        Self::ExitLike,
-        Self::CandleExitDtype,
         Self::CandleModuleCall,
-        Self::AmpTensor,
         Self::GradLike,
         Self::GradsLike,
         Self::F32,
@@ -113,6 +135,22 @@ impl Rt {
         Self::Unrouted,
         Self::ForeignJoin,
         Self::ForeignArg,
+        Self::CandleNnFn,
+        Self::CandleNnRouted,
+        Self::AsWritten,
+        Self::CandleNn,
+        Self::Applied,
+        Self::ApplyRegionCall,
+        Self::ApplyTRegionCall,
+        Self::ApplyAmpModule,
+        Self::Operands,
+        Self::TensorOperators,
+        Self::ScalarRight,
+        Self::ScalarLeft,
+        Self::PlainAdd,
+        Self::PlainSub,
+        Self::PlainMul,
+        Self::PlainDiv,
         Self::Site,
         Self::SiteGuard,
     ];
@@ -137,15 +175,16 @@ impl Rt {
             Self::RegionParam => "RegionParam",
             Self::EnterFp32 => "enter_fp32",
             Self::EnterCast => "enter_cast",
-            Self::Exit => "exit",
+            Self::Leave => "Leave",
+            Self::Leaving => "Leaving",
+            Self::LeaveConverted => "LeaveConverted",
+            Self::LeaveAsIs => "LeaveAsIs",
+            Self::LeaveAsDeclared => "LeaveAsDeclared",
+            Self::FloatingDtype => "floating_dtype",
             Self::ExitToRegion => "exit_to_region",
             Self::ExitToRegionAs => "exit_to_region_as",
             Self::RegionOutput => "RegionOutput",
-            Self::EnterActivation => "enter_activation",
-            Self::ExitLike => "exit_like",
-            Self::CandleExitDtype => "candle_exit_dtype",
             Self::CandleModuleCall => "candle_module_call",
-            Self::AmpTensor => "AmpTensor",
             Self::GradLike => "grad_like",
             Self::GradsLike => "GradsLike",
             Self::F32 => "F32",
@@ -156,6 +195,22 @@ impl Rt {
             Self::Unrouted => "Unrouted",
             Self::ForeignJoin => "ForeignJoin",
             Self::ForeignArg => "foreign_arg",
+            Self::CandleNnFn => "CandleNnFn",
+            Self::CandleNnRouted => "CandleNnRouted",
+            Self::AsWritten => "AsWritten",
+            Self::CandleNn => "candle_nn",
+            Self::Applied => "Applied",
+            Self::ApplyRegionCall => "ApplyRegionCall",
+            Self::ApplyTRegionCall => "ApplyTRegionCall",
+            Self::ApplyAmpModule => "ApplyAmpModule",
+            Self::Operands => "Operands",
+            Self::TensorOperators => "TensorOperators",
+            Self::ScalarRight => "ScalarRight",
+            Self::ScalarLeft => "ScalarLeft",
+            Self::PlainAdd => "PlainAdd",
+            Self::PlainSub => "PlainSub",
+            Self::PlainMul => "PlainMul",
+            Self::PlainDiv => "PlainDiv",
             Self::Site => "Site",
             Self::SiteGuard => "SiteGuard",
         }

@@ -228,51 +228,71 @@ fn region_part(part: &Part, region_args: &AutocastArgs, errors: &mut Errors) {
 
 /// `output = ..` asserts what the signature already decides: the precision of the returned
 /// `Tensor<X>` (`input`: the first tensor parameter's). A contradiction is a compile error on
-/// the argument, so the signature stays the one source of truth. A candle `Module`'s forward
-/// returns a candle tensor, whose dtype `output` sets (the input's by default).
+/// the argument, so the signature stays the one source of truth. A candle tensor result names no
+/// precision: `output` chooses its dtype. Where the signature spells none the macro can read (a
+/// bare `Tensor`, which may be candle's, or an alias), the exit checks the same at run time.
 fn check_output(args: &AutocastArgs, part: &Part, errors: &mut Errors) {
     let Some(output) = args.output() else {
         return;
     };
-    if part.candle_module {
-        // `-> Result<Tensor>` names no precision: `output` chooses the result's dtype.
-        return;
-    }
     let Some(wanted) = output_precision(output) else {
         return; // reported by `autocast_args`
     };
-    let returned = match &part.sig.output {
-        ReturnType::Type(_, ret) => named_precision(ret).map(|p| p.to_string()),
-        ReturnType::Default => None,
+    let ret = match &part.sig.output {
+        ReturnType::Type(_, ret) => ret,
+        ReturnType::Default => {
+            errors.at(
+                output.span(),
+                format!(
+                    "output = {output} on a function that returns nothing: `output` sets the \
+                     precision of a returned tensor"
+                ),
+            );
+            return;
+        }
+    };
+    let Some(returned) = spelt_precision(ret).map(|p| p.to_string()) else {
+        return;
     };
     let wanted = match wanted {
         "input" => part.sig.inputs.iter().find_map(|a| match a {
-            syn::FnArg::Typed(t) if is_tensor_type(&t.ty) => {
-                named_precision(&t.ty).map(|p| p.to_string())
+            syn::FnArg::Typed(t) if is_tensor_type(&t.ty) => match &*t.ty {
+                syn::Type::Reference(r) => spelt_precision(&r.elem),
+                ty => spelt_precision(ty),
             }
+            .map(|p| p.to_string()),
             _ => None,
         }),
         other => Some(other.to_uppercase()),
     };
-    if returned.is_some() && returned == wanted {
+    if wanted.is_none() || wanted.as_ref() == Some(&returned) {
         return;
     }
-    // `-> R` with `type R = Result<Tensor<P>>`: `output` declares what the alias hides, and the
-    // compiler checks the exit against the alias.
-    if returned.is_none() && wanted.is_some() && crate::model::returns_alias(&part.sig.output) {
-        return;
-    }
-    let returns = returned.map_or_else(
-        || "no `Result<Tensor<F32|F16|BF16>>`".to_string(),
-        |p| format!("`Tensor<{p}>`"),
-    );
     errors.at(
         output.span(),
         format!(
-            "output = {output} contradicts the signature, which returns {returns}: a region's \
-             result leaves in the precision its signature declares"
+            "output = {output} contradicts the signature, which returns `Tensor<{returned}>`: a \
+             region's result leaves in the precision its signature declares"
         ),
     );
+}
+
+/// The precision a `Result<Tensor<X>, ..>` or `Tensor<X>` return type spells; `None` for a
+/// bare `Tensor` (candle's, or candle-amp's `Tensor<F32>`: the exit tells them apart) and any
+/// other type.
+fn spelt_precision(ty: &syn::Type) -> Option<syn::Ident> {
+    let syn::Type::Path(p) = ty else { return None };
+    let last = p.path.segments.last()?;
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    match args.args.first()? {
+        syn::GenericArgument::Type(inner) if last.ident == "Result" => spelt_precision(inner),
+        syn::GenericArgument::Type(syn::Type::Path(p)) if last.ident == "Tensor" => {
+            p.path.get_ident().cloned()
+        }
+        _ => None,
+    }
 }
 
 /// Finds what a region body must not hold, over exactly the code the rewrite visits (not nested

@@ -68,8 +68,8 @@ impl Frame {
 }
 
 /// The dtype an op of `class` runs in, `lower` being the policy's lower dtype, given its inputs'
-/// dtypes (`None`: as they are). Promotion picks the widest input; f16 with bf16 is an error
-/// naming `op`.
+/// dtypes (`None`: as they are). Promotion picks the widest floating input (integer inputs,
+/// such as a mask, are never cast and take no part); f16 with bf16 is an error naming `op`.
 pub fn target(class: OpClass, lower: DType, op: &str, inputs: &[DType]) -> Result<Option<DType>> {
     Ok(match class {
         OpClass::LowerPrecision => Some(lower),
@@ -84,7 +84,10 @@ pub fn target(class: OpClass, lower: DType, op: &str, inputs: &[DType]) -> Resul
                      implicitly; cast one operand first"
                 )
             } else {
-                inputs.first().copied()
+                inputs
+                    .iter()
+                    .copied()
+                    .find(|d| matches!(d, DType::F16 | DType::BF16))
             }
         }
     })

@@ -26,7 +26,7 @@ pub use op::{Fp32Input, Op, OpClass, SamePrecision};
 pub use precision::{Half, Precision, Promote, BF16, F16, F32};
 pub use region::{
     cast_count, current_policy, AmpModule, AmpTensor, AsAmp, Bf16Policy, CallerPolicy, Fp16Policy,
-    Fp32Policy, Operand, Policy, RegionCall, RegionCallMut,
+    Fp32Policy, Operand, Policy, RegionCall, RegionCallMut, RegionValue,
 };
 pub use scaler::{
     GradScaler, GradScalerBuilder, ScaledGrads, ScaledLoss, ScalerError, ScalerState, StepOutcome,

@@ -67,7 +67,7 @@ impl candle_nn::Module for Causal {
         let mask = candle_core::Tensor::tril2(t, DType::F32, xs.device())?;
         let mask = ((1.0 - mask)? * -1e4)?;
         let y = self.block.forward(xs, Some(&mask))?;
-        Ok(y.as_candle().clone())
+        Ok(y)
     }
 }
 
@@ -81,7 +81,7 @@ struct Lm {
 impl Lm {
     fn forward(&self, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
         let x = self.emb.forward(ids)?;
-        Ok(x.as_candle().apply(&self.causal)?.to_dtype(DType::F32)?)
+        Ok(x.apply(&self.causal)?.to_dtype(DType::F32)?)
     }
 }
 

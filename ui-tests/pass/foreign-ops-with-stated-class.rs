@@ -5,7 +5,7 @@ use candle_core::{DType, Device, Result};
 
 #[autocast(fp16)]
 fn mixed(x: &Tensor<F32>, w: &Tensor<F32>) -> Result<Tensor<F32>> {
-    let h = x.lower_op(|t| t.matmul(&w.as_candle().to_dtype(t.dtype())?))?; // f16
+    let h = x.lower_op(|t| t.matmul(&w.to_dtype(t.dtype())?))?; // f16
     assert_eq!(h.dtype(), DType::F16);
     let s = h.fp32_op(|t| candle_nn::ops::softmax_last_dim(t))?; // f32
     assert_eq!(s.dtype(), DType::F32);

@@ -3,7 +3,7 @@
 //! either side of `+ - * /` and results chained as candle chains them, `to_dtype`; typed tensors outside a region the same where the op's
 //! class allows.
 use candle_amp::{autocast, Tensor, F32};
-use candle_core::{DType, Device, Result, D};
+use candle_core::{DType, Device, IndexOp, Result, D};
 
 #[autocast(bf16)]
 fn attention_like(x: &Tensor<F32>, mask: &candle_core::Tensor) -> Result<Tensor<F32>> {

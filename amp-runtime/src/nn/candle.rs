@@ -102,12 +102,13 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
     }
 }
 
-/// Ids are integers, not region values: the table's rows, in the table's dtype.
-impl<Pol: Policy> RegionCall<Pol, calls::forward, (&Tensor,)> for candle_nn::Embedding {
+/// Ids are integers, never cast: the table's rows, in the table's dtype.
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::Embedding {
     type Output = AmpTensor;
-    fn region_call(&self, (ids,): (&Tensor,)) -> Result<AmpTensor> {
-        crate::kernels::check_ids("Embedding", ids)?;
-        AmpTensor::from_candle_value(&self.forward(ids)?)
+    fn region_call(&self, (ids,): (A,)) -> Result<AmpTensor> {
+        let ids = ids.to_amp();
+        crate::kernels::check_ids("Embedding", &ids)?;
+        self.forward(&ids)
     }
 }
 

@@ -82,11 +82,12 @@ impl AmpLayer for Embedding {
     type Op = op::embedding;
 }
 
-/// Ids are integers, not region values: the lookup returns the f32 table's rows.
-impl<Pol: Policy> RegionCall<Pol, calls::forward, (&candle_core::Tensor,)> for Embedding {
+/// Ids are integers (a candle tensor, or a region value computed from one), never cast: the
+/// lookup returns the f32 table's rows.
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for Embedding {
     type Output = AmpTensor;
-    fn region_call(&self, (ids,): (&candle_core::Tensor,)) -> Result<AmpTensor> {
-        Ok(self.forward(ids)?.to_amp())
+    fn region_call(&self, (ids,): (A,)) -> Result<AmpTensor> {
+        Ok(self.forward(&ids.to_amp())?.to_amp())
     }
 }
 

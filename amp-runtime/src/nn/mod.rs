@@ -59,7 +59,7 @@ use candle_core::{Result, Var};
 
 use crate::op::Op;
 use crate::precision::{Precision, F32};
-use crate::region::{AmpTensor, CallerPolicy, RegionCall};
+use crate::region::{AmpTensor, CallerPolicy, RegionCall, RegionValue};
 use crate::tensor::{dtype_error, Tensor};
 
 /// A layer's typed forward in code an autocast region calls (a plain helper given typed
@@ -144,8 +144,7 @@ macro_rules! candle_module {
     ($($layer:ty),*) => {$(
         impl candle_nn::Module for $layer {
             fn forward(&self, xs: &candle_core::Tensor) -> Result<candle_core::Tensor> {
-                let x = $crate::region::AmpTensor::from_candle_value(xs)?;
-                $crate::region::AmpModule::forward_amp(self, &x).map(|y| y.as_candle().clone())
+                $crate::region::AmpModule::forward_amp(self, xs)
             }
         }
     )*};
@@ -163,12 +162,10 @@ macro_rules! candle_module_t {
                 train: bool,
             ) -> Result<candle_core::Tensor> {
                 use crate::region::{calls, AmpTensor, CallerPolicy, RegionCall};
-                let x = AmpTensor::from_candle_value(xs)?;
                 RegionCall::<CallerPolicy, calls::forward_t, (AmpTensor, bool)>::region_call(
                     self,
-                    (x, train),
+                    (xs.clone(), train),
                 )
-                .map(|y| y.as_candle().clone())
             }
         }
     )*};

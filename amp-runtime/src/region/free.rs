@@ -18,7 +18,7 @@ use candle_core::{Result, Tensor as Candle};
 
 use super::policy::Policy;
 use super::route::{at, routed};
-use super::value::{AmpTensor, AsAmp};
+use super::value::{AmpTensor, AsAmp, RegionValue};
 use crate::composite;
 use crate::op::{self, Op};
 use crate::precision::F32;
@@ -55,7 +55,7 @@ impl<O: Op, F: FnOnce(&[Candle]) -> Result<Candle>> Deferred<O, F> {
         let inputs: Vec<&AmpTensor> = self.inputs.iter().collect();
         let out = routed::<Pol, O>(&inputs, |t| {
             if let (Some(candle_core::DType::F32), Some(widening)) = (t, self.widening) {
-                let uncast: Vec<Candle> = inputs.iter().map(|v| v.as_candle().clone()).collect();
+                let uncast: Vec<Candle> = inputs.iter().map(|v| (*v).clone()).collect();
                 return widening(&uncast);
             }
             let cast = inputs
@@ -64,7 +64,7 @@ impl<O: Op, F: FnOnce(&[Candle]) -> Result<Candle>> Deferred<O, F> {
                 .collect::<Result<Vec<_>>>()?;
             (self.run)(&cast)
         })?;
-        AmpTensor::new(out)
+        Ok(out)
     }
 }
 
@@ -95,42 +95,31 @@ pub trait Unrouted: Sized {
 }
 impl<T> Unrouted for T {}
 
-/// `candle_core::Tensor::cat`/`stack` in a region: called as written (the inherent
+/// `candle_core::Tensor::cat`/`stack` in a region: routed as candle-amp's (the inherent
 /// `candle_amp::Tensor::__amp_routed_*` take precedence for candle-amp's `Tensor`).
 pub trait ForeignJoin {
-    /// `candle_core::Tensor::cat`.
+    /// Routed `candle_core::Tensor::cat`.
     #[doc(hidden)]
-    fn __amp_routed_cat<A: CandleJoined, D: Dim>(tensors: &[A], dim: D) -> Result<Candle>;
-    /// `candle_core::Tensor::stack`.
+    fn __amp_routed_cat<A: AsAmp, D: Dim + 'static>(tensors: &[A], dim: D) -> Call<op::cat>;
+    /// Routed `candle_core::Tensor::stack`.
     #[doc(hidden)]
-    fn __amp_routed_stack<A: CandleJoined, D: Dim>(tensors: &[A], dim: D) -> Result<Candle>;
+    fn __amp_routed_stack<A: AsAmp, D: Dim + 'static>(tensors: &[A], dim: D) -> Call<op::stack>;
 }
 
 impl ForeignJoin for Candle {
-    fn __amp_routed_cat<A: CandleJoined, D: Dim>(tensors: &[A], dim: D) -> Result<Candle> {
-        Candle::cat(tensors, dim)
+    fn __amp_routed_cat<A: AsAmp, D: Dim + 'static>(tensors: &[A], dim: D) -> Call<op::cat> {
+        cat(tensors, dim)
     }
-    fn __amp_routed_stack<A: CandleJoined, D: Dim>(tensors: &[A], dim: D) -> Result<Candle> {
-        Candle::stack(tensors, dim)
+    fn __amp_routed_stack<A: AsAmp, D: Dim + 'static>(tensors: &[A], dim: D) -> Call<op::stack> {
+        stack(tensors, dim)
     }
 }
-
-/// What candle's own `Tensor::cat`/`stack` join in a region: candle tensors (`AsRef<Tensor>`).
-/// Region values are not: candle would join them in whatever dtypes they hold.
-#[diagnostic::on_unimplemented(
-    message = "candle's `Tensor::cat`/`stack` joins candle tensors, not `{Self}`",
-    label = "a region value or typed tensor in candle's join",
-    note = "write candle-amp's `Tensor::cat`/`Tensor::stack` (`use candle_amp::Tensor;`): it \
-            joins region values in the promoted dtype of its inputs, as PyTorch's autocast does"
-)]
-pub trait CandleJoined: AsRef<Candle> {}
-impl<T: AsRef<Candle>> CandleJoined for T {}
 
 /// A fused kernel reading f32, f16 or bf16 inputs, computing in f32.
 type Widening = Box<dyn FnOnce(&[Candle]) -> Result<Candle>>;
 
 /// The type of a routed call of op `O`.
-type Call<O> = Deferred<O, Box<dyn FnOnce(&[Candle]) -> Result<Candle>>>;
+pub(crate) type Call<O> = Deferred<O, Box<dyn FnOnce(&[Candle]) -> Result<Candle>>>;
 
 /// A call of `O` on `inputs`, running `run` on them once cast.
 fn call<O: Op>(
@@ -159,7 +148,7 @@ fn widening_call<O: Op>(
 }
 
 /// Routed `ops::softmax`.
-pub fn softmax<D: Dim + Copy + 'static>(xs: impl AsAmp, dim: D) -> Call<op::softmax> {
+pub fn softmax<X: AsAmp, D: Dim + Copy + 'static>(xs: X, dim: D) -> Call<op::softmax> {
     widening_call(
         vec![xs.to_amp()],
         move |x| composite::softmax_f32(&x[0], dim),
@@ -169,12 +158,12 @@ pub fn softmax<D: Dim + Copy + 'static>(xs: impl AsAmp, dim: D) -> Call<op::soft
 
 /// Routed `ops::softmax_last_dim`: softmax over the last dimension, in f32 and differentiable
 /// (candle-nn's fused kernel has no backward).
-pub fn softmax_last_dim(xs: impl AsAmp) -> Call<op::softmax> {
+pub fn softmax_last_dim<X: AsAmp>(xs: X) -> Call<op::softmax> {
     softmax(xs, candle_core::D::Minus1)
 }
 
 /// Routed `ops::log_softmax`.
-pub fn log_softmax<D: Dim + Copy + 'static>(xs: impl AsAmp, d: D) -> Call<op::log_softmax> {
+pub fn log_softmax<X: AsAmp, D: Dim + Copy + 'static>(xs: X, d: D) -> Call<op::log_softmax> {
     widening_call(
         vec![xs.to_amp()],
         move |x| composite::log_softmax_f32(&x[0], d),
@@ -183,13 +172,13 @@ pub fn log_softmax<D: Dim + Copy + 'static>(xs: impl AsAmp, d: D) -> Call<op::lo
 }
 
 /// Routed `ops::sigmoid`.
-pub fn sigmoid(xs: impl AsAmp) -> Call<op::sigmoid> {
+pub fn sigmoid<X: AsAmp>(xs: X) -> Call<op::sigmoid> {
     call(vec![xs.to_amp()], |x| candle_nn::ops::sigmoid(&x[0]))
 }
 
 /// Routed `ops::layer_norm`: the input is cast by the op's class, the scale and shift follow it.
-pub fn layer_norm(
-    xs: impl AsAmp,
+pub fn layer_norm<X: AsAmp>(
+    xs: X,
     alpha: impl AsAmp,
     beta: impl AsAmp,
     eps: f32,
@@ -198,28 +187,22 @@ pub fn layer_norm(
     let (a, b) = (alpha.clone(), beta.clone());
     widening_call(
         vec![xs.to_amp()],
-        move |x| {
-            let (a, b) = (a.as_candle(), b.as_candle());
-            composite::layer_norm_f32(&x[0], a, Some(b), f64::from(eps))
-        },
-        move |x| {
-            let (a, b) = (alpha.as_candle(), beta.as_candle());
-            composite::layer_norm(&x[0], a, Some(b), f64::from(eps))
-        },
+        move |x| composite::layer_norm_f32(&x[0], &a, Some(&b), f64::from(eps)),
+        move |x| composite::layer_norm(&x[0], &alpha, Some(&beta), f64::from(eps)),
     )
 }
 
 /// Routed `ops::rms_norm`.
-pub fn rms_norm(xs: impl AsAmp, alpha: impl AsAmp, eps: f32) -> Call<op::rms_norm> {
+pub fn rms_norm<X: AsAmp>(xs: X, alpha: impl AsAmp, eps: f32) -> Call<op::rms_norm> {
     let alpha = alpha.to_amp();
     call(vec![xs.to_amp()], move |x| {
-        composite::rms_norm(&x[0], alpha.as_candle(), f64::from(eps))
+        composite::rms_norm(&x[0], &alpha, f64::from(eps))
     })
 }
 
 /// A loss of a prediction and a target, both cast by the loss's class.
-fn pair<O: Op>(
-    inp: impl AsAmp,
+fn pair<O: Op, X: AsAmp>(
+    inp: X,
     target: impl AsAmp,
     run: impl FnOnce(&Candle, &Candle) -> Result<Candle> + 'static,
 ) -> Call<O> {
@@ -227,7 +210,7 @@ fn pair<O: Op>(
 }
 
 /// Routed `loss::mse`.
-pub fn mse(inp: impl AsAmp, target: impl AsAmp) -> Call<op::mse> {
+pub fn mse<X: AsAmp>(inp: X, target: impl AsAmp) -> Call<op::mse> {
     widening_call(
         vec![inp.to_amp(), target.to_amp()],
         |x| composite::mse_f32(&x[0], &x[1]),
@@ -236,42 +219,43 @@ pub fn mse(inp: impl AsAmp, target: impl AsAmp) -> Call<op::mse> {
 }
 
 /// Routed `loss::l1`.
-pub fn l1(inp: impl AsAmp, target: impl AsAmp) -> Call<op::l1> {
+pub fn l1<X: AsAmp>(inp: X, target: impl AsAmp) -> Call<op::l1> {
     pair(inp, target, composite::l1)
 }
 
 /// Routed `loss::binary_cross_entropy_with_logits`.
-pub fn binary_cross_entropy_with_logits(
-    inp: impl AsAmp,
+pub fn binary_cross_entropy_with_logits<X: AsAmp>(
+    inp: X,
     target: impl AsAmp,
 ) -> Call<op::binary_cross_entropy_with_logits> {
     pair(inp, target, composite::binary_cross_entropy_with_logits)
 }
 
 /// candle-nn's spelling of [`binary_cross_entropy_with_logits`].
-pub fn binary_cross_entropy_with_logit(
-    inp: impl AsAmp,
+pub fn binary_cross_entropy_with_logit<X: AsAmp>(
+    inp: X,
     target: impl AsAmp,
 ) -> Call<op::binary_cross_entropy_with_logits> {
     binary_cross_entropy_with_logits(inp, target)
 }
 
 /// Routed `loss::smooth_l1`.
-pub fn smooth_l1(inp: impl AsAmp, target: impl AsAmp, beta: f64) -> Call<op::smooth_l1> {
+pub fn smooth_l1<X: AsAmp>(inp: X, target: impl AsAmp, beta: f64) -> Call<op::smooth_l1> {
     pair(inp, target, move |a, b| composite::smooth_l1(a, b, beta))
 }
 
-/// Routed `loss::nll` (class ids are a plain candle tensor).
-pub fn nll(inp: impl AsAmp, target: &Candle) -> Call<op::nll> {
-    let target = target.clone();
+/// Routed `loss::nll` (class ids: integers, never cast).
+pub fn nll<X: AsAmp>(inp: X, target: impl AsAmp) -> Call<op::nll> {
+    let target = target.to_amp();
     call(vec![inp.to_amp()], move |x| {
         candle_nn::loss::nll(&x[0], &target)
     })
 }
 
-/// Routed `loss::cross_entropy` (class ids are a plain candle tensor).
-pub fn cross_entropy(inp: impl AsAmp, target: &Candle) -> Call<op::cross_entropy> {
-    let (target, same) = (target.clone(), target.clone());
+/// Routed `loss::cross_entropy` (class ids: integers, never cast).
+pub fn cross_entropy<X: AsAmp>(inp: X, target: impl AsAmp) -> Call<op::cross_entropy> {
+    let target = target.to_amp();
+    let same = target.clone();
     widening_call(
         vec![inp.to_amp()],
         move |x| composite::cross_entropy_f32(&x[0], &target),

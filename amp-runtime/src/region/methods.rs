@@ -5,12 +5,10 @@
 //! receiver these methods do not apply (their `T: AsAmp` bound fails) and `Routed` derefs to the
 //! receiver's own method.
 
-use std::borrow::Borrow;
-
 use candle_core::Result;
 
 use super::policy::Policy;
-use super::route::{at, binary, routed, unary, Routed};
+use super::route::{at, binary, routed, Routed};
 use super::value::{AmpTensor, AsAmp, Operand};
 use crate::op;
 
@@ -25,19 +23,19 @@ macro_rules! routed {
     (@unary $name:ident) => {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
         pub fn $name(&self) -> Result<AmpTensor> {
-            unary::<Pol, op::$name>(&self.amp(), candle_core::Tensor::$name)
+            self.unary::<op::$name>(candle_core::Tensor::$name)
         }
     };
     (@dim $name:ident) => {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
         pub fn $name<D: candle_core::shape::Dim>(&self, dim: D) -> Result<AmpTensor> {
-            unary::<Pol, op::$name>(&self.amp(), |x| x.$name(dim))
+            self.unary::<op::$name>(|x| x.$name(dim))
         }
     };
     (@dims $name:ident) => {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
         pub fn $name<D: candle_core::shape::Dims>(&self, dims: D) -> Result<AmpTensor> {
-            unary::<Pol, op::$name>(&self.amp(), |x| x.$name(dims))
+            self.unary::<op::$name>(|x| x.$name(dims))
         }
     };
     (@closure $name:ident) => {
@@ -47,7 +45,7 @@ macro_rules! routed {
             &self,
             f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
         ) -> Result<AmpTensor> {
-            unary::<Pol, op::$name>(&self.amp(), f)
+            self.unary::<op::$name>(f)
         }
     };
     (@compare $name:ident) => {
@@ -72,13 +70,13 @@ macro_rules! routed {
     (@kernel $name:ident) => {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
         pub fn $name(&self, rhs: impl Operand) -> Result<AmpTensor> {
-            binary::<Pol, op::$name>(&self.amp(), &rhs.operand(), crate::kernels::$name)
+            self.binary::<op::$name>(&rhs.operand(), crate::kernels::$name)
         }
     };
     (@binary $name:ident) => {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
         pub fn $name(&self, rhs: impl Operand) -> Result<AmpTensor> {
-            binary::<Pol, op::$name>(&self.amp(), &rhs.operand(), |a, b| a.$name(b))
+            self.binary::<op::$name>(&rhs.operand(), |a, b| a.$name(b))
         }
     };
 }
@@ -88,19 +86,19 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
 
     /// Routed `sigmoid`.
     pub fn sigmoid(&self) -> Result<AmpTensor> {
-        unary::<Pol, op::sigmoid>(&self.amp(), candle_nn::ops::sigmoid)
+        self.unary::<op::sigmoid>(candle_nn::ops::sigmoid)
     }
     /// Routed `affine`.
     pub fn affine(&self, mul: f64, add: f64) -> Result<AmpTensor> {
-        unary::<Pol, op::affine>(&self.amp(), |x| crate::kernels::affine(x, mul, add))
+        self.unary::<op::affine>(|x| crate::kernels::affine(x, mul, add))
     }
     /// Routed `powf`.
     pub fn powf(&self, e: f64) -> Result<AmpTensor> {
-        unary::<Pol, op::powf>(&self.amp(), |x| x.powf(e))
+        self.unary::<op::powf>(|x| x.powf(e))
     }
     /// Routed `reshape`.
     pub fn reshape<S: candle_core::shape::ShapeWithOneHole>(&self, s: S) -> Result<AmpTensor> {
-        unary::<Pol, op::reshape>(&self.amp(), |x| x.reshape(s))
+        self.unary::<op::reshape>(|x| x.reshape(s))
     }
     /// Routed `transpose`.
     pub fn transpose<D1: candle_core::shape::Dim, D2: candle_core::shape::Dim>(
@@ -108,7 +106,7 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         a: D1,
         b: D2,
     ) -> Result<AmpTensor> {
-        unary::<Pol, op::transpose>(&self.amp(), |x| x.transpose(a, b))
+        self.unary::<op::transpose>(|x| x.transpose(a, b))
     }
     /// Routed `narrow`.
     pub fn narrow<D: candle_core::shape::Dim>(
@@ -117,7 +115,7 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         start: usize,
         len: usize,
     ) -> Result<AmpTensor> {
-        unary::<Pol, op::narrow>(&self.amp(), |x| x.narrow(dim, start, len))
+        self.unary::<op::narrow>(|x| x.narrow(dim, start, len))
     }
     /// Routed `flatten`.
     pub fn flatten<D1: candle_core::shape::Dim, D2: candle_core::shape::Dim>(
@@ -125,16 +123,16 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         a: D1,
         b: D2,
     ) -> Result<AmpTensor> {
-        unary::<Pol, op::flatten>(&self.amp(), |x| x.flatten(a, b))
+        self.unary::<op::flatten>(|x| x.flatten(a, b))
     }
     /// Routed `broadcast_as` (a half value that tracks is copied through f32, so that its
     /// gradient is summed in f32).
     pub fn broadcast_as<S: Into<candle_core::Shape>>(&self, s: S) -> Result<AmpTensor> {
-        unary::<Pol, op::broadcast_as>(&self.amp(), |x| crate::kernels::spread(x, &s.into()))
+        self.unary::<op::broadcast_as>(|x| crate::kernels::spread(x, &s.into()))
     }
     /// Routed `broadcast_left` (as `broadcast_as`).
     pub fn broadcast_left<S: Into<candle_core::Shape>>(&self, s: S) -> Result<AmpTensor> {
-        unary::<Pol, op::broadcast_left>(&self.amp(), |x| {
+        self.unary::<op::broadcast_left>(|x| {
             let shape = [s.into().dims(), x.dims()].concat();
             crate::kernels::spread(x, &candle_core::Shape::from(shape))
         })
@@ -146,7 +144,7 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         left: usize,
         right: usize,
     ) -> Result<AmpTensor> {
-        unary::<Pol, op::pad_with_zeros>(&self.amp(), |x| x.pad_with_zeros(dim, left, right))
+        self.unary::<op::pad_with_zeros>(|x| x.pad_with_zeros(dim, left, right))
     }
     /// Routed `index_select`.
     pub fn index_select<D: candle_core::shape::Dim>(
@@ -155,17 +153,17 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         dim: D,
     ) -> Result<AmpTensor> {
         crate::kernels::check_ids("index_select", ids)?;
-        unary::<Pol, op::index_select>(&self.amp(), |x| x.index_select(ids, dim))
+        self.unary::<op::index_select>(|x| x.index_select(ids, dim))
     }
     /// Routed `max_pool2d`.
     pub fn max_pool2d<K: candle_core::ToUsize2>(&self, k: K) -> Result<AmpTensor> {
         let pool = crate::kernels::Pool2d::tiling(k.to_usize2());
-        unary::<Pol, op::max_pool2d>(&self.amp(), |x| crate::kernels::max_pool2d(x, pool))
+        self.unary::<op::max_pool2d>(|x| crate::kernels::max_pool2d(x, pool))
     }
     /// Routed `avg_pool2d`.
     pub fn avg_pool2d<K: candle_core::ToUsize2>(&self, k: K) -> Result<AmpTensor> {
         let pool = crate::kernels::Pool2d::tiling(k.to_usize2());
-        unary::<Pol, op::avg_pool2d>(&self.amp(), |x| crate::kernels::avg_pool2d(x, pool))
+        self.unary::<op::avg_pool2d>(|x| crate::kernels::avg_pool2d(x, pool))
     }
     /// Routed `chunk`.
     pub fn chunk<D: candle_core::shape::Dim>(
@@ -175,15 +173,11 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     ) -> Result<Vec<AmpTensor>> {
         let x = self.amp();
         // Routed (and reported) as the cast of the whole; the chunks are views of it.
-        routed::<Pol, op::chunk>(&[&x], |t| at(&x, t))?
-            .chunk(chunks, dim)?
-            .into_iter()
-            .map(AmpTensor::new)
-            .collect()
+        routed::<Pol, op::chunk>(&[&x], |t| at(&x, t))?.chunk(chunks, dim)
     }
     /// Routed `argmax`: integer ids, a plain candle tensor.
     pub fn argmax<D: candle_core::shape::Dim>(&self, dim: D) -> Result<candle_core::Tensor> {
-        self.amp().as_candle().argmax(dim)
+        self.amp().argmax(dim)
     }
     /// Routed `conv1d`.
     pub fn conv1d(
@@ -200,37 +194,33 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
             dilation,
             groups,
         };
-        binary::<Pol, op::conv1d>(&self.amp(), &kernel.operand(), |x, k| {
+        self.binary::<op::conv1d>(&kernel.operand(), |x, k| {
             crate::kernels::conv1d(x, k, None, params)
         })
     }
     /// Routed `relu` (NaN stays NaN, as in PyTorch).
     pub fn relu(&self) -> Result<AmpTensor> {
-        unary::<Pol, op::relu>(&self.amp(), crate::kernels::relu)
+        self.unary::<op::relu>(crate::kernels::relu)
     }
     /// Routed `gelu`, tanh approximation (on CPU one op computed in f32, rounded once).
     pub fn gelu(&self) -> Result<AmpTensor> {
-        unary::<Pol, op::gelu>(&self.amp(), crate::kernels::gelu)
+        self.unary::<op::gelu>(crate::kernels::gelu)
     }
     /// Routed `gelu_erf` (on CPU one op computed in f32, rounded once).
     pub fn gelu_erf(&self) -> Result<AmpTensor> {
-        unary::<Pol, op::gelu_erf>(&self.amp(), crate::kernels::gelu_erf)
+        self.unary::<op::gelu_erf>(crate::kernels::gelu_erf)
     }
     /// Routed `silu` (on CPU one op computed in f32, rounded once).
     pub fn silu(&self) -> Result<AmpTensor> {
-        unary::<Pol, op::silu>(&self.amp(), crate::kernels::silu)
+        self.unary::<op::silu>(crate::kernels::silu)
     }
     /// Routed `matmul` (bf16 and f16 on CPU through candle-amp's GEMM).
     pub fn matmul(&self, rhs: impl Operand) -> Result<AmpTensor> {
-        binary::<Pol, op::matmul>(&self.amp(), &rhs.operand(), crate::kernels::matmul)
+        self.binary::<op::matmul>(&rhs.operand(), crate::kernels::matmul)
     }
     /// Routed `broadcast_matmul` (bf16 and f16 on CPU through candle-amp's GEMM).
     pub fn broadcast_matmul(&self, rhs: impl Operand) -> Result<AmpTensor> {
-        binary::<Pol, op::broadcast_matmul>(
-            &self.amp(),
-            &rhs.operand(),
-            crate::kernels::broadcast_matmul,
-        )
+        self.binary::<op::broadcast_matmul>(&rhs.operand(), crate::kernels::broadcast_matmul)
     }
     /// Routed `conv2d` (bf16 on CPU through candle-amp's kernel).
     pub fn conv2d(
@@ -247,7 +237,7 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
             dilation,
             groups,
         };
-        binary::<Pol, op::conv2d>(&self.amp(), &kernel.operand(), |x, k| {
+        self.binary::<op::conv2d>(&kernel.operand(), |x, k| {
             crate::kernels::conv2d(x, k, None, params)
         })
     }
@@ -261,7 +251,7 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         dilation: usize,
         groups: usize,
     ) -> Result<AmpTensor> {
-        binary::<Pol, op::conv_transpose1d>(&self.amp(), &kernel.operand(), |x, k| {
+        self.binary::<op::conv_transpose1d>(&kernel.operand(), |x, k| {
             let t = crate::kernels::TransposeParams {
                 padding,
                 output_padding,
@@ -281,7 +271,7 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         stride: usize,
         dilation: usize,
     ) -> Result<AmpTensor> {
-        binary::<Pol, op::conv_transpose2d>(&self.amp(), &kernel.operand(), |x, k| {
+        self.binary::<op::conv_transpose2d>(&kernel.operand(), |x, k| {
             let t = crate::kernels::TransposeParams {
                 padding,
                 output_padding,
@@ -294,17 +284,17 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     }
     /// Routed `clamp`, to `[min, max]`, in the receiver's dtype.
     pub fn clamp(&self, min: f64, max: f64) -> Result<AmpTensor> {
-        unary::<Pol, op::clamp>(&self.amp(), |x| x.clamp(min, max))
+        self.unary::<op::clamp>(|x| x.clamp(min, max))
     }
 }
 
-/// `mask.where_cond(&on_true, &on_false)` with a candle mask (integer, never cast; owned or by
-/// reference) and region values or typed tensors: promote-class over the two branches.
-impl<Pol: Policy, M: Borrow<candle_core::Tensor>> Routed<'_, Pol, M> {
+/// `mask.where_cond(&on_true, &on_false)` with an integer mask (never cast; a candle tensor or a
+/// region value): promote-class over the two branches, the result of `on_true`'s kind.
+impl<Pol: Policy, M: AsAmp + ?Sized> Routed<'_, Pol, M> {
     /// Routed `where_cond`: `on_true` where the mask is non-zero, else `on_false`.
-    pub fn where_cond(&self, on_true: impl Operand, on_false: impl Operand) -> Result<AmpTensor> {
-        let mask: &candle_core::Tensor = (**self).borrow();
-        binary::<Pol, op::where_cond>(&on_true.operand(), &on_false.operand(), |a, b| {
+    pub fn where_cond<A: AsAmp>(&self, on_true: A, on_false: impl Operand) -> Result<AmpTensor> {
+        let mask = self.amp();
+        binary::<Pol, op::where_cond>(&on_true.to_amp(), &on_false.operand(), |a, b| {
             mask.where_cond(a, b)
         })
     }

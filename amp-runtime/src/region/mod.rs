@@ -9,13 +9,14 @@
 //!
 //! One topic a file: `policy` (the policies), `value` (region values), `route` (the routing
 //! core, `Routed` receivers), `call` (module calls), `methods` (the routed op methods), `operators`,
-//! `free` (routed free-function ops), `boundary` (entering and leaving a region), `module`
+//! `free` (routed free-function ops), `boundary` (entering a region, custom ops' dtypes), `exit` (leaving it), `module`
 //! (`AmpModule`, `apply`). Users meet the policies, [`AmpTensor`], [`AsAmp`], [`RegionCall`], [`RegionCallMut`],
 //! [`AmpModule`] and [`cast_count`]; everything only generated code calls is in the hidden
 //! [`__private`] module.
 
 mod boundary;
 mod call;
+mod exit;
 pub(crate) mod foreign;
 pub(crate) mod free;
 mod methods;
@@ -29,7 +30,7 @@ pub use crate::cast::cast_count;
 pub use call::{calls, RegionCall, RegionCallMut};
 pub use module::AmpModule;
 pub use policy::{current_policy, Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy};
-pub use value::{AmpTensor, AsAmp, Operand};
+pub use value::{AmpTensor, AsAmp, Operand, RegionValue};
 
 pub(crate) use route::{unary, unary_widening, with_precision};
 
@@ -38,21 +39,29 @@ pub(crate) use route::{unary, unary_widening, with_precision};
 #[doc(hidden)]
 pub mod __private {
     pub use super::boundary::{
-        candle_exit_dtype, candle_module_call, enter, enter_activation, enter_cast, enter_fp32,
-        exit, exit_like, exit_to_region, exit_to_region_as, grad_like, EnterAs, GradsLike,
-        RegionOutput, RegionParam,
+        candle_module_call, enter, enter_cast, enter_fp32, grad_like, EnterAs, GradsLike,
+        RegionParam,
     };
     pub use super::call::{calls, module_call, RegionCall, RegionCallMut};
-    pub use super::foreign::foreign_arg;
+    pub use super::exit::{
+        exit_to_region, exit_to_region_as, floating_dtype, Leave, LeaveAsDeclared, LeaveAsIs,
+        LeaveConverted, Leaving, RegionOutput,
+    };
+    pub use super::foreign::{foreign_arg, AsWritten, CandleNnFn, CandleNnRouted};
     pub use super::free::{ForeignJoin, Unrouted};
+    pub use super::module::{Applied, ApplyAmpModule, ApplyRegionCall, ApplyTRegionCall};
+    pub use super::operators::{
+        Operands, PlainAdd, PlainDiv, PlainMul, PlainSub, ScalarLeft, ScalarRight, TensorOperators,
+    };
     pub use super::policy::{
         Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy, PolicyScope,
     };
     pub use super::route::Routed;
-    pub use super::value::{AmpTensor, AsAmp};
+    pub use super::value::AsAmp;
     pub use crate::cast::RegionGuard;
     pub use crate::op;
     pub use crate::precision::{BF16, F16, F32};
     pub use crate::report::{Site, SiteGuard};
     pub use candle_core;
+    pub use candle_nn;
 }

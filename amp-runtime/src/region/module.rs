@@ -1,6 +1,8 @@
 //! Modules as values: [`AmpModule`] for generic bounds and `Box<dyn AmpModule>` layer stacks,
 //! and `.apply(&m)` on region values.
 
+use std::marker::PhantomData;
+
 use candle_core::Result;
 
 use super::call::{calls, RegionCall};
@@ -79,9 +81,76 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for dyn AmpMod
     }
 }
 
-impl AmpTensor {
-    /// `m` on this value, as candle's `Tensor::apply`: under the policy of the region running.
-    pub fn apply<M: AmpModule + ?Sized>(&self, m: &M) -> Result<AmpTensor> {
-        m.forward_amp(self)
+/// `h.apply(&m)` and `h.apply_t(&m, train)` in a region (candle's way to call a module): the
+/// rewrite turns them into `(&&Applied::<Pol, _>::new(&m)).__amp_apply(&h)`, and Rust's method
+/// probe picks the call by the module's type (autoref specialisation, tried in order):
+/// 1. a module with a `RegionCall` ([`ApplyRegionCall`]): a module call under the region's
+///    policy, as `m.forward(&h)`;
+/// 2. an [`AmpModule`] ([`ApplyAmpModule`]), such as a type parameter bounded by it alone:
+///    under the policy of the region running (its frame is on the thread).
+///
+/// A plain candle module is neither: candle's own `apply` would run it in whatever dtype its
+/// input holds, so it is a compile error naming `AmpModule`.
+#[derive(Debug)]
+pub struct Applied<'m, Pol, M: ?Sized> {
+    module: &'m M,
+    policy: PhantomData<Pol>,
+}
+
+impl<'m, Pol, M: ?Sized> Applied<'m, Pol, M> {
+    /// The module `h.apply(&m)` names.
+    pub fn new(module: &'m M) -> Self {
+        Self {
+            module,
+            policy: PhantomData,
+        }
+    }
+}
+
+/// Way 1 of [`Applied`]: a module call.
+pub trait ApplyRegionCall<'x> {
+    /// The module's result in the region.
+    type Output;
+    /// `m.forward(x)`.
+    fn __amp_apply(self, x: &'x AmpTensor) -> Result<Self::Output>;
+}
+
+impl<'x, Pol: Policy, M> ApplyRegionCall<'x> for &&Applied<'_, Pol, M>
+where
+    M: RegionCall<Pol, calls::forward, (&'x AmpTensor,)> + ?Sized,
+{
+    type Output = M::Output;
+    fn __amp_apply(self, x: &'x AmpTensor) -> Result<M::Output> {
+        self.module.region_call((x,))
+    }
+}
+
+/// Way 1 of [`Applied`] for `apply_t`: a module call with the train flag.
+pub trait ApplyTRegionCall<'x> {
+    /// The module's result in the region.
+    type Output;
+    /// `m.forward_t(x, train)`.
+    fn __amp_apply_t(self, x: &'x AmpTensor, train: bool) -> Result<Self::Output>;
+}
+
+impl<'x, Pol: Policy, M> ApplyTRegionCall<'x> for &&Applied<'_, Pol, M>
+where
+    M: RegionCall<Pol, calls::forward_t, (&'x AmpTensor, bool)> + ?Sized,
+{
+    type Output = M::Output;
+    fn __amp_apply_t(self, x: &'x AmpTensor, train: bool) -> Result<M::Output> {
+        self.module.region_call((x, train))
+    }
+}
+
+/// Way 2 of [`Applied`]: an [`AmpModule`].
+pub trait ApplyAmpModule {
+    /// `m.forward_amp(x)`.
+    fn __amp_apply(self, x: &AmpTensor) -> Result<AmpTensor>;
+}
+
+impl<Pol, M: AmpModule + ?Sized> ApplyAmpModule for &Applied<'_, Pol, M> {
+    fn __amp_apply(self, x: &AmpTensor) -> Result<AmpTensor> {
+        self.module.forward_amp(x)
     }
 }

@@ -112,12 +112,6 @@ fn current() -> Frame {
     autocast_state::innermost_region().unwrap_or_else(Fp32Policy::frame)
 }
 
-/// Whether a region part is running on this thread (a region body, a `#[keep_fp32]`
-/// statement, a module called from a region).
-pub(crate) fn in_region() -> bool {
-    autocast_state::innermost().is_some()
-}
-
 /// The name of the policy code called from here runs under ([`CallerPolicy`]'s): the innermost
 /// region's on this thread, `"fp32"` outside any region.
 pub fn current_policy() -> &'static str {

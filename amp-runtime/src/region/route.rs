@@ -9,7 +9,7 @@ use std::marker::PhantomData;
 use candle_core::{DType, Result};
 
 use super::policy::Policy;
-use super::value::{AmpTensor, AsAmp};
+use super::value::{floating, AmpTensor, AsAmp};
 use crate::autocast_state;
 use crate::cast::convert;
 use crate::op::Op;
@@ -19,11 +19,12 @@ pub(crate) fn target<Pol: Policy, O: Op>(inputs: &[DType]) -> Result<Option<DTyp
     autocast_state::target(Pol::class::<O>(), Pol::lower(), O::NAME, inputs)
 }
 
-/// `x` at the dtype `target` chose.
+/// `x` at the dtype `target` chose; an integer tensor (ids, a mask) as it is, as PyTorch's
+/// autocast casts floating tensors only.
 pub(crate) fn at(x: &AmpTensor, dtype: Option<DType>) -> Result<candle_core::Tensor> {
     match dtype {
-        Some(d) => convert(x.as_candle(), d),
-        None => Ok(x.as_candle().clone()),
+        Some(d) if floating(x) => convert(x, d),
+        _ => Ok(x.clone()),
     }
 }
 
@@ -45,13 +46,7 @@ pub(crate) fn routed<Pol: Policy, O: Op>(
     } else {
         target::<Pol, O>(&inputs.iter().map(|x| x.dtype()).collect::<Vec<_>>())?
     };
-    autocast_state::run_op(
-        O::NAME,
-        Pol::class::<O>(),
-        || inputs.iter().map(|x| x.as_candle()).collect(),
-        t,
-        run,
-    )
+    autocast_state::run_op(O::NAME, Pol::class::<O>(), || inputs.to_vec(), t, run)
 }
 
 /// Routes a one-input op: its input cast to the op's target, the op run, the result wrapped.
@@ -59,7 +54,7 @@ pub(crate) fn unary<Pol: Policy, O: Op>(
     x: &AmpTensor,
     f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
 ) -> Result<AmpTensor> {
-    AmpTensor::new(routed::<Pol, O>(&[x], |t| f(&at(x, t)?))?)
+    routed::<Pol, O>(&[x], |t| f(&at(x, t)?))
 }
 
 /// Routes a one-input fp32-class op with a fused kernel: under an f32 target (the op's class
@@ -70,10 +65,10 @@ pub(crate) fn unary_widening<Pol: Policy, O: Op>(
     widening: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
     f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
 ) -> Result<AmpTensor> {
-    AmpTensor::new(routed::<Pol, O>(&[x], |t| match t {
-        Some(DType::F32) => widening(x.as_candle()),
+    routed::<Pol, O>(&[x], |t| match t {
+        Some(DType::F32) => widening(x),
         _ => f(&at(x, t)?),
-    })?)
+    })
 }
 
 /// Routes a two-input op.
@@ -82,7 +77,7 @@ pub(crate) fn binary<Pol: Policy, O: Op>(
     b: &AmpTensor,
     f: impl FnOnce(&candle_core::Tensor, &candle_core::Tensor) -> Result<candle_core::Tensor>,
 ) -> Result<AmpTensor> {
-    AmpTensor::new(routed::<Pol, O>(&[a, b], |t| f(&at(a, t)?, &at(b, t)?))?)
+    routed::<Pol, O>(&[a, b], |t| f(&at(a, t)?, &at(b, t)?))
 }
 
 /// Runs `body` with `$P` bound to the precision marker of `dtype`: how a region value, whose
@@ -132,6 +127,24 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     /// The tensor receiver as a region value.
     pub(crate) fn amp(&self) -> AmpTensor {
         self.receiver.to_amp()
+    }
+
+    /// Routes a one-input op on the receiver; the result of the receiver's kind (a candle
+    /// tensor for a candle tensor).
+    pub(crate) fn unary<O: Op>(
+        &self,
+        f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
+    ) -> Result<AmpTensor> {
+        unary::<Pol, O>(&self.amp(), f)
+    }
+
+    /// Routes a two-input op with the receiver on the left; the result of the receiver's kind.
+    pub(crate) fn binary<O: Op>(
+        &self,
+        rhs: &AmpTensor,
+        f: impl FnOnce(&candle_core::Tensor, &candle_core::Tensor) -> Result<candle_core::Tensor>,
+    ) -> Result<AmpTensor> {
+        binary::<Pol, O>(&self.amp(), rhs, f)
     }
 }
 

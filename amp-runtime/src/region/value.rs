@@ -4,98 +4,46 @@ use candle_core::{DType, Result};
 
 use crate::cast::convert;
 use crate::precision::Precision;
-use crate::tensor::{shape_accessors, Tensor};
+use crate::tensor::Tensor;
 
-/// A tensor inside an autocast region: f32, f16 or bf16, decided by the ops that made it.
+/// A tensor inside an autocast region: a candle tensor. Its dtype is f32, f16 or bf16, decided
+/// by the ops that made it, or an integer dtype (token ids, positions, a mask), which no op
+/// casts: PyTorch's autocast casts floating tensors only.
 ///
-/// Leave a region with [`AmpTensor::cast`] (the macro does it for the return value).
-#[derive(Clone, Debug)]
-pub struct AmpTensor {
-    inner: candle_core::Tensor,
+/// Region code is candle code: the values a body computes are candle's `Tensor`s, so they go
+/// wherever candle code takes one (a helper's `&Tensor` parameter, a field, `Tensor::cat`),
+/// while the macro routes each op on them by its class. Leave a region as a typed tensor with
+/// [`RegionValue::cast`] (the macro does it for a `Tensor<P>` the signature returns).
+pub type AmpTensor = candle_core::Tensor;
+
+/// What a region value offers beyond candle's methods.
+pub trait RegionValue {
+    /// A typed tensor of precision `Q` (a cast when the dtype differs, from the weight-cast
+    /// cache for a master weight).
+    fn cast<Q: Precision>(&self) -> Result<Tensor<Q>>;
 }
 
-impl AmpTensor {
-    /// An indexed view keeps the dtype.
-    fn wrap_indexed(inner: candle_core::Tensor) -> Result<Self> {
-        Self::new(inner)
-    }
-
-    /// Wraps the result of a routed op; region values are floating tensors only.
-    pub(crate) fn new(inner: candle_core::Tensor) -> Result<Self> {
-        match inner.dtype() {
-            DType::F32 | DType::F16 | DType::BF16 => Ok(Self { inner }),
-            other => candle_core::bail!(
-                "autocast region values are f32, f16 or bf16 tensors, got {other:?}"
-            ),
-        }
-    }
-
-    /// A candle tensor as a region value (f32, f16 or bf16; another dtype is an error).
-    pub fn from_candle_value(t: &candle_core::Tensor) -> Result<Self> {
-        Self::new(t.clone())
-    }
-
-    /// The current dtype.
-    pub fn dtype(&self) -> DType {
-        self.inner.dtype()
-    }
-
-    /// The underlying candle tensor.
-    pub fn as_candle(&self) -> &candle_core::Tensor {
-        &self.inner
-    }
-
-    shape_accessors!();
-
-    /// An explicit cast to `dtype` (f32, f16 or bf16), like PyTorch's `.float()`/`.half()` in an
-    /// autocast region: the ops that follow still route by their class.
-    pub fn to_dtype(&self, dtype: DType) -> Result<AmpTensor> {
-        Self::new(convert(&self.inner, dtype)?)
-    }
-
-    /// Zeros of the same shape, dtype and device.
-    pub fn zeros_like(&self) -> Result<AmpTensor> {
-        Self::new(self.inner.zeros_like()?)
-    }
-
-    /// Ones of the same shape, dtype and device.
-    pub fn ones_like(&self) -> Result<AmpTensor> {
-        Self::new(self.inner.ones_like()?)
-    }
-
-    /// The same values, cut from the autograd graph.
-    pub fn detach(&self) -> AmpTensor {
-        Self {
-            inner: self.inner.detach(),
-        }
-    }
-
-    /// A typed tensor of precision `Q` (a cast when the dtype differs).
-    pub fn cast<Q: Precision>(&self) -> Result<Tensor<Q>> {
-        Ok(Tensor::wrap(convert(&self.inner, Q::DTYPE)?))
+impl RegionValue for candle_core::Tensor {
+    fn cast<Q: Precision>(&self) -> Result<Tensor<Q>> {
+        Ok(Tensor::wrap(convert(self, Q::DTYPE)?))
     }
 }
 
-impl std::fmt::Display for AmpTensor {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Display::fmt(&self.inner, f)
-    }
-}
-
-/// Anything that enters a region as a tensor value: typed tensors and region values, by
-/// reference or not.
+/// Anything that enters a region as a tensor value: typed tensors, candle tensors and region
+/// values, by reference or not.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a tensor an autocast region can use",
-    label = "expected a `Tensor<P>` or a region value here",
-    note = "inside `#[autocast]` tensor operands are `Tensor<F32>`/`Tensor<F16>`/`Tensor<BF16>` \
-            or values computed in the region"
+    label = "expected a tensor here",
+    note = "inside `#[autocast]` tensors are `candle_core::Tensor`s, typed tensors \
+            (`Tensor<F32>`/`Tensor<F16>`/`Tensor<BF16>`) or values computed in the region, or a \
+            reference, `Box`, `Rc`, `Arc` or lock guard of one"
 )]
 pub trait AsAmp {
     /// The value as a region tensor (a handle clone).
     fn to_amp(&self) -> AmpTensor;
 }
 
-impl AsAmp for AmpTensor {
+impl AsAmp for candle_core::Tensor {
     fn to_amp(&self) -> AmpTensor {
         self.clone()
     }
@@ -103,9 +51,7 @@ impl AsAmp for AmpTensor {
 
 impl<P: Precision> AsAmp for Tensor<P> {
     fn to_amp(&self) -> AmpTensor {
-        AmpTensor {
-            inner: self.as_candle().clone(),
-        }
+        self.as_candle().clone()
     }
 }
 
@@ -115,8 +61,9 @@ impl<P: Precision> AsAmp for Tensor<P> {
 /// method through `Deref`: it would still run where the region's policy puts it (typed ops
 /// follow the thread's region), but return a typed tensor cast back to its own precision
 /// instead of a region value. (One
-/// blanket impl over `Deref` would cover a user's newtypes too, but overlaps the operand
-/// impls: a type of the user's that derefs to a tensor implements `AsAmp` itself.)
+/// blanket impl over `Deref` would cover a user's newtypes too, but overlaps the impl for
+/// candle's `Tensor`, which candle could make `Deref` one day: a type of the user's that derefs
+/// to a tensor implements `AsAmp` itself.)
 macro_rules! as_amp_through {
     ($($ptr:ident)::+) => {
         impl<T: AsAmp + ?Sized> AsAmp for $($ptr)::+<T> {
@@ -169,10 +116,7 @@ where
     }
 }
 
-/// An operand of a routed op or operator: anything [`AsAmp`], and a plain candle tensor (an
-/// additive mask, a position table), which takes part in the op's class like a region value and
-/// is never cast on entry. Receivers stay [`AsAmp`]: a method called on a candle tensor in a
-/// region is candle's own.
+/// An operand of a routed op or operator: anything [`AsAmp`] (candle tensors included).
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a tensor operand an autocast region can use",
     label = "expected a `Tensor<P>`, a region value or a candle tensor here",
@@ -190,19 +134,12 @@ impl<T: AsAmp + ?Sized> Operand for T {
     }
 }
 
-macro_rules! candle_operand {
-    ($($ty:ty),*) => {$(
-        impl Operand for $ty {
-            fn operand(&self) -> AmpTensor {
-                AmpTensor {
-                    inner: <candle_core::Tensor as Clone>::clone(self),
-                }
-            }
-        }
-    )*};
+/// Whether ops cast a tensor of `dtype` to their class's precision: f32, f16 and bf16 only.
+pub(crate) fn is_floating(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
 }
-candle_operand!(
-    candle_core::Tensor,
-    &candle_core::Tensor,
-    &&candle_core::Tensor
-);
+
+/// Whether ops cast `x` to their class's precision: f32, f16 and bf16 only.
+pub(crate) fn floating(x: &AmpTensor) -> bool {
+    is_floating(x.dtype())
+}

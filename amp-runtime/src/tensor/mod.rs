@@ -167,7 +167,7 @@ macro_rules! shape_accessors {
         where
             candle_core::Tensor: candle_core::IndexOp<I>,
         {
-            Self::wrap_indexed(candle_core::IndexOp::i(&self.inner, index)?)
+            Ok(Self::wrap(candle_core::IndexOp::i(&self.inner, index)?))
         }
     };
     (@ $($name:ident -> $out:ty),*) => {$(
@@ -177,7 +177,6 @@ macro_rules! shape_accessors {
         }
     )*};
 }
-pub(crate) use shape_accessors;
 
 // ---------------------------------------------------------------------------------------------
 // Typed ops in code a region calls. Autocast is per thread, as in PyTorch: a plain fn, method or
@@ -425,12 +424,6 @@ impl<P: Precision> Tensor<P> {
     }
 
     shape_accessors!();
-
-    /// An indexed view keeps the precision.
-    #[allow(clippy::unnecessary_wraps)] // the region value's check can fail
-    fn wrap_indexed(t: candle_core::Tensor) -> Result<Self> {
-        Ok(Self::wrap(t))
-    }
 
     /// A copy on another device.
     pub fn to_device(&self, device: &Device) -> Result<Self> {
