@@ -82,10 +82,32 @@ fn step(mode: Mode, loss: &Tensor, opt: &mut SGD, scaler: &mut GradScaler) -> Re
     loss.to_scalar::<f32>()
 }
 
-/// Median of a few values (the last losses of a run).
+/// The mean of a run's last five losses.
 fn tail_mean(losses: &[f32]) -> f32 {
     let tail = &losses[losses.len() - 5..];
     tail.iter().sum::<f32>() / tail.len() as f32
+}
+
+/// `runs` (one per mode of [`MODES`], f32 first): each learned (its last losses below `drop`
+/// times its first), and each half mode ended within 10% of f32's final loss.
+fn assert_learns_as_f32_does(what: &str, runs: &[Vec<f32>], drop: f32) {
+    let finals: Vec<f32> = runs.iter().map(|losses| tail_mean(losses)).collect();
+    for ((mode, losses), last) in MODES.iter().zip(runs).zip(&finals) {
+        assert!(
+            losses.iter().all(|l| l.is_finite()),
+            "{what} {mode:?}: {losses:?}"
+        );
+        assert!(
+            *last < drop * losses[0],
+            "{what} {mode:?} did not learn: {losses:?}"
+        );
+        let gap = (last - finals[0]).abs() / finals[0];
+        assert!(
+            gap < 0.1,
+            "{what} {mode:?}: final loss {last} against f32's {}",
+            finals[0]
+        );
+    }
 }
 
 // ---- The decoder (candle-transformers' GPT-BigCode shape). ----
@@ -148,7 +170,7 @@ fn the_decoder_port_trains_in_each_mode_as_f32_does() -> Result<()> {
     )?;
     let init = snapshot(&vars);
     let (ids, next) = counting(8, 12)?;
-    let mut finals = Vec::new();
+    let mut runs = Vec::new();
     for mode in MODES {
         restore(&init)?;
         let mut opt = SGD::new(vars.all_vars(), 0.5)?;
@@ -159,19 +181,9 @@ fn the_decoder_port_trains_in_each_mode_as_f32_does() -> Result<()> {
             assert_eq!(loss.dtype(), DType::F32, "{mode:?}: the loss leaves in f32");
             losses.push(step(mode, &loss, &mut opt, &mut scaler)?);
         }
-        assert!(losses.iter().all(|l| l.is_finite()), "{mode:?}: {losses:?}");
-        let last = tail_mean(&losses);
-        assert!(last < 0.6 * losses[0], "{mode:?} did not learn: {losses:?}");
-        finals.push(last);
+        runs.push(losses);
     }
-    for (mode, last) in MODES.iter().zip(&finals).skip(1) {
-        let gap = (last - finals[0]).abs() / finals[0];
-        assert!(
-            gap < 0.1,
-            "{mode:?}: final loss {last} against f32's {}",
-            finals[0]
-        );
-    }
+    assert_learns_as_f32_does("decoder", &runs, 0.6);
     Ok(())
 }
 
@@ -363,7 +375,7 @@ fn the_encoder_port_trains_in_each_mode_as_f32_does() -> Result<()> {
     };
     let init = snapshot(&vars);
     let (ids, mask, tags) = tagging(8, 10)?;
-    let mut finals = Vec::new();
+    let mut runs = Vec::new();
     for mode in MODES {
         restore(&init)?;
         let mut opt = SGD::new(vars.all_vars(), 0.1)?;
@@ -373,18 +385,9 @@ fn the_encoder_port_trains_in_each_mode_as_f32_does() -> Result<()> {
             let loss = tagger_loss(mode, &m, &ids, &mask, &tags)?;
             losses.push(step(mode, &loss, &mut opt, &mut scaler)?);
         }
-        let last = tail_mean(&losses);
-        assert!(last < 0.8 * losses[0], "{mode:?} did not learn: {losses:?}");
-        finals.push(last);
+        runs.push(losses);
     }
-    for (mode, last) in MODES.iter().zip(&finals).skip(1) {
-        let gap = (last - finals[0]).abs() / finals[0];
-        assert!(
-            gap < 0.1,
-            "{mode:?}: final loss {last} against f32's {}",
-            finals[0]
-        );
-    }
+    assert_learns_as_f32_does("encoder", &runs, 0.8);
     for (mode, lower) in [(Mode::Bf16, DType::BF16), (Mode::Fp16, DType::F16)] {
         let (loss, rep) = report::record(|| tagger_loss(mode, &m, &ids, &mask, &tags));
         loss?;
@@ -476,7 +479,7 @@ fn the_mnist_linear_and_mlp_ports_train_in_each_mode_as_f32_does() -> Result<()>
     let mlp = mnist::Mlp::new(vb.pp("mlp"))?;
     let init = snapshot(&vars);
     for model in ["linear", "mlp"] {
-        let mut finals = Vec::new();
+        let mut runs = Vec::new();
         for mode in MODES {
             let losses = train_mnist(mode, &vars, &init, |x| match (model, mode) {
                 ("linear", Mode::F32) => linear_logits_f32(&linear, x),
@@ -486,18 +489,9 @@ fn the_mnist_linear_and_mlp_ports_train_in_each_mode_as_f32_does() -> Result<()>
                 (_, Mode::Bf16) => mlp_logits_bf16(&mlp, x),
                 (_, Mode::Fp16) => mlp_logits_fp16(&mlp, x),
             })?;
-            let last = tail_mean(&losses);
-            assert!(last < 0.7 * losses[0], "{model} {mode:?}: {losses:?}");
-            finals.push(last);
+            runs.push(losses);
         }
-        for (mode, last) in MODES.iter().zip(&finals).skip(1) {
-            let gap = (last - finals[0]).abs() / finals[0];
-            assert!(
-                gap < 0.1,
-                "{model} {mode:?}: {last} against f32's {}",
-                finals[0]
-            );
-        }
+        assert_learns_as_f32_does(model, &runs, 0.7);
     }
     Ok(())
 }
