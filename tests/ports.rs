@@ -55,11 +55,33 @@ macro_rules! in_each_mode {
     };
 }
 
-/// A copy of every variable's value, to start each mode from the same weights.
+/// Every variable's value, drawn again from a fixed seed (uniform, with the spread of its
+/// random initialisation; constant ones, such as norms' scales, kept), so that each run starts
+/// from the same weights; and a copy of them, to start each mode there.
 fn snapshot(vars: &VarMap) -> Vec<(Var, Tensor)> {
     let data = vars.data().lock().unwrap();
-    data.values()
-        .map(|v| (v.clone(), v.as_tensor().copy().unwrap()))
+    let mut named: Vec<_> = data.iter().collect();
+    named.sort_by(|a, b| a.0.cmp(b.0));
+    named
+        .into_iter()
+        .zip(1u64..)
+        .map(|((_, var), seed)| {
+            let t = var.as_tensor();
+            let std = t
+                .flatten_all()
+                .and_then(|f| f.var_keepdim(0))
+                .and_then(|v| v.sqrt()?.squeeze(0)?.to_scalar::<f32>());
+            let std = std.unwrap_or(0.0);
+            if std > 0.0 {
+                let u: Vec<f32> = common::values(t.elem_count(), seed)
+                    .iter()
+                    .map(|v| v * std * 3f32.sqrt())
+                    .collect();
+                var.set(&Tensor::from_vec(u, t.shape(), t.device()).unwrap())
+                    .unwrap();
+            }
+            (var.clone(), var.as_tensor().copy().unwrap())
+        })
         .collect()
 }
 
@@ -256,6 +278,7 @@ fn the_decoder_ports_kv_cache_matches_a_full_recompute() -> Result<()> {
         VarBuilder::from_varmap(&vars, DType::F32, &dev()),
         decoder_config(true),
     )?;
+    snapshot(&vars);
     let (ids, _) = counting(2, 6)?;
     for (logits, tol) in [
         (decoder_logits_f32 as Logits, 1e-5),
