@@ -272,6 +272,83 @@ fn a_weight_used_twice_in_a_region_is_cast_once() -> Result<()> {
     Ok(())
 }
 
+/// The same model with the cache off (PyTorch's `cache_enabled=False`), for itself and what it
+/// calls.
+struct Uncached {
+    tied: Tied,
+}
+
+#[autocast(fp16, cache = false)]
+impl Uncached {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        assert!(!candle_amp::is_autocast_cache_enabled());
+        Ok(self.tied.forward(x)?)
+    }
+}
+
+#[test]
+fn cache_false_casts_a_weight_at_each_use() -> Result<()> {
+    let w = candle_core::Var::randn(0f32, 0.3, (8, 8), &dev())?;
+    let tied = Tied {
+        w: Tensor::<F32>::from_candle(w.as_tensor().clone())?,
+    };
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 8), &dev())?;
+    let (cached, _) = counted(|| tied.forward(&x))?;
+    let uncached = Uncached { tied };
+    assert!(candle_amp::is_autocast_cache_enabled());
+    let (y, casts) = counted(|| uncached.forward(&x))?;
+    // input, weight twice (the called module's parts do not cache either), output
+    assert_eq!(casts, 4);
+    assert!(
+        candle_amp::is_autocast_cache_enabled(),
+        "the setting ends with the region"
+    );
+    assert_eq!(y.to_flat_vec::<f32>()?, cached.to_flat_vec::<f32>()?);
+    Ok(())
+}
+
+// ---- PyTorch's query API: torch.is_autocast_enabled(), torch.get_autocast_dtype(). ----
+
+type Query = (bool, Option<DType>);
+
+fn query() -> Query {
+    (
+        candle_amp::is_autocast_enabled(),
+        candle_amp::autocast_dtype(),
+    )
+}
+
+/// A helper of no policy of its own: it answers with its caller's.
+#[autocast]
+fn helper_query() -> Result<Query> {
+    Ok(query())
+}
+
+#[autocast(fp16)]
+fn fp16_queries(use_amp: bool) -> Result<Vec<Query>> {
+    let inside = query();
+    #[keep_fp32]
+    let kept = query();
+    let switched = switchable(use_amp)?;
+    Ok(vec![inside, kept, helper_query()?, switched])
+}
+
+#[autocast(bf16, enabled = use_amp)]
+fn switchable(use_amp: bool) -> Result<Query> {
+    Ok(query())
+}
+
+#[test]
+fn the_query_api_answers_as_pytorchs() -> Result<()> {
+    let off = (false, None);
+    assert_eq!(query(), off, "outside any region");
+    assert_eq!(helper_query()?, off, "a helper called from plain code");
+    let (f16, bf16) = ((true, Some(DType::F16)), (true, Some(DType::BF16)));
+    assert_eq!(fp16_queries(true)?, [f16, off, f16, bf16]);
+    assert_eq!(fp16_queries(false)?, [f16, off, f16, off]);
+    Ok(())
+}
+
 /// `Linear` in half precision rounds its f32 masters inside one op (no half copy joins the
 /// graph): each call counts the two conversions it performs, and its masters get f32
 /// gradients.

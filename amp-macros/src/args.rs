@@ -1,8 +1,8 @@
 //! Attribute arguments, parsed as written: `#[autocast(...)]` and `#[custom_fwd(...)]`.
 //!
 //! `#[autocast]` accepts `fp16`, `bf16`, `policy = path::To::Policy`, each optionally with
-//! `enabled = <bool expr>` and `output = f32|f16|bf16|input`; or no arguments at all (inherit the
-//! caller's policy). `#[custom_fwd]` accepts nothing or `cast_inputs = f32|f16|bf16`.
+//! `enabled = <bool expr>`, `cache = <bool expr>` and `output = f32|f16|bf16|input`; or no
+//! arguments at all (inherit the caller's policy). `#[custom_fwd]` accepts nothing or `cast_inputs = f32|f16|bf16`.
 //!
 //! Parsing checks syntax only and keeps every argument with its tokens. The rules about values
 //! (one policy, a known `output`, a known precision) are checked in `validate.rs`, so that
@@ -19,12 +19,14 @@ mod kw {
     syn::custom_keyword!(policy);
     syn::custom_keyword!(enabled);
     syn::custom_keyword!(output);
+    syn::custom_keyword!(cache);
     syn::custom_keyword!(cast_inputs);
 }
 
 pub(crate) const ACCEPTED: &str = "accepted forms: `#[autocast]` (inherit the caller's policy), \
      `#[autocast(fp16)]`, `#[autocast(bf16)]`, `#[autocast(policy = path::To::Policy)]`, \
-     each optionally with `, enabled = <bool expression>` and `, output = f32|f16|bf16|input`";
+     each optionally with `, enabled = <bool expression>`, `, cache = <bool expression>` and \
+     `, output = f32|f16|bf16|input`";
 
 /// One `#[autocast(..)]` argument, with its keyword (errors about the argument point there).
 pub(crate) enum AutocastArg {
@@ -32,6 +34,7 @@ pub(crate) enum AutocastArg {
     Bf16(kw::bf16),
     Policy { kw: kw::policy, path: syn::Path },
     Enabled { kw: kw::enabled, expr: Expr },
+    Cache { kw: kw::cache, expr: Expr },
     Output { kw: kw::output, value: Ident },
 }
 
@@ -43,6 +46,7 @@ impl AutocastArg {
             Self::Bf16(k) => k.to_token_stream(),
             Self::Policy { kw, .. } => kw.to_token_stream(),
             Self::Enabled { kw, .. } => kw.to_token_stream(),
+            Self::Cache { kw, .. } => kw.to_token_stream(),
             Self::Output { kw, .. } => kw.to_token_stream(),
         }
     }
@@ -77,7 +81,9 @@ impl AutocastArgs {
                 AutocastArg::Fp16(k) => Some(PolicyArg::Fp16(k.span)),
                 AutocastArg::Bf16(k) => Some(PolicyArg::Bf16(k.span)),
                 AutocastArg::Policy { path, .. } => Some(PolicyArg::Named(path)),
-                AutocastArg::Enabled { .. } | AutocastArg::Output { .. } => None,
+                AutocastArg::Enabled { .. }
+                | AutocastArg::Cache { .. }
+                | AutocastArg::Output { .. } => None,
             })
             .unwrap_or(PolicyArg::Inherit)
     }
@@ -86,6 +92,15 @@ impl AutocastArgs {
     pub(crate) fn enabled(&self) -> Option<&Expr> {
         self.list.iter().find_map(|arg| match arg {
             AutocastArg::Enabled { expr, .. } => Some(expr),
+            _ => None,
+        })
+    }
+
+    /// `cache = <bool expr>`: false turns the weight-cast cache off for the region part and what
+    /// it calls (PyTorch's `cache_enabled=False`).
+    pub(crate) fn cache(&self) -> Option<&Expr> {
+        self.list.iter().find_map(|arg| match arg {
+            AutocastArg::Cache { expr, .. } => Some(expr),
             _ => None,
         })
     }
@@ -130,6 +145,11 @@ impl Parse for AutocastArgs {
                 expect_eq(input, kw.span, "enabled = <bool expression>")?;
                 let expr = input.parse()?;
                 AutocastArg::Enabled { kw, expr }
+            } else if lookahead.peek(kw::cache) {
+                let kw: kw::cache = input.parse()?;
+                expect_eq(input, kw.span, "cache = <bool expression>")?;
+                let expr = input.parse()?;
+                AutocastArg::Cache { kw, expr }
             } else if lookahead.peek(kw::output) {
                 let kw: kw::output = input.parse()?;
                 expect_eq(input, kw.span, "output = f32|f16|bf16|input")?;

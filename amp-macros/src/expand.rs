@@ -151,6 +151,12 @@ fn region_body(
     // Mixed-site: the guard must not shadow or be reachable from the user's names.
     let guard = syn::Ident::new("__amp_region", Span::mixed_site());
     let (region_guard, enter, enter_fp32) = (Rt::RegionGuard, Rt::Enter, Rt::EnterFp32);
+    // `cache = <bool>`: the weight-cast cache on or off for this part and what it calls.
+    let region_entry = if let Some(cache) = args.cache() {
+        quote_spanned!(cache.span()=> #region_guard::enter_cache(#cache))
+    } else {
+        quote!(#region_guard::enter())
+    };
     let upcast = part.mode == Mode::KeepFp32;
     // Input:  `x: &Tensor<F32>`, `ids: &candle_core::Tensor`, `y: Tensor<F16>`
     // Output: `let x = &enter::<Tensor<F32>, _>(&x);` (a region value), `let ids = &enter::<
@@ -233,7 +239,7 @@ fn region_body(
         }
     };
     quote! {
-        let #guard = #region_guard::enter();
+        let #guard = #region_entry;
         #leave
         #(#enter)*
         #run

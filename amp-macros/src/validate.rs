@@ -47,13 +47,14 @@ pub(crate) fn region(region: &Region) -> syn::Result<()> {
 
 /// `#[autocast(..)]` arguments: each kind once, and a known `output`.
 fn autocast_args(args: &AutocastArgs, errors: &mut Errors) {
-    let (mut policy, mut enabled, mut output) = (None, None, None);
+    let (mut policy, mut enabled, mut cache, mut output) = (None, None, None, None);
     for arg in &args.list {
         let (slot, what) = match arg {
             AutocastArg::Fp16(_) | AutocastArg::Bf16(_) | AutocastArg::Policy { .. } => {
                 (&mut policy, "policy")
             }
             AutocastArg::Enabled { .. } => (&mut enabled, "`enabled`"),
+            AutocastArg::Cache { .. } => (&mut cache, "`cache`"),
             AutocastArg::Output { value, .. } => {
                 if output_precision(value).is_none() {
                     errors.at(value.span(), "output is `f32`, `f16`, `bf16` or `input`");

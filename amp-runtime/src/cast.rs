@@ -34,6 +34,9 @@ use candle_core::{DType, Result, Tensor, TensorId};
 struct CastState {
     /// How many region guards are alive on this thread.
     depth: usize,
+    /// How many of them turned the cache off (`#[autocast(cache = false)]`): while any is
+    /// alive, nothing is cached.
+    uncached: usize,
     /// Cached casts of leaf variables, each with the depth of the guard it belongs to.
     cache: HashMap<(TensorId, DType), (usize, Tensor)>,
     stats: CastStats,
@@ -101,10 +104,21 @@ pub fn clear_autocast_cache() {
     STATE.with(|s| s.borrow_mut().cache.clear());
 }
 
+/// PyTorch's `torch.is_autocast_cache_enabled()`: whether casts of master weights made here are
+/// cached, that is, no region part running on this thread was entered with
+/// `#[autocast(.., cache = false)]` (PyTorch's `cache_enabled=False`). Outside any region
+/// nothing is cached, but the setting is on, as PyTorch's is by default.
+pub fn is_autocast_cache_enabled() -> bool {
+    STATE.with(|s| s.borrow().uncached == 0)
+}
+
 /// Marks a region part's extent on this thread: while one is alive, casts of leaf variables are
-/// cached; the casts made while it was the innermost are dropped when it ends.
+/// cached (unless a part turned the cache off); the casts made while it was the innermost are
+/// dropped when it ends.
 #[derive(Debug)]
 pub struct RegionGuard {
+    /// This part was entered with the cache off.
+    uncached: bool,
     // Regions are per thread.
     _not_send: PhantomData<*const ()>,
 }
@@ -113,8 +127,20 @@ impl RegionGuard {
     /// Enters a (possibly nested) region.
     #[allow(clippy::new_without_default)]
     pub fn enter() -> Self {
-        STATE.with(|s| s.borrow_mut().depth += 1);
+        Self::enter_cache(true)
+    }
+
+    /// Enters a region whose weight casts are cached or not (`#[autocast(.., cache = ..)]`,
+    /// PyTorch's `cache_enabled`); with the cache off, neither this part nor what it calls
+    /// caches a cast, whatever they declare.
+    pub fn enter_cache(cache: bool) -> Self {
+        STATE.with(|s| {
+            let mut s = s.borrow_mut();
+            s.depth += 1;
+            s.uncached += usize::from(!cache);
+        });
         Self {
+            uncached: !cache,
             _not_send: PhantomData,
         }
     }
@@ -125,6 +151,7 @@ impl Drop for RegionGuard {
         STATE.with(|s| {
             let mut s = s.borrow_mut();
             s.depth -= 1;
+            s.uncached -= usize::from(self.uncached);
             let depth = s.depth;
             s.cache.retain(|_, (owner, _)| *owner <= depth);
         });
@@ -138,7 +165,11 @@ pub(crate) fn convert(t: &Tensor, dtype: DType) -> Result<Tensor> {
         return Ok(t.clone());
     }
     let key = (t.id(), dtype);
-    let cacheable = t.is_variable() && STATE.with(|s| s.borrow().depth > 0);
+    let cacheable = t.is_variable()
+        && STATE.with(|s| {
+            let s = s.borrow();
+            s.depth > 0 && s.uncached == 0
+        });
     if cacheable {
         let hit = STATE.with(|s| {
             let mut s = s.borrow_mut();

@@ -21,12 +21,13 @@ pub mod report;
 pub mod scaler;
 mod tensor;
 
-pub use cast::clear_autocast_cache;
+pub use cast::{clear_autocast_cache, is_autocast_cache_enabled};
 pub use op::{Fp32Input, Op, OpClass, SamePrecision};
 pub use precision::{Half, Precision, Promote, BF16, F16, F32};
 pub use region::{
-    cast_count, current_policy, AmpModule, AmpTensor, AsAmp, Bf16Policy, CallerPolicy, Fp16Policy,
-    Fp32Policy, Operand, Policy, RegionCall, RegionCallMut, RegionValue,
+    autocast_dtype, cast_count, current_policy, is_autocast_enabled, AmpModule, AmpTensor, AsAmp,
+    Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Operand, Policy, RegionCall, RegionCallMut,
+    RegionValue,
 };
 pub use scaler::{
     GradScaler, GradScalerBuilder, ScaledGrads, ScaledLoss, ScalerError, ScalerState, StepOutcome,

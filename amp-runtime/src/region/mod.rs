@@ -29,7 +29,10 @@ mod value;
 pub use crate::cast::cast_count;
 pub use call::{calls, RegionCall, RegionCallMut};
 pub use module::AmpModule;
-pub use policy::{current_policy, Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy};
+pub use policy::{
+    autocast_dtype, current_policy, is_autocast_enabled, Bf16Policy, CallerPolicy, Fp16Policy,
+    Fp32Policy, Policy,
+};
 pub use value::{AmpTensor, AsAmp, Operand, RegionValue};
 
 pub(crate) use route::{unary, unary_widening, with_precision};

@@ -118,6 +118,22 @@ pub fn current_policy() -> &'static str {
     current().name
 }
 
+/// PyTorch's `torch.is_autocast_enabled()`: whether code called from here autocasts, that is,
+/// runs inside a region part whose policy moves ops to a lower precision (not outside regions,
+/// not in a `#[keep_fp32]` part, an `enabled = false` region or a `cast_inputs` op, which run
+/// as written in f32).
+pub fn is_autocast_enabled() -> bool {
+    current().autocast
+}
+
+/// PyTorch's `torch.get_autocast_dtype(device)`: the lower precision of the region running here
+/// (`F16` under `fp16`, `BF16` under `bf16`, a `policy!`'s own), `None` where autocast is off
+/// ([`is_autocast_enabled`]).
+pub fn autocast_dtype() -> Option<DType> {
+    let frame = current();
+    frame.autocast.then_some(frame.lower)
+}
+
 /// Marks a region part's extent on this thread: while alive, [`CallerPolicy`] is `Pol`.
 #[doc(hidden)]
 #[derive(Debug)]
