@@ -7,6 +7,7 @@
 mod autocast_state;
 pub mod backends;
 mod cast;
+pub mod checkpoint;
 mod composite;
 pub mod fp32;
 pub mod kernels;

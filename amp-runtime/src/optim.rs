@@ -274,6 +274,118 @@ impl Optimizer for AdamW {
     }
 }
 
+/// One parameter's optimizer state: the parameter, and its state as named tensors.
+pub type ParamState = (Var, Vec<(&'static str, Tensor)>);
+
+/// An optimizer whose per-parameter state a checkpoint saves and restores: PyTorch's
+/// `optimizer.state_dict()` / `load_state_dict()`.
+pub trait OptimizerState {
+    /// Each parameter's state as named tensors (AdamW: `step`, an i64 scalar; `m` and `v`, the
+    /// moments in the parameter's shape), with the parameter it belongs to. SGD has none.
+    fn export_state(&self) -> Result<Vec<ParamState>>;
+
+    /// Restores what [`export_state`](Self::export_state) saved: `get(var, name)` gives the
+    /// named tensor of a parameter (an error naming it when it is missing). Each tensor's shape
+    /// and dtype are checked before anything is written.
+    fn import_state(&mut self, get: &mut dyn FnMut(&Var, &str) -> Result<Tensor>) -> Result<()>;
+}
+
+impl OptimizerState for SGD {
+    fn export_state(&self) -> Result<Vec<ParamState>> {
+        Ok(Vec::new())
+    }
+
+    fn import_state(&mut self, _: &mut dyn FnMut(&Var, &str) -> Result<Tensor>) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl OptimizerState for AdamW {
+    fn export_state(&self) -> Result<Vec<ParamState>> {
+        self.params
+            .iter()
+            .map(|p| {
+                let shape = p.var.shape();
+                let (m, v) = match &p.moments {
+                    Moments::Host { m, v } => (
+                        Tensor::from_slice(m, shape, &candle_core::Device::Cpu)?,
+                        Tensor::from_slice(v, shape, &candle_core::Device::Cpu)?,
+                    ),
+                    Moments::Device(mv) => (
+                        mv.get(0)?
+                            .reshape(shape)?
+                            .to_device(&candle_core::Device::Cpu)?,
+                        mv.get(1)?
+                            .reshape(shape)?
+                            .to_device(&candle_core::Device::Cpu)?,
+                    ),
+                    Moments::Tensors { m, v } => (
+                        m.to_device(&candle_core::Device::Cpu)?,
+                        v.to_device(&candle_core::Device::Cpu)?,
+                    ),
+                };
+                let steps = i64::try_from(p.steps).map_err(candle_core::Error::wrap)?;
+                let step = Tensor::new(steps, &candle_core::Device::Cpu)?;
+                Ok((p.var.clone(), vec![("step", step), ("m", m), ("v", v)]))
+            })
+            .collect()
+    }
+
+    fn import_state(&mut self, get: &mut dyn FnMut(&Var, &str) -> Result<Tensor>) -> Result<()> {
+        // Everything read and checked first, so that a bad entry changes nothing.
+        let mut read = Vec::with_capacity(self.params.len());
+        for p in &self.params {
+            let step = get(&p.var, "step")?;
+            if step.dtype() != DType::I64 || step.rank() != 0 {
+                candle_core::bail!(
+                    "AdamW state: `step` must be an i64 scalar, got {:?} of shape {:?}",
+                    step.dtype(),
+                    step.dims()
+                )
+            }
+            let steps = u64::try_from(step.to_scalar::<i64>()?).map_err(|_| {
+                candle_core::Error::Msg("AdamW state: a negative `step`".to_string())
+            })?;
+            let moment_dtype = match p.moments {
+                Moments::Host { .. } | Moments::Device(_) => DType::F32,
+                Moments::Tensors { .. } => moment_dtype(&p.var),
+            };
+            let mut moment = |name: &str| -> Result<Tensor> {
+                let t = get(&p.var, name)?;
+                if t.dims() != p.var.dims() || t.dtype() != moment_dtype {
+                    candle_core::bail!(
+                        "AdamW state: moment `{name}` is {:?} {:?}, the parameter needs {:?} {:?}",
+                        t.dtype(),
+                        t.dims(),
+                        moment_dtype,
+                        p.var.dims()
+                    )
+                }
+                Ok(t)
+            };
+            read.push((steps, moment("m")?, moment("v")?));
+        }
+        for (p, (steps, m, v)) in self.params.iter_mut().zip(read) {
+            p.steps = steps;
+            p.moments = match &p.moments {
+                Moments::Host { .. } => Moments::Host {
+                    m: m.flatten_all()?.to_vec1()?,
+                    v: v.flatten_all()?.to_vec1()?,
+                },
+                Moments::Device(_) => Moments::Device(
+                    Tensor::stack(&[m.flatten_all()?, v.flatten_all()?], 0)?
+                        .to_device(p.var.device())?,
+                ),
+                Moments::Tensors { .. } => Moments::Tensors {
+                    m: m.to_device(p.var.device())?,
+                    v: v.to_device(p.var.device())?,
+                },
+            };
+        }
+        Ok(())
+    }
+}
+
 /// A learning rate must be a finite number >= 0, as PyTorch's optimizers require (PyTorch lets
 /// NaN through its `lr < 0` check; a NaN rate turns every weight into NaN at the first step).
 fn check_lr(optimizer: &str, lr: f64) -> Result<()> {

@@ -1,0 +1,200 @@
+//! Checkpoints that resume a run: the master weights, the optimizer's state, the GradScaler's
+//! state and the step, saved together in one safetensors file and restored together, as PyTorch
+//! users save the model's, the optimizer's and the scaler's `state_dict()`s.
+//!
+//! The file's tensors: `model.{name}` for each variable of the `VarMap` (by its name there),
+//! `optim.{name}.{entry}` for the optimizer's state of that variable (AdamW: `step`, `m`, `v`),
+//! `scaler.*` ([`ScalerState::to_tensors`]), `step` (an i64 scalar) and `format` (the layout's
+//! version, 1). Saving writes a temporary file beside the target and renames it over the target,
+//! so a run killed while saving leaves the previous checkpoint whole. Loading checks every entry
+//! (present, shape, dtype, no entry it does not know) before it writes anything, and names the
+//! first one that is wrong.
+//!
+//! A run resumed from a checkpoint continues bit for bit as the uninterrupted run: the masters,
+//! the moments and step counts, the loss scale and its growth tracker are the ones that run had
+//! (`tests/checkpoint.rs`).
+//!
+//! ```
+//! # extern crate amp_runtime as candle_amp;
+//! use candle_amp::checkpoint;
+//! use candle_amp::optim::{AdamW, Optimizer, ParamsAdamW};
+//! use candle_amp::GradScaler;
+//! use candle_core::{DType, Device, Result};
+//! use candle_nn::{VarBuilder, VarMap};
+//!
+//! # fn main() -> Result<()> {
+//! let vars = VarMap::new();
+//! let _w = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu).get((2, 2), "w")?;
+//! let opt = AdamW::new(vars.all_vars(), ParamsAdamW::default())?;
+//! let path = std::env::temp_dir().join("candle-amp-doc.safetensors");
+//! checkpoint::save(&path, &vars, &opt, &GradScaler::new(), 20)?;
+//!
+//! let (mut opt, mut scaler) = (AdamW::new(vars.all_vars(), ParamsAdamW::default())?, GradScaler::new());
+//! assert_eq!(checkpoint::load(&path, &vars, &mut opt, &mut scaler)?, 20);
+//! # std::fs::remove_file(&path).ok(); Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_nn::VarMap;
+
+use crate::optim::OptimizerState;
+use crate::scaler::{GradScaler, ScalerState};
+
+/// The layout's version, saved as `format`.
+const FORMAT: i64 = 1;
+
+/// The variables of `vars` by name, sorted, and each variable's name by its tensor's id.
+fn named(vars: &VarMap) -> Vec<(String, Var)> {
+    let data = vars
+        .data()
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut named: Vec<_> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
+}
+
+/// The name `vars` gives the variable `var`.
+fn name_of<'a>(named: &'a [(String, Var)], var: &Var) -> Result<&'a str> {
+    named
+        .iter()
+        .find(|(_, v)| v.as_tensor().id() == var.as_tensor().id())
+        .map(|(n, _)| n.as_str())
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "checkpoint: the optimizer holds a parameter of shape {:?} that the VarMap does \
+                 not name; build the optimizer from this VarMap's variables",
+                var.dims()
+            ))
+        })
+}
+
+/// Saves the master weights of `vars`, the optimizer's and the scaler's state and `step` to
+/// `path` (see the [module docs](self) for the layout), atomically.
+pub fn save(
+    path: impl AsRef<Path>,
+    vars: &VarMap,
+    optimizer: &impl OptimizerState,
+    scaler: &GradScaler,
+    step: u64,
+) -> Result<()> {
+    let path = path.as_ref();
+    let named = named(vars);
+    let cpu = &Device::Cpu;
+    let mut tensors: HashMap<String, Tensor> = scaler.state().to_tensors("scaler.")?;
+    for (name, var) in &named {
+        tensors.insert(format!("model.{name}"), var.as_tensor().to_device(cpu)?);
+    }
+    for (var, entries) in optimizer.export_state()? {
+        let name = name_of(&named, &var)?;
+        for (entry, t) in entries {
+            tensors.insert(format!("optim.{name}.{entry}"), t.to_device(cpu)?);
+        }
+    }
+    let step = i64::try_from(step).map_err(candle_core::Error::wrap)?;
+    tensors.insert("step".to_string(), Tensor::new(step, cpu)?);
+    tensors.insert("format".to_string(), Tensor::new(FORMAT, cpu)?);
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    candle_core::safetensors::save(&tensors, &tmp)?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "checkpoint: cannot move {} into place: {e}",
+            Path::new(&tmp).display()
+        ))
+    })
+}
+
+/// Restores what [`save`] wrote into `vars`, `optimizer` and `scaler`, and returns the step.
+/// Every entry is checked first (present, with the variable's shape and dtype; no entry the
+/// checkpoint should not hold): on an error nothing has been written, and the message names
+/// the entry.
+pub fn load(
+    path: impl AsRef<Path>,
+    vars: &VarMap,
+    optimizer: &mut impl OptimizerState,
+    scaler: &mut GradScaler,
+) -> Result<u64> {
+    let path = path.as_ref();
+    let mut tensors = candle_core::safetensors::load(path, &Device::Cpu)
+        .map_err(|e| candle_core::Error::Msg(format!("checkpoint {}: {e}", path.display())))?;
+    let mut take = |key: &str| {
+        tensors.remove(key).ok_or_else(|| {
+            candle_core::Error::Msg(format!("checkpoint {}: no `{key}`", path.display()))
+        })
+    };
+    let scalar = |key: &str, t: Tensor| -> Result<i64> {
+        if t.dtype() != DType::I64 || t.rank() != 0 {
+            candle_core::bail!(
+                "checkpoint: `{key}` must be an i64 scalar, got {:?} {:?}",
+                t.dtype(),
+                t.dims()
+            )
+        }
+        t.to_scalar::<i64>()
+    };
+    let format = scalar("format", take("format")?)?;
+    if format != FORMAT {
+        candle_core::bail!("checkpoint: layout version {format}, this candle-amp reads {FORMAT}")
+    }
+    let step = u64::try_from(scalar("step", take("step")?)?)
+        .map_err(|_| candle_core::Error::Msg("checkpoint: a negative `step`".to_string()))?;
+
+    let named = named(vars);
+    let mut masters = Vec::with_capacity(named.len());
+    for (name, var) in &named {
+        let key = format!("model.{name}");
+        let t = take(&key)?;
+        if t.dims() != var.dims() || t.dtype() != var.dtype() {
+            candle_core::bail!(
+                "checkpoint: `{key}` is {:?} {:?}, the variable is {:?} {:?}",
+                t.dtype(),
+                t.dims(),
+                var.dtype(),
+                var.dims()
+            )
+        }
+        masters.push((var, t));
+    }
+    // The optimizer's entries, by the names its exported state has.
+    let mut state = HashMap::new();
+    for (var, entries) in optimizer.export_state()? {
+        let name = name_of(&named, &var)?;
+        for (entry, _) in entries {
+            let key = format!("optim.{name}.{entry}");
+            state.insert((var.as_tensor().id(), entry.to_string()), take(&key)?);
+        }
+    }
+    let scaler_keys: Vec<String> = tensors
+        .keys()
+        .filter(|k| k.starts_with("scaler."))
+        .cloned()
+        .collect();
+    let scaler_state = ScalerState::from_tensors(&tensors, "scaler.")?;
+    scaler_state.validate()?;
+    for key in &scaler_keys {
+        tensors.remove(key);
+    }
+    if let Some(unexpected) = tensors.keys().min() {
+        candle_core::bail!(
+            "checkpoint {}: unexpected entry `{unexpected}` (a variable this VarMap does not \
+             have, or another optimizer's state)",
+            path.display()
+        )
+    }
+    // All checked: write.
+    optimizer.import_state(&mut |var, entry| {
+        state
+            .remove(&(var.as_tensor().id(), entry.to_string()))
+            .ok_or_else(|| candle_core::Error::Msg(format!("checkpoint: no optimizer `{entry}`")))
+    })?;
+    scaler.load_state(scaler_state)?;
+    for (var, t) in masters {
+        var.set(&t.to_device(var.device())?)?;
+    }
+    crate::cast::clear_autocast_cache();
+    Ok(step)
+}
