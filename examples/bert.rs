@@ -116,11 +116,21 @@ fn train(
     let mut opt = AdamW::new(vars.all_vars(), params)?;
     let mut data = MaskedCounting::new(args.letters, 7);
     let quiet = args.json || !label;
-    let result = modes::run_steps(mode, args.steps, quiet, &peak, &mut opt, |opt, step| {
-        opt.set_learning_rate(learning_rate(args, step));
-        let batch = data.batch(args.batch, args.seq, dev)?;
-        loss(mode, &model, &batch)
-    })?;
+    let mut scaler = modes::scaler(mode)?;
+    let steps = 0..args.steps;
+    let result = modes::run_steps(
+        mode,
+        steps,
+        quiet,
+        &peak,
+        &mut opt,
+        &mut scaler,
+        |opt, step| {
+            opt.set_learning_rate(learning_rate(args, step));
+            let batch = data.batch(args.batch, args.seq, dev)?;
+            loss(mode, &model, &batch)
+        },
+    )?;
     let attention = model.attention_dtypes()[0];
     Ok((result, attention, model))
 }

@@ -20,7 +20,7 @@ mod gpt_model;
 use std::path::PathBuf;
 
 use candle_amp::optim::{AdamW, Optimizer, ParamsAdamW};
-use candle_amp::{Tensor, F32};
+use candle_amp::{checkpoint, Tensor, F32};
 use candle_core::{DType, Device, Result};
 use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
@@ -59,6 +59,13 @@ struct Args {
     /// Where `gpt_loss.png` goes.
     #[arg(long, default_value = "target/examples-out")]
     out: PathBuf,
+    /// After training, save each mode's checkpoint (`gpt-f32.safetensors`, ...) in this folder.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Resume each mode from its checkpoint in this folder and train `--steps` more steps: the
+    /// same losses, bit for bit, as one run of all the steps.
+    #[arg(long)]
+    resume: Option<PathBuf>,
     /// Device: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda` (the peak is then
     /// the GPU's memory pool's).
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
@@ -93,12 +100,27 @@ fn train(
         ..ParamsAdamW::default()
     };
     let mut opt = AdamW::new(vars.all_vars(), params)?;
+    let mut scaler = modes::scaler(mode)?;
+    let file = |dir: &PathBuf| dir.join(format!("gpt-{}.safetensors", mode.name()));
+    let start = match &args.resume {
+        Some(dir) => checkpoint::load(file(dir), &vars, &mut opt, &mut scaler)? as usize,
+        None => 0,
+    };
     let mut data = Counting::new(args.vocab, 7);
+    for _ in 0..start {
+        data.batch(args.batch, args.seq + 1, dev)?; // the batches the run so far drew
+    }
     let quiet = args.json || !label;
-    let result = modes::run_steps(mode, args.steps, quiet, &peak, &mut opt, |_, _| {
+    let steps = start..start + args.steps;
+    let result = modes::run_steps(mode, steps, quiet, &peak, &mut opt, &mut scaler, |_, _| {
         let ids = data.batch(args.batch, args.seq + 1, dev)?;
         loss(mode, &mut model, &ids)
     })?;
+    if let Some(dir) = &args.save {
+        std::fs::create_dir_all(dir)?;
+        let step = (start + args.steps) as u64;
+        checkpoint::save(file(dir), &vars, &opt, &scaler, step)?;
+    }
     Ok((result, model))
 }
 
@@ -131,6 +153,8 @@ fn main() -> Result<()> {
     let warm = Args {
         steps: 1,
         json: true,
+        save: None,
+        resume: None,
         ..args.clone()
     };
     for mode in Mode::ALL {

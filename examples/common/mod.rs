@@ -598,6 +598,10 @@ static GLOBAL: CountingAlloc = CountingAlloc;
 /// The mean of the last tenth of the losses (at least one): the final loss, less one batch's
 /// noise.
 pub fn mean_tail(losses: &[f32]) -> f32 {
-    let n = (losses.len() / 10).max(1);
+    mean_tail_n(losses, (losses.len() / 10).max(1))
+}
+
+/// The mean of the last `n` losses.
+pub fn mean_tail_n(losses: &[f32], n: usize) -> f32 {
     losses[losses.len() - n..].iter().sum::<f32>() / n as f32
 }

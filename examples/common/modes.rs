@@ -40,38 +40,49 @@ pub struct ModeResult {
     pub losses: Vec<f32>,
 }
 
-/// `steps` steps of `loss(opt, step)` in `mode`, with the GradScaler loop (enabled for fp16
-/// only: bf16 has f32's range and, as in PyTorch, no loss scaling); `loss` may set the
-/// optimizer's rate first. The first step is the untimed warm-up; the peak counts from `peak`'s start
-/// (read before the model was made). `quiet` hides the progress bar.
+/// The GradScaler of `mode`'s loop: enabled for fp16 only (bf16 has f32's range and, as in
+/// PyTorch, no loss scaling).
+pub fn scaler(mode: Mode) -> Result<GradScaler> {
+    GradScaler::builder().enabled(mode == Mode::Fp16).build()
+}
+
+/// Steps `steps` (`0..n` for a fresh run, `k..k + n` after resuming from step `k`) of
+/// `loss(opt, step)` in `mode`, with the GradScaler loop; `loss` may set the optimizer's rate
+/// first. The first step is the untimed warm-up; the peak counts from `peak`'s start (read
+/// before the model was made). The final loss is the mean of the last tenth of all the steps,
+/// `0..steps.end`, so that a resumed run reports what the uninterrupted one does. `quiet`
+/// hides the progress bar.
 pub fn run_steps<O: Optimizer>(
     mode: Mode,
-    steps: usize,
+    steps: std::ops::Range<usize>,
     quiet: bool,
     peak: &super::Peak,
     opt: &mut O,
+    scaler: &mut GradScaler,
     mut loss: impl FnMut(&mut O, usize) -> Result<Tensor<F32>>,
 ) -> Result<ModeResult> {
-    let mut scaler = GradScaler::builder().enabled(mode == Mode::Fp16).build()?;
-    let bar = super::progress(steps as u64, mode.name(), quiet);
-    let (mut losses, mut start) = (Vec::with_capacity(steps), Instant::now());
-    for step in 0..steps {
-        if step == 1 {
+    let bar = super::progress(steps.len() as u64, mode.name(), quiet);
+    let (mut losses, mut start) = (Vec::with_capacity(steps.len()), Instant::now());
+    let total = steps.end;
+    for step in steps {
+        if losses.len() == 1 {
             start = Instant::now(); // the first step is the untimed warm-up
         }
         let l = loss(opt, step)?;
         let grads = scaler.scale(&l)?.backward()?;
         let _ = scaler.step(opt, grads)?;
         scaler.update()?;
-        losses.push(l.to_scalar::<f32>()?);
-        bar.set_message(format!("loss {:.4}", losses[step]));
+        let value = l.to_scalar::<f32>()?;
+        losses.push(value);
+        bar.set_message(format!("loss {value:.4}"));
         bar.inc(1);
     }
     bar.finish();
-    let timed = steps.saturating_sub(1).max(1);
+    let timed = losses.len().saturating_sub(1).max(1);
+    let tail = (total / 10).clamp(1, losses.len().max(1));
     Ok(ModeResult {
         ms_per_step: start.elapsed().as_secs_f64() * 1e3 / timed as f64,
-        final_loss: super::mean_tail(&losses),
+        final_loss: super::mean_tail_n(&losses, tail),
         peak_bytes: peak.bytes()?,
         skipped_steps: scaler.skipped_steps(),
         losses,
