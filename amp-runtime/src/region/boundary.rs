@@ -1,5 +1,6 @@
-//! Region boundaries, called by generated code: parameters entering a region, results leaving
-//! it, and the dtype plumbing of `#[custom_fwd]`/`#[custom_bwd]`.
+//! Region boundaries, called by generated code: parameters entering a region, a candle module's
+//! call from one, and the dtype plumbing of `#[custom_fwd]`/`#[custom_bwd]` (results leave
+//! through `exit.rs`).
 
 use candle_core::{DType, Result};
 

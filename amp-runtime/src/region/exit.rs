@@ -94,7 +94,7 @@ impl<D, V> Leaving<D, V> {
     }
 }
 
-/// Way out 1: a `Result` of the declared type, converted by [`ExitAs`].
+/// Way out 1: a `Result` of the declared type, converted by `ExitAs`.
 pub trait LeaveConverted<D> {
     /// The value as declared.
     fn __amp_leave(self) -> D;
@@ -121,7 +121,7 @@ impl<D> LeaveAsIs<D> for &&Leaving<D, D> {
     }
 }
 
-/// Way out 3: a `Result` of another value, converted to the declared one by [`ExitAs`].
+/// Way out 3: a `Result` of another value, converted to the declared one by `ExitAs`.
 pub trait LeaveAsDeclared<D> {
     /// The value as declared.
     fn __amp_leave(self) -> D;

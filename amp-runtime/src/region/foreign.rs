@@ -1,8 +1,9 @@
-//! Another crate's free function named like a candle-amp op, called in a region
-//! (`candle_nn::ops::softmax(&h, 1)`): the rewrite passes its first argument through
-//! [`foreign_arg`], which lets a candle tensor through and turns a region value into a compile
-//! error naming candle-amp's op. candle-amp's own `ops`/`loss` shadow it with [`routed_arg`]
-//! (see `free.rs` for how the shadowing picks).
+//! Another crate's free function named like a candle-amp op, called in a region: candle-nn's own
+//! (`candle_nn::ops::softmax_last_dim(&h)`) is routed as candle-amp's ([`CandleNnFn`]); any
+//! other gets its first argument through [`foreign_arg`], which passes a value of the type the
+//! function takes and turns a typed tensor where a candle tensor is expected into a compile
+//! error naming the fix. candle-amp's own `ops`/`loss` shadow it with [`routed_arg`] (see
+//! `free.rs` for how the shadowing picks).
 
 use std::marker::PhantomData;
 
@@ -28,7 +29,7 @@ pub fn routed_arg<T>(x: T) -> T {
 /// A value given to another crate's function where it expects `Target`: only `Target` itself.
 #[diagnostic::on_unimplemented(
     message = "this candle function takes `{Target}`, not `{Self}`",
-    label = "a region value or typed tensor given to a function of another crate",
+    label = "a typed tensor given to a function of another crate",
     note = "on a candle tensor in half precision a candle-nn op would run in that precision, \
             whatever its autocast class: write candle-amp's function of the same name \
             (`candle_amp::ops::softmax`, `layer_norm`, `rms_norm`, `sigmoid`; \

@@ -1,18 +1,20 @@
 //! The runtime of autocast regions: what the code `#[autocast]` generates runs on.
 //!
-//! Inside a region every tensor value is an [`AmpTensor`]: a candle tensor whose dtype is one of
-//! f32/f16/bf16, known at run time. Each op call is routed through the region's [`Policy`], a
+//! Inside a region every tensor value is a candle tensor ([`AmpTensor`] is its alias) whose
+//! dtype is known at run time: f32/f16/bf16, or an integer dtype no op casts. Each op call is
+//! routed through the region's [`Policy`], a
 //! type parameter: the op's class under the policy (a compile-time constant) fixes its target
 //! precision, inputs are cast to it, and a cast is elided when the input already has that dtype.
 //! So the casts are decided statically per op, as in PyTorch's autocast, while a binding may
 //! hold different precisions over a loop or across branches (see ARCHITECTURE.md).
 //!
 //! One topic a file: `policy` (the policies), `value` (region values), `route` (the routing
-//! core, `Routed` receivers), `call` (module calls), `methods` (the routed op methods), `operators`,
-//! `free` (routed free-function ops), `boundary` (entering a region, custom ops' dtypes), `exit` (leaving it), `module`
-//! (`AmpModule`, `apply`). Users meet the policies, [`AmpTensor`], [`AsAmp`], [`RegionCall`], [`RegionCallMut`],
-//! [`AmpModule`] and [`cast_count`]; everything only generated code calls is in the hidden
-//! [`__private`] module.
+//! core, `Routed` receivers), `call` (module calls), `methods` (the routed op methods),
+//! `operators`, `free` (routed free-function ops), `foreign` (other crates' functions, candle-nn's
+//! routed), `boundary` (entering a region, custom ops' dtypes), `exit` (leaving it), `module`
+//! (`AmpModule`, `apply`). Users meet the policies, [`AmpTensor`], [`AsAmp`], [`RegionValue`],
+//! [`RegionCall`], [`RegionCallMut`], [`AmpModule`], [`cast_count`] and the autocast queries;
+//! everything only generated code calls is in the hidden [`__private`] module.
 
 mod boundary;
 mod call;
