@@ -1410,3 +1410,132 @@ fn half_layers_sum_bias_and_input_gradients_in_f32() -> Result<()> {
     );
     Ok(())
 }
+
+// ---- GroupNorm: fp32-class, PyTorch's arithmetic. ----
+
+/// `F.group_norm` in f64 by hand: per sample and group, the mean and biased variance over the
+/// group's channels and all positions.
+fn group_norm_f64(
+    x: &[f32],
+    dims: (usize, usize, usize),
+    groups: usize,
+    w: &[f32],
+    b: &[f32],
+    eps: f64,
+) -> Vec<f32> {
+    let (n, c, hw) = dims;
+    let per = c / groups * hw;
+    let mut out = vec![0f32; x.len()];
+    for s in 0..n {
+        for g in 0..groups {
+            let start = s * c * hw + g * per;
+            let vals: Vec<f64> = x[start..start + per]
+                .iter()
+                .map(|&v| f64::from(v))
+                .collect();
+            let mean = vals.iter().sum::<f64>() / per as f64;
+            let var = vals.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / per as f64;
+            for (i, v) in vals.iter().enumerate() {
+                let ch = g * (c / groups) + i / hw;
+                let y = (v - mean) / (var + eps).sqrt() * f64::from(w[ch]) + f64::from(b[ch]);
+                out[start + i] = y as f32;
+            }
+        }
+    }
+    out
+}
+
+#[candle_amp::autocast(bf16)]
+fn group_norms_bf16(
+    ours: &nn::GroupNorm,
+    theirs: &candle_nn::GroupNorm,
+    x: &Tensor<F32>,
+) -> Result<(candle_core::Tensor, candle_core::Tensor)> {
+    let h = x.cast::<BF16>()?;
+    Ok((ours.forward(&h)?, theirs.forward(&h)?))
+}
+
+#[candle_amp::autocast(bf16)]
+fn group_norm_region(norm: &nn::GroupNorm, x: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+    norm.forward(x)
+}
+
+#[test]
+fn group_norm_matches_pytorchs_arithmetic_and_runs_in_f32_from_half() -> Result<()> {
+    let dev = Device::Cpu;
+    let (n, c, h, w) = (2, 6, 3, 3);
+    let xs: Vec<f32> = common::values(n * c * h * w, 5)
+        .iter()
+        .map(|v| v * 3.0 + 1.0)
+        .collect();
+    let (scale, shift): (Vec<f32>, Vec<f32>) = (
+        (0..c).map(|i| 0.5 + i as f32 * 0.25).collect(),
+        (0..c).map(|i| i as f32 * 0.1 - 0.2).collect(),
+    );
+    let weight = candle_core::Var::from_vec(scale.clone(), c, &dev)?;
+    let bias = candle_core::Var::from_vec(shift.clone(), c, &dev)?;
+    let norm = nn::GroupNorm::new(weight.clone(), bias.clone(), 3, 1e-5)?;
+    let x = Tensor::<F32>::from_candle(candle_core::Tensor::from_vec(
+        xs.clone(),
+        (n, c, h, w),
+        &dev,
+    )?)?;
+    let y = norm
+        .forward(&x)?
+        .as_candle()
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let want = group_norm_f64(&xs, (n, c, h * w), 3, &scale, &shift, 1e-5);
+    let err = y
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(err < 1e-5, "{err}");
+
+    // In a bf16 region, ours and candle-nn's are f32 of the bf16 input, as the typed f32
+    // forward of the rounded input; the input's gradient comes back in bf16, the weight's f32.
+    let theirs = candle_nn::GroupNorm::new(
+        weight.as_tensor().clone(),
+        bias.as_tensor().clone(),
+        c,
+        3,
+        1e-5,
+    )?;
+    let (ours, cand) = group_norms_bf16(&norm, &theirs, &x)?;
+    let rounded = x.cast::<BF16>()?.cast::<F32>()?;
+    let want = norm.forward(&rounded)?.into_candle();
+    for (name, got) in [("ours", &ours), ("candle-nn's", &cand)] {
+        assert_eq!(got.dtype(), DType::F32, "{name}");
+        let diff = (got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{name}: {diff}");
+    }
+    let xv = candle_core::Var::from_tensor(&x.cast::<BF16>()?.into_candle())?;
+    let grads = group_norm_region(&norm, xv.as_tensor())?
+        .sum_all()?
+        .backward()?;
+    assert_eq!(
+        grads.get(xv.as_tensor()).map(candle_core::Tensor::dtype),
+        Some(DType::BF16)
+    );
+    assert_eq!(
+        grads
+            .get(weight.as_tensor())
+            .map(candle_core::Tensor::dtype),
+        Some(DType::F32)
+    );
+
+    // PyTorch's constructor checks.
+    let v = |n| candle_core::Var::ones(n, DType::F32, &dev);
+    assert!(nn::GroupNorm::new(v(6)?, v(6)?, 4, 1e-5)
+        .unwrap_err()
+        .to_string()
+        .contains("divisible"));
+    assert!(nn::GroupNorm::new(v(6)?, v(6)?, 0, 1e-5).is_err());
+    assert!(nn::GroupNorm::new(v(6)?, v(6)?, 3, 0.0)
+        .unwrap_err()
+        .to_string()
+        .contains("eps"));
+    assert!(nn::GroupNorm::new(v(6)?, v(5)?, 3, 1e-5).is_err());
+    Ok(())
+}

@@ -142,6 +142,7 @@ pub(crate) const OPS: &[Row] = rows! {
     log_softmax: Fp32, free Ops;
     layer_norm: Fp32, free Ops;
     rms_norm: Fp32, free Ops;
+    group_norm: Fp32;
     mse: Fp32, free Loss;
     l1: Fp32, free Loss;
     smooth_l1: Fp32, free Loss;

@@ -97,6 +97,38 @@ pub(crate) fn rms_norm(x: &Tensor, alpha: &Tensor, eps: f64) -> Result<Tensor> {
         .broadcast_mul(&convert(alpha, x.dtype())?)
 }
 
+/// Group normalisation of `x` `(batch, channels, ..)` in `x`'s dtype (f32 from the fp32
+/// class): the mean and biased variance over each group of `channels / groups` channels and
+/// all positions, then the per-channel scale and shift (PyTorch's `F.group_norm`).
+pub(crate) fn group_norm(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    groups: usize,
+    eps: f64,
+) -> Result<Tensor> {
+    check_eps("group_norm", eps)?;
+    let dims = x.dims();
+    if dims.len() < 2 || dims[1] != weight.elem_count() || !dims[1].is_multiple_of(groups) {
+        candle_core::bail!(
+            "group_norm: input {dims:?} needs (batch, {}, ..) channels in {groups} groups",
+            weight.elem_count()
+        )
+    }
+    let grouped = x.reshape((dims[0], groups, ()))?;
+    let mean = grouped.mean_keepdim(D::Minus1)?;
+    let centred = grouped.broadcast_sub(&mean)?;
+    let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = centred
+        .broadcast_div(&(var + eps)?.sqrt()?)?
+        .reshape(dims)?;
+    let mut shape = vec![1; dims.len()];
+    shape[1] = dims[1];
+    normed
+        .broadcast_mul(&convert(weight, x.dtype())?.reshape(shape.as_slice())?)?
+        .broadcast_add(&convert(bias, x.dtype())?.reshape(shape.as_slice())?)
+}
+
 /// A normalisation's `eps` must be finite and positive: a negative one makes the variance plus
 /// `eps` negative (NaN outputs), zero divides a constant row by zero, NaN poisons every output.
 /// Every norm (layer, RMS, batch), whichever way it is reached, checks it here.

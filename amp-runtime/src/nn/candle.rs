@@ -102,6 +102,15 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
     }
 }
 
+/// candle-nn's `GroupNorm`: fp32-class, its own composition run on the input cast to f32 (its
+/// f32 scale and shift as they are).
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::GroupNorm {
+    type Output = AmpTensor;
+    fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
+        unary::<Pol, op::group_norm>(&x.to_amp(), |x| self.forward(x))
+    }
+}
+
 /// Ids are integers, never cast: the table's rows, in the table's dtype.
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::Embedding {
     type Output = AmpTensor;

@@ -52,7 +52,9 @@ pub use conv_bn::{ConvBn2d, ConvBnReLU2d};
 pub use dropout::Dropout;
 pub use embedding::{embedding, Embedding};
 pub use linear::{linear, linear_b, linear_no_bias, Linear};
-pub use norm::{batch_norm2d, layer_norm, rms_norm, BatchNorm2d, LayerNorm, RmsNorm};
+pub use norm::{
+    batch_norm2d, group_norm, layer_norm, rms_norm, BatchNorm2d, GroupNorm, LayerNorm, RmsNorm,
+};
 pub use pool::{AvgPool2d, MaxPool2d};
 
 use candle_core::{Result, Var};
@@ -149,7 +151,7 @@ macro_rules! candle_module {
         }
     )*};
 }
-candle_module!(Linear, Conv1d, Conv2d, MaxPool2d, AvgPool2d, LayerNorm, RmsNorm);
+candle_module!(Linear, Conv1d, Conv2d, MaxPool2d, AvgPool2d, LayerNorm, RmsNorm, GroupNorm);
 
 /// `candle_nn::ModuleT` for the layers with a `train` flag, as [`candle_module`] does for the
 /// others.

@@ -115,6 +115,97 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for LayerNorm 
     }
 }
 
+/// Group normalisation (PyTorch's `nn.GroupNorm`, candle-nn's `GroupNorm`): over each group of
+/// channels and all positions of an input `(batch, channels, ..)`, then a per-channel scale and
+/// shift. Fp32-class (PyTorch's autocast lists `group_norm` there): computed in f32 from any
+/// input precision, with f32 masters.
+#[derive(Clone, Debug)]
+pub struct GroupNorm {
+    weight: Var,
+    bias: Var,
+    groups: usize,
+    eps: f64,
+}
+
+impl GroupNorm {
+    /// A group norm of `groups` groups from an f32 scale and shift `(channels)` and `eps`; the
+    /// channels must split evenly into the groups, as PyTorch's constructor requires.
+    pub fn new(weight: Var, bias: Var, groups: usize, eps: f64) -> Result<Self> {
+        let weight = master(weight, "GroupNorm weight")?;
+        let bias = master(bias, "GroupNorm bias")?;
+        expect_dims(&weight, "GroupNorm weight", 1)?;
+        expect_dims(&bias, "GroupNorm bias", 1)?;
+        let channels = weight.elem_count();
+        if bias.elem_count() != channels {
+            candle_core::bail!(
+                "GroupNorm: the bias has {} values, the weight {channels}",
+                bias.elem_count()
+            )
+        }
+        if groups == 0 || !channels.is_multiple_of(groups) {
+            candle_core::bail!(
+                "GroupNorm: {channels} channels do not split into {groups} groups (num_channels \
+                 must be divisible by num_groups, as in PyTorch)"
+            )
+        }
+        composite::check_eps("GroupNorm", eps)?;
+        Ok(Self {
+            weight,
+            bias,
+            groups,
+            eps,
+        })
+    }
+
+    /// The number of groups.
+    pub fn groups(&self) -> usize {
+        self.groups
+    }
+
+    /// Normalises `x` in f32. Outside autocast `x` is `Tensor<F32>`; a half input is a compile
+    /// error (use an autocast region).
+    pub fn forward<P: Fp32Input<op::group_norm>>(&self, x: &Tensor<P>) -> Result<Tensor<F32>> {
+        if let Some(y) = super::followed::<F32, crate::region::calls::forward, _>(self, (x,)) {
+            return y;
+        }
+        let y = composite::group_norm(
+            x.as_candle(),
+            self.weight.as_tensor(),
+            self.bias.as_tensor(),
+            self.groups,
+            self.eps,
+        )?;
+        Tensor::from_candle(y)
+    }
+}
+
+impl AmpLayer for GroupNorm {
+    type Op = op::group_norm;
+}
+
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for GroupNorm {
+    type Output = AmpTensor;
+    fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
+        unary::<Pol, op::group_norm>(&x.to_amp(), |x| {
+            let (w, b) = (self.weight.as_tensor(), self.bias.as_tensor());
+            composite::group_norm(x, w, b, self.groups, self.eps)
+        })
+    }
+}
+
+/// A group norm as candle-nn's `group_norm`: `groups` groups of `channels`, scale ones and
+/// shift zeros from `vb` (`weight`, `bias`).
+pub fn group_norm(groups: usize, channels: usize, eps: f64, vb: VarBuilder) -> Result<GroupNorm> {
+    let weight = vb.get_with_hints(channels, "weight", candle_nn::Init::Const(1.))?;
+    let bias = vb.get_with_hints(channels, "bias", candle_nn::Init::Const(0.))?;
+    GroupNorm::new(
+        Var::from_tensor(&weight)?,
+        Var::from_tensor(&bias)?,
+        groups,
+        eps,
+    )
+}
+
 /// A layer norm as candle-nn's `layer_norm`: `config` is an `eps` (`1e-5`) or a
 /// [`LayerNormConfig`](candle_nn::LayerNormConfig). Affine (the default): a trained scale (ones)
 /// and shift (zeros) from `vb`; not affine: a fixed scale of ones and no shift. A config with
