@@ -1539,3 +1539,80 @@ fn group_norm_matches_pytorchs_arithmetic_and_runs_in_f32_from_half() -> Result<
     assert!(nn::GroupNorm::new(v(6)?, v(5)?, 3, 1e-5).is_err());
     Ok(())
 }
+
+// ---- BatchNorm1d: BatchNorm2d's op over (batch, channels[, length]). ----
+
+#[candle_amp::autocast(bf16)]
+fn batch_norm1d_bf16(bn: &nn::BatchNorm1d, x: &Tensor<F32>) -> Result<DType> {
+    Ok(bn.forward_t(&x.cast::<BF16>()?, true)?.dtype())
+}
+
+#[test]
+fn batch_norm1d_is_batch_norm2d_over_a_length_and_matches_a_hand_computation() -> Result<()> {
+    let dev = Device::Cpu;
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev);
+    let bn1 = nn::batch_norm1d(4, 1e-5, vb.pp("bn1"))?;
+    let bn2 = nn::batch_norm2d(4, 1e-5, vb.pp("bn2"))?;
+    let x3 = Tensor::<F32>::from_candle(candle_core::Tensor::from_vec(
+        common::values(8 * 4 * 5, 9),
+        (8, 4, 5),
+        &dev,
+    )?)?;
+    let y1 = bn1.forward_t(&x3, true)?.into_candle();
+    let y2 = bn2
+        .forward_t(&x3.reshape((8, 4, 5, 1))?, true)?
+        .into_candle()
+        .reshape((8, 4, 5))?;
+    let bits = |t: &candle_core::Tensor| -> Result<Vec<u32>> {
+        Ok(t.flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|v| v.to_bits())
+            .collect())
+    };
+    assert_eq!(bits(&y1)?, bits(&y2)?);
+    let (a, b) = (bn1.as_batch_norm2d(), &bn2);
+    assert_eq!(
+        bits(a.running_var().as_tensor())?,
+        bits(b.running_var().as_tensor())?
+    );
+
+    // (batch, channels): each channel normalised over the batch, the running variance moved a
+    // tenth of the way to the unbiased batch variance, by hand.
+    let bn = nn::batch_norm1d(3, 1e-5, vb.pp("bn3"))?;
+    let xs = common::values(6 * 3, 4);
+    let x2 = Tensor::<F32>::from_candle(candle_core::Tensor::from_vec(xs.clone(), (6, 3), &dev)?)?;
+    let y = bn.forward_t(&x2, true)?.into_candle().to_vec2::<f32>()?;
+    let rv = bn
+        .as_batch_norm2d()
+        .running_var()
+        .as_tensor()
+        .to_vec1::<f32>()?;
+    for c in 0..3 {
+        let col: Vec<f64> = (0..6).map(|r| f64::from(xs[r * 3 + c])).collect();
+        let mean = col.iter().sum::<f64>() / 6.0;
+        let var = col.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 6.0;
+        for (r, v) in col.iter().enumerate() {
+            let want = (v - mean) / (var + 1e-5).sqrt();
+            assert!(
+                (f64::from(y[r][c]) - want).abs() < 1e-5,
+                "{} vs {want}",
+                y[r][c]
+            );
+        }
+        let want_rv = 0.9 + 0.1 * var * 6.0 / 5.0;
+        assert!(
+            (f64::from(rv[c]) - want_rv).abs() < 1e-6,
+            "{} vs {want_rv}",
+            rv[c]
+        );
+    }
+
+    // In a bf16 region it runs in its input's precision, as BatchNorm2d (on no PyTorch list).
+    assert_eq!(batch_norm1d_bf16(&bn, &x2)?, DType::BF16);
+    let x4 = x3.reshape((8, 4, 5, 1))?;
+    let err = bn1.forward_t(&x4, true).unwrap_err().to_string();
+    assert!(err.contains("BatchNorm2d's"), "{err}");
+    Ok(())
+}

@@ -53,7 +53,8 @@ pub use dropout::Dropout;
 pub use embedding::{embedding, Embedding};
 pub use linear::{linear, linear_b, linear_no_bias, Linear};
 pub use norm::{
-    batch_norm2d, group_norm, layer_norm, rms_norm, BatchNorm2d, GroupNorm, LayerNorm, RmsNorm,
+    batch_norm1d, batch_norm2d, group_norm, layer_norm, rms_norm, BatchNorm1d, BatchNorm2d,
+    GroupNorm, LayerNorm, RmsNorm,
 };
 pub use pool::{AvgPool2d, MaxPool2d};
 
@@ -172,7 +173,7 @@ macro_rules! candle_module_t {
         }
     )*};
 }
-candle_module_t!(BatchNorm2d, ConvBn2d, ConvBnReLU2d);
+candle_module_t!(BatchNorm1d, BatchNorm2d, ConvBn2d, ConvBnReLU2d);
 
 impl candle_nn::Module for Embedding {
     fn forward(&self, ids: &candle_core::Tensor) -> Result<candle_core::Tensor> {

@@ -601,3 +601,68 @@ pub fn batch_norm2d<C: Into<BatchNormConfig>>(
         config.momentum,
     )
 }
+
+/// Batch normalisation over `(batch, channels)` or `(batch, channels, length)` inputs
+/// (PyTorch's `nn.BatchNorm1d`): [`BatchNorm2d`]'s op on the input seen as `(batch, channels,
+/// length, 1)`, so the same precision rule (the input's precision, f32 statistics and
+/// parameters) and the same single op with its own backward.
+#[derive(Clone, Debug)]
+pub struct BatchNorm1d {
+    inner: BatchNorm2d,
+}
+
+impl BatchNorm1d {
+    /// A batch norm over the channels of a 2-D or 3-D input (see [`BatchNorm2d::new`]).
+    pub fn new(
+        running_mean: Var,
+        running_var: Var,
+        affine: Option<(Var, Var)>,
+        eps: f64,
+        momentum: f64,
+    ) -> Result<Self> {
+        let inner = BatchNorm2d::new(running_mean, running_var, affine, eps, momentum)?;
+        Ok(Self { inner })
+    }
+
+    /// The 2-D layer it runs as.
+    pub fn as_batch_norm2d(&self) -> &BatchNorm2d {
+        &self.inner
+    }
+
+    /// Training mode: batch statistics, the running ones updated.
+    pub fn forward_train<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
+        self.forward_t(x, true)
+    }
+
+    /// `train` selects batch statistics (and updates the running ones) or running statistics.
+    pub fn forward_t<P: Precision>(&self, x: &Tensor<P>, train: bool) -> Result<Tensor<P>> {
+        let dims = x.dims().to_vec();
+        let (n, c, l) = match dims.as_slice() {
+            &[n, c] => (n, c, 1),
+            &[n, c, l] => (n, c, l),
+            other => candle_core::bail!(
+                "BatchNorm1d: the input is (batch, channels) or (batch, channels, length), got \
+                 {other:?} (a 4-D input is BatchNorm2d's)"
+            ),
+        };
+        let y = self.inner.forward_t(&x.reshape((n, c, l, 1))?, train)?;
+        y.reshape(dims)
+    }
+}
+
+impl AmpLayer for BatchNorm1d {
+    type Op = op::batch_norm;
+}
+
+super::region_forward_t!(BatchNorm1d);
+
+/// A `BatchNorm1d` as candle-nn's `batch_norm` (see [`batch_norm2d`]).
+pub fn batch_norm1d<C: Into<BatchNormConfig>>(
+    num_features: usize,
+    config: C,
+    vb: VarBuilder,
+) -> Result<BatchNorm1d> {
+    Ok(BatchNorm1d {
+        inner: batch_norm2d(num_features, config, vb)?,
+    })
+}
