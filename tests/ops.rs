@@ -674,3 +674,125 @@ fn routed_transpose(x: &Tensor<F32>) -> Result<f32> {
         .to_vec3::<f32>()
         .map(|v| v[0][0][299])
 }
+
+// ---- Cross-entropy with PyTorch's options. ----
+
+/// `F.cross_entropy(x, y, weight, ignore_index, label_smoothing)`, mean reduction, in f64 by
+/// hand from PyTorch's definition: both terms over the rows not ignored, divided by the sum of
+/// their targets' weights (PyTorch's, except for the one case the test marks).
+fn cross_entropy_f64(x: &[[f64; 3]], y: &[i64], w: [f64; 3], ignore: i64, s: f64) -> f64 {
+    let (mut nll, mut smooth, mut denom) = (0.0, 0.0, 0.0);
+    for (row, &t) in x.iter().zip(y) {
+        if t == ignore {
+            continue;
+        }
+        let lse = row.iter().map(|v| v.exp()).sum::<f64>().ln();
+        let logp: Vec<f64> = row.iter().map(|v| v - lse).collect();
+        let t = usize::try_from(t).unwrap();
+        nll += -w[t] * logp[t];
+        smooth += -(0..3).map(|c| w[c] * logp[c]).sum::<f64>();
+        denom += w[t];
+    }
+    ((1.0 - s) * nll + s / 3.0 * smooth) / denom
+}
+
+#[candle_amp::autocast(bf16)]
+fn cross_entropy_with_bf16(
+    x: &Tensor<F32>,
+    y: &candle_core::Tensor,
+    o: &loss::CrossEntropy,
+) -> Result<Tensor<F32>> {
+    let logits = x.matmul(&x.t()?)?.narrow(1, 0, 3)?; // bf16
+    assert_eq!(logits.dtype(), DType::BF16);
+    Ok(loss::cross_entropy_with(&logits, y, o)?)
+}
+
+#[test]
+fn cross_entropy_options_match_pytorchs_definition() -> Result<()> {
+    let rows = [
+        [0.5, -1.0, 2.0],
+        [1.5, 0.25, -0.5],
+        [0.0, 3.0, 1.0],
+        [-2.0, 0.5, 0.75],
+    ];
+    let flat: Vec<f32> = rows.iter().flatten().map(|&v| v as f32).collect();
+    let x = Tensor::<F32>::from_candle(candle_core::Tensor::from_vec(flat, (4, 3), &dev())?)?;
+    let ids = [0i64, 2, -100, 1];
+    let y = candle_core::Tensor::new(&ids, &dev())?;
+    let w = [1.0, 2.0, 0.5];
+    let weight = candle_core::Tensor::new(&[1f32, 2.0, 0.5], &dev())?;
+    let all = [0i64, 2, 1, 1];
+    let y_all = candle_core::Tensor::new(&all, &dev())?;
+    let cases = [
+        ("plain", &y_all, &all, [1.0; 3], None, 0.0, None),
+        ("weights", &y_all, &all, w, Some(weight.clone()), 0.0, None),
+        ("ignored", &y, &ids, [1.0; 3], None, 0.0, Some(-100)),
+        ("smoothing", &y_all, &all, [1.0; 3], None, 0.1, None),
+        (
+            "all three",
+            &y,
+            &ids,
+            w,
+            Some(weight.clone()),
+            0.1,
+            Some(-100),
+        ),
+        // Here PyTorch averages the smoothing term over all four rows, the ignored one too
+        // (diluting it by the padding); both terms are over the rows not ignored here.
+        (
+            "smoothing, ignored",
+            &y,
+            &ids,
+            [1.0; 3],
+            None,
+            0.1,
+            Some(-100),
+        ),
+    ];
+    for (name, target, t, wv, weight, s, ignore) in cases {
+        let o = loss::CrossEntropy {
+            weight,
+            ignore_index: ignore,
+            label_smoothing: s,
+        };
+        let got = loss::cross_entropy_with(&x, target, &o)?.to_scalar::<f32>()?;
+        let want = cross_entropy_f64(&rows, t, wv, ignore.unwrap_or(-1), s);
+        assert!(
+            (f64::from(got) - want).abs() < 1e-6,
+            "{name}: {got} vs {want}"
+        );
+    }
+    // No options: the plain loss.
+    let plain = loss::cross_entropy(&x, &y_all)?.to_scalar::<f32>()?;
+    let with = loss::cross_entropy_with(&x, &y_all, &loss::CrossEntropy::default())?;
+    assert_eq!(with.to_scalar::<f32>()?, plain);
+    // In a region: fp32-class, f32 from bf16 logits.
+    let x8 = Tensor::<F32>::from_candle(candle_core::Tensor::from_vec(
+        (0..12).map(|i| i as f32 / 10.0).collect(),
+        (3, 4),
+        &dev(),
+    )?)?;
+    let y3 = candle_core::Tensor::new(&[0u32, 2, 1], &dev())?;
+    let o = loss::CrossEntropy {
+        label_smoothing: 0.2,
+        ..Default::default()
+    };
+    assert_eq!(cross_entropy_with_bf16(&x8, &y3, &o)?.dtype(), DType::F32);
+    // Bad arguments are errors naming them.
+    let bad = |o: loss::CrossEntropy, y: &candle_core::Tensor| {
+        loss::cross_entropy_with(&x, y, &o).unwrap_err().to_string()
+    };
+    let smoothing = loss::CrossEntropy {
+        label_smoothing: 1.5,
+        ..Default::default()
+    };
+    assert!(bad(smoothing, &y_all).contains("label_smoothing"));
+    let out_of_range = candle_core::Tensor::new(&[0i64, 3, 1, 1], &dev())?;
+    assert!(bad(loss::CrossEntropy::default(), &out_of_range).contains("0..3"));
+    let short = loss::CrossEntropy {
+        weight: Some(candle_core::Tensor::ones(2, DType::F32, &dev())?),
+        ..Default::default()
+    };
+    assert!(bad(short, &y_all).contains("weight"));
+    Ok(())
+}

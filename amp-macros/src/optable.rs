@@ -148,6 +148,7 @@ pub(crate) const OPS: &[Row] = rows! {
     smooth_l1: Fp32, free Loss;
     nll: Fp32, free Loss;
     cross_entropy: Fp32, free Loss;
+    cross_entropy_with = cross_entropy: Fp32, free Loss;
     binary_cross_entropy_with_logits: Fp32, free Loss;
     binary_cross_entropy_with_logit = binary_cross_entropy_with_logits: Fp32, free Loss;
 

@@ -39,6 +39,80 @@ pub(crate) fn cross_entropy_f32(x: &Tensor, target: &Tensor) -> Result<Tensor> {
     candle_nn::loss::nll(&log_softmax_f32(x, 1)?, target)
 }
 
+/// PyTorch's `F.cross_entropy` options: class weights `(classes)`, a class id whose rows are
+/// ignored (PyTorch's default is -100; `None` ignores none), and label smoothing in `[0, 1]`.
+#[derive(Clone, Debug, Default)]
+pub struct CrossEntropy {
+    /// A weight per class (f32 or any float dtype, read in f32).
+    pub weight: Option<Tensor>,
+    /// Rows whose class id is this one take no part (nor in the mean's denominator).
+    pub ignore_index: Option<i64>,
+    /// Mixes the one-hot target with the uniform distribution: `(1 - s) * one_hot + s / C`.
+    pub label_smoothing: f64,
+}
+
+/// Cross-entropy of logits `(batch, classes)` at class ids `(batch)` with PyTorch's options,
+/// mean reduction, in f32: `((1 - s) * sum_i w[y_i] * -log p_i[y_i] + s / C * sum_i sum_c
+/// w[c] * -log p_i[c]) / sum_i w[y_i]` over the rows not ignored (`w` = 1 without weights).
+/// PyTorch divides the smoothing term of an unweighted loss by all rows, ignored ones included,
+/// which dilutes it by the padding; here both terms are over the same rows.
+pub(crate) fn cross_entropy_with_f32(
+    x: &Tensor,
+    target: &Tensor,
+    o: &CrossEntropy,
+) -> Result<Tensor> {
+    let (n, classes) = x.dims2().map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "cross_entropy expects logits (batch, classes), got {:?}",
+            x.dims()
+        ))
+    })?;
+    if target.dims() != [n] || target.dtype().is_float() {
+        candle_core::bail!(
+            "cross_entropy: the target is {n} integer class ids, got {:?} {:?}",
+            target.dtype(),
+            target.dims()
+        )
+    }
+    if !(0.0..=1.0).contains(&o.label_smoothing) {
+        candle_core::bail!(
+            "cross_entropy: label_smoothing must be in [0, 1], got {}",
+            o.label_smoothing
+        )
+    }
+    let ids = target.to_dtype(DType::I64)?;
+    let kept = match o.ignore_index {
+        Some(ignored) => ids.ne(ignored)?,
+        None => Tensor::ones(n, DType::U8, x.device())?,
+    };
+    let valid = kept.to_dtype(DType::F32)?;
+    // Ignored rows read class 0 (their terms are zeroed by `valid`).
+    let safe = kept.where_cond(&ids, &ids.zeros_like()?)?;
+    let max_id = safe.max_all()?.to_scalar::<i64>()?;
+    let min_id = safe.min_all()?.to_scalar::<i64>()?;
+    if min_id < 0 || max_id >= classes as i64 {
+        candle_core::bail!(
+            "cross_entropy: class ids must be in 0..{classes}, got {min_id}..={max_id}"
+        )
+    }
+    let logp = log_softmax_f32(x, 1)?;
+    let weight = match &o.weight {
+        Some(w) if w.dims() == [classes] => convert(w, DType::F32)?,
+        Some(w) => candle_core::bail!(
+            "cross_entropy: weight must be ({classes}), got {:?}",
+            w.dims()
+        ),
+        None => Tensor::ones(classes, DType::F32, x.device())?,
+    };
+    let safe = safe.to_dtype(DType::U32)?;
+    let w_y = (weight.index_select(&safe, 0)? * &valid)?;
+    let picked = logp.gather(&safe.unsqueeze(1)?, 1)?.squeeze(1)?;
+    let nll = (picked.neg()? * &w_y)?.sum_all()?;
+    let smooth = (logp.broadcast_mul(&weight.unsqueeze(0)?)?.sum(1)?.neg()? * &valid)?.sum_all()?;
+    let s = o.label_smoothing;
+    ((nll * (1.0 - s))? + (smooth * (s / classes as f64))?)?.broadcast_div(&w_y.sum_all()?)
+}
+
 /// `(x - mean) / sqrt(var + eps) * alpha + beta` over the last dimension (biased variance): in
 /// f32 on CPU one fused op (`kernels::layer_norm`), otherwise composed.
 pub(crate) fn layer_norm(

@@ -56,6 +56,24 @@ pub fn cross_entropy<P: Fp32Input<op::cross_entropy>>(
     )
 }
 
+/// Cross-entropy with PyTorch's options (class weights, `ignore_index`, label smoothing; see
+/// [`CrossEntropy`]), mean reduction, in f32.
+pub fn cross_entropy_with<P: Fp32Input<op::cross_entropy>>(
+    inp: &Tensor<P>,
+    target: &candle_core::Tensor,
+    options: &CrossEntropy,
+) -> Result<Tensor<F32>> {
+    typed_or_followed(
+        || free::cross_entropy_with(inp, target, options),
+        || {
+            let y = crate::composite::cross_entropy_with_f32(inp.as_candle(), target, options)?;
+            Tensor::from_candle(y)
+        },
+    )
+}
+
+pub use crate::composite::CrossEntropy;
+
 /// Binary cross-entropy on logits, computed stably (PyTorch's `binary_cross_entropy_with_logits`).
 pub fn binary_cross_entropy_with_logits<P: Fp32Input<op::binary_cross_entropy_with_logits>>(
     inp: &Tensor<P>,
@@ -82,7 +100,7 @@ pub use crate::region::foreign::routed_arg as __amp_arg;
 #[doc(hidden)]
 pub mod __amp_routed {
     pub use crate::region::free::{
-        binary_cross_entropy_with_logit, binary_cross_entropy_with_logits, cross_entropy, l1, mse,
-        nll, smooth_l1,
+        binary_cross_entropy_with_logit, binary_cross_entropy_with_logits, cross_entropy,
+        cross_entropy_with, l1, mse, nll, smooth_l1,
     };
 }

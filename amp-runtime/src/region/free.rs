@@ -263,6 +263,19 @@ pub fn cross_entropy<X: AsAmp>(inp: X, target: impl AsAmp) -> Call<op::cross_ent
     )
 }
 
+/// Routed `loss::cross_entropy_with` (class ids and weights: never cast; the logits by the
+/// loss's class).
+pub fn cross_entropy_with<X: AsAmp>(
+    inp: X,
+    target: impl AsAmp,
+    options: &composite::CrossEntropy,
+) -> Call<op::cross_entropy> {
+    let (target, options) = (target.to_amp(), options.clone());
+    call(vec![inp.to_amp()], move |x| {
+        composite::cross_entropy_with_f32(&x[0], &target, &options)
+    })
+}
+
 /// Routed `Tensor::cat`: promote-class, the widest input wins.
 pub fn cat<A: AsAmp, D: Dim + 'static>(tensors: &[A], dim: D) -> Call<op::cat> {
     let inputs = tensors.iter().map(AsAmp::to_amp).collect();
