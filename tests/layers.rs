@@ -1616,3 +1616,72 @@ fn batch_norm1d_is_batch_norm2d_over_a_length_and_matches_a_hand_computation() -
     assert!(err.contains("BatchNorm2d's"), "{err}");
     Ok(())
 }
+
+// ---- AdaptiveAvgPool2d: PyTorch's windows, precision-preserving. ----
+
+/// The pooled bf16 value's dtype in the region, and the value (leaving in the input's f32).
+#[candle_amp::autocast(bf16)]
+fn adaptive_pool_bf16(
+    pool: &nn::AdaptiveAvgPool2d,
+    x: &Tensor<F32>,
+) -> Result<(DType, candle_core::Tensor)> {
+    let y = pool.forward(&x.cast::<BF16>()?)?;
+    Ok((y.dtype(), y))
+}
+
+#[test]
+fn adaptive_avg_pool_uses_pytorchs_windows_and_keeps_the_precision() -> Result<()> {
+    let dev = Device::Cpu;
+    let (h, w) = (5, 7);
+    let xs = common::values(2 * h * w, 6);
+    let x = Tensor::<F32>::from_candle(candle_core::Tensor::from_vec(
+        xs.clone(),
+        (1, 2, h, w),
+        &dev,
+    )?)?;
+    let pool = nn::AdaptiveAvgPool2d::new((2, 3))?;
+    let y = pool
+        .forward(&x)?
+        .into_candle()
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let mut k = 0;
+    for c in 0..2 {
+        for i in 0..2 {
+            for j in 0..3 {
+                let (r0, r1) = (i * h / 2, ((i + 1) * h).div_ceil(2));
+                let (c0, c1) = (j * w / 3, ((j + 1) * w).div_ceil(3));
+                let cells: Vec<f64> = (r0..r1)
+                    .flat_map(|r| (c0..c1).map(move |q| (r, q)))
+                    .map(|(r, q)| f64::from(xs[c * h * w + r * w + q]))
+                    .collect();
+                let want = cells.iter().sum::<f64>() / cells.len() as f64;
+                assert!(
+                    (f64::from(y[k]) - want).abs() < 1e-6,
+                    "({c},{i},{j}): {} vs {want}",
+                    y[k]
+                );
+                k += 1;
+            }
+        }
+    }
+    let global = nn::AdaptiveAvgPool2d::new((1, 1))?
+        .forward(&x)?
+        .into_candle();
+    let mean = x.as_candle().mean_keepdim(3)?.mean_keepdim(2)?;
+    let diff = (global - mean)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(diff < 1e-6, "{diff}");
+    // In a bf16 region: bf16 out, the f32 average of the bf16 input rounded once.
+    let (dtype, y16) = adaptive_pool_bf16(&pool, &x)?;
+    assert_eq!(dtype, DType::BF16);
+    let want = pool
+        .forward(&x.cast::<BF16>()?.cast::<F32>()?)?
+        .into_candle();
+    let want = want.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
+    assert_eq!(
+        y16.flatten_all()?.to_vec1::<f32>()?,
+        want.flatten_all()?.to_vec1::<f32>()?
+    );
+    assert!(nn::AdaptiveAvgPool2d::new((0, 1)).is_err());
+    Ok(())
+}

@@ -215,6 +215,7 @@ pub(crate) const OPS: &[Row] = rows! {
     preserve_op: Preserve, method Closure;
     max_pool2d: Preserve, method Custom(1);
     avg_pool2d: Preserve, method Custom(1);
+    adaptive_avg_pool2d: Preserve;
     batch_norm: Preserve;
     dropout: Preserve;
     embedding: Preserve;

@@ -56,7 +56,7 @@ pub use norm::{
     batch_norm1d, batch_norm2d, group_norm, layer_norm, rms_norm, BatchNorm1d, BatchNorm2d,
     GroupNorm, LayerNorm, RmsNorm,
 };
-pub use pool::{AvgPool2d, MaxPool2d};
+pub use pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d};
 
 use candle_core::{Result, Var};
 
@@ -152,7 +152,17 @@ macro_rules! candle_module {
         }
     )*};
 }
-candle_module!(Linear, Conv1d, Conv2d, MaxPool2d, AvgPool2d, LayerNorm, RmsNorm, GroupNorm);
+candle_module!(
+    Linear,
+    Conv1d,
+    Conv2d,
+    MaxPool2d,
+    AvgPool2d,
+    AdaptiveAvgPool2d,
+    LayerNorm,
+    RmsNorm,
+    GroupNorm
+);
 
 /// `candle_nn::ModuleT` for the layers with a `train` flag, as [`candle_module`] does for the
 /// others.

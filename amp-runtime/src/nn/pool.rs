@@ -126,3 +126,63 @@ pool_layer!(
     avg_pool2d,
     "zero"
 );
+
+/// Adaptive average pooling to a fixed output size (PyTorch's `AdaptiveAvgPool2d`):
+/// output cell `(i, j)` averages rows `floor(i * H / oh) .. ceil((i + 1) * H / oh)` and the
+/// columns likewise, so every input size maps to `(oh, ow)`; `(1, 1)` is the global average
+/// pool of a classifier head. Precision-preserving: computed in f32 and rounded once to the
+/// input's precision, as PyTorch accumulates half inputs in f32.
+#[derive(Clone, Copy, Debug)]
+pub struct AdaptiveAvgPool2d {
+    out: (usize, usize),
+}
+
+impl AdaptiveAvgPool2d {
+    /// Pools to `(out_h, out_w)` (both at least 1).
+    pub fn new(out: (usize, usize)) -> Result<Self> {
+        if out.0 == 0 || out.1 == 0 {
+            candle_core::bail!("AdaptiveAvgPool2d: the output size must be positive, got {out:?}")
+        }
+        Ok(Self { out })
+    }
+
+    /// The output size.
+    pub fn output_size(&self) -> (usize, usize) {
+        self.out
+    }
+
+    /// Pools `x` `(batch, channels, h, w)` in f32, the result in `P`.
+    pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
+        if let Some(y) = super::followed::<P, crate::region::calls::forward, _>(self, (x,)) {
+            return y;
+        }
+        let (_, _, h, w) = x.dims4()?;
+        let wide = crate::cast::convert(x.as_candle(), candle_core::DType::F32)?;
+        let pooled = adaptive_mean(&adaptive_mean(&wide, 2, h, self.out.0)?, 3, w, self.out.1)?;
+        Tensor::from_candle(crate::cast::convert(&pooled, P::DTYPE)?)
+    }
+}
+
+/// The adaptive mean over dimension `dim` of size `n`, to `out` cells.
+fn adaptive_mean(
+    x: &candle_core::Tensor,
+    dim: usize,
+    n: usize,
+    out: usize,
+) -> Result<candle_core::Tensor> {
+    if n == out {
+        return Ok(x.clone());
+    }
+    let cells = (0..out)
+        .map(|i| {
+            let (start, end) = (i * n / out, ((i + 1) * n).div_ceil(out));
+            x.narrow(dim, start, end - start)?.mean_keepdim(dim)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    candle_core::Tensor::cat(&cells, dim)
+}
+
+impl AmpLayer for AdaptiveAvgPool2d {
+    type Op = op::adaptive_avg_pool2d;
+}
+region_forward!(AdaptiveAvgPool2d);
