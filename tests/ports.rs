@@ -42,9 +42,12 @@ const MODES: [Mode; 3] = [Mode::F32, Mode::Bf16, Mode::Fp16];
 
 /// `$body` (an expression over `$args`) as three functions: plain (`$f32`), and in an
 /// `#[autocast(bf16)]` and an `#[autocast(fp16)]` region, as PyTorch's `with autocast():`
-/// around the forward and the loss.
+/// around the forward and the loss; and `$name(mode, ..)`, the one of `mode`.
 macro_rules! in_each_mode {
-    ($f32:ident, $bf16:ident, $fp16:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty $body:block) => {
+    (
+        $name:ident: $f32:ident, $bf16:ident, $fp16:ident,
+        ($($arg:ident: $ty:ty),*) -> $ret:ty $body:block
+    ) => {
         fn $f32($($arg: $ty),*) -> Result<$ret> $body
 
         #[autocast(bf16)]
@@ -52,6 +55,15 @@ macro_rules! in_each_mode {
 
         #[autocast(fp16)]
         fn $fp16($($arg: $ty),*) -> Result<$ret> $body
+
+        #[allow(dead_code)] // not every test picks its mode at run time
+        fn $name(mode: Mode, $($arg: $ty),*) -> Result<$ret> {
+            match mode {
+                Mode::F32 => $f32($($arg),*),
+                Mode::Bf16 => $bf16($($arg),*),
+                Mode::Fp16 => $fp16($($arg),*),
+            }
+        }
     };
 }
 
@@ -162,26 +174,13 @@ fn counting(batch: usize, len: usize) -> Result<(Tensor, Tensor)> {
     ))
 }
 
-in_each_mode!(decoder_loss_f32, decoder_loss_bf16, decoder_loss_fp16,
+in_each_mode!(decoder_loss: decoder_loss_f32, decoder_loss_bf16, decoder_loss_fp16,
     (m: &mut decoder::Decoder, ids: &Tensor, next: &Tensor) -> Tensor {
         let logits = m.forward(ids, 0)?;
         let (b, t, v) = logits.dims3()?;
         candle_nn::loss::cross_entropy(&logits.reshape((b * t, v))?, &next.reshape(b * t)?)
     }
 );
-
-fn decoder_loss(
-    mode: Mode,
-    m: &mut decoder::Decoder,
-    ids: &Tensor,
-    next: &Tensor,
-) -> Result<Tensor> {
-    match mode {
-        Mode::F32 => decoder_loss_f32(m, ids, next),
-        Mode::Bf16 => decoder_loss_bf16(m, ids, next),
-        Mode::Fp16 => decoder_loss_fp16(m, ids, next),
-    }
-}
 
 #[test]
 fn the_decoder_port_trains_in_each_mode_as_f32_does() -> Result<()> {
@@ -261,7 +260,7 @@ fn the_decoder_ports_ops_run_in_their_class() -> Result<()> {
     Ok(())
 }
 
-in_each_mode!(decoder_logits_f32, decoder_logits_bf16, decoder_logits_fp16,
+in_each_mode!(decoder_logits: decoder_logits_f32, decoder_logits_bf16, decoder_logits_fp16,
     (m: &mut decoder::Decoder, ids: &Tensor, past: usize) -> Tensor {
         m.forward(ids, past)
     }
@@ -343,7 +342,7 @@ struct Tagger {
     head: candle_nn::Linear,
 }
 
-in_each_mode!(tagger_loss_f32, tagger_loss_bf16, tagger_loss_fp16,
+in_each_mode!(tagger_loss: tagger_loss_f32, tagger_loss_bf16, tagger_loss_fp16,
     (m: &Tagger, ids: &Tensor, mask: &Tensor, tags: &Tensor) -> Tensor {
         let types = ids.zeros_like()?;
         let hidden = m.encoder.forward(ids, &types, Some(mask))?;
@@ -352,20 +351,6 @@ in_each_mode!(tagger_loss_f32, tagger_loss_bf16, tagger_loss_fp16,
         candle_nn::loss::cross_entropy(&logits.reshape((b * t, n))?, &tags.reshape(b * t)?)
     }
 );
-
-fn tagger_loss(
-    mode: Mode,
-    m: &Tagger,
-    ids: &Tensor,
-    mask: &Tensor,
-    tags: &Tensor,
-) -> Result<Tensor> {
-    match mode {
-        Mode::F32 => tagger_loss_f32(m, ids, mask, tags),
-        Mode::Bf16 => tagger_loss_bf16(m, ids, mask, tags),
-        Mode::Fp16 => tagger_loss_fp16(m, ids, mask, tags),
-    }
-}
 
 /// Ids, an attention mask hiding each row's last two tokens, and each token's tag: whether it
 /// is larger than the token before it (the encoder must attend to learn it).
@@ -442,38 +427,30 @@ fn images(n: usize) -> Result<(Tensor, Tensor)> {
     Ok((x, labels))
 }
 
-in_each_mode!(mnist_loss_f32, mnist_loss_bf16, mnist_loss_fp16,
+in_each_mode!(mnist_loss: mnist_loss_f32, mnist_loss_bf16, mnist_loss_fp16,
     (logits: &Tensor, labels: &Tensor) -> Tensor {
         let log_sm = candle_nn::ops::log_softmax(logits, D::Minus1)?;
         candle_nn::loss::nll(&log_sm, labels)
     }
 );
 
-in_each_mode!(mlp_logits_f32, mlp_logits_bf16, mlp_logits_fp16,
+in_each_mode!(mlp_logits: mlp_logits_f32, mlp_logits_bf16, mlp_logits_fp16,
     (m: &mnist::Mlp, xs: &Tensor) -> Tensor {
         m.forward(xs)
     }
 );
 
-in_each_mode!(linear_logits_f32, linear_logits_bf16, linear_logits_fp16,
+in_each_mode!(linear_logits: linear_logits_f32, linear_logits_bf16, linear_logits_fp16,
     (m: &mnist::LinearModel, xs: &Tensor) -> Tensor {
         m.forward(xs)
     }
 );
 
-in_each_mode!(conv_logits_f32, conv_logits_bf16, conv_logits_fp16,
+in_each_mode!(conv_logits: conv_logits_f32, conv_logits_bf16, conv_logits_fp16,
     (m: &mnist::ConvNet, xs: &Tensor, train: bool) -> Tensor {
         m.forward(xs, train)
     }
 );
-
-fn mnist_loss(mode: Mode, logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
-    match mode {
-        Mode::F32 => mnist_loss_f32(logits, labels),
-        Mode::Bf16 => mnist_loss_bf16(logits, labels),
-        Mode::Fp16 => mnist_loss_fp16(logits, labels),
-    }
-}
 
 /// A model of the example trained 30 steps in `mode` from `init`: its losses.
 fn train_mnist(
@@ -504,13 +481,9 @@ fn the_mnist_linear_and_mlp_ports_train_in_each_mode_as_f32_does() -> Result<()>
     for model in ["linear", "mlp"] {
         let mut runs = Vec::new();
         for mode in MODES {
-            let losses = train_mnist(mode, &vars, &init, |x| match (model, mode) {
-                ("linear", Mode::F32) => linear_logits_f32(&linear, x),
-                ("linear", Mode::Bf16) => linear_logits_bf16(&linear, x),
-                ("linear", Mode::Fp16) => linear_logits_fp16(&linear, x),
-                (_, Mode::F32) => mlp_logits_f32(&mlp, x),
-                (_, Mode::Bf16) => mlp_logits_bf16(&mlp, x),
-                (_, Mode::Fp16) => mlp_logits_fp16(&mlp, x),
+            let losses = train_mnist(mode, &vars, &init, |x| match model {
+                "linear" => linear_logits(mode, &linear, x),
+                _ => mlp_logits(mode, &mlp, x),
             })?;
             runs.push(losses);
         }
@@ -526,11 +499,7 @@ fn the_mnist_convnet_port_runs_its_convs_in_half_and_its_loss_in_f32() -> Result
     let (x, labels) = images(4)?;
     for (mode, lower) in [(Mode::Bf16, DType::BF16), (Mode::Fp16, DType::F16)] {
         let (loss, rep) = report::record(|| -> Result<Tensor> {
-            let logits = match mode {
-                Mode::Bf16 => conv_logits_bf16(&net, &x, true)?,
-                _ => conv_logits_fp16(&net, &x, true)?,
-            };
-            mnist_loss(mode, &logits, &labels)
+            mnist_loss(mode, &conv_logits(mode, &net, &x, true)?, &labels)
         });
         let loss = loss?;
         assert_eq!(loss.dtype(), DType::F32);

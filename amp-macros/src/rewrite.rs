@@ -650,17 +650,7 @@ fn free_op_call(call: &syn::ExprCall, policy: &TokenStream) -> Option<TokenStrea
         // A single name (`softmax_last_dim(&h)`, imported): routed only if it is candle-nn's.
         return candle_nn_call(call, None, &name.ident, policy);
     };
-    let args: Vec<_> = call.args.iter().collect();
-    // Hygienic names located at the user's arguments, so that a type error about one (a region
-    // value given to candle-nn's `softmax`) points at the argument, not at the attribute.
-    let binds: Vec<_> = args
-        .iter()
-        .enumerate()
-        .map(|(i, arg)| {
-            let span = proc_macro2::Span::mixed_site().located_at(arg.span());
-            quote::format_ident!("__amp_a{}", i, span = span)
-        })
-        .collect();
+    let (args, binds) = bound_args(call);
     let span = name.ident.span();
     let ident = &name.ident;
     let prefix = {
@@ -717,11 +707,37 @@ fn free_op_call(call: &syn::ExprCall, policy: &TokenStream) -> Option<TokenStrea
             }
         })
     };
-    // A `match` is not a postfix expression: an invisible group keeps `ops::softmax(..)?` a
-    // valid `?` operand wherever it stood, a statement's start included.
+    Some(with_bound_args(span, &args, &binds, &routed))
+}
+
+/// A call's arguments, and a hygienic name for each located at it, so that a type error about
+/// one points at the user's argument, not at the attribute.
+fn bound_args(call: &syn::ExprCall) -> (Vec<&Expr>, Vec<syn::Ident>) {
+    let args: Vec<_> = call.args.iter().collect();
+    let binds = args
+        .iter()
+        .enumerate()
+        .map(|(i, arg)| {
+            let span = proc_macro2::Span::mixed_site().located_at(arg.span());
+            format_ident!("__amp_a{}", i, span = span)
+        })
+        .collect();
+    (args, binds)
+}
+
+/// Input:  the arguments `a, b`, their names, and the routed call over the names
+/// Output: `match (a, b,) { (a0, a1,) => routed }` in an invisible group: the arguments are
+///         evaluated first, outside any import the routed call brings, and since a `match` is
+///         not a postfix expression, the group keeps `ops::softmax(..)?` a valid `?` operand
+///         wherever it stood, a statement's start included
+fn with_bound_args(
+    span: proc_macro2::Span,
+    args: &[&Expr],
+    binds: &[syn::Ident],
+    routed: &TokenStream,
+) -> TokenStream {
     let call = quote_spanned!(span=> match (#(#args,)*) { (#(#binds,)*) => #routed });
-    let group = proc_macro2::Group::new(proc_macro2::Delimiter::None, call);
-    Some(group.into_token_stream())
+    proc_macro2::Group::new(proc_macro2::Delimiter::None, call).into_token_stream()
 }
 
 /// A call of a function named like one of candle-nn's ops (`optable::CANDLE_NN_FNS`), routed
@@ -745,13 +761,7 @@ fn candle_nn_call(
         .iter()
         .find(|&&(n, _, arity, _)| n == written && arity == call.args.len())?;
     let span = name.span();
-    let args: Vec<_> = call.args.iter().collect();
-    let binds: Vec<_> = (0..args.len())
-        .map(|i| {
-            let span = proc_macro2::Span::mixed_site().located_at(args[i].span());
-            format_ident!("__amp_a{}", i, span = span)
-        })
-        .collect();
+    let (args, binds) = bound_args(call);
     let (candle_nn, candle_core) = (Rt::CandleNn.at(span), Rt::CandleCore.at(span));
     let candle_module = syn::Ident::new(candle_module, span);
     let dim = generic.then(|| quote!(::<#candle_core::D>));
@@ -786,9 +796,7 @@ fn candle_nn_call(
         }),
         None => routed,
     };
-    let call = quote_spanned!(span=> match (#(#args,)*) { (#(#binds,)*) => #routed });
-    let group = proc_macro2::Group::new(proc_macro2::Delimiter::None, call);
-    Some(group.into_token_stream())
+    Some(with_bound_args(span, &args, &binds, &routed))
 }
 
 /// The attributes of an expression statement. syn puts a statement's outer attributes on its

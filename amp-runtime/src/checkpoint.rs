@@ -161,9 +161,9 @@ pub fn load(
     }
     // The optimizer's entries, by the names its exported state has.
     let mut state = HashMap::new();
-    for (var, entries) in optimizer.export_state()? {
+    for (var, entries) in optimizer.state_entries() {
         let name = name_of(&named, &var)?;
-        for (entry, _) in entries {
+        for entry in entries {
             let key = format!("optim.{name}.{entry}");
             state.insert((var.as_tensor().id(), entry.to_string()), take(&key)?);
         }

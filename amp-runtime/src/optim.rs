@@ -284,6 +284,10 @@ pub trait OptimizerState {
     /// moments in the parameter's shape), with the parameter it belongs to. SGD has none.
     fn export_state(&self) -> Result<Vec<ParamState>>;
 
+    /// The names [`export_state`](Self::export_state) gives each parameter's entries, without
+    /// reading them (what a checkpoint's load expects).
+    fn state_entries(&self) -> Vec<(Var, &'static [&'static str])>;
+
     /// Restores what [`export_state`](Self::export_state) saved: `get(var, name)` gives the
     /// named tensor of a parameter (an error naming it when it is missing). Each tensor's shape
     /// and dtype are checked before anything is written.
@@ -295,12 +299,26 @@ impl OptimizerState for SGD {
         Ok(Vec::new())
     }
 
+    fn state_entries(&self) -> Vec<(Var, &'static [&'static str])> {
+        Vec::new()
+    }
+
     fn import_state(&mut self, _: &mut dyn FnMut(&Var, &str) -> Result<Tensor>) -> Result<()> {
         Ok(())
     }
 }
 
+/// AdamW's entries per parameter.
+const ADAMW_ENTRIES: &[&str] = &["step", "m", "v"];
+
 impl OptimizerState for AdamW {
+    fn state_entries(&self) -> Vec<(Var, &'static [&'static str])> {
+        self.params
+            .iter()
+            .map(|p| (p.var.clone(), ADAMW_ENTRIES))
+            .collect()
+    }
+
     fn export_state(&self) -> Result<Vec<ParamState>> {
         self.params
             .iter()
@@ -326,7 +344,8 @@ impl OptimizerState for AdamW {
                 };
                 let steps = i64::try_from(p.steps).map_err(candle_core::Error::wrap)?;
                 let step = Tensor::new(steps, &candle_core::Device::Cpu)?;
-                Ok((p.var.clone(), vec![("step", step), ("m", m), ("v", v)]))
+                let entries = ADAMW_ENTRIES.iter().copied().zip([step, m, v]).collect();
+                Ok((p.var.clone(), entries))
             })
             .collect()
     }

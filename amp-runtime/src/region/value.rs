@@ -134,12 +134,7 @@ impl<T: AsAmp + ?Sized> Operand for T {
     }
 }
 
-/// Whether ops cast a tensor of `dtype` to their class's precision: f32, f16 and bf16 only.
-pub(crate) fn is_floating(dtype: DType) -> bool {
-    matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
-}
-
 /// Whether ops cast `x` to their class's precision: f32, f16 and bf16 only.
 pub(crate) fn floating(x: &AmpTensor) -> bool {
-    is_floating(x.dtype())
+    matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
 }
