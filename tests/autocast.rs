@@ -1918,3 +1918,71 @@ fn regions_and_modules_return_options_and_vecs_of_tensors() -> Result<()> {
     assert_eq!(some.forward(&x)?.map(|t| t.dtype()), Some(DType::F32));
     Ok(())
 }
+
+// ---- Attention as one op: a lower-precision op, the mask never cast. ----
+
+/// `ops::scaled_dot_product_attention` in a region, on heads split as views of one projection
+/// (no `.contiguous()`), with an f32 additive mask: the dtype it ran in and its result.
+#[autocast(bf16)]
+fn attention_in_region(
+    qkv: &Tensor<F32>,
+    mask: &candle_core::Tensor,
+) -> Result<(DType, candle_core::Tensor)> {
+    let (b, t, c) = qkv.dims3()?;
+    let heads = |i: usize| {
+        qkv.narrow(2, i * c / 3, c / 3)?
+            .reshape((b, t, 2, c / 6))?
+            .transpose(1, 2)
+    };
+    let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+    let y = ops::scaled_dot_product_attention(&q, &k, &v, Some(mask), None, true)?;
+    Ok((y.dtype(), y))
+}
+
+/// In a bf16 region the op runs in bf16 (its class: lower precision, as `matmul`) on the f32
+/// values rounded once, and matches the f32 op on those rounded values to bf16's precision;
+/// the gradient reaches the f32 input. Outside a region a typed call runs in its own precision.
+#[test]
+fn attention_is_a_lower_precision_op() -> Result<()> {
+    let qkv = candle_core::Var::randn(0f32, 1.0, (2, 5, 24), &dev())?;
+    let typed = Tensor::<F32>::from_candle(qkv.as_tensor().clone())?;
+    let mask = candle_core::Tensor::randn(0f32, 1.0, (5, 5), &dev())?;
+    let (dtype, y) = attention_in_region(&typed, &mask)?;
+    assert_eq!(dtype, DType::BF16);
+
+    // The f32 op on the bf16-rounded values, through the typed API outside any region.
+    let rounded = Tensor::<F32>::from_candle(qkv.to_dtype(DType::BF16)?.to_dtype(DType::F32)?)?;
+    let (b, t, c) = rounded.dims3()?;
+    let heads = |i: usize| -> Result<Tensor<F32>> {
+        rounded
+            .narrow(2, i * c / 3, c / 3)?
+            .reshape((b, t, 2, c / 6))?
+            .transpose(1, 2)
+    };
+    let want = ops::scaled_dot_product_attention(
+        &heads(0)?,
+        &heads(1)?,
+        &heads(2)?,
+        Some(&mask),
+        None,
+        true,
+    )?;
+    assert_eq!(want.dtype(), DType::F32);
+    let err = (y.to_dtype(DType::F32)? - want.as_candle())?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+    let scale = want.as_candle().abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(
+        err <= 1e-2 * scale,
+        "bf16 attention off by {err} (scale {scale})"
+    );
+
+    let grads = y.to_dtype(DType::F32)?.sqr()?.sum_all()?.backward()?;
+    let g = grads
+        .get(qkv.as_tensor())
+        .expect("a gradient for the f32 input");
+    assert_eq!(g.dtype(), DType::F32);
+    assert!(g.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0);
+    Ok(())
+}

@@ -14,7 +14,7 @@ use crate::fp32;
 use crate::op::{self, Fp32Input};
 use crate::precision::{Precision, F32};
 use crate::region::free::{self, typed_or_followed};
-use crate::tensor::Tensor;
+use crate::tensor::{at, follow, Tensor};
 
 /// Softmax along `dim`.
 pub fn softmax<P: Fp32Input<op::softmax>, D: Dim + Copy + 'static>(
@@ -88,6 +88,52 @@ pub fn sigmoid<P: Precision>(xs: &Tensor<P>) -> Result<Tensor<P>> {
     xs.sigmoid()
 }
 
+/// Scaled dot-product attention, PyTorch's `scaled_dot_product_attention`:
+/// `softmax(q k^T * scale + mask) v` over `(batch, heads, length, head_dim)` queries, keys and
+/// values, as one op with its own backward. A lower-precision op under autocast (PyTorch's
+/// CUDA autocast lists it so): in a half region the two products run in the half dtype with
+/// f32 accumulation, the scale, the mask and the softmax in f32 between them.
+///
+/// - `mask` broadcasts to `(b, h, t_q, t_k)`: a float mask is added to the scores; a `u8` mask
+///   is PyTorch's boolean one, **nonzero where a query may attend** a key (the opposite of the
+///   `u8` masks candle-transformers passes to `masked_fill`). Never cast, and it gets no
+///   gradient.
+/// - `scale` defaults to `1 / sqrt(head_dim)`.
+/// - `causal` hides key `j` from query `i` when `j > i + t_k - t_q`: PyTorch's `is_causal`
+///   when `t_q == t_k`, aligned to the bottom right otherwise (flash attention's convention),
+///   so that new queries see a KV cache's keys.
+/// - Keys and values may have fewer heads than the queries, dividing them (grouped-query
+///   attention, PyTorch's `enable_gqa=True`).
+/// - A query that sees no key at all gets output 0 and sends no gradient, where PyTorch's math
+///   kernel gives NaN. No dropout: apply it to the output, or write the attention out.
+///
+/// The head split can stay a view: `x.reshape((b, t, h, d))?.transpose(1, 2)?` is read in
+/// place, without `.contiguous()`. On CPU one block of 64 query rows' scores exists at a time
+/// per thread; off the CPU the op runs as candle ops with the same semantics.
+pub fn scaled_dot_product_attention<P: Precision>(
+    q: &Tensor<P>,
+    k: &Tensor<P>,
+    v: &Tensor<P>,
+    mask: Option<&candle_core::Tensor>,
+    scale: Option<f64>,
+    causal: bool,
+) -> Result<Tensor<P>> {
+    let (q, k, v) = (q.as_candle(), k.as_candle(), v.as_candle());
+    Tensor::typed(follow::<op::scaled_dot_product_attention>(
+        &[q, k, v],
+        |t| {
+            crate::kernels::scaled_dot_product_attention(
+                &at(q, t)?,
+                &at(k, t)?,
+                &at(v, t)?,
+                mask,
+                scale,
+                causal,
+            )
+        },
+    )?)
+}
+
 /// The same ops routed through an autocast policy. In a region, `#[autocast]` calls
 /// `__amp_routed::softmax(..)` where this module is glob-imported, so the routed form is found
 /// exactly when the user's `ops` is this module (see `region/free.rs`).
@@ -97,6 +143,7 @@ pub use crate::region::foreign::routed_arg as __amp_arg;
 #[doc(hidden)]
 pub mod __amp_routed {
     pub use crate::region::free::{
-        layer_norm, log_softmax, rms_norm, sigmoid, softmax, softmax_last_dim,
+        layer_norm, log_softmax, rms_norm, scaled_dot_product_attention, sigmoid, softmax,
+        softmax_last_dim,
     };
 }

@@ -1,6 +1,8 @@
 //! A GPT-2-style decoder written as candle-transformers writes one (`gpt2`/`bigcode`): token and
 //! learned position embeddings, pre-norm blocks, multi-head causal self-attention split into
-//! helper methods, a GELU MLP, a final norm and an LM head tied to the token embeddings, and a
+//! helper methods (the heads views of the packed projection, attended by
+//! `ops::scaled_dot_product_attention` as candle-transformers models call candle's fused
+//! attention), a GELU MLP, a final norm and an LM head tied to the token embeddings, and a
 //! KV cache held in each attention layer as `Option<(AmpTensor, AmpTensor)>`.
 //!
 //! Ported from candle code by adding `#[autocast]` to the impls and writing `Tensor<F32>` for
@@ -15,7 +17,7 @@ use std::cell::Cell;
 
 use candle_amp::nn::{self, Dropout, Embedding, LayerNorm, Linear};
 use candle_amp::{autocast, loss, ops, AmpTensor, Tensor, F32};
-use candle_core::{DType, Device, IndexOp, Result, D};
+use candle_core::{DType, Device, IndexOp, Result};
 use candle_nn::VarBuilder;
 
 #[derive(Clone, Copy, Debug)]
@@ -50,8 +52,8 @@ pub struct Attention {
     n_head: usize,
     kv_cache: Option<(AmpTensor, AmpTensor)>,
     use_cache: bool,
-    /// The dtypes of the last call's attention scores and probabilities (for the dtype test).
-    pub last_dtypes: Cell<Option<(DType, DType)>>,
+    /// The dtype the last call's attention ran in (for the dtype test).
+    pub last_dtype: Cell<Option<DType>>,
 }
 
 #[autocast]
@@ -63,48 +65,28 @@ impl Attention {
             n_head: cfg.n_head,
             kv_cache: None,
             use_cache: false,
-            last_dtypes: Cell::new(None),
+            last_dtype: Cell::new(None),
         })
     }
 
-    /// `(b, t, c)` to `(b, heads, t, c / heads)`.
-    fn split_heads(&self, x: &AmpTensor) -> Result<AmpTensor> {
-        let (b, t, c) = x.dims3()?;
-        x.reshape((b, t, self.n_head, c / self.n_head))?
-            .transpose(1, 2)?
-            .contiguous()
+    /// The attention of queries `(b, heads, t, d)` over keys and values `(b, heads, past + t,
+    /// d)`, causal when `causal` (query `i` sees keys up to `past + i`): one op, whose products
+    /// run in the region's half dtype and whose softmax runs in f32.
+    fn attn(&self, q: &AmpTensor, k: &AmpTensor, v: &AmpTensor, causal: bool) -> Result<AmpTensor> {
+        let y = ops::scaled_dot_product_attention(q, k, v, None, None, causal)?;
+        self.last_dtype.set(Some(y.dtype()));
+        Ok(y)
     }
 
-    fn attn(
-        &self,
-        q: &AmpTensor,
-        k: &AmpTensor,
-        v: &AmpTensor,
-        mask: Option<&candle_core::Tensor>,
-    ) -> Result<AmpTensor> {
-        let head_dim = q.dim(D::Minus1)?;
-        let scale = 1.0 / (head_dim as f64).sqrt();
-        let att = (q.matmul(&k.t()?)? * scale)?;
-        let scores = att.dtype();
-        let att = match mask {
-            Some(mask) => att.broadcast_add(mask)?,
-            None => att,
-        };
-        let att = ops::softmax_last_dim(&att)?;
-        self.last_dtypes.set(Some((scores, att.dtype())));
-        att.matmul(v)
-    }
-
-    fn forward(
-        &mut self,
-        x: &Tensor<F32>,
-        mask: Option<&candle_core::Tensor>,
-    ) -> Result<Tensor<F32>> {
+    fn forward(&mut self, x: &Tensor<F32>, causal: bool) -> Result<Tensor<F32>> {
         let (b, t, c) = x.dims3()?;
-        let qkv = self.c_attn.forward(x)?;
-        let q = self.split_heads(&qkv.narrow(D::Minus1, 0, c)?)?;
-        let k = self.split_heads(&qkv.narrow(D::Minus1, c, c)?)?;
-        let v = self.split_heads(&qkv.narrow(D::Minus1, 2 * c, c)?)?;
+        // `(b, t, 3, heads, d)`: each of q, k, v is a `(b, heads, t, d)` view, read in place.
+        let qkv = self
+            .c_attn
+            .forward(x)?
+            .reshape((b, t, 3, self.n_head, c / self.n_head))?;
+        let head = |i: usize| qkv.i((.., .., i))?.transpose(1, 2);
+        let (q, k, v) = (head(0)?, head(1)?, head(2)?);
         let (k, v) = if self.use_cache {
             let (k, v) = match &self.kv_cache {
                 Some((past_k, past_v)) => (
@@ -118,7 +100,7 @@ impl Attention {
         } else {
             (k, v)
         };
-        let y = self.attn(&q, &k, &v, mask)?;
+        let y = self.attn(&q, &k, &v, causal)?;
         let y = y.transpose(1, 2)?.reshape((b, t, c))?;
         self.c_proj.forward(&y)
     }
@@ -148,13 +130,8 @@ pub struct Block {
 
 #[autocast]
 impl Block {
-    fn forward(
-        &mut self,
-        x: &Tensor<F32>,
-        mask: Option<&candle_core::Tensor>,
-        train: bool,
-    ) -> Result<Tensor<F32>> {
-        let a = self.attn.forward(&self.ln_1.forward(x)?, mask)?;
+    fn forward(&mut self, x: &Tensor<F32>, causal: bool, train: bool) -> Result<Tensor<F32>> {
+        let a = self.attn.forward(&self.ln_1.forward(x)?, causal)?;
         let x = (x + self.dropout.forward(&a, train)?)?;
         let m = self.mlp.forward(&self.ln_2.forward(&x)?)?;
         Ok((&x + self.dropout.forward(&m, train)?)?)
@@ -212,13 +189,10 @@ impl Gpt {
             .forward(ids)?
             .broadcast_add(&self.wpe.forward(&positions)?)?;
         let mut h = self.dropout.forward(&x, train)?;
-        let mask = if t > 1 {
-            Some(ops::causal_mask(t, past, ids.device())?)
-        } else {
-            None
-        };
+        // Causal attention, the mask aligned to the cache's end: query `i` (at position
+        // `past + i`) sees keys `0..=past + i`.
         for block in &mut self.blocks {
-            h = block.forward(&h, mask.as_ref(), train)?;
+            h = block.forward(&h, t > 1, train)?;
         }
         let h = self.ln_f.forward(&h)?;
         // The LM head is the token embedding, transposed (weight tying, as GPT-2).

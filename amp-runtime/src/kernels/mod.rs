@@ -28,6 +28,7 @@
 //! - `activation`, `affine`, `binary`: element-wise ops computed in f32 with one-pass backwards.
 //! - `softmax`, `layer_norm`, `mse`: fp32-class ops reading half inputs as they are.
 //! - `pool`: max and average pooling and their backward.
+//! - `attention`: scaled dot-product attention as one op, its score blocks on the GEMM.
 //! - `embedding`: the lookup of an f32 table, its backward writing the table's gradient once.
 //! - `optim`: the in-place update passes of `crate::optim`'s SGD and AdamW.
 //! - [`unscale`]: the multi-tensor unscale behind `GradScaler`, one pass over every gradient.
@@ -49,6 +50,7 @@ pub(crate) mod widen;
 
 mod activation;
 mod affine;
+mod attention;
 pub(crate) mod batch_norm;
 mod bias;
 mod binary;
@@ -65,6 +67,7 @@ pub mod unscale;
 
 pub(crate) use activation::{gelu, gelu_erf, relu, silu};
 pub(crate) use affine::{affine, masked_scale};
+pub(crate) use attention::scaled_dot_product_attention;
 pub(crate) use binary::{
     add, broadcast_add, broadcast_div, broadcast_maximum, broadcast_minimum, broadcast_mul,
     broadcast_sub, spread, sub,

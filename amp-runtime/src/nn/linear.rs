@@ -73,33 +73,26 @@ impl Linear {
 
     /// Applies the layer to `x` of shape `(..., in)`, in `x`'s precision.
     ///
-    /// The input is flattened to one 2-D product `(rows, in) x (in, out)` and reshaped back, as
-    /// candle-nn's `Linear` does for contiguous inputs: one large GEMM instead of a batched
-    /// matmul over a broadcast weight (a strided input is copied first: a broadcast weight's
-    /// gradient would be summed over the batch in the input's half precision). In bf16 and f16
-    /// on CPU that product is one op with the bias added before its one rounding; on CUDA one
-    /// op too, the weight cast inside it and the bias added after the product's rounding
-    /// (`kernels::linear`).
+    /// The input's rows are one 2-D product `(rows, in) x (in, out)`, as candle-nn's `Linear`
+    /// computes contiguous inputs: one large GEMM instead of a batched matmul over a broadcast
+    /// weight (a strided input is copied first: a broadcast weight's gradient would be summed
+    /// over the batch in the input's half precision). In bf16 and f16 on CPU that product is
+    /// one op with the bias added before its one rounding, reading a contiguous input of any
+    /// rank in place; on CUDA one op too, the weight cast inside it and the bias added after the
+    /// product's rounding (`kernels::linear`).
     pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
         if let Some(y) = super::followed::<P, crate::region::calls::forward, _>(self, (x,)) {
             return y;
         }
-        let dims = x.dims().to_vec();
-        let Some((&k, lead)) = dims.split_last() else {
-            candle_core::bail!("Linear: expected an input of rank >= 1, got a scalar")
-        };
-        // One 2-D product on the f32 masters; in half precision on CPU, one op that rounds
-        // them inside (counted as the two casts it stands for).
+        // One product on the f32 masters; in half precision on CPU, one op that rounds them
+        // inside (counted as the two casts it stands for).
         count_master_casts::<P>(&self.weight, self.bias.as_ref());
-        let rows = lead.iter().product::<usize>();
         let y = crate::kernels::linear(
-            x.reshape((rows, k))?.as_candle(),
+            x.as_candle(),
             self.weight.as_tensor(),
             self.bias.as_ref().map(Var::as_tensor),
         )?;
-        let mut out = lead.to_vec();
-        out.push(self.weight.dim(0)?);
-        Tensor::wrap(y).reshape(out)
+        Ok(Tensor::wrap(y))
     }
 }
 

@@ -200,6 +200,29 @@ pub fn rms_norm<X: AsAmp>(xs: X, alpha: impl AsAmp, eps: f32) -> Call<op::rms_no
     })
 }
 
+/// Routed `ops::scaled_dot_product_attention`: query, key and value cast by the op's class
+/// (lower precision), the mask read as it is.
+pub fn scaled_dot_product_attention<Q: AsAmp, K: AsAmp, V: AsAmp>(
+    q: Q,
+    k: K,
+    v: V,
+    mask: Option<&Candle>,
+    scale: Option<f64>,
+    causal: bool,
+) -> Call<op::scaled_dot_product_attention> {
+    let mask = mask.cloned();
+    call(vec![q.to_amp(), k.to_amp(), v.to_amp()], move |x| {
+        crate::kernels::scaled_dot_product_attention(
+            &x[0],
+            &x[1],
+            &x[2],
+            mask.as_ref(),
+            scale,
+            causal,
+        )
+    })
+}
+
 /// A loss of a prediction and a target, both cast by the loss's class.
 fn pair<O: Op, X: AsAmp>(
     inp: X,

@@ -23,11 +23,10 @@ impl HalfLinear {
         (w, lw): (&[f32], &Layout),
         bias: Option<(&[f32], &Layout)>,
     ) -> Vec<T> {
-        let (rows, inner) = (lx.dims()[0], lx.dims()[1]);
+        let (rows, inner, a) = rows_of(x, lx);
         let out = lw.dims()[0];
         // The master, contiguous `(out, in)`, rounded to T as the GEMM packs it.
         let w = crate::kernels::layout::elements(w, lw);
-        let a = MatRef::from_layout(x, lx);
         // w^T: element (i, j) of the (in, out) view is w[j, i].
         let wt = MatRef {
             data: &w,
@@ -52,12 +51,48 @@ impl HalfLinear {
     /// `grad_x` in `x`'s dtype and the master's `grad_w` in f32, each only if wanted (and
     /// `grad_w` `None` when the scaler's backward takes it directly: `leaf_grads`).
     fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let grad_x = wanted(x, || grad.apply_op2_no_bwd(w, &ByMaster))?;
+        let (x2, grad) = (rows(x)?, rows(grad)?);
+        let grad_x = wanted(x, || {
+            grad.apply_op2_no_bwd(w, &ByMaster)?.reshape(x.shape())
+        })?;
         let grad_w = offer(w, || {
-            grad.t()?.apply_op2_no_bwd(x, &HalfMatmul(Some(DType::F32)))
+            grad.t()?
+                .apply_op2_no_bwd(&x2, &HalfMatmul(Some(DType::F32)))
         })?;
         Ok((grad_x, grad_w))
     }
+
+    /// The output's shape: `x`'s with the last dimension `out`.
+    fn shape(lx: &Layout, out: usize) -> Shape {
+        let mut dims = lx.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = out;
+        }
+        Shape::from(dims)
+    }
+}
+
+/// `(rows, in)` of an input `(..., in)`: a view (rank 2, or contiguous).
+fn rows(t: &Tensor) -> Result<Tensor> {
+    if t.rank() == 2 {
+        Ok(t.clone())
+    } else {
+        t.flatten_to(t.rank().saturating_sub(2))
+    }
+}
+
+/// An input `(..., in)` read as `(rows, in)`: the row count, `in` and the matrix. A rank-2
+/// layout may be strided; a higher rank is contiguous (`linear` sends no other here).
+fn rows_of<'a, T>(x: &'a [T], lx: &Layout) -> (usize, usize, MatRef<'a, T>) {
+    let dims = lx.dims();
+    let inner = dims.last().copied().unwrap_or(1);
+    let rows = dims[..dims.len().saturating_sub(1)].iter().product();
+    let a = if dims.len() == 2 {
+        MatRef::from_layout(x, lx)
+    } else {
+        MatRef::row_major(x, lx.start_offset(), inner)
+    };
+    (rows, inner, a)
 }
 
 /// `grad (rows, out) * w (out, in)` in `grad`'s half dtype, `w` an f32 master rounded to that
@@ -121,7 +156,7 @@ impl CustomOp2 for HalfLinear {
                 b.dtype()
             ),
         };
-        Ok((y, Shape::from((l1.dims()[0], l2.dims()[0]))))
+        Ok((y, Self::shape(l1, l2.dims()[0])))
     }
 
     fn bwd(
@@ -164,7 +199,7 @@ impl CustomOp3 for HalfLinear {
                 c.dtype()
             ),
         };
-        Ok((y, Shape::from((l1.dims()[0], l2.dims()[0]))))
+        Ok((y, Self::shape(l1, l2.dims()[0])))
     }
 
     fn bwd(
@@ -176,7 +211,7 @@ impl CustomOp3 for HalfLinear {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (gx, gw) = Self::grads(x, w, grad)?;
-        let gb = offer(b, || grad.apply_op1_no_bwd(&ColumnSums))?;
+        let gb = offer(b, || rows(grad)?.apply_op1_no_bwd(&ColumnSums))?;
         Ok((gx, gw, gb))
     }
 }

@@ -81,30 +81,43 @@ pub(crate) fn broadcast_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     )
 }
 
-/// A linear layer on a 2-D input: `x (rows, in) * w (out, in)^T + b (out)`, with `w` and `b`
-/// the layer's f32 masters. For a half `x` on CPU, one op: the master is rounded to `x`'s dtype
-/// inside it (the cast an autocast region would insert, bit for bit) as the GEMM packs it, so
-/// no half copy of the weight is made, here or for `grad_x`; the bias is added before
-/// the output's one rounding, and the backward returns the masters' gradients in f32 straight
-/// from the f32 accumulators: `grad_w = grad^T * x` and `grad_b` the column sums of `grad`,
-/// never rounded to half (PyTorch rounds them to half, then widens), with `grad_x = grad * w`.
-/// No half copy of the weight joins the autograd graph, so candle's backward does not allocate
-/// and add a half gradient for one. On CUDA, for f32, f16 and bf16 inputs, one op as well
-/// ([`MasterLinear`]). Elsewhere: the weight cast to `x`'s dtype, candle's matmul and
-/// [`crate::kernels::bias::add_bias`] (the bias's gradient summed in f32).
+/// A linear layer: `x (..., in) * w (out, in)^T + b (out)` over the last dimension, with `w`
+/// and `b` the layer's f32 masters. For a half `x` on CPU, one op: the master is rounded to
+/// `x`'s dtype inside it (the cast an autocast region would insert, bit for bit) as the GEMM
+/// packs it, so no half copy of the weight is made, here or for `grad_x`; the bias is added
+/// before the output's one rounding, and the backward returns the masters' gradients in f32
+/// straight from the f32 accumulators: `grad_w = grad^T * x` and `grad_b` the column sums of
+/// `grad`, never rounded to half (PyTorch rounds them to half, then widens), with `grad_x =
+/// grad * w`. No half copy of the weight joins the autograd graph, so candle's backward does not
+/// allocate and add a half gradient for one. A contiguous input of any rank is read in place as
+/// its rows (no reshape nodes, whose backward would each cost a zero tensor and an add of the
+/// activation's size). On CUDA, for f32, f16 and bf16 inputs, one op as well ([`MasterLinear`]).
+/// Elsewhere: the weight cast to `x`'s dtype, candle's matmul and
+/// [`crate::kernels::bias::add_bias`] (the bias's gradient summed in f32). Those paths, and a
+/// strided input of rank above 2, take the input flattened to `(rows, in)` and reshape back.
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let masters = w.dtype() == DType::F32 && b.is_none_or(|b| b.dtype() == DType::F32);
-    let shapes = match (x.dims(), w.dims()) {
-        (&[_, k], &[out, k_w]) => k == k_w && b.is_none_or(|b| b.dims() == [out]),
+    let shapes = match (x.dims().last(), w.dims()) {
+        (Some(&k), &[out, k_w]) => k == k_w && b.is_none_or(|b| b.dims() == [out]),
         _ => false,
     };
     let half = matches!(x.dtype(), DType::BF16 | DType::F16);
-    if x.device().is_cpu() && half && masters && shapes {
-        match b {
+    let rows_in_place = x.rank() == 2 || (x.rank() > 2 && x.is_contiguous());
+    if x.device().is_cpu() && half && masters && shapes && rows_in_place {
+        return match b {
             Some(b) => x.apply_op3(w, b, HalfLinear),
             None => x.apply_op2(w, HalfLinear),
-        }
-    } else if x.device().is_cuda() && (half || x.dtype() == DType::F32) && masters && shapes {
+        };
+    }
+    if x.rank() != 2 {
+        let Some((&k, lead)) = x.dims().split_last() else {
+            candle_core::bail!("Linear: expected an input of rank >= 1, got a scalar")
+        };
+        let mut out = lead.to_vec();
+        out.push(w.dim(0)?);
+        return linear(&x.reshape((lead.iter().product::<usize>(), k))?, w, b)?.reshape(out);
+    }
+    if x.device().is_cuda() && (half || x.dtype() == DType::F32) && masters && shapes {
         fused::<MasterLinear>(x, w, b)
     } else {
         let y = x.matmul(&crate::kernels::convert::to_dtype(w, x.dtype())?.t()?)?;

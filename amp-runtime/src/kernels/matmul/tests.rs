@@ -208,6 +208,40 @@ fn half_linear_on_f32_masters_matches_the_composition() -> Result<()> {
     Ok(())
 }
 
+/// A contiguous rank-3 input is read in place as its rows: the same bits as the input flattened
+/// to 2-D first, for the output and every gradient, with one graph node (no reshapes).
+#[test]
+fn a_rank_3_input_is_its_rows() -> Result<()> {
+    let dev = Device::Cpu;
+    for dtype in [DType::BF16, DType::F16] {
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1., (3, 5, 16), &dev)?.to_dtype(dtype)?)?;
+        let w = Var::randn(0f32, 1., (7, 16), &dev)?;
+        let b = Var::randn(0f32, 1., 7, &dev)?;
+        let run = |flat: bool| -> Result<Vec<Vec<f32>>> {
+            let y = if flat {
+                linear(&x.reshape((15, 16))?, &w, Some(&b))?.reshape((3, 5, 7))?
+            } else {
+                linear(&x, &w, Some(&b))?
+            };
+            assert_eq!(y.dims(), [3, 5, 7]);
+            let grads = y.to_dtype(DType::F32)?.sqr()?.sum_all()?.backward()?;
+            [
+                &y,
+                grads.get(&x).unwrap(),
+                grads.get(&w).unwrap(),
+                grads.get(&b).unwrap(),
+            ]
+            .iter()
+            .map(|t| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1())
+            .collect()
+        };
+        assert_eq!(run(false)?, run(true)?, "{dtype:?}");
+        let y = linear(&x, &w, Some(&b))?;
+        assert_eq!(y.sorted_nodes().len(), 4, "one op over x, w and b");
+    }
+    Ok(())
+}
+
 #[test]
 fn shapes_candle_rejects_get_candles_error() {
     let dev = Device::Cpu;

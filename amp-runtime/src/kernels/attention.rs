@@ -1,0 +1,733 @@
+//! Scaled dot-product attention as one op with its own backward: PyTorch's
+//! `scaled_dot_product_attention` over `(batch, heads, length, head_dim)` tensors.
+//!
+//! Written out of candle ops, attention is a dozen graph nodes per layer (the scores' product,
+//! the scale, the mask's add, five for the softmax, the casts around it, the second product),
+//! each a full `(b, h, t_q, t_k)` buffer in the forward and a zero tensor plus an add in
+//! candle's backward. On CPU this op is one node. Per head and per block of [`BLOCK`] query
+//! rows it computes the block's scores against every visible key with the packed GEMM (half
+//! operands, f32 accumulation), scales them and adds the mask in f32, takes the softmax in f32,
+//! rounds the probabilities to the operands' dtype for the second product (as autocast casts the
+//! softmax's output for the `matmul` after it) and writes the block's output rounded once. Only
+//! one block of scores exists at a time per task: memory grows with `BLOCK * t_k`, not `t_q *
+//! t_k`.
+//!
+//! The backward recomputes each block's probabilities (the forward keeps nothing but its
+//! operands, as flash attention keeps nothing of the scores), then `dV += P^T dO`,
+//! `dP = dO V^T`, `dS = P * (dP - rowsum(P * dP)) * scale` in f32, `dQ = dS K` and
+//! `dK += dS^T Q`, the products again on the GEMM in the operands' dtype with f32
+//! accumulation. One task owns one key/value head of one batch entry (and the query heads that
+//! share it), so `dK` and `dV` are summed in f32 without any reduction across tasks.
+//!
+//! Semantics, beside PyTorch's:
+//! - `mask` broadcasts to `(b, h, t_q, t_k)`: a float mask is added to the scores (in f32), a
+//!   `u8` mask is PyTorch's boolean mask, nonzero where a query may attend a key. It receives
+//!   no gradient.
+//! - `causal` hides key `j` from query `i` when `j > i + t_k - t_q`: the causal mask aligned to
+//!   the bottom right corner, flash attention's convention since 2.1. With `t_q == t_k` it is
+//!   PyTorch's `is_causal`; with a KV cache (`t_q < t_k`) it is what decoding needs, where
+//!   PyTorch's top-left alignment would hide the cached keys from the new queries.
+//! - Fewer key/value heads than query heads (grouped-query attention, PyTorch's `enable_gqa`):
+//!   query head `i` reads key/value head `i / (h / h_kv)`.
+//! - A query row that can see no key at all (every score `-inf`) has output 0 and sends no
+//!   gradient anywhere (PyTorch's math kernel gives NaN there, its fused kernels 0). A NaN
+//!   score still makes its row NaN, so the gradient scaler sees it.
+//!
+//! Off the CPU the same semantics run as a composition of candle ops ([`composed`]), the
+//! products in the operands' dtype and the softmax in f32; the tests use it as the composed
+//! reference.
+
+use std::mem::MaybeUninit;
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, D};
+
+use crate::kernels::elem::Real;
+use crate::kernels::gemm::{gemm, GemmElem, MatRef};
+use crate::kernels::leaf_grads::offer;
+use crate::kernels::parallel::{self, Disjoint};
+
+/// Query rows per block: the unit of work of a forward task and of the backward's loop.
+const BLOCK: usize = 64;
+
+/// `softmax(q k^T * scale + mask) v` over `(b, h, t_q, d)` queries and `(b, h_kv, t_k, d)` /
+/// `(b, h_kv, t_k, d_v)` keys and values of one float dtype (see the module's documentation);
+/// `scale` defaults to `1 / sqrt(d)`. Differentiable in `q`, `k` and `v`. One op on CPU,
+/// candle ops elsewhere.
+pub(crate) fn scaled_dot_product_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: Option<f64>,
+    causal: bool,
+) -> Result<Tensor> {
+    let g = Geometry::check(q, k, v)?;
+    let scale = match scale {
+        Some(s) if !s.is_finite() => {
+            candle_core::bail!("scaled_dot_product_attention: the scale must be finite, got {s}")
+        }
+        Some(s) => s,
+        #[allow(clippy::cast_precision_loss)] // head sizes are far inside f64's exact range
+        None if g.d > 0 => 1.0 / (g.d as f64).sqrt(),
+        None => 1.0,
+    };
+    if let Some(mask) = mask {
+        check_mask(mask, g)?;
+    }
+    if crate::kernels::elem::cpu_float(q) {
+        let op = Attention {
+            mask: mask.map(|m| Mask::new(m, g)).transpose()?,
+            scale: scale as f32,
+            causal,
+            g,
+        };
+        q.apply_op3(k, v, op)
+    } else {
+        composed(q, k, v, mask, scale, causal)
+    }
+}
+
+/// The shapes of one attention call.
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    b: usize,
+    h: usize,
+    /// Key/value heads; divides `h`.
+    hk: usize,
+    tq: usize,
+    tk: usize,
+    d: usize,
+    dv: usize,
+}
+
+impl Geometry {
+    /// The geometry of `q`, `k`, `v`, or an error naming what does not fit.
+    fn check(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Self> {
+        let name = "scaled_dot_product_attention";
+        for (t, what) in [(q, "query"), (k, "key"), (v, "value")] {
+            if t.rank() != 4 {
+                candle_core::bail!(
+                    "{name}: the {what} must be (batch, heads, length, head_dim), got shape {:?}",
+                    t.dims()
+                );
+            }
+            if !t.dtype().is_float() || t.dtype() != q.dtype() {
+                candle_core::bail!(
+                    "{name}: query, key and value must be of one float dtype, got {:?}, {:?} \
+                     and {:?}",
+                    q.dtype(),
+                    k.dtype(),
+                    v.dtype()
+                );
+            }
+            if !t.device().same_device(q.device()) {
+                candle_core::bail!("{name}: query, key and value must be on one device");
+            }
+        }
+        let (b, h, tq, d) = q.dims4()?;
+        let (bk, hk, tk, dk) = k.dims4()?;
+        let (bv, hv, tv, dv) = v.dims4()?;
+        if bk != b || bv != b {
+            candle_core::bail!("{name}: batch sizes differ: query {b}, key {bk}, value {bv}");
+        }
+        if dk != d {
+            candle_core::bail!("{name}: the key's head_dim {dk} differs from the query's {d}");
+        }
+        if (hv, tv) != (hk, tk) {
+            candle_core::bail!(
+                "{name}: key and value differ in heads or length: key {:?}, value {:?}",
+                k.dims(),
+                v.dims()
+            );
+        }
+        if hk == 0 || h % hk != 0 {
+            candle_core::bail!(
+                "{name}: the query's {h} heads are not a multiple of the key's and value's {hk}"
+            );
+        }
+        Ok(Self {
+            b,
+            h,
+            hk,
+            tq,
+            tk,
+            d,
+            dv,
+        })
+    }
+
+    /// How many query heads share one key/value head.
+    fn group(&self) -> usize {
+        self.h / self.hk
+    }
+
+    /// The shape the mask broadcasts to.
+    fn scores(&self) -> (usize, usize, usize, usize) {
+        (self.b, self.h, self.tq, self.tk)
+    }
+}
+
+/// A mask must be a float (additive) or `u8` (boolean) tensor broadcasting to the scores.
+fn check_mask(mask: &Tensor, g: Geometry) -> Result<()> {
+    let name = "scaled_dot_product_attention";
+    if !(mask.dtype().is_float() || mask.dtype() == DType::U8) {
+        candle_core::bail!(
+            "{name}: the mask must be a float tensor (added to the scores) or a u8 tensor \
+             (nonzero where a query may attend a key), got {:?}",
+            mask.dtype()
+        );
+    }
+    if mask.rank() > 4 || mask.broadcast_as(g.scores()).is_err() {
+        candle_core::bail!(
+            "{name}: a mask of shape {:?} does not broadcast to the scores' {:?}",
+            mask.dims(),
+            g.scores()
+        );
+    }
+    Ok(())
+}
+
+/// A mask's values as f32 additions to the scores (a `u8` mask as 0 or `-inf`), with the
+/// strides that broadcast them to `(b, h, t_q, t_k)` (0 along broadcast dimensions).
+#[derive(Clone, Debug)]
+struct Mask {
+    values: Vec<f32>,
+    strides: [usize; 4],
+}
+
+impl Mask {
+    fn new(mask: &Tensor, g: Geometry) -> Result<Self> {
+        let values: Vec<f32> = if mask.dtype() == DType::U8 {
+            let keep = mask.flatten_all()?.to_vec1::<u8>()?;
+            keep.into_iter()
+                .map(|k| if k == 0 { f32::NEG_INFINITY } else { 0.0 })
+                .collect()
+        } else {
+            mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?
+        };
+        let mut dims = [1usize; 4];
+        dims[4 - mask.rank()..].copy_from_slice(mask.dims());
+        let target = [g.b, g.h, g.tq, g.tk];
+        let mut strides = [0usize; 4];
+        let mut step = 1;
+        for i in (0..4).rev() {
+            strides[i] = if dims[i] == 1 && target[i] != 1 {
+                0
+            } else {
+                step
+            };
+            step *= dims[i];
+        }
+        Ok(Self { values, strides })
+    }
+
+    /// The mask's value for key `j` of row `(b, h, i)` is `values[start + j * step]`.
+    fn row(&self, b: usize, h: usize, i: usize) -> (usize, usize) {
+        let s = self.strides;
+        (b * s[0] + h * s[1] + i * s[2], s[3])
+    }
+}
+
+/// Scaled dot-product attention on CPU: the forward op over `(q, k, v)`.
+#[derive(Clone, Debug)]
+struct Attention {
+    mask: Option<Mask>,
+    scale: f32,
+    causal: bool,
+    g: Geometry,
+}
+
+/// A rank-4 operand as the kernels read it: its elements, start offset and strides.
+#[derive(Clone, Copy)]
+struct Operand<'a, T> {
+    data: &'a [T],
+    start: usize,
+    stride: [usize; 4],
+}
+
+impl<'a, T> Operand<'a, T> {
+    fn new(data: &'a [T], l: &Layout) -> Result<Self> {
+        let stride: [usize; 4] = l.stride().try_into().map_err(|_| {
+            candle_core::Error::Msg(format!(
+                "scaled_dot_product_attention kernel: expected a rank-4 operand, got {:?}",
+                l.dims()
+            ))
+        })?;
+        Ok(Self {
+            data,
+            start: l.start_offset(),
+            stride,
+        })
+    }
+
+    /// Rows `from..` of head `(b, h)` as a `(rows, cols)` matrix.
+    fn rows(&self, b: usize, h: usize, from: usize) -> MatRef<'a, T> {
+        let s = self.stride;
+        MatRef {
+            data: self.data,
+            offset: self.start + b * s[0] + h * s[1] + from * s[2],
+            rs: s[2],
+            cs: s[3],
+        }
+    }
+
+    /// Head `(b, h)` transposed, `(cols, rows)`.
+    fn transposed(&self, b: usize, h: usize) -> MatRef<'a, T> {
+        let s = self.stride;
+        MatRef {
+            data: self.data,
+            offset: self.start + b * s[0] + h * s[1],
+            rs: s[3],
+            cs: s[2],
+        }
+    }
+}
+
+/// A row-major `(rows, cols)` buffer read transposed, `(cols, rows)`.
+fn transposed<T>(data: &[T], cols: usize) -> MatRef<'_, T> {
+    MatRef {
+        data,
+        offset: 0,
+        rs: 1,
+        cs: cols,
+    }
+}
+
+/// `values` rounded to `T` (a copy for f32): the operand of the next product.
+fn rounded<T: Real>(values: &[f32]) -> Vec<T> {
+    let mut out = vec![T::put(0.0); values.len()];
+    T::narrow(values, &mut out);
+    out
+}
+
+/// `values` rounded to `T` into `dst`.
+fn write_rounded<T: Real>(values: &[f32], dst: &mut [MaybeUninit<T>]) {
+    for (d, &v) in dst.iter_mut().zip(values) {
+        d.write(T::put(v));
+    }
+}
+
+impl Attention {
+    /// How many keys query row `i` sees: all, or with `causal` those up to `i + t_k - t_q`.
+    fn visible(&self, i: usize) -> usize {
+        let g = self.g;
+        if self.causal {
+            (i + g.tk + 1).saturating_sub(g.tq).min(g.tk)
+        } else {
+            g.tk
+        }
+    }
+
+    /// The probabilities of query rows `from..to` of head `(b, h)`, f32 and row-major over the
+    /// keys the block's last row sees (the later keys are hidden from every row of the block),
+    /// with how many keys that is.
+    fn probabilities<T: GemmElem>(
+        &self,
+        (b, h): (usize, usize),
+        (from, to): (usize, usize),
+        q: Operand<T>,
+        k: Operand<T>,
+    ) -> (Vec<f32>, usize) {
+        let g = self.g;
+        let (rows, keys) = (to - from, self.visible(to - 1));
+        if keys == 0 {
+            return (Vec::new(), 0);
+        }
+        let mut p = vec![0f32; rows * keys];
+        let kv_head = h / g.group();
+        gemm(
+            rows,
+            keys,
+            g.d,
+            q.rows(b, h, from),
+            k.transposed(b, kv_head),
+            &mut p,
+            false,
+            false,
+        );
+        for (r, row) in p.chunks_exact_mut(keys).enumerate() {
+            let i = from + r;
+            let seen = self.visible(i);
+            match &self.mask {
+                Some(mask) => {
+                    let (start, step) = mask.row(b, h, i);
+                    for (j, s) in row[..seen].iter_mut().enumerate() {
+                        *s = *s * self.scale + mask.values[start + j * step];
+                    }
+                }
+                None => row[..seen].iter_mut().for_each(|s| *s *= self.scale),
+            }
+            row[seen..].fill(f32::NEG_INFINITY);
+            softmax_in_place(row);
+        }
+        (p, keys)
+    }
+
+    fn forward<T: GemmElem>(&self, q: Operand<T>, k: Operand<T>, v: Operand<T>) -> Vec<T> {
+        let g = self.g;
+        let blocks = g.tq.div_ceil(BLOCK);
+        let len = g.b * g.h * g.tq * g.dv;
+        let mut out: Vec<T> = Vec::with_capacity(len);
+        let dst = Disjoint::new(&mut out.spare_capacity_mut()[..len]);
+        parallel::for_each_index(g.b * g.h * blocks, |task| {
+            let (bh, block) = (task / blocks, task % blocks);
+            let (b, h) = (bh / g.h, bh % g.h);
+            let from = block * BLOCK;
+            let to = (from + BLOCK).min(g.tq);
+            let (p, keys) = self.probabilities((b, h), (from, to), q, k);
+            let mut o = vec![0f32; (to - from) * g.dv];
+            gemm(
+                to - from,
+                g.dv,
+                keys,
+                MatRef::row_major(&rounded::<T>(&p), 0, keys),
+                v.rows(b, h / g.group(), 0),
+                &mut o,
+                false,
+                false,
+            );
+            // SAFETY: task `(b, h, block)` alone writes rows `from..to` of head `(b, h)`.
+            let rows = unsafe { dst.part((bh * g.tq + from) * g.dv, o.len()) };
+            write_rounded(&o, rows);
+        });
+        // SAFETY: the tasks' rows cover every head's `t_q` rows, and each was written.
+        unsafe { out.set_len(len) };
+        out
+    }
+
+    /// `[dq | dk | dv]`, flattened in the operands' shapes (contiguous), from the output's
+    /// gradient `dout`.
+    fn backward<T: GemmElem>(
+        &self,
+        q: Operand<T>,
+        k: Operand<T>,
+        v: Operand<T>,
+        dout: Operand<T>,
+    ) -> Vec<T> {
+        let g = self.g;
+        let (nq, nk, nv) = (
+            g.b * g.h * g.tq * g.d,
+            g.b * g.hk * g.tk * g.d,
+            g.b * g.hk * g.tk * g.dv,
+        );
+        let len = nq + nk + nv;
+        let mut out: Vec<T> = Vec::with_capacity(len);
+        let dst = Disjoint::new(&mut out.spare_capacity_mut()[..len]);
+        parallel::for_each_index(g.b * g.hk, |task| {
+            let (b, kv_head) = (task / g.hk, task % g.hk);
+            let mut dk = vec![0f32; g.tk * g.d];
+            let mut dv = vec![0f32; g.tk * g.dv];
+            for h in kv_head * g.group()..(kv_head + 1) * g.group() {
+                for from in (0..g.tq).step_by(BLOCK) {
+                    let to = (from + BLOCK).min(g.tq);
+                    let dq = self.block_grads(
+                        (b, h, kv_head),
+                        (from, to),
+                        [q, k, v, dout],
+                        &mut dk,
+                        &mut dv,
+                    );
+                    // SAFETY: this task alone handles query head `(b, h)` (its key/value head's
+                    // group), so it alone writes these rows of dq.
+                    let rows =
+                        unsafe { dst.part((b * g.h + h) * g.tq * g.d + from * g.d, dq.len()) };
+                    write_rounded(&dq, rows);
+                }
+            }
+            let head = b * g.hk + kv_head;
+            // SAFETY: this task alone handles key/value head `(b, kv_head)`.
+            let (dk_rows, dv_rows) = unsafe {
+                (
+                    dst.part(nq + head * g.tk * g.d, dk.len()),
+                    dst.part(nq + nk + head * g.tk * g.dv, dv.len()),
+                )
+            };
+            write_rounded(&dk, dk_rows);
+            write_rounded(&dv, dv_rows);
+        });
+        // SAFETY: the tasks cover every query head's rows and every key/value head.
+        unsafe { out.set_len(len) };
+        out
+    }
+
+    /// The gradients of query rows `from..to` of head `h` (returned, f32), and their
+    /// contributions to the key/value head's `dk` and `dv` (added).
+    fn block_grads<T: GemmElem>(
+        &self,
+        (b, h, kv_head): (usize, usize, usize),
+        (from, to): (usize, usize),
+        [q, k, v, dout]: [Operand<T>; 4],
+        dk: &mut [f32],
+        dv: &mut [f32],
+    ) -> Vec<f32> {
+        let g = self.g;
+        let rows = to - from;
+        let mut dq = vec![0f32; rows * g.d];
+        let (p, keys) = self.probabilities((b, h), (from, to), q, k);
+        if keys == 0 {
+            return dq;
+        }
+        let do_rows = dout.rows(b, h, from);
+        // dV += P^T dO, with P rounded as the forward's product read it.
+        let p_half = rounded::<T>(&p);
+        gemm(
+            keys,
+            g.dv,
+            rows,
+            transposed(&p_half, keys),
+            do_rows,
+            &mut dv[..keys * g.dv],
+            true,
+            false,
+        );
+        // dP = dO V^T, then dS = P * (dP - rowsum(P * dP)) * scale, in place.
+        let mut ds = vec![0f32; rows * keys];
+        gemm(
+            rows,
+            keys,
+            g.dv,
+            do_rows,
+            v.transposed(b, kv_head),
+            &mut ds,
+            false,
+            false,
+        );
+        for (p, ds) in p.chunks_exact(keys).zip(ds.chunks_exact_mut(keys)) {
+            let mut lanes = [0f32; 8];
+            for (j, (p, dp)) in p.iter().zip(ds.iter()).enumerate() {
+                lanes[j % 8] += p * dp;
+            }
+            let dot: f32 = lanes.iter().sum();
+            for (p, dp) in p.iter().zip(ds.iter_mut()) {
+                *dp = p * (*dp - dot) * self.scale;
+            }
+        }
+        let ds = rounded::<T>(&ds);
+        // dQ = dS K; dK += dS^T Q.
+        gemm(
+            rows,
+            g.d,
+            keys,
+            MatRef::row_major(&ds, 0, keys),
+            k.rows(b, kv_head, 0),
+            &mut dq,
+            false,
+            false,
+        );
+        gemm(
+            keys,
+            g.d,
+            rows,
+            transposed(&ds, keys),
+            q.rows(b, h, from),
+            &mut dk[..keys * g.d],
+            true,
+            false,
+        );
+        dq
+    }
+}
+
+/// Softmax of one row in place, in f32: `exp(s - max) / sum`. A row whose scores are all
+/// `-inf` (no key visible) becomes 0; a NaN anywhere makes the row NaN.
+fn softmax_in_place(row: &mut [f32]) {
+    let max = row.iter().fold(
+        f32::NEG_INFINITY,
+        |m, &s| {
+            if s > m || s.is_nan() {
+                s
+            } else {
+                m
+            }
+        },
+    );
+    if max == f32::NEG_INFINITY {
+        row.fill(0.0);
+        return;
+    }
+    // Eight partial sums, as the softmax kernel: the rounding error grows with the row's
+    // length over eight.
+    let mut lanes = [0f32; 8];
+    for (j, s) in row.iter_mut().enumerate() {
+        *s = (*s - max).exp();
+        lanes[j % 8] += *s;
+    }
+    let sum: f32 = lanes.iter().sum();
+    for s in row.iter_mut() {
+        *s /= sum;
+    }
+}
+
+/// The three operands' storages as one float type, or an error.
+macro_rules! with_operands {
+    ($s1:expr, $l1:expr, $s2:expr, $l2:expr, $s3:expr, $l3:expr, |$q:ident, $k:ident, $v:ident| $body:expr) => {
+        match ($s1, $s2, $s3) {
+            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                let ($q, $k, $v) = (Operand::new(q, $l1)?, Operand::new(k, $l2)?, Operand::new(v, $l3)?);
+                $body
+            }
+            (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
+                let ($q, $k, $v) = (Operand::new(q, $l1)?, Operand::new(k, $l2)?, Operand::new(v, $l3)?);
+                $body
+            }
+            (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
+                let ($q, $k, $v) = (Operand::new(q, $l1)?, Operand::new(k, $l2)?, Operand::new(v, $l3)?);
+                $body
+            }
+            _ => candle_core::bail!(
+                "scaled_dot_product_attention kernel: query, key and value must be f32, f16 or \
+                 bf16, of one dtype"
+            ),
+        }
+    };
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "amp-scaled-dot-product-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let g = self.g;
+        let shape = Shape::from((g.b, g.h, g.tq, g.dv));
+        let out = with_operands!(s1, l1, s2, l2, s3, l3, |q, k, v| {
+            candle_core::WithDType::to_cpu_storage_owned(self.forward(q, k, v))
+        });
+        Ok((out, shape))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let packed = q.apply_op3_no_bwd(
+            k,
+            v,
+            &AttentionGrad {
+                attention: self.clone(),
+                dout: grad.clone(),
+            },
+        )?;
+        let (nq, nk) = (q.elem_count(), k.elem_count());
+        let part = |t: &Tensor, at: usize| packed.narrow(0, at, t.elem_count())?.reshape(t.shape());
+        Ok((
+            offer(q, || part(q, 0))?,
+            offer(k, || part(k, nq))?,
+            offer(v, || part(v, nq + nk))?,
+        ))
+    }
+}
+
+/// The backward of [`Attention`]: `[dq | dk | dv]` flattened, from the output's gradient.
+struct AttentionGrad {
+    attention: Attention,
+    dout: Tensor,
+}
+
+impl CustomOp3 for AttentionGrad {
+    fn name(&self) -> &'static str {
+        "amp-scaled-dot-product-attention-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (dout, ldout) = self.dout.storage_and_layout();
+        let Storage::Cpu(dout) = &*dout else {
+            candle_core::bail!("scaled_dot_product_attention: the gradient is not on the CPU")
+        };
+        let grads = with_operands!(s1, l1, s2, l2, s3, l3, |q, k, v| {
+            let Some(d) = candle_core::WithDType::cpu_storage_as_slice(dout).ok() else {
+                candle_core::bail!(
+                    "scaled_dot_product_attention: the gradient's dtype {:?} is not the \
+                     operands'",
+                    candle_core::backend::BackendStorage::dtype(dout)
+                )
+            };
+            let d = Operand::new(d, ldout)?;
+            candle_core::WithDType::to_cpu_storage_owned(self.attention.backward(q, k, v, d))
+        });
+        let g = self.attention.g;
+        let len = g.b * (g.h * g.tq * g.d + g.hk * g.tk * (g.d + g.dv));
+        Ok((grads, Shape::from(len)))
+    }
+}
+
+/// The same attention as candle ops, for any device and float dtype: the products in the
+/// operands' dtype (f32 accumulation where the backend has it), the scores widened to f32 (f64
+/// for f64 operands) for the scale, the mask, the causal mask and the softmax, a row that sees
+/// no key set to 0. Differentiable by candle's backward.
+pub(crate) fn composed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    causal: bool,
+) -> Result<Tensor> {
+    let g = Geometry::check(q, k, v)?;
+    let dtype = q.dtype();
+    let wide = crate::kernels::elem::wide(dtype);
+    // Grouped-query attention: each key/value head repeated for the query heads that share it.
+    let repeat = |t: &Tensor| -> Result<Tensor> {
+        if g.group() == 1 {
+            return Ok(t.clone());
+        }
+        let (b, hk, tk, d) = t.dims4()?;
+        t.unsqueeze(2)?
+            .broadcast_as((b, hk, g.group(), tk, d))?
+            .reshape((b, hk * g.group(), tk, d))
+    };
+    let (k, v) = (repeat(k)?, repeat(v)?);
+    let scores = crate::kernels::matmul(q, &k.t()?)?;
+    let mut s = (scores.to_dtype(wide)? * scale)?;
+    if let Some(mask) = mask {
+        check_mask(mask, g)?;
+        let additive = if mask.dtype() == DType::U8 {
+            let zeros = Tensor::zeros(mask.shape(), wide, mask.device())?;
+            let hidden =
+                Tensor::full(f32::NEG_INFINITY, mask.shape(), mask.device())?.to_dtype(wide)?;
+            mask.where_cond(&zeros, &hidden)?
+        } else {
+            mask.to_dtype(wide)?
+        };
+        s = s.broadcast_add(&additive)?;
+    }
+    if causal {
+        let hidden: Vec<u8> = (0..g.tq)
+            .flat_map(|i| (0..g.tk).map(move |j| u8::from(j + g.tq > i + g.tk)))
+            .collect();
+        let hidden = Tensor::from_vec(hidden, (g.tq, g.tk), q.device())?.broadcast_as(s.shape())?;
+        let minus_inf = Tensor::full(f32::NEG_INFINITY, s.shape(), q.device())?.to_dtype(wide)?;
+        s = hidden.where_cond(&minus_inf, &s)?;
+    }
+    // Rows that see no key: scores set to 0 (a finite softmax) and probabilities to 0.
+    let live = s
+        .max_keepdim(D::Minus1)?
+        .ne(f64::NEG_INFINITY)?
+        .broadcast_as(s.shape())?;
+    let s = live.where_cond(&s, &s.zeros_like()?)?;
+    let p = candle_nn::ops::softmax(&s, D::Minus1)?.mul(&live.to_dtype(wide)?)?;
+    crate::kernels::matmul(&p.to_dtype(dtype)?, &v)
+}
+
+#[cfg(test)]
+mod tests;
