@@ -38,6 +38,9 @@
 //!   a rank-3 f32 input `(8, 128, 768)` to 768 features (a transformer's projection), over
 //!   `candle_nn::Linear` with the same weights: both flatten to one 2-D GEMM.
 //!
+//! - `attention_vs_composed` (target <= 0.5) and `gpt_block_bf16_vs_f32` (target <= 0.35): see
+//!   `bench/transformer.rs`.
+//!
 //! `--device cpu` (default) or `cuda` (a `--features cuda` build). On a GPU the memcpy
 //! reference is a device-to-device copy, and every timed run ends with a device sync.
 //!
@@ -54,6 +57,10 @@
 mod device;
 #[path = "../benches/fixtures/mod.rs"]
 mod fixtures;
+#[path = "transformers/gpt_model.rs"]
+mod gpt_model;
+#[path = "bench/transformer.rs"]
+mod transformer;
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -480,6 +487,12 @@ struct Report {
     bf16_matmul_vs_candle_f32: f64,
     conv1x1_train_step_vs_candle: f64,
     adamw_step_vs_candle_nn: f64,
+    attention_vs_composed: f64,
+    gpt_block_bf16_vs_f32: f64,
+    attention_ms: f64,
+    attention_composed_ms: f64,
+    gpt_block_bf16_ms: f64,
+    gpt_block_f32_ms: f64,
     adamw_ms: f64,
     adamw_candle_nn_ms: f64,
     bf16_matmul_gflops: f64,
@@ -543,6 +556,8 @@ struct Measured {
     gemm: Gemm,
     conv1x1: Conv1x1,
     adamw: AdamWStep,
+    attention: Samples,
+    gpt_block: Samples,
 }
 
 fn report(args: &Args, m: &Measured) -> Report {
@@ -562,6 +577,12 @@ fn report(args: &Args, m: &Measured) -> Report {
         bf16_matmul_vs_candle_f32: round(m.gemm.0.ratio(1, 0), 3),
         conv1x1_train_step_vs_candle: round(m.conv1x1.0.ratio(0, 1), 3),
         adamw_step_vs_candle_nn: round(m.adamw.0.ratio(0, 1), 3),
+        attention_vs_composed: round(m.attention.ratio(0, 1), 3),
+        gpt_block_bf16_vs_f32: round(m.gpt_block.ratio(0, 1), 3),
+        attention_ms: round(m.attention.median(0), 2),
+        attention_composed_ms: round(m.attention.median(1), 2),
+        gpt_block_bf16_ms: round(m.gpt_block.median(0), 2),
+        gpt_block_f32_ms: round(m.gpt_block.median(1), 2),
         adamw_ms: round(m.adamw.0.median(0), 2),
         adamw_candle_nn_ms: round(m.adamw.0.median(1), 2),
         bf16_matmul_gflops: round(gflops(m.gemm.0.median(0)), 1),
@@ -695,6 +716,25 @@ fn print_table(r: &Report) {
         r.adamw_candle_nn_ms,
         w = r.width
     );
+    println!(
+        "{:<26} {:>8.3}  {:<10} {:<7} op {:.2} ms, composed {:.2} ms (bf16 fwd+bwd, causal, \
+         (16, 4, 64, 64))",
+        "attention_vs_composed",
+        r.attention_vs_composed,
+        "<= 0.5",
+        verdict(r.attention_vs_composed <= 0.5),
+        r.attention_ms,
+        r.attention_composed_ms
+    );
+    println!(
+        "{:<26} {:>8.3}  {:<10} {:<7} bf16 {:.2} ms, f32 {:.2} ms (fwd+bwd, width 256, (16, 64))",
+        "gpt_block_bf16_vs_f32",
+        r.gpt_block_bf16_vs_f32,
+        "<= 0.35",
+        verdict(r.gpt_block_bf16_vs_f32 <= 0.35),
+        r.gpt_block_bf16_ms,
+        r.gpt_block_f32_ms
+    );
 }
 
 fn main() -> Result<()> {
@@ -726,6 +766,10 @@ fn main() -> Result<()> {
     let conv1x1 = measure_conv1x1(&args, &dev)?;
     progress("an AdamW step: candle-amp vs candle-nn");
     let adamw = measure_adamw(&args, &dev)?;
+    progress("attention, bf16 fwd+bwd: the op vs composed ops");
+    let attention = transformer::measure_attention(&args, &dev)?;
+    progress("a GPT decoder block fwd+bwd: bf16 vs f32");
+    let gpt_block = transformer::measure_gpt_block(&args, &dev)?;
     let r = report(
         &args,
         &Measured {
@@ -736,6 +780,8 @@ fn main() -> Result<()> {
             gemm,
             conv1x1,
             adamw,
+            attention,
+            gpt_block,
         },
     );
     if args.json {

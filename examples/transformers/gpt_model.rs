@@ -130,7 +130,21 @@ pub struct Block {
 
 #[autocast]
 impl Block {
-    fn forward(&mut self, x: &Tensor<F32>, causal: bool, train: bool) -> Result<Tensor<F32>> {
+    pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            ln_1: nn::layer_norm(cfg.n_embd, cfg.layer_norm_epsilon, vb.pp("ln_1"))?,
+            attn: Attention::new(cfg, vb.pp("attn"))?,
+            ln_2: nn::layer_norm(cfg.n_embd, cfg.layer_norm_epsilon, vb.pp("ln_2"))?,
+            mlp: Mlp {
+                c_fc: nn::linear(cfg.n_embd, 4 * cfg.n_embd, vb.pp("mlp.c_fc"))?,
+                c_proj: nn::linear(4 * cfg.n_embd, cfg.n_embd, vb.pp("mlp.c_proj"))?,
+                act: nn::Activation::NewGelu,
+            },
+            dropout: Dropout::new(cfg.dropout),
+        })
+    }
+
+    pub fn forward(&mut self, x: &Tensor<F32>, causal: bool, train: bool) -> Result<Tensor<F32>> {
         let a = self.attn.forward(&self.ln_1.forward(x)?, causal)?;
         let x = (x + self.dropout.forward(&a, train)?)?;
         let m = self.mlp.forward(&self.ln_2.forward(&x)?)?;
@@ -150,20 +164,7 @@ pub struct Gpt {
 impl Gpt {
     pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
         let blocks = (0..cfg.n_layer)
-            .map(|i| {
-                let vb = vb.pp(format!("h.{i}"));
-                Ok(Block {
-                    ln_1: nn::layer_norm(cfg.n_embd, cfg.layer_norm_epsilon, vb.pp("ln_1"))?,
-                    attn: Attention::new(cfg, vb.pp("attn"))?,
-                    ln_2: nn::layer_norm(cfg.n_embd, cfg.layer_norm_epsilon, vb.pp("ln_2"))?,
-                    mlp: Mlp {
-                        c_fc: nn::linear(cfg.n_embd, 4 * cfg.n_embd, vb.pp("mlp.c_fc"))?,
-                        c_proj: nn::linear(4 * cfg.n_embd, cfg.n_embd, vb.pp("mlp.c_proj"))?,
-                        act: nn::Activation::NewGelu,
-                    },
-                    dropout: Dropout::new(cfg.dropout),
-                })
-            })
+            .map(|i| Block::new(cfg, vb.pp(format!("h.{i}"))))
             .collect::<Result<_>>()?;
         Ok(Self {
             wte: nn::embedding(cfg.vocab_size, cfg.n_embd, vb.pp("wte"))?,

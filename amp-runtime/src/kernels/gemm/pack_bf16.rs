@@ -12,10 +12,11 @@
 //! and the tails.
 
 use std::arch::x86_64::{
-    __m512i, _mm256_loadu_si256, _mm512_castsi256_si512, _mm512_cvtepu16_epi32, _mm512_inserti64x4,
-    _mm512_loadu_ps, _mm512_loadu_si512, _mm512_or_si512, _mm512_setzero_si512,
-    _mm512_shuffle_i32x4, _mm512_slli_epi32, _mm512_storeu_si512, _mm512_unpackhi_epi32,
-    _mm512_unpackhi_epi64, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
+    __m512i, __mmask16, _mm256_loadu_si256, _mm512_castsi256_si512, _mm512_cvtepu16_epi32,
+    _mm512_inserti64x4, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mask_storeu_epi32,
+    _mm512_maskz_loadu_ps, _mm512_or_si512, _mm512_setzero_si512, _mm512_shuffle_i32x4,
+    _mm512_slli_epi32, _mm512_storeu_si512, _mm512_unpackhi_epi32, _mm512_unpackhi_epi64,
+    _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
 };
 
 use super::pack::Lanes;
@@ -39,12 +40,113 @@ pub(super) fn pack_units<S: GemmElem>(
     // SAFETY: `_cpu` proves avx512f.
     unsafe {
         if let Some(bits) = S::bf16_slice(v.data) {
-            pack(v.with_data(bits), lanes, whole, out)
+            pack_any(v.with_data(bits), lanes, whole, out)
         } else if let Some(values) = as_f32(v.data) {
-            pack(v.with_data(values), lanes, whole, out)
+            pack_any(v.with_data(values), lanes, whole, out)
         } else {
             (0, 0)
         }
+    }
+}
+
+/// [`pack`], or for a panel of fewer than 16 lanes [`pack_few_lanes`].
+///
+/// # Safety
+/// avx512f exists.
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_any<E: Source>(
+    v: MatRef<E>,
+    lanes: Lanes,
+    whole: usize,
+    out: &mut [u32],
+) -> (usize, usize) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        if lanes.count < G {
+            pack_few_lanes(v, lanes, whole, out)
+        } else {
+            pack(v, lanes, whole, out)
+        }
+    }
+}
+
+/// Packs a panel of fewer than 16 lanes (the 12-row A panels of the `vdpbf16ps` kernel) in
+/// `[unit][lane]` order. Where each lane's run along `k` is contiguous (a row-major A), each
+/// 16-unit block is loaded one lane per vector with the missing lanes zero, transposed, and
+/// stored masked to the panel's lanes; where the lanes at each `k` are contiguous (a
+/// transposed A: `grad^T` of a weight's gradient, `P^T` in attention), each unit row is two
+/// partial loads combined, stored masked. Returns the lanes and units covered, as [`pack`];
+/// `(0, 0)` for other layouts, which the scalar packing takes.
+///
+/// # Safety
+/// avx512f exists.
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_few_lanes<E: Source>(
+    v: MatRef<E>,
+    lanes: Lanes,
+    whole: usize,
+    out: &mut [u32],
+) -> (usize, usize) {
+    let count = lanes.count;
+    if count == 0 || count >= G || whole == 0 || lanes.block != 1 {
+        return (0, 0);
+    }
+    let keep: __mmask16 = (1u16 << count) - 1;
+    let base = v.offset + lanes.first * v.rs;
+    let src = v.data.as_ptr();
+    let dst = out.as_mut_ptr();
+    assert!(
+        lanes.at(whole - 1, count - 1) < out.len(),
+        "pack: panel too small"
+    );
+    if v.cs == 1 {
+        let ud = whole / G * G;
+        if ud == 0 {
+            return (0, 0);
+        }
+        // The last element read is in bounds.
+        assert!(
+            base + (count - 1) * v.rs + 2 * ud <= v.data.len(),
+            "pack: view outside its data"
+        );
+        for u0 in (0..ud).step_by(G) {
+            let mut rows = [_mm512_setzero_si512(); G];
+            for (i, row) in rows.iter_mut().take(count).enumerate() {
+                // SAFETY: lane i's 32 values from unit u0 end at most at the checked last
+                // element.
+                *row = unsafe { E::units(src.add(base + i * v.rs + 2 * u0)) };
+            }
+            transpose(&mut rows);
+            for (j, row) in rows.iter().enumerate() {
+                // SAFETY: unit u0 + j's `count` lanes lie inside `out` (checked above); the
+                // mask writes those alone.
+                unsafe {
+                    _mm512_mask_storeu_epi32(dst.add(lanes.at(u0 + j, 0)).cast(), keep, *row);
+                }
+            }
+        }
+        (count, ud)
+    } else if v.rs == 1 {
+        // The last element read is in bounds.
+        assert!(
+            base + (2 * whole - 1) * v.cs + count <= v.data.len(),
+            "pack: view outside its data"
+        );
+        for u in 0..whole {
+            let lo = base + 2 * u * v.cs;
+            // SAFETY: rows 2u and 2u + 1 hold `count` lanes from `base` (checked above); unit
+            // u's `count` lanes lie inside `out`, and the mask writes those alone.
+            unsafe {
+                let units = _mm512_or_si512(
+                    E::few_lanes(src.add(lo), count),
+                    _mm512_slli_epi32::<16>(E::few_lanes(src.add(lo + v.cs), count)),
+                );
+                _mm512_mask_storeu_epi32(dst.add(lanes.at(u, 0)).cast(), keep, units);
+            }
+        }
+        (count, whole)
+    } else {
+        (0, 0)
     }
 }
 
@@ -150,6 +252,12 @@ trait Source: Copy {
     /// # Safety
     /// As [`Source::units`], for 16 values.
     unsafe fn lanes(p: *const Self) -> __m512i;
+
+    /// As [`Source::lanes`] for the first `count` (< 16) values from `p`, the others 0.
+    ///
+    /// # Safety
+    /// `p` addresses `count` readable values; avx512f exists.
+    unsafe fn few_lanes(p: *const Self, count: usize) -> __m512i;
 }
 
 impl Source for u16 {
@@ -163,6 +271,16 @@ impl Source for u16 {
     unsafe fn lanes(p: *const u16) -> __m512i {
         // SAFETY: forwarded from the caller.
         unsafe { _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast())) }
+    }
+
+    #[inline]
+    unsafe fn few_lanes(p: *const u16, count: usize) -> __m512i {
+        let mut run = [0u16; G];
+        // SAFETY: forwarded from the caller; `count < 16` fits `run`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(p, run.as_mut_ptr(), count);
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(run.as_ptr().cast()))
+        }
     }
 }
 
@@ -181,6 +299,13 @@ impl Source for f32 {
     unsafe fn lanes(p: *const f32) -> __m512i {
         // SAFETY: forwarded from the caller.
         unsafe { f32_to_bf16_lanes(_mm512_loadu_ps(p)) }
+    }
+
+    #[inline]
+    unsafe fn few_lanes(p: *const f32, count: usize) -> __m512i {
+        let keep: __mmask16 = (1u16 << count) - 1;
+        // SAFETY: forwarded from the caller; the masked-off values are not read.
+        unsafe { f32_to_bf16_lanes(_mm512_maskz_loadu_ps(keep, p)) }
     }
 }
 
