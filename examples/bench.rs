@@ -716,6 +716,11 @@ fn print_table(r: &Report) {
         r.adamw_candle_nn_ms,
         w = r.width
     );
+    print_transformer_rows(r);
+}
+
+/// The table's rows of `bench/transformer.rs`' figures.
+fn print_transformer_rows(r: &Report) {
     println!(
         "{:<26} {:>8.3}  {:<10} {:<7} op {:.2} ms, composed {:.2} ms (bf16 fwd+bwd, causal, \
          (16, 4, 64, 64))",
