@@ -229,16 +229,27 @@ impl<T: GemmElem, B: GemmElem, K: Kernel, O: Real + Send + Sync> Slice<'_, T, B,
                 self.pack_b(t * PACK_TASK_PANELS, panels);
             }
         }
-        let (m, mc) = (self.p.m, self.mc);
-        let blocks_m = m.div_ceil(mc);
+        let m = self.p.m;
+        // Blocks of A's rows of at most `mc`, as many as a multiple of the threads where there
+        // are several, their sizes differing by at most one `MR` panel: with 11 blocks of 96
+        // rows (1024 rows) on 2 threads, one thread idled for a block at the end of every pass.
+        let panels_m = m.div_ceil(K::MR);
+        let mut blocks_m = panels_m.div_ceil(self.mc / K::MR);
+        if self.threads > 1 && blocks_m > 1 {
+            blocks_m = blocks_m.next_multiple_of(self.threads).min(panels_m);
+        }
+        let block = |b: usize| {
+            let i0 = b * panels_m / blocks_m * K::MR;
+            let i1 = ((b + 1) * panels_m / blocks_m * K::MR).min(m);
+            (i0, i1 - i0)
+        };
         let groups_n = (2 * self.threads).div_ceil(blocks_m).clamp(1, panels_n);
         let group = panels_n.div_ceil(groups_n);
         let packed_b = &*packed_b;
         let task = |t: usize| {
-            let (i0, g) = (t / groups_n * mc, t % groups_n);
+            let ((i0, rows), g) = (block(t / groups_n), t % groups_n);
             let panels = g * group..((g + 1) * group).min(panels_n);
             let b = &packed_b[panels.start * panel_len..panels.end * panel_len];
-            let rows = mc.min(m - i0);
             self.with_rows(i0, rows, |a| self.tiles(i0, rows, a, panels.start, b));
         };
         let tasks = blocks_m * groups_n;
