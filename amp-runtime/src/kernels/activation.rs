@@ -147,7 +147,7 @@ fn gelu_arg(x: f32) -> f32 {
 /// then at least 1.6e-38 and at most 1.6e38, which the callers treat as 0 and infinity); NaN
 /// stays NaN.
 #[inline]
-fn exp(x: f32) -> f32 {
+pub(crate) fn exp(x: f32) -> f32 {
     /// 1.5 * 2^23: adding and subtracting it rounds an f32 below 2^22 to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
     const LN2_HI: f32 = 0.693_145_75;
