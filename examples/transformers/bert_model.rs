@@ -147,8 +147,8 @@ pub struct BertSelfAttention {
     dropout: Dropout,
     num_attention_heads: usize,
     attention_head_size: usize,
-    /// The dtypes of the last call's attention scores and probabilities (for the dtype test).
-    pub last_dtypes: Cell<Option<(DType, DType)>>,
+    /// The dtype the last call's attention ran in (for the dtype test).
+    pub last_dtype: Cell<Option<DType>>,
 }
 
 #[autocast]
@@ -164,16 +164,16 @@ impl BertSelfAttention {
             dropout: Dropout::new(config.attention_probs_dropout_prob),
             num_attention_heads: config.num_attention_heads,
             attention_head_size,
-            last_dtypes: Cell::new(None),
+            last_dtype: Cell::new(None),
         })
     }
 
-    /// `(b, t, all_head_size)` to `(b, heads, t, head_size)`.
+    /// `(b, t, all_head_size)` to `(b, heads, t, head_size)`: a view, which the attention op
+    /// reads in place.
     fn transpose_for_scores(&self, xs: &AmpTensor) -> Result<AmpTensor> {
         let (b, t, _) = xs.dims3()?;
         xs.reshape((b, t, self.num_attention_heads, self.attention_head_size))?
-            .transpose(1, 2)?
-            .contiguous()
+            .transpose(1, 2)
     }
 
     fn forward(
@@ -186,25 +186,21 @@ impl BertSelfAttention {
         let key_layer = self.transpose_for_scores(&self.key.forward(hidden_states)?)?;
         let value_layer = self.transpose_for_scores(&self.value.forward(hidden_states)?)?;
 
-        // A lower-precision matmul: f16 or bf16 under a half policy.
-        let attention_scores = query_layer.matmul(&key_layer.t()?)?;
-        let scores_dtype = attention_scores.dtype();
-        let attention_scores = (attention_scores / (self.attention_head_size as f64).sqrt())?;
-        // Adding the f32 mask promotes the scores to f32, and softmax is fp32-class anyway.
-        let attention_scores = match attention_mask {
-            Some(mask) => attention_scores.broadcast_add(mask)?,
-            None => attention_scores,
+        // One lower-precision op: the products in f16 or bf16 under a half policy, the additive
+        // f32 mask, the softmax and the dropout on the probabilities in f32 between them.
+        let options = ops::Attention {
+            mask: attention_mask,
+            dropout: if train { self.dropout.p() } else { 0.0 },
+            ..ops::Attention::default()
         };
-        let attention_probs = ops::softmax_last_dim(&attention_scores)?;
-        self.last_dtypes
-            .set(Some((scores_dtype, attention_probs.dtype())));
-        let attention_probs = self.dropout.forward(&attention_probs, train)?;
-
-        let context_layer = attention_probs.matmul(&value_layer)?;
-        context_layer
-            .transpose(1, 2)?
-            .contiguous()?
-            .flatten_from(D::Minus2)
+        let context_layer = ops::scaled_dot_product_attention_with(
+            &query_layer,
+            &key_layer,
+            &value_layer,
+            &options,
+        )?;
+        self.last_dtype.set(Some(context_layer.dtype()));
+        context_layer.transpose(1, 2)?.flatten_from(D::Minus2)
     }
 }
 
@@ -532,14 +528,14 @@ impl BertForMaskedLM {
 }
 
 impl BertForMaskedLM {
-    /// Each layer's attention score and probability dtypes in the last forward (`None` before
-    /// the first).
-    pub fn attention_dtypes(&self) -> Vec<Option<(DType, DType)>> {
+    /// The dtype each layer's attention ran in during the last forward (`None` before the
+    /// first).
+    pub fn attention_dtypes(&self) -> Vec<Option<DType>> {
         self.bert
             .encoder
             .layers
             .iter()
-            .map(|l| l.attention.self_attention.last_dtypes.get())
+            .map(|l| l.attention.self_attention.last_dtype.get())
             .collect()
     }
 }

@@ -50,7 +50,7 @@ pub(crate) mod widen;
 
 mod activation;
 mod affine;
-mod attention;
+pub(crate) mod attention;
 pub(crate) mod batch_norm;
 mod bias;
 mod binary;

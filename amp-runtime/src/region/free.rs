@@ -20,6 +20,7 @@ use super::policy::Policy;
 use super::route::{at, routed};
 use super::value::{AmpTensor, AsAmp, RegionValue};
 use crate::composite;
+use crate::kernels::attention::Attention;
 use crate::op::{self, Op};
 use crate::precision::F32;
 use crate::tensor::Tensor;
@@ -210,16 +211,38 @@ pub fn scaled_dot_product_attention<Q: AsAmp, K: AsAmp, V: AsAmp>(
     scale: Option<f64>,
     causal: bool,
 ) -> Call<op::scaled_dot_product_attention> {
-    let mask = mask.cloned();
+    let options = Attention {
+        mask,
+        scale,
+        causal,
+        dropout: 0.0,
+    };
+    scaled_dot_product_attention_with(q, k, v, &options)
+}
+
+/// Routed `ops::scaled_dot_product_attention_with`.
+pub fn scaled_dot_product_attention_with<Q: AsAmp, K: AsAmp, V: AsAmp>(
+    q: Q,
+    k: K,
+    v: V,
+    options: &Attention,
+) -> Call<op::scaled_dot_product_attention> {
+    // The mask is owned by the call (it runs later, under the region's policy).
+    let mask = options.mask.cloned();
+    let Attention {
+        scale,
+        causal,
+        dropout,
+        ..
+    } = *options;
     call(vec![q.to_amp(), k.to_amp(), v.to_amp()], move |x| {
-        crate::kernels::scaled_dot_product_attention(
-            &x[0],
-            &x[1],
-            &x[2],
-            mask.as_ref(),
+        let options = Attention {
+            mask: mask.as_ref(),
             scale,
             causal,
-        )
+            dropout,
+        };
+        crate::kernels::scaled_dot_product_attention(&x[0], &x[1], &x[2], &options)
     })
 }
 

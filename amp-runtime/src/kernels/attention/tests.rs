@@ -1,7 +1,25 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-use super::{composed, scaled_dot_product_attention};
+use super::{composed, seeded, Attention, Dropout, Geometry};
 use crate::kernels::testing::{max_abs, max_abs_diff, values};
+
+/// The op without dropout, as the public entry calls it.
+fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: Option<f64>,
+    causal: bool,
+) -> Result<Tensor> {
+    let options = Attention {
+        mask,
+        scale,
+        causal,
+        dropout: 0.0,
+    };
+    super::scaled_dot_product_attention(q, k, v, &options)
+}
 
 /// The mask a case passes.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -155,22 +173,20 @@ fn matches_the_composed_math_and_f64() -> Result<()> {
                     q,
                     k,
                     v,
-                    mask.as_ref(),
-                    1.0 / (case.d as f64).sqrt(),
-                    case.causal,
+                    (mask.as_ref(), 1.0 / (case.d as f64).sqrt(), case.causal),
+                    None,
                 )
             })?;
             let ours = run(case, (&q, &k, &v), dtype, |q, k, v| {
-                scaled_dot_product_attention(q, k, v, mask.as_ref(), None, case.causal)
+                attend(q, k, v, mask.as_ref(), None, case.causal)
             })?;
             let theirs = run(case, (&q, &k, &v), dtype, |q, k, v| {
                 composed(
                     q,
                     k,
                     v,
-                    mask.as_ref(),
-                    1.0 / (case.d as f64).sqrt(),
-                    case.causal,
+                    (mask.as_ref(), 1.0 / (case.d as f64).sqrt(), case.causal),
+                    None,
                 )
             })?;
             let (ours, theirs) = (errors(&ours, &reference)?, errors(&theirs, &reference)?);
@@ -217,7 +233,7 @@ fn rows_that_see_no_key_are_zero_and_nothing_leaks() -> Result<()> {
         Var::from_tensor(&k)?,
         Var::from_tensor(&v)?,
     );
-    let out = scaled_dot_product_attention(&vq, &vk, &vv, Some(mask.as_tensor()), None, false)?;
+    let out = attend(&vq, &vk, &vv, Some(mask.as_tensor()), None, false)?;
     let w = input(out.dims4()?, 11, DType::F32)?;
     let grads = (&out * &w)?.sum_all()?.backward()?;
     let (dq, dk, dv) = (
@@ -248,25 +264,19 @@ fn rows_that_see_no_key_are_zero_and_nothing_leaks() -> Result<()> {
         row(&dv, 1)?.iter().all(|&x| x == 0.0),
         "an unseen value's gradient is 0"
     );
-    let reference = composed(
-        &q,
-        &k,
-        &v,
-        Some(mask.as_tensor()),
-        1.0 / (d as f64).sqrt(),
-        false,
-    )?;
+    let scale = 1.0 / (d as f64).sqrt();
+    let reference = composed(&q, &k, &v, (Some(mask.as_tensor()), scale, false), None)?;
     assert!(max_abs_diff(&out, &reference)? < 1e-6);
 
     // Causal with more queries than keys: the first `tq - tk` rows see nothing.
-    let out = scaled_dot_product_attention(&q, &k, &v, None, None, true)?;
+    let out = attend(&q, &k, &v, None, None, true)?;
     for i in 0..tq - tk {
         assert!(
             row(&out, i)?.iter().all(|&x| x == 0.0),
             "causal row {i} sees no key"
         );
     }
-    let reference = composed(&q, &k, &v, None, 1.0 / (d as f64).sqrt(), true)?;
+    let reference = composed(&q, &k, &v, (None, 1.0 / (d as f64).sqrt(), true), None)?;
     assert!(max_abs_diff(&out, &reference)? < 1e-6);
     Ok(())
 }
@@ -280,7 +290,7 @@ fn a_nan_query_poisons_its_own_row_only() -> Result<()> {
     let q = Tensor::from_vec(qv, (b, h, t, d), &Device::Cpu)?;
     let k = input((b, h, t, d), 2, DType::F32)?;
     let v = input((b, h, t, d), 3, DType::F32)?;
-    let out = scaled_dot_product_attention(&q, &k, &v, None, None, false)?;
+    let out = attend(&q, &k, &v, None, None, false)?;
     for i in 0..t {
         let row: Vec<f32> = out.narrow(2, i, 1)?.flatten_all()?.to_vec1()?;
         assert_eq!(row.iter().all(|x| x.is_nan()), i == 2, "row {i}: {row:?}");
@@ -319,7 +329,7 @@ fn run_bits((q, k, v): (&Tensor, &Tensor, &Tensor)) -> Result<Vec<Vec<f32>>> {
         Var::from_tensor(k)?,
         Var::from_tensor(v)?,
     );
-    let out = scaled_dot_product_attention(&vq, &vk, &vv, None, None, true)?;
+    let out = attend(&vq, &vk, &vv, None, None, true)?;
     let grads = out.to_dtype(DType::F32)?.sqr()?.sum_all()?.backward()?;
     [
         &out,
@@ -339,79 +349,92 @@ fn bad_arguments_are_errors_naming_them() -> Result<()> {
     let k = input((1, 2, 5, 8), 2, DType::F32)?;
     let v = input((1, 2, 5, 6), 3, DType::F32)?;
     let err = |r: Result<Tensor>| r.expect_err("an error").to_string();
-    assert!(err(scaled_dot_product_attention(
-        &q.squeeze(0)?,
-        &k,
-        &v,
-        None,
-        None,
-        false
-    ))
-    .contains("(batch, heads, length, head_dim)"));
-    assert!(err(scaled_dot_product_attention(
-        &q,
-        &k.narrow(3, 0, 4)?,
-        &v,
-        None,
-        None,
-        false
-    ))
-    .contains("head_dim"));
-    assert!(err(scaled_dot_product_attention(
-        &q.narrow(1, 0, 3)?,
-        &k,
-        &v,
-        None,
-        None,
-        false
-    ))
-    .contains("multiple"));
-    assert!(err(scaled_dot_product_attention(
-        &q,
-        &k,
-        &v.narrow(2, 0, 4)?,
-        None,
-        None,
-        false
-    ))
-    .contains("key and value differ"));
-    assert!(err(scaled_dot_product_attention(
-        &q,
-        &k.to_dtype(DType::F16)?,
-        &v,
-        None,
-        None,
-        false
-    ))
-    .contains("one float dtype"));
-    assert!(err(scaled_dot_product_attention(
-        &q,
-        &k,
-        &v,
-        None,
-        Some(f64::NAN),
-        false
-    ))
-    .contains("finite"));
+    assert!(err(attend(&q.squeeze(0)?, &k, &v, None, None, false))
+        .contains("(batch, heads, length, head_dim)"));
+    assert!(err(attend(&q, &k.narrow(3, 0, 4)?, &v, None, None, false)).contains("head_dim"));
+    assert!(err(attend(&q.narrow(1, 0, 3)?, &k, &v, None, None, false)).contains("multiple"));
+    assert!(err(attend(&q, &k, &v.narrow(2, 0, 4)?, None, None, false))
+        .contains("key and value differ"));
+    assert!(
+        err(attend(&q, &k.to_dtype(DType::F16)?, &v, None, None, false))
+            .contains("one float dtype")
+    );
+    assert!(err(attend(&q, &k, &v, None, Some(f64::NAN), false)).contains("finite"));
     let wrong = Tensor::zeros((3, 4), DType::F32, &Device::Cpu)?;
-    assert!(err(scaled_dot_product_attention(
-        &q,
-        &k,
-        &v,
-        Some(&wrong),
-        None,
-        false
-    ))
-    .contains("does not broadcast"));
+    assert!(err(attend(&q, &k, &v, Some(&wrong), None, false)).contains("does not broadcast"));
     let ids = Tensor::zeros((3, 5), DType::U32, &Device::Cpu)?;
-    assert!(err(scaled_dot_product_attention(
-        &q,
-        &k,
-        &v,
-        Some(&ids),
-        None,
-        false
-    ))
-    .contains("u8"));
+    assert!(err(attend(&q, &k, &v, Some(&ids), None, false)).contains("u8"));
+    Ok(())
+}
+
+/// Dropout on the probabilities: the op with a fixed seed against the composed math given the
+/// same keep mask (the seed's draws), values and the three gradients, in f32 (to f32's
+/// precision) and bf16 (to bf16's); the share of dropped probabilities is `p` (2% slack over
+/// 65,536 draws, about 14 standard deviations); each seed drops others; and `p` outside [0, 1)
+/// is an error.
+#[test]
+fn dropout_drops_what_its_seed_says_and_the_backward_agrees() -> Result<()> {
+    let case = Case {
+        b: 2,
+        h: 2,
+        hk: 1,
+        tq: 64,
+        tk: 64,
+        d: 16,
+        mask: Mask::Additive,
+        causal: true,
+    };
+    let g = Geometry {
+        b: case.b,
+        h: case.h,
+        hk: case.hk,
+        tq: case.tq,
+        tk: case.tk,
+        d: case.d,
+        dv: case.d,
+    };
+    let (p, seed) = (0.25f32, 0x5eed);
+    let keep = Dropout { p, seed }.mask(g, &Device::Cpu)?;
+    let kept = keep.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()?;
+    assert!((kept - (1.0 - p)).abs() < 0.02, "kept {kept}");
+    let other = Dropout { p, seed: seed + 1 }.mask(g, &Device::Cpu)?;
+    assert!(max_abs_diff(&keep.to_dtype(DType::F32)?, &other.to_dtype(DType::F32)?)? > 0.0);
+
+    let q = input((case.b, case.h, case.tq, case.d), 1, DType::F32)?;
+    let k = input((case.b, case.hk, case.tk, case.d), 2, DType::F32)?;
+    let v = input((case.b, case.hk, case.tk, case.d), 3, DType::F32)?;
+    let mask = case.mask()?;
+    let scale = 1.0 / (case.d as f64).sqrt();
+    for (dtype, bound) in [(DType::F32, 2e-6), (DType::BF16, 2e-2)] {
+        let (q, k, v) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?, v.to_dtype(dtype)?);
+        let reference = run(case, (&q, &k, &v), DType::F64, |q, k, v| {
+            composed(q, k, v, (mask.as_ref(), scale, true), Some((&keep, p)))
+        })?;
+        let ours = run(case, (&q, &k, &v), dtype, |q, k, v| {
+            let options = Attention {
+                mask: mask.as_ref(),
+                scale: None,
+                causal: true,
+                dropout: p,
+            };
+            seeded(q, k, v, &options, seed)
+        })?;
+        for (what, e) in ["output", "dq", "dk", "dv"]
+            .iter()
+            .zip(errors(&ours, &reference)?)
+        {
+            assert!(e <= bound, "{dtype:?} {what}: error {e:e}");
+        }
+    }
+    for bad in [1.0, -0.1, f32::NAN] {
+        let options = Attention {
+            dropout: bad,
+            ..Attention::default()
+        };
+        let err = super::scaled_dot_product_attention(&q, &k, &v, &options)
+            .expect_err("a bad dropout probability")
+            .to_string();
+        assert!(err.contains("dropout probability"), "{err}");
+    }
     Ok(())
 }

@@ -1,46 +1,24 @@
-//! Scaled dot-product attention as one op with its own backward: PyTorch's
-//! `scaled_dot_product_attention` over `(batch, heads, length, head_dim)` tensors.
+//! The attention op on CPU: one node over `(q, k, v)`, its own backward.
 //!
-//! Written out of candle ops, attention is a dozen graph nodes per layer (the scores' product,
-//! the scale, the mask's add, five for the softmax, the casts around it, the second product),
-//! each a full `(b, h, t_q, t_k)` buffer in the forward and a zero tensor plus an add in
-//! candle's backward. On CPU this op is one node. Per head and per block of [`BLOCK`] query
-//! rows it computes the block's scores against every visible key with the packed GEMM (half
-//! operands, f32 accumulation), scales them and adds the mask in f32, takes the softmax in f32,
-//! rounds the probabilities to the operands' dtype for the second product (as autocast casts the
-//! softmax's output for the `matmul` after it) and writes the block's output rounded once. Only
-//! one block of scores exists at a time per task: memory grows with `BLOCK * t_k`, not `t_q *
-//! t_k`.
+//! Per head and per block of [`BLOCK`] query rows the forward computes the block's scores
+//! against every visible key with the packed GEMM, scales them and adds the mask in f32, takes
+//! the softmax in f32 (dropout after it), rounds the probabilities to the operands' dtype for
+//! the second product and writes the block's output rounded once. Only one block of scores
+//! exists at a time per task: memory grows with `BLOCK * t_k`, not `t_q * t_k`.
 //!
 //! The backward recomputes each block's probabilities (the forward keeps nothing but its
-//! operands, as flash attention keeps nothing of the scores), then `dV += P^T dO`,
-//! `dP = dO V^T`, `dS = P * (dP - rowsum(P * dP)) * scale` in f32, `dQ = dS K` and
-//! `dK += dS^T Q`, the products again on the GEMM in the operands' dtype with f32
-//! accumulation. One task owns one key/value head of one batch entry (and the query heads that
-//! share it), so `dK` and `dV` are summed in f32 without any reduction across tasks.
-//!
-//! Semantics, beside PyTorch's:
-//! - `mask` broadcasts to `(b, h, t_q, t_k)`: a float mask is added to the scores (in f32), a
-//!   `u8` mask is PyTorch's boolean mask, nonzero where a query may attend a key. It receives
-//!   no gradient.
-//! - `causal` hides key `j` from query `i` when `j > i + t_k - t_q`: the causal mask aligned to
-//!   the bottom right corner, flash attention's convention since 2.1. With `t_q == t_k` it is
-//!   PyTorch's `is_causal`; with a KV cache (`t_q < t_k`) it is what decoding needs, where
-//!   PyTorch's top-left alignment would hide the cached keys from the new queries.
-//! - Fewer key/value heads than query heads (grouped-query attention, PyTorch's `enable_gqa`):
-//!   query head `i` reads key/value head `i / (h / h_kv)`.
-//! - A query row that can see no key at all (every score `-inf`) has output 0 and sends no
-//!   gradient anywhere (PyTorch's math kernel gives NaN there, its fused kernels 0). A NaN
-//!   score still makes its row NaN, so the gradient scaler sees it.
-//!
-//! Off the CPU the same semantics run as a composition of candle ops ([`composed`]), the
-//! products in the operands' dtype and the softmax in f32; the tests use it as the composed
-//! reference.
+//! operands, as flash attention keeps nothing of the scores), then, with `Z` the dropout's
+//! factors (1 without dropout), `dV += (P Z)^T dO`, `dP = (dO V^T) Z`, `dS = P * (dP -
+//! rowsum(P * dP)) * scale` in f32, `dQ = dS K` and `dK += dS^T Q`, the products again on the
+//! GEMM in the operands' dtype with f32 accumulation. One task owns one key/value head of one
+//! batch entry (and the query heads that share it), so `dK` and `dV` are summed in f32 without
+//! any reduction across tasks.
 
 use std::mem::MaybeUninit;
 
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, D};
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
+use super::{Dropout, Geometry, Mask};
 use crate::kernels::elem::Real;
 use crate::kernels::gemm::{gemm, GemmElem, MatRef};
 use crate::kernels::leaf_grads::offer;
@@ -49,192 +27,14 @@ use crate::kernels::parallel::{self, Disjoint};
 /// Query rows per block: the unit of work of a forward task and of the backward's loop.
 const BLOCK: usize = 64;
 
-/// `softmax(q k^T * scale + mask) v` over `(b, h, t_q, d)` queries and `(b, h_kv, t_k, d)` /
-/// `(b, h_kv, t_k, d_v)` keys and values of one float dtype (see the module's documentation);
-/// `scale` defaults to `1 / sqrt(d)`. Differentiable in `q`, `k` and `v`. One op on CPU,
-/// candle ops elsewhere.
-pub(crate) fn scaled_dot_product_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-    scale: Option<f64>,
-    causal: bool,
-) -> Result<Tensor> {
-    let g = Geometry::check(q, k, v)?;
-    let scale = match scale {
-        Some(s) if !s.is_finite() => {
-            candle_core::bail!("scaled_dot_product_attention: the scale must be finite, got {s}")
-        }
-        Some(s) => s,
-        #[allow(clippy::cast_precision_loss)] // head sizes are far inside f64's exact range
-        None if g.d > 0 => 1.0 / (g.d as f64).sqrt(),
-        None => 1.0,
-    };
-    if let Some(mask) = mask {
-        check_mask(mask, g)?;
-    }
-    if crate::kernels::elem::cpu_float(q) {
-        let op = Attention {
-            mask: mask.map(|m| Mask::new(m, g)).transpose()?,
-            scale: scale as f32,
-            causal,
-            g,
-        };
-        q.apply_op3(k, v, op)
-    } else {
-        composed(q, k, v, mask, scale, causal)
-    }
-}
-
-/// The shapes of one attention call.
-#[derive(Clone, Copy, Debug)]
-struct Geometry {
-    b: usize,
-    h: usize,
-    /// Key/value heads; divides `h`.
-    hk: usize,
-    tq: usize,
-    tk: usize,
-    d: usize,
-    dv: usize,
-}
-
-impl Geometry {
-    /// The geometry of `q`, `k`, `v`, or an error naming what does not fit.
-    fn check(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Self> {
-        let name = "scaled_dot_product_attention";
-        for (t, what) in [(q, "query"), (k, "key"), (v, "value")] {
-            if t.rank() != 4 {
-                candle_core::bail!(
-                    "{name}: the {what} must be (batch, heads, length, head_dim), got shape {:?}",
-                    t.dims()
-                );
-            }
-            if !t.dtype().is_float() || t.dtype() != q.dtype() {
-                candle_core::bail!(
-                    "{name}: query, key and value must be of one float dtype, got {:?}, {:?} \
-                     and {:?}",
-                    q.dtype(),
-                    k.dtype(),
-                    v.dtype()
-                );
-            }
-            if !t.device().same_device(q.device()) {
-                candle_core::bail!("{name}: query, key and value must be on one device");
-            }
-        }
-        let (b, h, tq, d) = q.dims4()?;
-        let (bk, hk, tk, dk) = k.dims4()?;
-        let (bv, hv, tv, dv) = v.dims4()?;
-        if bk != b || bv != b {
-            candle_core::bail!("{name}: batch sizes differ: query {b}, key {bk}, value {bv}");
-        }
-        if dk != d {
-            candle_core::bail!("{name}: the key's head_dim {dk} differs from the query's {d}");
-        }
-        if (hv, tv) != (hk, tk) {
-            candle_core::bail!(
-                "{name}: key and value differ in heads or length: key {:?}, value {:?}",
-                k.dims(),
-                v.dims()
-            );
-        }
-        if hk == 0 || h % hk != 0 {
-            candle_core::bail!(
-                "{name}: the query's {h} heads are not a multiple of the key's and value's {hk}"
-            );
-        }
-        Ok(Self {
-            b,
-            h,
-            hk,
-            tq,
-            tk,
-            d,
-            dv,
-        })
-    }
-
-    /// How many query heads share one key/value head.
-    fn group(&self) -> usize {
-        self.h / self.hk
-    }
-
-    /// The shape the mask broadcasts to.
-    fn scores(&self) -> (usize, usize, usize, usize) {
-        (self.b, self.h, self.tq, self.tk)
-    }
-}
-
-/// A mask must be a float (additive) or `u8` (boolean) tensor broadcasting to the scores.
-fn check_mask(mask: &Tensor, g: Geometry) -> Result<()> {
-    let name = "scaled_dot_product_attention";
-    if !(mask.dtype().is_float() || mask.dtype() == DType::U8) {
-        candle_core::bail!(
-            "{name}: the mask must be a float tensor (added to the scores) or a u8 tensor \
-             (nonzero where a query may attend a key), got {:?}",
-            mask.dtype()
-        );
-    }
-    if mask.rank() > 4 || mask.broadcast_as(g.scores()).is_err() {
-        candle_core::bail!(
-            "{name}: a mask of shape {:?} does not broadcast to the scores' {:?}",
-            mask.dims(),
-            g.scores()
-        );
-    }
-    Ok(())
-}
-
-/// A mask's values as f32 additions to the scores (a `u8` mask as 0 or `-inf`), with the
-/// strides that broadcast them to `(b, h, t_q, t_k)` (0 along broadcast dimensions).
-#[derive(Clone, Debug)]
-struct Mask {
-    values: Vec<f32>,
-    strides: [usize; 4],
-}
-
-impl Mask {
-    fn new(mask: &Tensor, g: Geometry) -> Result<Self> {
-        let values: Vec<f32> = if mask.dtype() == DType::U8 {
-            let keep = mask.flatten_all()?.to_vec1::<u8>()?;
-            keep.into_iter()
-                .map(|k| if k == 0 { f32::NEG_INFINITY } else { 0.0 })
-                .collect()
-        } else {
-            mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?
-        };
-        let mut dims = [1usize; 4];
-        dims[4 - mask.rank()..].copy_from_slice(mask.dims());
-        let target = [g.b, g.h, g.tq, g.tk];
-        let mut strides = [0usize; 4];
-        let mut step = 1;
-        for i in (0..4).rev() {
-            strides[i] = if dims[i] == 1 && target[i] != 1 {
-                0
-            } else {
-                step
-            };
-            step *= dims[i];
-        }
-        Ok(Self { values, strides })
-    }
-
-    /// The mask's value for key `j` of row `(b, h, i)` is `values[start + j * step]`.
-    fn row(&self, b: usize, h: usize, i: usize) -> (usize, usize) {
-        let s = self.strides;
-        (b * s[0] + h * s[1] + i * s[2], s[3])
-    }
-}
-
 /// Scaled dot-product attention on CPU: the forward op over `(q, k, v)`.
 #[derive(Clone, Debug)]
-struct Attention {
-    mask: Option<Mask>,
-    scale: f32,
-    causal: bool,
-    g: Geometry,
+pub(super) struct Fused {
+    pub(super) mask: Option<Mask>,
+    pub(super) scale: f32,
+    pub(super) causal: bool,
+    pub(super) dropout: Option<Dropout>,
+    pub(super) g: Geometry,
 }
 
 /// A rank-4 operand as the kernels read it: its elements, start offset and strides.
@@ -307,7 +107,7 @@ fn write_rounded<T: Real>(values: &[f32], dst: &mut [MaybeUninit<T>]) {
     }
 }
 
-impl Attention {
+impl Fused {
     /// How many keys query row `i` sees: all, or with `causal` those up to `i + t_k - t_q`.
     fn visible(&self, i: usize) -> usize {
         let g = self.g;
@@ -315,6 +115,24 @@ impl Attention {
             (i + g.tk + 1).saturating_sub(g.tq).min(g.tk)
         } else {
             g.tk
+        }
+    }
+
+    /// Multiplies rows `from..` of head `(b, h)`, `keys` wide, by the dropout's factors: 0
+    /// where dropped, `1 / (1 - p)` where kept (nothing without dropout).
+    fn drop_out(&self, (b, h): (usize, usize), from: usize, keys: usize, rows: &mut [f32]) {
+        let Some(dropout) = self.dropout else {
+            return;
+        };
+        let kept = dropout.scale();
+        for (r, row) in rows.chunks_exact_mut(keys).enumerate() {
+            for (j, x) in row.iter_mut().enumerate() {
+                *x *= if dropout.keeps(self.g, (b, h, from + r, j)) {
+                    kept
+                } else {
+                    0.0
+                };
+            }
         }
     }
 
@@ -374,7 +192,10 @@ impl Attention {
             let (b, h) = (bh / g.h, bh % g.h);
             let from = block * BLOCK;
             let to = (from + BLOCK).min(g.tq);
-            let (p, keys) = self.probabilities((b, h), (from, to), q, k);
+            let (mut p, keys) = self.probabilities((b, h), (from, to), q, k);
+            if keys > 0 {
+                self.drop_out((b, h), from, keys, &mut p);
+            }
             let mut o = vec![0f32; (to - from) * g.dv];
             gemm(
                 to - from,
@@ -468,8 +289,14 @@ impl Attention {
             return dq;
         }
         let do_rows = dout.rows(b, h, from);
-        // dV += P^T dO, with P rounded as the forward's product read it.
-        let p_half = rounded::<T>(&p);
+        // dV += (P Z)^T dO, with P Z rounded as the forward's product read it.
+        let p_half = if self.dropout.is_some() {
+            let mut dropped = p.clone();
+            self.drop_out((b, h), from, keys, &mut dropped);
+            rounded::<T>(&dropped)
+        } else {
+            rounded::<T>(&p)
+        };
         gemm(
             keys,
             g.dv,
@@ -480,7 +307,7 @@ impl Attention {
             true,
             false,
         );
-        // dP = dO V^T, then dS = P * (dP - rowsum(P * dP)) * scale, in place.
+        // dP = (dO V^T) Z, then dS = P * (dP - rowsum(P * dP)) * scale, in place.
         let mut ds = vec![0f32; rows * keys];
         gemm(
             rows,
@@ -492,6 +319,7 @@ impl Attention {
             false,
             false,
         );
+        self.drop_out((b, h), from, keys, &mut ds);
         for (p, ds) in p.chunks_exact(keys).zip(ds.chunks_exact_mut(keys)) {
             let mut lanes = [0f32; 8];
             for (j, (p, dp)) in p.iter().zip(ds.iter()).enumerate() {
@@ -592,7 +420,7 @@ macro_rules! with_operands {
     };
 }
 
-impl CustomOp3 for Attention {
+impl CustomOp3 for Fused {
     fn name(&self) -> &'static str {
         "amp-scaled-dot-product-attention"
     }
@@ -625,7 +453,7 @@ impl CustomOp3 for Attention {
         let packed = q.apply_op3_no_bwd(
             k,
             v,
-            &AttentionGrad {
+            &FusedGrad {
                 attention: self.clone(),
                 dout: grad.clone(),
             },
@@ -640,13 +468,13 @@ impl CustomOp3 for Attention {
     }
 }
 
-/// The backward of [`Attention`]: `[dq | dk | dv]` flattened, from the output's gradient.
-struct AttentionGrad {
-    attention: Attention,
+/// The backward of [`Fused`]: `[dq | dk | dv]` flattened, from the output's gradient.
+struct FusedGrad {
+    attention: Fused,
     dout: Tensor,
 }
 
-impl CustomOp3 for AttentionGrad {
+impl CustomOp3 for FusedGrad {
     fn name(&self) -> &'static str {
         "amp-scaled-dot-product-attention-grad"
     }
@@ -680,64 +508,3 @@ impl CustomOp3 for AttentionGrad {
         Ok((grads, Shape::from(len)))
     }
 }
-
-/// The same attention as candle ops, for any device and float dtype: the products in the
-/// operands' dtype (f32 accumulation where the backend has it), the scores widened to f32 (f64
-/// for f64 operands) for the scale, the mask, the causal mask and the softmax, a row that sees
-/// no key set to 0. Differentiable by candle's backward.
-pub(crate) fn composed(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-    scale: f64,
-    causal: bool,
-) -> Result<Tensor> {
-    let g = Geometry::check(q, k, v)?;
-    let dtype = q.dtype();
-    let wide = crate::kernels::elem::wide(dtype);
-    // Grouped-query attention: each key/value head repeated for the query heads that share it.
-    let repeat = |t: &Tensor| -> Result<Tensor> {
-        if g.group() == 1 {
-            return Ok(t.clone());
-        }
-        let (b, hk, tk, d) = t.dims4()?;
-        t.unsqueeze(2)?
-            .broadcast_as((b, hk, g.group(), tk, d))?
-            .reshape((b, hk * g.group(), tk, d))
-    };
-    let (k, v) = (repeat(k)?, repeat(v)?);
-    let scores = crate::kernels::matmul(q, &k.t()?)?;
-    let mut s = (scores.to_dtype(wide)? * scale)?;
-    if let Some(mask) = mask {
-        check_mask(mask, g)?;
-        let additive = if mask.dtype() == DType::U8 {
-            let zeros = Tensor::zeros(mask.shape(), wide, mask.device())?;
-            let hidden =
-                Tensor::full(f32::NEG_INFINITY, mask.shape(), mask.device())?.to_dtype(wide)?;
-            mask.where_cond(&zeros, &hidden)?
-        } else {
-            mask.to_dtype(wide)?
-        };
-        s = s.broadcast_add(&additive)?;
-    }
-    if causal {
-        let hidden: Vec<u8> = (0..g.tq)
-            .flat_map(|i| (0..g.tk).map(move |j| u8::from(j + g.tq > i + g.tk)))
-            .collect();
-        let hidden = Tensor::from_vec(hidden, (g.tq, g.tk), q.device())?.broadcast_as(s.shape())?;
-        let minus_inf = Tensor::full(f32::NEG_INFINITY, s.shape(), q.device())?.to_dtype(wide)?;
-        s = hidden.where_cond(&minus_inf, &s)?;
-    }
-    // Rows that see no key: scores set to 0 (a finite softmax) and probabilities to 0.
-    let live = s
-        .max_keepdim(D::Minus1)?
-        .ne(f64::NEG_INFINITY)?
-        .broadcast_as(s.shape())?;
-    let s = live.where_cond(&s, &s.zeros_like()?)?;
-    let p = candle_nn::ops::softmax(&s, D::Minus1)?.mul(&live.to_dtype(wide)?)?;
-    crate::kernels::matmul(&p.to_dtype(dtype)?, &v)
-}
-
-#[cfg(test)]
-mod tests;
