@@ -20,7 +20,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor}
 
 use super::{Dropout, Geometry, Mask};
 use crate::kernels::elem::Real;
-use crate::kernels::gemm::{gemm, GemmElem, MatRef};
+use crate::kernels::gemm::{gemm, gemm_append, GemmElem, MatRef};
 use crate::kernels::leaf_grads::offer;
 use crate::kernels::parallel::{self, Disjoint};
 
@@ -81,6 +81,13 @@ impl<'a, T> Operand<'a, T> {
             cs: s[2],
         }
     }
+}
+
+/// `a * b`, `(m, n)` row-major in f32, into a fresh buffer the GEMM writes whole (no zero fill).
+fn product<T: GemmElem>((m, n, k): (usize, usize, usize), a: MatRef<T>, b: MatRef<T>) -> Vec<f32> {
+    let mut c = Vec::with_capacity(m * n);
+    gemm_append(&mut c, (m, n, k), a, b, false);
+    c
 }
 
 /// A row-major `(rows, cols)` buffer read transposed, `(cols, rows)`.
@@ -151,17 +158,11 @@ impl Fused {
         if keys == 0 {
             return (Vec::new(), 0);
         }
-        let mut p = vec![0f32; rows * keys];
         let kv_head = h / g.group();
-        gemm(
-            rows,
-            keys,
-            g.d,
+        let mut p = product(
+            (rows, keys, g.d),
             q.rows(b, h, from),
             k.transposed(b, kv_head),
-            &mut p,
-            false,
-            false,
         );
         for (r, row) in p.chunks_exact_mut(keys).enumerate() {
             let i = from + r;
@@ -196,16 +197,10 @@ impl Fused {
             if keys > 0 {
                 self.drop_out((b, h), from, keys, &mut p);
             }
-            let mut o = vec![0f32; (to - from) * g.dv];
-            gemm(
-                to - from,
-                g.dv,
-                keys,
+            let o = product(
+                (to - from, g.dv, keys),
                 MatRef::row_major(&rounded::<T>(&p), 0, keys),
                 v.rows(b, h / g.group(), 0),
-                &mut o,
-                false,
-                false,
             );
             // SAFETY: task `(b, h, block)` alone writes rows `from..to` of head `(b, h)`.
             let rows = unsafe { dst.part((bh * g.tq + from) * g.dv, o.len()) };
@@ -283,10 +278,9 @@ impl Fused {
     ) -> Vec<f32> {
         let g = self.g;
         let rows = to - from;
-        let mut dq = vec![0f32; rows * g.d];
         let (p, keys) = self.probabilities((b, h), (from, to), q, k);
         if keys == 0 {
-            return dq;
+            return vec![0.0; rows * g.d];
         }
         let do_rows = dout.rows(b, h, from);
         // dV += (P Z)^T dO, with P Z rounded as the forward's product read it.
@@ -308,17 +302,7 @@ impl Fused {
             false,
         );
         // dP = (dO V^T) Z, then dS = P * (dP - rowsum(P * dP)) * scale, in place.
-        let mut ds = vec![0f32; rows * keys];
-        gemm(
-            rows,
-            keys,
-            g.dv,
-            do_rows,
-            v.transposed(b, kv_head),
-            &mut ds,
-            false,
-            false,
-        );
+        let mut ds = product((rows, keys, g.dv), do_rows, v.transposed(b, kv_head));
         self.drop_out((b, h), from, keys, &mut ds);
         for (p, ds) in p.chunks_exact(keys).zip(ds.chunks_exact_mut(keys)) {
             let mut lanes = [0f32; 8];
@@ -332,15 +316,10 @@ impl Fused {
         }
         let ds = rounded::<T>(&ds);
         // dQ = dS K; dK += dS^T Q.
-        gemm(
-            rows,
-            g.d,
-            keys,
+        let dq = product(
+            (rows, g.d, keys),
             MatRef::row_major(&ds, 0, keys),
             k.rows(b, kv_head, 0),
-            &mut dq,
-            false,
-            false,
         );
         gemm(
             keys,
