@@ -1,6 +1,6 @@
 //! The CUDA ops against the CPU ops on the same inputs: values and every gradient, in f32, f16
 //! and bf16 (needs a GPU; built with `--features cuda`, and `cudnn` for the cuDNN
-//! convolutions): convolutions, batch norm, max pooling. The CPU op is the reference: f32
+//! convolutions): convolutions, batch norm, max pooling, attention. The CPU op is the reference: f32
 //! accumulation, one rounding per output.
 //!
 //! Tolerances: the two devices sum in different orders, and cuDNN rounds the kernel gradient
@@ -393,6 +393,49 @@ fn conv_bn_relu_train_matches_cpu_layers<P: Precision>() -> Result<()> {
     Ok(())
 }
 
+/// `ops::scaled_dot_product_attention` on CUDA (candle ops: cuBLAS products in `P`, the softmax
+/// in f32) against the CPU op (one op, f32 between the products), grouped-query heads, an
+/// additive mask and the causal mask: the output and the three gradients. The CUDA side rounds
+/// the scores to `P` before the softmax where the CPU op keeps them in f32, so the tolerance is
+/// four times the others'.
+fn attention_matches_cpu<P: Precision>() -> Result<()> {
+    let cuda = Device::new_cuda(0)?;
+    let run = |dev: &Device| -> Result<Vec<candle_core::Tensor>> {
+        let head = |heads: usize, seed: u64| -> Result<Var> {
+            Var::from_tensor(&randn(&[2, heads, 9, 16], seed, dev)?.to_dtype(P::DTYPE)?)
+        };
+        let (q, k, v) = (head(4, 1)?, head(2, 2)?, head(2, 3)?);
+        let typed = |x: &Var| Tensor::<P>::from_candle(x.as_tensor().clone());
+        let mask = randn(&[9, 9], 5, dev)?;
+        let y = candle_amp::ops::scaled_dot_product_attention(
+            &typed(&q)?,
+            &typed(&k)?,
+            &typed(&v)?,
+            Some(&mask),
+            None,
+            true,
+        )?;
+        let y = y.as_candle().clone();
+        let r = randn(y.dims(), 4, dev)?;
+        let grads = (y.to_dtype(DType::F32)? * r)?.sum_all()?.backward()?;
+        let mut out = vec![y];
+        for x in [&q, &k, &v] {
+            out.push(grads.get(x).cloned().expect("a gradient for q, k and v"));
+        }
+        Ok(out)
+    };
+    let (want, got) = (run(&Device::Cpu)?, run(&cuda)?);
+    for (name, (g, w)) in ["y", "grad q", "grad k", "grad v"]
+        .iter()
+        .zip(got.iter().zip(&want))
+    {
+        assert_eq!(g.dtype(), P::DTYPE, "attention {name}: dtype");
+        let what = format!("attention {:?} {name}", P::DTYPE);
+        assert_close(&what, g, w, 4.0 * tol(P::DTYPE))?;
+    }
+    Ok(())
+}
+
 macro_rules! per_precision {
     ($body:ident: $f32:ident, $f16:ident, $bf16:ident) => {
         #[test]
@@ -429,3 +472,4 @@ per_precision!(
     conv_transpose2d_f16_cuda,
     conv_transpose2d_bf16_cuda
 );
+per_precision!(attention_matches_cpu: attention_f32_cuda, attention_f16_cuda, attention_bf16_cuda);
