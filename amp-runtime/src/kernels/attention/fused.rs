@@ -305,11 +305,7 @@ impl Fused {
         let mut ds = product((rows, keys, g.dv), do_rows, v.transposed(b, kv_head));
         self.drop_out((b, h), from, keys, &mut ds);
         for (p, ds) in p.chunks_exact(keys).zip(ds.chunks_exact_mut(keys)) {
-            let mut lanes = [0f32; 8];
-            for (j, (p, dp)) in p.iter().zip(ds.iter()).enumerate() {
-                lanes[j % 8] += p * dp;
-            }
-            let dot: f32 = lanes.iter().sum();
+            let dot = dot(p, ds);
             for (p, dp) in p.iter().zip(ds.iter_mut()) {
                 *dp = p * (*dp - dot) * self.scale;
             }
@@ -341,8 +337,6 @@ impl Fused {
 /// row with the branch-free `exp` of the activations (a few ulp), so that it vectorises: the
 /// library's `expf` and a loop with branches took a third of the op's time.
 fn softmax_in_place(row: &mut [f32]) {
-    /// Lanes of the partial maxima and sums (one AVX-512 vector).
-    const LANES: usize = 16;
     if row.iter().any(|s| s.is_nan()) {
         row.fill(f32::NAN);
         return;
@@ -362,17 +356,36 @@ fn softmax_in_place(row: &mut [f32]) {
         let e = crate::kernels::activation::exp(*s - max);
         *s = if *s == f32::NEG_INFINITY { 0.0 } else { e };
     }
-    // Sixteen partial sums: the rounding error grows with the row's length over sixteen.
-    let mut lanes = [0f32; LANES];
-    for chunk in row.chunks(LANES) {
-        for (sum, &e) in lanes.iter_mut().zip(chunk) {
-            *sum += e;
-        }
-    }
-    let sum: f32 = lanes.iter().sum();
+    let sum = sum(row);
     for s in row.iter_mut() {
         *s /= sum;
     }
+}
+
+/// Lanes of the row passes' partial maxima and sums (one AVX-512 vector).
+const LANES: usize = 16;
+
+/// The sum of `xs` in sixteen partial sums: it vectorises, and the rounding error grows with
+/// the length over sixteen.
+fn sum(xs: &[f32]) -> f32 {
+    let mut lanes = [0f32; LANES];
+    for chunk in xs.chunks(LANES) {
+        for (sum, x) in lanes.iter_mut().zip(chunk) {
+            *sum += x;
+        }
+    }
+    lanes.iter().sum()
+}
+
+/// `sum(a * b)`, as [`sum`].
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; LANES];
+    for (a, b) in a.chunks(LANES).zip(b.chunks(LANES)) {
+        for ((sum, x), y) in lanes.iter_mut().zip(a).zip(b) {
+            *sum += x * y;
+        }
+    }
+    lanes.iter().sum()
 }
 
 /// The three operands' storages as one float type, or an error.

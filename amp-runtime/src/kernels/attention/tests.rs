@@ -384,15 +384,10 @@ fn dropout_drops_what_its_seed_says_and_the_backward_agrees() -> Result<()> {
         mask: Mask::Additive,
         causal: true,
     };
-    let g = Geometry {
-        b: case.b,
-        h: case.h,
-        hk: case.hk,
-        tq: case.tq,
-        tk: case.tk,
-        d: case.d,
-        dv: case.d,
-    };
+    let q = input((case.b, case.h, case.tq, case.d), 1, DType::F32)?;
+    let k = input((case.b, case.hk, case.tk, case.d), 2, DType::F32)?;
+    let v = input((case.b, case.hk, case.tk, case.d), 3, DType::F32)?;
+    let g = Geometry::check(&q, &k, &v)?;
     let (p, seed) = (0.25f32, 0x5eed);
     let keep = Dropout { p, seed }.mask(g, &Device::Cpu)?;
     let kept = keep.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()?;
@@ -400,9 +395,6 @@ fn dropout_drops_what_its_seed_says_and_the_backward_agrees() -> Result<()> {
     let other = Dropout { p, seed: seed + 1 }.mask(g, &Device::Cpu)?;
     assert!(max_abs_diff(&keep.to_dtype(DType::F32)?, &other.to_dtype(DType::F32)?)? > 0.0);
 
-    let q = input((case.b, case.h, case.tq, case.d), 1, DType::F32)?;
-    let k = input((case.b, case.hk, case.tk, case.d), 2, DType::F32)?;
-    let v = input((case.b, case.hk, case.tk, case.d), 3, DType::F32)?;
     let mask = case.mask()?;
     let scale = 1.0 / (case.d as f64).sqrt();
     for (dtype, bound) in [(DType::F32, 2e-6), (DType::BF16, 2e-2)] {
