@@ -1685,3 +1685,182 @@ fn adaptive_avg_pool_uses_pytorchs_windows_and_keeps_the_precision() -> Result<(
     assert!(nn::AdaptiveAvgPool2d::new((0, 1)).is_err());
     Ok(())
 }
+
+// ---- ConvTranspose2d ----
+
+/// PyTorch's `conv_transpose2d` by hand in f64 (no groups): every input pixel scatters its
+/// weighted kernel into the output at stride, dilation and padding.
+fn conv_transpose2d_f64(
+    x: &[f32],
+    (n, c_in, h, w): (usize, usize, usize, usize),
+    k: &[f32],
+    (c_out, kh, kw): (usize, usize, usize),
+    bias: &[f32],
+    cfg: &nn::ConvTranspose2dConfig,
+) -> (Vec<f32>, (usize, usize)) {
+    let side = |size: usize, taps: usize| {
+        (size - 1) * cfg.stride + cfg.dilation * (taps - 1) + cfg.output_padding + 1
+            - 2 * cfg.padding
+    };
+    let (oh, ow) = (side(h, kh), side(w, kw));
+    let mut out: Vec<f64> = (0..n * c_out * oh * ow)
+        .map(|i| f64::from(bias[i / (oh * ow) % c_out]))
+        .collect();
+    for s in 0..n {
+        for ci in 0..c_in {
+            for (i, j) in (0..h).flat_map(|i| (0..w).map(move |j| (i, j))) {
+                let v = f64::from(x[((s * c_in + ci) * h + i) * w + j]);
+                for co in 0..c_out {
+                    for (a, b) in (0..kh).flat_map(|a| (0..kw).map(move |b| (a, b))) {
+                        let (y, z) = (
+                            (i * cfg.stride + a * cfg.dilation) as isize - cfg.padding as isize,
+                            (j * cfg.stride + b * cfg.dilation) as isize - cfg.padding as isize,
+                        );
+                        if (0..oh as isize).contains(&y) && (0..ow as isize).contains(&z) {
+                            let wk = f64::from(k[((ci * c_out + co) * kh + a) * kw + b]);
+                            out[((s * c_out + co) * oh + y as usize) * ow + z as usize] += v * wk;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (out.iter().map(|&v| v as f32).collect(), (oh, ow))
+}
+
+/// Both layers in a bf16 region: the dtypes they ran in, and their results (which leave the
+/// region for plain code in f32, exactly their bf16 values).
+#[candle_amp::autocast(bf16)]
+fn transposed_bf16(
+    ours: &nn::ConvTranspose2d,
+    theirs: &candle_nn::ConvTranspose2d,
+    x: &Tensor<F32>,
+) -> Result<((DType, DType), candle_core::Tensor, candle_core::Tensor)> {
+    let (a, b) = (ours.forward(x)?, theirs.forward(x)?);
+    Ok(((a.dtype(), b.dtype()), a, b))
+}
+
+/// `nn::ConvTranspose2d` against a hand computation of PyTorch's definition (strided, padded,
+/// dilated, an output padding) in f32; in a bf16 region it runs in bf16 (a lower-precision op)
+/// within bf16's precision of the f32 result on the rounded values, its weight's and bias's
+/// gradients f32, and candle-nn's layer of the same weights runs the same there.
+#[test]
+fn conv_transpose2d_matches_pytorchs_definition_and_runs_in_the_half_dtype() -> Result<()> {
+    let dev = Device::Cpu;
+    let (n, c_in, h, w, c_out, k) = (2, 3, 4, 5, 2, 3);
+    let cfg = nn::ConvTranspose2dConfig {
+        padding: 1,
+        output_padding: 1,
+        stride: 2,
+        dilation: 1,
+    };
+    let xs = common::values(n * c_in * h * w, 3);
+    let ks: Vec<f32> = common::values(c_in * c_out * k * k, 4);
+    let bs = vec![0.25f32, -0.5];
+    let weight = candle_core::Var::from_vec(ks.clone(), (c_in, c_out, k, k), &dev)?;
+    let bias = candle_core::Var::from_vec(bs.clone(), c_out, &dev)?;
+    let layer = nn::ConvTranspose2d::new(weight.clone(), Some(bias.clone()), cfg)?;
+    let x = Tensor::<F32>::from_candle(candle_core::Tensor::from_vec(
+        xs.clone(),
+        (n, c_in, h, w),
+        &dev,
+    )?)?;
+    let (want, (oh, ow)) =
+        conv_transpose2d_f64(&xs, (n, c_in, h, w), &ks, (c_out, k, k), &bs, &cfg);
+    let y = layer.forward(&x)?;
+    assert_eq!(y.dims(), [n, c_out, oh, ow]);
+    let got = y.as_candle().flatten_all()?.to_vec1::<f32>()?;
+    let err = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(err < 1e-5, "f32: {err}");
+
+    let theirs = candle_nn::ConvTranspose2d::new(
+        weight.as_tensor().clone(),
+        Some(bias.as_tensor().clone()),
+        cfg,
+    );
+    let (dtypes, ours_bf16, theirs_bf16) = transposed_bf16(&layer, &theirs, &x)?;
+    assert_eq!(dtypes, (DType::BF16, DType::BF16), "a lower-precision op");
+    assert_eq!(
+        ours_bf16
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?,
+        theirs_bf16
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?,
+        "candle-nn's layer runs the same op in a region"
+    );
+    // The f32 op on the bf16-rounded values: bf16's precision apart.
+    let round = |v: &[f32]| -> Vec<f32> {
+        v.iter()
+            .map(|&x| half::bf16::from_f32(x).to_f32())
+            .collect()
+    };
+    let (want_bf16, _) = conv_transpose2d_f64(
+        &round(&xs),
+        (n, c_in, h, w),
+        &round(&ks),
+        (c_out, k, k),
+        &round(&bs),
+        &cfg,
+    );
+    let got = ours_bf16
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let scale = want_bf16.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let err = got
+        .iter()
+        .zip(&want_bf16)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(err <= 1e-2 * scale, "bf16: {err} of {scale}");
+    let grads = ours_bf16
+        .to_dtype(DType::F32)?
+        .sqr()?
+        .sum_all()?
+        .backward()?;
+    for (name, var) in [("weight", &weight), ("bias", &bias)] {
+        let g = grads
+            .get(var)
+            .unwrap_or_else(|| panic!("a gradient for the {name}"));
+        assert_eq!(g.dtype(), DType::F32, "{name}");
+        assert!(g.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0, "{name}");
+    }
+
+    Ok(())
+}
+
+/// Arguments PyTorch's `nn.ConvTranspose2d` rejects are errors naming them.
+#[test]
+fn conv_transpose2d_rejects_what_pytorch_rejects() -> Result<()> {
+    let dev = Device::Cpu;
+    let weight = candle_core::Var::zeros((3, 2, 3, 3), DType::F32, &dev)?;
+    let bias = candle_core::Var::zeros(2, DType::F32, &dev)?;
+    let cfg = nn::ConvTranspose2dConfig {
+        stride: 2,
+        ..Default::default()
+    };
+    let bad = |c: nn::ConvTranspose2dConfig| {
+        nn::ConvTranspose2d::new(weight.clone(), Some(bias.clone()), c)
+            .expect_err("rejected")
+            .to_string()
+    };
+    assert!(bad(nn::ConvTranspose2dConfig { stride: 0, ..cfg }).contains("stride"));
+    assert!(bad(nn::ConvTranspose2dConfig {
+        output_padding: 2,
+        ..cfg
+    })
+    .contains("output padding"));
+    let wrong_bias = candle_core::Var::zeros(3, DType::F32, &dev)?;
+    let err = nn::ConvTranspose2d::new(weight.clone(), Some(wrong_bias), cfg)
+        .expect_err("a bias per output channel")
+        .to_string();
+    assert!(err.contains("expected shape [2]"), "{err}");
+    Ok(())
+}

@@ -68,6 +68,7 @@ pub mod unscale;
 pub(crate) use activation::{gelu, gelu_erf, relu, silu};
 pub(crate) use affine::{affine, masked_scale};
 pub(crate) use attention::scaled_dot_product_attention;
+pub(crate) use bias::add_bias;
 pub(crate) use binary::{
     add, broadcast_add, broadcast_div, broadcast_maximum, broadcast_minimum, broadcast_mul,
     broadcast_sub, spread, sub,

@@ -1,6 +1,6 @@
 //! candle-nn's own layers called from an autocast region: each runs in its PyTorch op class, as
 //! candle-amp's layers do, with its weights (whatever their dtype) cast to where the op runs.
-//! `Linear` and the convolutions are lower-precision, `LayerNorm`/`RmsNorm` fp32-class (through
+//! `Linear` and the convolutions (`ConvTranspose2d` too) are lower-precision, `LayerNorm`/`RmsNorm` fp32-class (through
 //! the differentiable compositions: candle-nn's fused kernels have no backward), `Embedding`
 //! looks up its table as it is, `Dropout` (`forward(x, train)` and `forward_t`) drops in the
 //! value's precision, as candle-amp's does.
@@ -34,16 +34,8 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
     type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         unary::<Pol, op::linear>(&x.to_amp(), |x| {
-            // The kernel's 2-D product over the leading dimensions flattened.
-            let dims = x.dims();
-            let Some((&k, lead)) = dims.split_last() else {
-                candle_core::bail!("Linear: a scalar input")
-            };
-            let rows = x.reshape((lead.iter().product::<usize>(), k))?;
             let w = master_or_at(self.weight(), x)?;
-            let y = crate::kernels::linear(&rows, &w, f32_bias(self.bias())?.as_ref())?;
-            let out: Vec<usize> = lead.iter().copied().chain([y.dim(1)?]).collect();
-            y.reshape(out)
+            crate::kernels::linear(x, &w, f32_bias(self.bias())?.as_ref())
         })
     }
 }
@@ -64,6 +56,15 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
         unary::<Pol, op::conv1d>(&x.to_amp(), |x| {
             let (w, b) = conv_operands(self.weight(), self.bias(), x)?;
             crate::kernels::conv1d(x, &w, b.as_ref(), self.config().into())
+        })
+    }
+}
+
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::ConvTranspose2d {
+    type Output = AmpTensor;
+    fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
+        unary::<Pol, op::conv_transpose2d>(&x.to_amp(), |x| {
+            super::conv::transposed(x, self.weight(), self.bias(), self.config())
         })
     }
 }

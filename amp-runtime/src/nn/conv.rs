@@ -1,5 +1,6 @@
-//! Convolutions, PyTorch's `nn.Conv1d` and `nn.Conv2d`, configured with candle-nn's
-//! `Conv1dConfig`/`Conv2dConfig` (padding, stride, dilation, groups).
+//! Convolutions, PyTorch's `nn.Conv1d`, `nn.Conv2d` and `nn.ConvTranspose2d`, configured with
+//! candle-nn's `Conv1dConfig`/`Conv2dConfig` (padding, stride, dilation, groups) and
+//! `ConvTranspose2dConfig` (padding, output padding, stride, dilation).
 //!
 //! Both are in autocast's lower-precision class (`op::conv1d`/`op::conv2d`, like PyTorch's
 //! `conv1d`/`conv2d` on the fp16/bf16 list): they run in their input's precision, with the f32
@@ -43,9 +44,11 @@
 //! ```
 
 use candle_core::{Result, Var};
-use candle_nn::{Conv1dConfig, Conv2dConfig, VarBuilder};
+use candle_nn::{Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig, VarBuilder};
 
-use super::{count_master_casts, master_weight_and_bias, region_forward, AmpLayer};
+use super::{
+    count_master_casts, expect_dims, master, master_weight_and_bias, region_forward, AmpLayer,
+};
 use crate::op;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
@@ -251,4 +254,164 @@ pub fn conv2d_no_bias(
         &vb,
     )?;
     Conv2d::new(w, None, config)
+}
+
+/// 2-D transposed convolution over `(batch, c_in, h, w)`, PyTorch's `nn.ConvTranspose2d` (no
+/// groups, as candle-nn's): a lower-precision op. The f32 master weight `(c_in, c_out, kh, kw)`
+/// is cast to the input's precision per call (in a region, the policy's), the product
+/// accumulates in f32 and rounds once (on CPU a GEMM and col2im; with `cudnn`, cuDNN's
+/// backward-data), then the f32 bias is added, its gradient summed in f32. Configured as candle-nn's `ConvTranspose2d`; its arguments are checked as PyTorch
+/// checks them (stride and dilation at least 1, the output padding below the stride or the
+/// dilation).
+#[derive(Clone, Debug)]
+pub struct ConvTranspose2d {
+    weight: Var,
+    bias: Option<Var>,
+    config: ConvTranspose2dConfig,
+}
+
+impl ConvTranspose2d {
+    /// A layer from an f32 weight `(c_in, c_out, kh, kw)` and an optional f32 bias `(c_out)`.
+    pub fn new(weight: Var, bias: Option<Var>, config: ConvTranspose2dConfig) -> Result<Self> {
+        let weight = master(weight, "ConvTranspose2d weight")?;
+        expect_dims(&weight, "ConvTranspose2d weight", 4)?;
+        let bias = bias
+            .map(|b| master(b, "ConvTranspose2d bias"))
+            .transpose()?;
+        if let Some(b) = &bias {
+            if b.dims() != [weight.dim(1)?] {
+                candle_core::bail!(
+                    "ConvTranspose2d bias: expected shape [{}] (the weight's output channels, \
+                     its second dimension), got {:?}",
+                    weight.dim(1)?,
+                    b.dims()
+                )
+            }
+        }
+        let c = config;
+        if c.stride == 0 || c.dilation == 0 || c.output_padding >= c.stride.max(c.dilation) {
+            candle_core::bail!(
+                "ConvTranspose2d: stride and dilation must be at least 1 and the output padding \
+                 smaller than one of them, got stride {}, dilation {}, output padding {}",
+                c.stride,
+                c.dilation,
+                c.output_padding
+            )
+        }
+        Ok(Self {
+            weight,
+            bias,
+            config,
+        })
+    }
+
+    /// The f32 master weight `(c_in, c_out, kh, kw)`.
+    pub fn weight(&self) -> &Var {
+        &self.weight
+    }
+
+    /// The f32 master bias `(c_out)`, if any.
+    pub fn bias(&self) -> Option<&Var> {
+        self.bias.as_ref()
+    }
+
+    /// The convolution parameters.
+    pub fn config(&self) -> &ConvTranspose2dConfig {
+        &self.config
+    }
+
+    /// Applies the transposed convolution in `x`'s precision.
+    pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
+        if let Some(y) = super::followed::<P, crate::region::calls::forward, _>(self, (x,)) {
+            return y;
+        }
+        transposed(
+            x.as_candle(),
+            self.weight.as_tensor(),
+            self.bias.as_ref().map(Var::as_tensor),
+            &self.config,
+        )
+        .map(Tensor::wrap)
+    }
+}
+
+/// A transposed convolution layer's op on `x`: the weight cast to `x`'s dtype (through the cast
+/// cache, as a region casts a master), the product, then the bias added in f32 and rounded
+/// once, its gradient summed in f32 (counted as the bias's cast). candle-nn's `ConvTranspose2d`
+/// in a region runs the same.
+pub(crate) fn transposed(
+    x: &candle_core::Tensor,
+    w: &candle_core::Tensor,
+    b: Option<&candle_core::Tensor>,
+    c: &ConvTranspose2dConfig,
+) -> Result<candle_core::Tensor> {
+    let params = crate::kernels::TransposeParams {
+        padding: c.padding,
+        output_padding: c.output_padding,
+        stride: c.stride,
+        dilation: c.dilation,
+        groups: 1,
+    };
+    let y = crate::kernels::conv_transpose(x, &crate::cast::convert(w, x.dtype())?, params)?;
+    let Some(b) = b else {
+        return Ok(y);
+    };
+    if y.dtype() != candle_core::DType::F32 {
+        crate::cast::count_casts(1, b.elem_count(), y.dtype());
+    }
+    let b = crate::cast::convert(b, candle_core::DType::F32)?;
+    crate::kernels::add_bias(&y, &b, 1)
+}
+
+impl AmpLayer for ConvTranspose2d {
+    type Op = op::conv_transpose2d;
+}
+region_forward!(ConvTranspose2d);
+
+/// A `ConvTranspose2d` with bias and a square kernel, initialised as candle-nn's
+/// `conv_transpose2d` and PyTorch's `nn.ConvTranspose2d` (weight and bias uniform in
+/// `±1 / (sqrt(c_out) k)`).
+pub fn conv_transpose2d(
+    in_channels: usize,
+    out_channels: usize,
+    kernel_size: usize,
+    config: ConvTranspose2dConfig,
+    vb: VarBuilder,
+) -> Result<ConvTranspose2d> {
+    let (w, init) = transpose_weight(in_channels, out_channels, kernel_size, &vb)?;
+    let b = Var::from_tensor(&vb.get_with_hints(out_channels, "bias", init)?)?;
+    ConvTranspose2d::new(w, Some(b), config)
+}
+
+/// A `ConvTranspose2d` without bias.
+pub fn conv_transpose2d_no_bias(
+    in_channels: usize,
+    out_channels: usize,
+    kernel_size: usize,
+    config: ConvTranspose2dConfig,
+    vb: VarBuilder,
+) -> Result<ConvTranspose2d> {
+    let (w, _) = transpose_weight(in_channels, out_channels, kernel_size, &vb)?;
+    ConvTranspose2d::new(w, None, config)
+}
+
+/// A transposed convolution's weight `(c_in, c_out, k, k)` and the initialisation it used.
+fn transpose_weight(
+    c_in: usize,
+    c_out: usize,
+    k: usize,
+    vb: &VarBuilder,
+) -> Result<(Var, candle_nn::Init)> {
+    if c_out == 0 || k == 0 {
+        candle_core::bail!(
+            "ConvTranspose2d: output channels and kernel size must be positive, got {c_out} and {k}"
+        )
+    }
+    let bound = 1.0 / (c_out as f64).sqrt() / k as f64;
+    let init = candle_nn::Init::Uniform {
+        lo: -bound,
+        up: bound,
+    };
+    let w = vb.get_with_hints((c_in, c_out, k, k), "weight", init)?;
+    Ok((Var::from_tensor(&w)?, init))
 }

@@ -46,8 +46,13 @@ pub use crate::loss;
 /// candle-nn's activations, usable as they are: called from a region (`self.act.forward(&h)`)
 /// they run in their input's precision, as PyTorch's autocast runs them (on no list).
 pub use candle_nn::Activation;
-pub use candle_nn::{BatchNormConfig, Conv1dConfig, Conv2dConfig, LayerNormConfig};
-pub use conv::{conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, Conv1d, Conv2d};
+pub use candle_nn::{
+    BatchNormConfig, Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig, LayerNormConfig,
+};
+pub use conv::{
+    conv1d, conv1d_no_bias, conv2d, conv2d_no_bias, conv_transpose2d, conv_transpose2d_no_bias,
+    Conv1d, Conv2d, ConvTranspose2d,
+};
 pub use conv_bn::{ConvBn2d, ConvBnReLU2d};
 pub use dropout::Dropout;
 pub use embedding::{embedding, Embedding};

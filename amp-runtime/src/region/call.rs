@@ -106,10 +106,10 @@ pub struct ViaMut;
     note = "a module whose `forward` takes `&mut self` (a KV cache) needs a mutable reference \
             at the call, as in plain Rust: `&mut self` in the caller, `iter_mut()` over a stack",
     note = "a type parameter bounded by `AmpModule` is called as `x.apply(&m)`",
-    note = "a layer of another crate (candle-nn's `BatchNorm`, `ConvTranspose2d`, `Sequential`, \
-            ...) cannot take `#[autocast]`: use candle-amp's layer where there is one \
-            (`candle_amp::nn::BatchNorm2d`, `Conv2d`, `Linear`, `LayerNorm`, `RmsNorm`, \
-            `GroupNorm`, `Embedding`), or run it with its class stated: \
+    note = "a layer of another crate (candle-nn's `BatchNorm`, `Sequential`, ...) cannot take \
+            `#[autocast]`: use candle-amp's layer where there is one \
+            (`candle_amp::nn::BatchNorm2d`, `Conv2d`, `ConvTranspose2d`, `Linear`, `LayerNorm`, \
+            `RmsNorm`, `GroupNorm`, `Embedding`), or run it with its class stated: \
             `x.lower_op(|t| layer.forward(t))`, `x.fp32_op(..)`, `x.preserve_op(..)`"
 )]
 pub trait ModuleCall<Pol: Policy, Method, Args, Via> {
