@@ -1864,3 +1864,130 @@ fn conv_transpose2d_rejects_what_pytorch_rejects() -> Result<()> {
     assert!(err.contains("expected shape [2]"), "{err}");
     Ok(())
 }
+
+// ---- Upsample ----
+
+/// PyTorch's `F.interpolate` by hand in f64 (`align_corners=False`): for each output, the
+/// input positions and weights of each axis (nearest: `min(floor(i * r), n - 1)`; bilinear: at
+/// `max((i + 0.5) * r - 0.5, 0)` between its floor and the next input), their products summed.
+/// Checked against PyTorch 2.15's `F.interpolate` on these cases when written (to 1e-15).
+fn interpolate_f64(
+    x: &[f32],
+    (n, c, h, w): (usize, usize, usize, usize),
+    (oh, ow): (usize, usize),
+    (rh, rw): (f64, f64),
+    mode: nn::UpsampleMode,
+) -> Vec<f64> {
+    let taps = |len: usize, out: usize, r: f64| -> Vec<Vec<(usize, f64)>> {
+        (0..out)
+            .map(|i| match mode {
+                nn::UpsampleMode::Nearest => {
+                    vec![(((i as f64 * r).floor() as usize).min(len - 1), 1.0)]
+                }
+                nn::UpsampleMode::Bilinear => {
+                    let src = ((i as f64 + 0.5) * r - 0.5).max(0.0);
+                    let i0 = (src.floor() as usize).min(len - 1);
+                    let l = src - i0 as f64;
+                    vec![(i0, 1.0 - l), ((i0 + 1).min(len - 1), l)]
+                }
+            })
+            .collect()
+    };
+    let (th, tw) = (taps(h, oh, rh), taps(w, ow, rw));
+    let mut y = vec![0f64; n * c * oh * ow];
+    for p in 0..n * c {
+        for (i, ti) in th.iter().enumerate() {
+            for (j, tj) in tw.iter().enumerate() {
+                for &(a, wa) in ti {
+                    for &(b, wb) in tj {
+                        y[(p * oh + i) * ow + j] += wa * wb * f64::from(x[(p * h + a) * w + b]);
+                    }
+                }
+            }
+        }
+    }
+    y
+}
+
+#[candle_amp::autocast(bf16)]
+fn upsample_bf16(up: &nn::Upsample, x: &Tensor<F32>) -> Result<DType> {
+    Ok(up.forward(&x.cast::<BF16>()?)?.dtype())
+}
+
+/// `nn::Upsample` against PyTorch's definition (nearest and bilinear, by size and by scale,
+/// integer and fractional), values and the input's gradient of `sum(y * r)` (each output's
+/// weights sent back to its inputs, in f64 by hand); precision-preserving in a region (a bf16
+/// value stays bf16); sizes and scales PyTorch rejects are errors.
+#[test]
+fn upsample_matches_pytorchs_interpolate_and_its_gradient() -> Result<()> {
+    let dev = Device::Cpu;
+    let dims = (1, 2, 3, 5);
+    let xs: Vec<f32> = (0..30).map(|i| (i as f32 * 0.37).sin() * 2.0).collect();
+    let x = candle_core::Var::from_vec(xs.clone(), dims, &dev)?;
+    let typed = Tensor::<F32>::from_candle(x.as_tensor().clone())?;
+    for mode in [nn::UpsampleMode::Nearest, nn::UpsampleMode::Bilinear] {
+        let cases = [
+            (
+                nn::Upsample::with_size((5, 7), mode)?,
+                (5, 7),
+                (3.0 / 5.0, 5.0 / 7.0),
+            ),
+            (
+                nn::Upsample::with_size((4, 9), mode)?,
+                (4, 9),
+                (3.0 / 4.0, 5.0 / 9.0),
+            ),
+            (nn::Upsample::with_scale(2.0, mode)?, (6, 10), (0.5, 0.5)),
+            (
+                nn::Upsample::with_scale(1.5, mode)?,
+                (4, 7),
+                (1.0 / 1.5, 1.0 / 1.5),
+            ),
+        ];
+        for (up, out, ratio) in cases {
+            let y = up.forward(&typed)?;
+            assert_eq!(y.dims(), [1, 2, out.0, out.1], "{mode:?} {out:?}");
+            let want = interpolate_f64(&xs, dims, out, ratio, mode);
+            let got = y.as_candle().flatten_all()?.to_vec1::<f32>()?;
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (f64::from(*g) - w).abs() < 1e-5,
+                    "{mode:?} {out:?}: {g} vs {w}"
+                );
+            }
+            // d sum(y * r) / dx: each output's r, times its weights, back to its inputs. By
+            // linearity it is the map's transpose applied to r, computed here as the
+            // interpolation of each unit input.
+            let r: Vec<f32> = (0..want.len()).map(|i| (i as f32 * 0.11).cos()).collect();
+            let rt = candle_core::Tensor::from_vec(r.clone(), y.dims(), &dev)?;
+            let grads = (y.as_candle() * rt)?.sum_all()?.backward()?;
+            let g = grads
+                .get(&x)
+                .expect("a gradient")
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            for (k, gk) in g.iter().enumerate() {
+                let mut unit = vec![0f32; xs.len()];
+                unit[k] = 1.0;
+                let column = interpolate_f64(&unit, dims, out, ratio, mode);
+                let want: f64 = column.iter().zip(&r).map(|(a, b)| a * f64::from(*b)).sum();
+                assert!(
+                    (f64::from(*gk) - want).abs() < 1e-5,
+                    "{mode:?} {out:?} grad {k}"
+                );
+            }
+        }
+        assert_eq!(
+            upsample_bf16(&nn::Upsample::with_scale(2.0, mode)?, &typed)?,
+            DType::BF16
+        );
+    }
+    assert!(nn::Upsample::with_size((0, 3), nn::UpsampleMode::Nearest).is_err());
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        assert!(
+            nn::Upsample::with_scale(bad, nn::UpsampleMode::Bilinear).is_err(),
+            "{bad}"
+        );
+    }
+    Ok(())
+}

@@ -105,7 +105,7 @@ macro_rules! rows {
 
 /// The ops, by class. A row without a method or free form is reached through a layer
 /// (`Linear` is `linear`, `BatchNorm2d` is `batch_norm`, `ConvBn2d` is `conv_bn2d`,
-/// `ConvBnReLU2d` is `conv_bn_relu2d`, `Embedding` is `embedding`).
+/// `ConvBnReLU2d` is `conv_bn_relu2d`, `Embedding` is `embedding`, `Upsample` is `upsample`).
 pub(crate) const OPS: &[Row] = rows! {
     // Lower precision: PyTorch's `lower_precision_fp` list.
     matmul: LowerPrecision, method Custom(1);
@@ -218,6 +218,7 @@ pub(crate) const OPS: &[Row] = rows! {
     max_pool2d: Preserve, method Custom(1);
     avg_pool2d: Preserve, method Custom(1);
     adaptive_avg_pool2d: Preserve;
+    upsample: Preserve;
     batch_norm: Preserve;
     dropout: Preserve;
     embedding: Preserve;

@@ -40,6 +40,7 @@ pub mod embedding;
 pub mod linear;
 pub mod norm;
 pub mod pool;
+pub mod upsample;
 
 pub use crate::loss;
 
@@ -62,6 +63,7 @@ pub use norm::{
     GroupNorm, LayerNorm, RmsNorm,
 };
 pub use pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d};
+pub use upsample::{Upsample, UpsampleMode};
 
 use candle_core::{Result, Var};
 
