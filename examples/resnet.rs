@@ -40,6 +40,7 @@ use std::f32::consts::PI;
 use std::path::PathBuf;
 use std::time::Instant;
 
+use candle_amp::checkpoint;
 use candle_amp::nn::loss;
 use candle_amp::optim::{Optimizer, SGD};
 use candle_amp::{autocast, Bf16Policy, Fp16Policy, GradScaler, Policy, Tensor, F32};
@@ -105,6 +106,21 @@ struct Args {
     /// Device: `cpu`, or `cuda` / `cuda:N` in a build with `--features cuda`.
     #[arg(long, default_value = "cpu", value_parser = common::parse_device)]
     device: Device,
+    /// After training, save each mode's checkpoint (`resnet-f32.safetensors`,
+    /// `resnet-amp.safetensors`: weights, batch-norm statistics, optimizer, scaler, step) in
+    /// this folder.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Resume each mode from its checkpoint in this folder, at the epoch it ended, and train up
+    /// to `--epochs` epochs in all (PyTorch scripts' `for epoch in range(start, epochs)`); the
+    /// learning-rate schedule is that of `--epochs` epochs.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Stop after this many epochs in all, the schedule still that of `--epochs` (an
+    /// interrupted run): `--epochs 8 --stop-after 5 --save D`, then `--epochs 8 --resume D`,
+    /// is `--epochs 8` to the bit.
+    #[arg(long, value_parser = common::positive)]
+    stop_after: Option<usize>,
 }
 
 /// Training steps left out of `ms_per_step` (warm-up), as PyTorch timings leave them out.
@@ -218,15 +234,38 @@ fn train<Pol: Policy>(
     let n = data.train_x.dim(0)?;
     let steps_per_epoch = n.div_ceil(args.batch);
     let label = if amp { Pol::NAME } else { "f32" };
-    let bar = common::progress((args.epochs * steps_per_epoch) as u64, label, args.json);
+    let file = |dir: &PathBuf| {
+        dir.join(format!(
+            "resnet-{}.safetensors",
+            if amp { "amp" } else { "f32" }
+        ))
+    };
+    let first_epoch = match &args.resume {
+        Some(dir) => resumed_epoch(
+            checkpoint::load(file(dir), &vars, &mut opt, &mut scaler)?,
+            steps_per_epoch,
+            args.epochs,
+        )?,
+        None => 0,
+    };
+    let last_epoch = args.stop_after.map_or(args.epochs, |e| e.min(args.epochs));
+    let bar = common::progress(
+        (last_epoch.saturating_sub(first_epoch) * steps_per_epoch) as u64,
+        label,
+        args.json,
+    );
     let (mut losses, mut val_accuracy) = (Vec::new(), Vec::new());
     // The first steps are untimed: CUDA loads kernels and cuDNN picks algorithms per shape.
     let (mut timed, mut timed_steps) = (std::time::Duration::ZERO, 0usize);
-    for epoch in 0..args.epochs {
-        // The usual step schedule: a tenth of the rate for the last quarter of the epochs.
-        if epoch == args.epochs - args.epochs / 4 && args.epochs >= 4 {
-            opt.set_learning_rate(args.lr / 10.0);
-        }
+    for epoch in first_epoch..last_epoch {
+        // The usual step schedule: a tenth of the rate for the last quarter of the epochs (set
+        // every epoch, so that a resumed run has it too).
+        let last_quarter = args.epochs >= 4 && epoch >= args.epochs - args.epochs / 4;
+        opt.set_learning_rate(if last_quarter {
+            args.lr / 10.0
+        } else {
+            args.lr
+        });
         // The same shuffle per epoch in both modes (Fisher-Yates from a seeded generator).
         let mut order: Vec<u32> = (0..n as u32).collect();
         let mut rng = Rng(100 + epoch as u64);
@@ -254,14 +293,42 @@ fn train<Pol: Policy>(
         val_accuracy.push(accuracy::<Pol>(args, &model, data, amp)?);
     }
     bar.finish_and_clear();
+    if let Some(dir) = &args.save {
+        std::fs::create_dir_all(dir)?;
+        let step = (last_epoch * steps_per_epoch) as u64;
+        checkpoint::save(file(dir), &vars, &opt, &scaler, step)?;
+    }
     Ok(ModeResult {
         ms_per_step: timed.as_secs_f64() * 1e3 / timed_steps.max(1) as f64,
         peak_bytes: peak.bytes()?,
-        final_loss: common::mean_tail(&losses),
+        // The last tenth of the whole run's steps (a resumed run's too, when it holds them).
+        final_loss: common::mean_tail_n(
+            &losses,
+            (args.epochs * steps_per_epoch / 10).clamp(1, losses.len().max(1)),
+        ),
         val_accuracy,
         skipped_steps: scaler.skipped_steps(),
         losses,
     })
+}
+
+/// The epoch a checkpoint saved after `step` steps ended, which must be a whole number of
+/// epochs of this run's data and batch, and before `epochs`.
+fn resumed_epoch(step: u64, steps_per_epoch: usize, epochs: usize) -> Result<usize> {
+    let step = step as usize;
+    if !step.is_multiple_of(steps_per_epoch) {
+        candle_core::bail!(
+            "resume: the checkpoint was saved after {step} steps, not a whole number of this \
+             run's epochs of {steps_per_epoch} steps (another --batch or data size?)"
+        )
+    }
+    let epoch = step / steps_per_epoch;
+    if epoch >= epochs {
+        candle_core::bail!(
+            "resume: the checkpoint is at epoch {epoch}; --epochs {epochs} leaves nothing to train"
+        )
+    }
+    Ok(epoch)
 }
 
 /// Validation accuracy in percent, in eval mode.

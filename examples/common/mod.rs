@@ -595,13 +595,8 @@ pub fn register_font() {
 
 #[global_allocator]
 static GLOBAL: CountingAlloc = CountingAlloc;
-/// The mean of the last tenth of the losses (at least one): the final loss, less one batch's
-/// noise.
-pub fn mean_tail(losses: &[f32]) -> f32 {
-    mean_tail_n(losses, (losses.len() / 10).max(1))
-}
-
-/// The mean of the last `n` losses.
+/// The mean of the last `n` losses: the final loss, less one batch's noise (the examples take
+/// the last tenth of a run's steps).
 pub fn mean_tail_n(losses: &[f32], n: usize) -> f32 {
     losses[losses.len() - n..].iter().sum::<f32>() / n as f32
 }
