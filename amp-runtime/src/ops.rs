@@ -109,7 +109,7 @@ pub fn sigmoid<P: Precision>(xs: &Tensor<P>) -> Result<Tensor<P>> {
 ///
 /// Dropout on the probabilities is [`scaled_dot_product_attention_with`]'s. The head split can
 /// stay a view: `x.reshape((b, t, h, d))?.transpose(1, 2)?` is read in place, without
-/// `.contiguous()`. On CPU one block of 64 query rows' scores exists at a time per thread; off
+/// `.contiguous()`. On CPU one block of 32 query rows' scores exists at a time per thread; off
 /// the CPU the op runs as candle ops with the same semantics.
 pub fn scaled_dot_product_attention<P: Precision>(
     q: &Tensor<P>,

@@ -121,7 +121,7 @@ fn errors(got: &Run, want: &Run) -> Result<[f32; 4]> {
 /// The op against the composed math (candle ops, products in the operands' dtype, softmax in
 /// f32) and both against the same math in f64 on the same rounded inputs: the output and the
 /// three gradients, for f32, f16 and bf16, with and without masks and the causal mask, over
-/// lengths 1, 7, 64 (one block) and 1000 (16 blocks, 1000 keys), grouped-query heads and a
+/// lengths 1, 7, 64 (two blocks) and 1000 (32 blocks, 1000 keys), grouped-query heads and a
 /// KV-cache shape. Errors are over the largest value of each quantity. The op's is within the
 /// dtype's bound (largest measured: f32 5.4e-7, f16 6.1e-4, bf16 5.8e-3) and of the composed
 /// math's order (at most twice it, plus an f32 ulp; measured up to 1.6 times in one case, 0.7
