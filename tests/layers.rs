@@ -1983,6 +1983,11 @@ fn upsample_matches_pytorchs_interpolate_and_its_gradient() -> Result<()> {
         );
     }
     assert!(nn::Upsample::with_size((0, 3), nn::UpsampleMode::Nearest).is_err());
+    let huge = nn::Upsample::with_scale(1e12, nn::UpsampleMode::Nearest)?.forward(&typed);
+    assert!(huge
+        .expect_err("too large")
+        .to_string()
+        .contains("outputs along an axis"));
     for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
         assert!(
             nn::Upsample::with_scale(bad, nn::UpsampleMode::Bilinear).is_err(),

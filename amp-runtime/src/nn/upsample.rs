@@ -111,7 +111,9 @@ impl Upsample {
             }
             Size::Scale(s) => ((n as f64 * s).floor() as usize, 1.0 / s),
         };
-        if out == 0 || n == 0 {
+        // Positions are indexed as u32 (candle's index type); a larger output is an error, not
+        // an attempt to allocate it.
+        if out == 0 || n == 0 || u32::try_from(out).is_err() {
             candle_core::bail!("Upsample: {n} inputs would make {out} outputs along an axis")
         }
         Ok((out, ratio))
