@@ -19,10 +19,12 @@ use std::mem::MaybeUninit;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 use super::{Dropout, Geometry, Mask};
+use crate::kernels::convert::convert_slice;
 use crate::kernels::elem::Real;
 use crate::kernels::gemm::{gemm, gemm_append, GemmElem, MatRef};
 use crate::kernels::leaf_grads::offer;
 use crate::kernels::parallel::{self, Disjoint};
+use crate::kernels::widen::lane_sums2;
 
 /// Query rows per block: the unit of work of a forward task and of the backward's loop. With
 /// the causal mask a block computes only the keys its last row sees, so smaller blocks skip
@@ -104,13 +106,6 @@ fn transposed<T>(data: &[T], cols: usize) -> MatRef<'_, T> {
     }
 }
 
-/// `values` rounded to `T` (a copy for f32): the operand of the next product.
-fn rounded<T: Real>(values: &[f32]) -> Vec<T> {
-    let mut out = vec![T::put(0.0); values.len()];
-    T::narrow(values, &mut out);
-    out
-}
-
 /// `values` rounded to `T` into `dst`.
 fn write_rounded<T: Real>(values: &[f32], dst: &mut [MaybeUninit<T>]) {
     for (d, &v) in dst.iter_mut().zip(values) {
@@ -129,22 +124,28 @@ impl Fused {
         }
     }
 
-    /// Multiplies rows `from..` of head `(b, h)`, `keys` wide, by the dropout's factors: 0
-    /// where dropped, `1 / (1 - p)` where kept (nothing without dropout).
-    fn drop_out(&self, (b, h): (usize, usize), from: usize, keys: usize, rows: &mut [f32]) {
-        let Some(dropout) = self.dropout else {
-            return;
-        };
+    /// The dropout's factors for rows `from..from + rows` of head `(b, h)`, `keys` wide,
+    /// row-major: 0 where dropped, `1 / (1 - p)` where kept; `None` without dropout.
+    fn dropout_factors(
+        &self,
+        (b, h): (usize, usize),
+        (from, rows): (usize, usize),
+        keys: usize,
+    ) -> Option<Vec<f32>> {
+        let dropout = self.dropout?;
         let kept = dropout.scale();
-        for (r, row) in rows.chunks_exact_mut(keys).enumerate() {
-            for (j, x) in row.iter_mut().enumerate() {
-                *x *= if dropout.keeps(self.g, (b, h, from + r, j)) {
-                    kept
-                } else {
-                    0.0
-                };
+        let factor = |r: usize, j: usize| {
+            if dropout.keeps(self.g, (b, h, from + r, j)) {
+                kept
+            } else {
+                0.0
             }
-        }
+        };
+        Some(
+            (0..rows)
+                .flat_map(|r| (0..keys).map(move |j| factor(r, j)))
+                .collect(),
+        )
     }
 
     /// The probabilities of query rows `from..to` of head `(b, h)`, f32 and row-major over the
@@ -198,12 +199,12 @@ impl Fused {
             let from = block * BLOCK;
             let to = (from + BLOCK).min(g.tq);
             let (mut p, keys) = self.probabilities((b, h), (from, to), q, k);
-            if keys > 0 {
-                self.drop_out((b, h), from, keys, &mut p);
+            if let Some(z) = self.dropout_factors((b, h), (from, to - from), keys) {
+                p.iter_mut().zip(&z).for_each(|(p, z)| *p *= z);
             }
             let o = product(
                 (to - from, g.dv, keys),
-                MatRef::row_major(&rounded::<T>(&p), 0, keys),
+                MatRef::row_major(&convert_slice::<f32, T>(&p), 0, keys),
                 v.rows(b, h / g.group(), 0),
             );
             // SAFETY: task `(b, h, block)` alone writes rows `from..to` of head `(b, h)`.
@@ -288,12 +289,13 @@ impl Fused {
         }
         let do_rows = dout.rows(b, h, from);
         // dV += (P Z)^T dO, with P Z rounded as the forward's product read it.
-        let p_half = if self.dropout.is_some() {
-            let mut dropped = p.clone();
-            self.drop_out((b, h), from, keys, &mut dropped);
-            rounded::<T>(&dropped)
-        } else {
-            rounded::<T>(&p)
+        let z = self.dropout_factors((b, h), (from, rows), keys);
+        let p_half: Vec<T> = match &z {
+            Some(z) => {
+                let dropped: Vec<f32> = p.iter().zip(z).map(|(p, z)| p * z).collect();
+                convert_slice(&dropped)
+            }
+            None => convert_slice(&p),
         };
         gemm(
             keys,
@@ -307,14 +309,16 @@ impl Fused {
         );
         // dP = (dO V^T) Z, then dS = P * (dP - rowsum(P * dP)) * scale, in place.
         let mut ds = product((rows, keys, g.dv), do_rows, v.transposed(b, kv_head));
-        self.drop_out((b, h), from, keys, &mut ds);
+        if let Some(z) = &z {
+            ds.iter_mut().zip(z).for_each(|(d, z)| *d *= z);
+        }
         for (p, ds) in p.chunks_exact(keys).zip(ds.chunks_exact_mut(keys)) {
-            let dot = dot(p, ds);
+            let dot = lane_sums2(p, ds, |p, dp| (p * dp, 0.0)).0 as f32;
             for (p, dp) in p.iter().zip(ds.iter_mut()) {
                 *dp = p * (*dp - dot) * self.scale;
             }
         }
-        let ds = rounded::<T>(&ds);
+        let ds: Vec<T> = convert_slice(&ds);
         // dQ = dS K; dK += dS^T Q.
         let dq = product(
             (rows, g.d, keys),
@@ -360,37 +364,14 @@ fn softmax_in_place(row: &mut [f32]) {
         let e = crate::kernels::activation::exp(*s - max);
         *s = if *s == f32::NEG_INFINITY { 0.0 } else { e };
     }
-    let sum = sum(row);
+    let sum = lane_sums2(row, row, |e, _| (e, 0.0)).0 as f32;
     for s in row.iter_mut() {
         *s /= sum;
     }
 }
 
-/// Lanes of the row passes' partial maxima and sums (one AVX-512 vector).
+/// Lanes of the row maximum's partial maxima (one AVX-512 vector).
 const LANES: usize = 16;
-
-/// The sum of `xs` in sixteen partial sums: it vectorises, and the rounding error grows with
-/// the length over sixteen.
-fn sum(xs: &[f32]) -> f32 {
-    let mut lanes = [0f32; LANES];
-    for chunk in xs.chunks(LANES) {
-        for (sum, x) in lanes.iter_mut().zip(chunk) {
-            *sum += x;
-        }
-    }
-    lanes.iter().sum()
-}
-
-/// `sum(a * b)`, as [`sum`].
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; LANES];
-    for (a, b) in a.chunks(LANES).zip(b.chunks(LANES)) {
-        for ((sum, x), y) in lanes.iter_mut().zip(a).zip(b) {
-            *sum += x * y;
-        }
-    }
-    lanes.iter().sum()
-}
 
 /// The three operands' storages as one float type, or an error.
 macro_rules! with_operands {
