@@ -14,6 +14,8 @@
 
 #[path = "common/mod.rs"]
 mod common;
+#[path = "transformers/counting.rs"]
+mod counting;
 #[path = "transformers/gpt_model.rs"]
 mod gpt_model;
 
@@ -25,7 +27,8 @@ use candle_core::{DType, Device, Result};
 use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
 use common::modes::{self, Mode, ModeResult};
-use gpt_model::{Config, Counting, Gpt};
+use counting::Counting;
+use gpt_model::{Config, Gpt};
 
 /// Trains a small GPT in f32, fp16 and bf16 and generates with its KV cache.
 #[derive(Parser, Debug, Clone)]

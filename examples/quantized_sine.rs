@@ -222,7 +222,7 @@ fn run<Pol: Policy>(
         times.push(start.elapsed().as_secs_f64() * 1e3);
         output = Some(y);
     }
-    let inference_ms = median(&mut times);
+    let inference_ms = common::median(&mut times);
     let output = output.map_or(Ok(Vec::new()), |y| y.to_flat_vec::<f32>())?;
     let result = ModeResult {
         ms_per_step,
@@ -307,17 +307,6 @@ struct SeedResult {
     gap: f64,
 }
 
-/// The median of `values` (sorted here).
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let mid = values.len() / 2;
-    if values.len().is_multiple_of(2) {
-        f64::midpoint(values[mid - 1], values[mid])
-    } else {
-        values[mid]
-    }
-}
-
 /// `--seeds`: each pair's final losses and AMP's gap to f32, then the median gap, the largest
 /// in size, and how far the f32 runs end from their own median (lowest and highest, relative):
 /// `{"precision": .., "seeds": [{"seed", "draw"?, "f32", "amp", "gap"}, ..], "median_gap": ..,
@@ -368,9 +357,9 @@ fn sweep(
         .copied()
         .max_by(|a, b| a.abs().total_cmp(&b.abs()))
         .unwrap_or(f64::NAN);
-    let median_gap = median(&mut gaps);
+    let median_gap = common::median(&mut gaps);
     let mut f32s: Vec<f64> = seeds.iter().map(|r| f64::from(r.f32)).collect();
-    let f32_median = median(&mut f32s);
+    let f32_median = common::median(&mut f32s);
     let spread = [
         f32s[0] / f32_median - 1.0,
         f32s[f32s.len() - 1] / f32_median - 1.0,

@@ -2,13 +2,16 @@
 //! with its softmax in f32, every parameter gets a finite gradient in f32, fp16 and bf16, a few
 //! steps of each mode train, and KV-cached generation reproduces a full recompute.
 
+#[path = "../examples/transformers/counting.rs"]
+mod counting;
 #[path = "../examples/transformers/gpt_model.rs"]
 mod gpt_model;
 
 use candle_amp::{Tensor, F32};
 use candle_core::{DType, Device, Result};
 use candle_nn::{VarBuilder, VarMap};
-use gpt_model::{Config, Counting, Gpt};
+use counting::Counting;
+use gpt_model::{Config, Gpt};
 
 mod common;
 

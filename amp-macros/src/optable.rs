@@ -182,7 +182,7 @@ pub(crate) const OPS: &[Row] = rows! {
     relu: Preserve, method Custom(0);
     gelu: Preserve, method Custom(0);
     gelu_erf: Preserve, method Custom(0);
-    silu: Preserve, method Custom(0);
+    silu: Preserve, method Custom(0), free Ops;
     tanh: Preserve, method Unary;
     sigmoid: Preserve, method Custom(0), free Ops;
     neg: Preserve, method Unary;
@@ -219,6 +219,9 @@ pub(crate) const OPS: &[Row] = rows! {
     avg_pool2d: Preserve, method Custom(1);
     adaptive_avg_pool2d: Preserve;
     upsample: Preserve;
+    rope: Preserve, free Ops;
+    rope_i = rope: Preserve, free Ops;
+    rope_thd = rope: Preserve, free Ops;
     batch_norm: Preserve;
     dropout: Preserve;
     embedding: Preserve;
@@ -241,8 +244,12 @@ pub(crate) const CANDLE_NN_FNS: &[(&str, &str, usize, bool)] = &[
     ("log_softmax", "ops", 2, true),
     ("softmax_last_dim", "ops", 1, false),
     ("sigmoid", "ops", 1, false),
+    ("silu", "ops", 1, false),
     ("layer_norm", "ops", 4, false),
     ("rms_norm", "ops", 3, false),
+    ("rope", "rotary_emb", 3, false),
+    ("rope_i", "rotary_emb", 3, false),
+    ("rope_thd", "rotary_emb", 3, false),
     ("nll", "loss", 2, false),
     ("cross_entropy", "loss", 2, false),
     ("mse", "loss", 2, false),

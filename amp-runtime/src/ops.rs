@@ -11,6 +11,7 @@ use candle_core::shape::Dim;
 use candle_core::Result;
 
 use crate::fp32;
+use crate::kernels::rope;
 use crate::op::{self, Fp32Input};
 use crate::precision::{Precision, F32};
 use crate::region::free::{self, typed_or_followed};
@@ -88,6 +89,54 @@ pub fn sigmoid<P: Precision>(xs: &Tensor<P>) -> Result<Tensor<P>> {
     xs.sigmoid()
 }
 
+/// `x * sigmoid(x)`, precision-preserving, candle-nn's `ops::silu` (on CPU computed in f32 and
+/// rounded once, with a one-pass backward).
+pub fn silu<P: Precision>(xs: &Tensor<P>) -> Result<Tensor<P>> {
+    xs.silu()
+}
+
+/// Rotary position embeddings, candle-nn's `rotary_emb::rope`: `xs` `(b, heads, t, d)` rotated
+/// pairwise (element `j` with `j + d / 2`) by the angles whose cosines and sines are the tables
+/// `cos`, `sin` (`(t', d / 2)` or `(b, t', d / 2)`, `t' >= t`, their first `t` rows used).
+/// Precision-preserving: the tables are read in f32 whatever their dtype, each pair rotated in
+/// f32 and rounded once to `xs`'s dtype. Differentiable in `xs`, where candle-nn's kernel has no
+/// backward (a model trained through it gets no gradient into its query and key projections);
+/// the tables get none. A view input is fine.
+pub fn rope<P: Precision>(
+    xs: &Tensor<P>,
+    cos: &candle_core::Tensor,
+    sin: &candle_core::Tensor,
+) -> Result<Tensor<P>> {
+    rotary(xs, cos, sin, rope::Form::Halves)
+}
+
+/// [`rope`] with adjacent elements as pairs (`2j` with `2j + 1`), candle-nn's `rope_i`.
+pub fn rope_i<P: Precision>(
+    xs: &Tensor<P>,
+    cos: &candle_core::Tensor,
+    sin: &candle_core::Tensor,
+) -> Result<Tensor<P>> {
+    rotary(xs, cos, sin, rope::Form::Interleaved)
+}
+
+/// [`rope`] on `(b, t, heads, d)` inputs, candle-nn's `rope_thd`.
+pub fn rope_thd<P: Precision>(
+    xs: &Tensor<P>,
+    cos: &candle_core::Tensor,
+    sin: &candle_core::Tensor,
+) -> Result<Tensor<P>> {
+    rotary(xs, cos, sin, rope::Form::Thd)
+}
+
+fn rotary<P: Precision>(
+    xs: &Tensor<P>,
+    cos: &candle_core::Tensor,
+    sin: &candle_core::Tensor,
+    form: rope::Form,
+) -> Result<Tensor<P>> {
+    xs.unary_op::<op::rope, P>(|x| rope::rope(x, cos, sin, form))
+}
+
 /// Scaled dot-product attention, PyTorch's `scaled_dot_product_attention`:
 /// `softmax(q k^T * scale + mask) v` over `(batch, heads, length, head_dim)` queries, keys and
 /// values, as one op with its own backward. A lower-precision op under autocast (PyTorch's
@@ -162,7 +211,7 @@ pub use crate::region::foreign::routed_arg as __amp_arg;
 #[doc(hidden)]
 pub mod __amp_routed {
     pub use crate::region::free::{
-        layer_norm, log_softmax, rms_norm, scaled_dot_product_attention,
-        scaled_dot_product_attention_with, sigmoid, softmax, softmax_last_dim,
+        layer_norm, log_softmax, rms_norm, rope, rope_i, rope_thd, scaled_dot_product_attention,
+        scaled_dot_product_attention_with, sigmoid, silu, softmax, softmax_last_dim,
     };
 }

@@ -600,3 +600,14 @@ static GLOBAL: CountingAlloc = CountingAlloc;
 pub fn mean_tail_n(losses: &[f32], n: usize) -> f32 {
     losses[losses.len() - n..].iter().sum::<f32>() / n as f32
 }
+
+/// The median of `values` (sorted here): the examples' figure over seeds and repeats.
+pub fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len().is_multiple_of(2) {
+        f64::midpoint(values[mid - 1], values[mid])
+    } else {
+        values[mid]
+    }
+}

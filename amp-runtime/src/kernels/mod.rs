@@ -29,6 +29,7 @@
 //! - `softmax`, `layer_norm`, `mse`: fp32-class ops reading half inputs as they are.
 //! - `pool`: max and average pooling and their backward.
 //! - `attention`: scaled dot-product attention as one op, its score blocks on the GEMM.
+//! - `rope`: rotary position embeddings (candle-nn's three layouts) with a backward.
 //! - `embedding`: the lookup of an f32 table, its backward writing the table's gradient once.
 //! - `optim`: the in-place update passes of `crate::optim`'s SGD and AdamW.
 //! - [`unscale`]: the multi-tensor unscale behind `GradScaler`, one pass over every gradient.
@@ -62,6 +63,7 @@ mod matmul;
 mod mse;
 pub(crate) mod optim;
 mod pool;
+pub(crate) mod rope;
 mod softmax;
 pub mod unscale;
 

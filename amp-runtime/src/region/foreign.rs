@@ -143,11 +143,19 @@ candle_nn_fns! {
     __amp_log_softmax = log_softmax<X: AsAmp, D: RoutedDim>(xs: X | A0, d: D | A1) -> log_softmax;
     __amp_softmax_last_dim = softmax_last_dim<X: AsAmp>(xs: X | A0) -> softmax;
     __amp_sigmoid = sigmoid<X: AsAmp>(xs: X | A0) -> sigmoid;
+    __amp_silu = silu<X: AsAmp>(xs: X | A0) -> silu;
     __amp_layer_norm = layer_norm<X: AsAmp, A: AsAmp, B: AsAmp>(
         xs: X | A0, alpha: A | A1, beta: B | A2, eps: f32 | A3
     ) -> layer_norm;
     __amp_rms_norm = rms_norm<X: AsAmp, A: AsAmp>(xs: X | A0, alpha: A | A1, eps: f32 | A2)
         -> rms_norm;
+    __amp_rope = rope<X: AsAmp, Cs: AsAmp, Sn: AsAmp>(xs: X | A0, cos: Cs | A1, sin: Sn | A2)
+        -> rope;
+    __amp_rope_i = rope_i<X: AsAmp, Cs: AsAmp, Sn: AsAmp>(xs: X | A0, cos: Cs | A1, sin: Sn | A2)
+        -> rope;
+    __amp_rope_thd = rope_thd<X: AsAmp, Cs: AsAmp, Sn: AsAmp>(
+        xs: X | A0, cos: Cs | A1, sin: Sn | A2
+    ) -> rope;
     __amp_nll = nll<X: AsAmp, T: AsAmp>(inp: X | A0, target: T | A1) -> nll;
     __amp_cross_entropy = cross_entropy<X: AsAmp, T: AsAmp>(inp: X | A0, target: T | A1)
         -> cross_entropy;

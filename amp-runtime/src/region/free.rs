@@ -21,6 +21,7 @@ use super::route::{at, routed};
 use super::value::{AmpTensor, AsAmp, RegionValue};
 use crate::composite;
 use crate::kernels::attention::Attention;
+use crate::kernels::rope;
 use crate::op::{self, Op};
 use crate::precision::F32;
 use crate::tensor::Tensor;
@@ -177,6 +178,11 @@ pub fn sigmoid<X: AsAmp>(xs: X) -> Call<op::sigmoid> {
     call(vec![xs.to_amp()], |x| candle_nn::ops::sigmoid(&x[0]))
 }
 
+/// Routed `ops::silu`.
+pub fn silu<X: AsAmp>(xs: X) -> Call<op::silu> {
+    call(vec![xs.to_amp()], |x| crate::kernels::silu(&x[0]))
+}
+
 /// Routed `ops::layer_norm`: the input is cast by the op's class, the scale and shift follow it.
 pub fn layer_norm<X: AsAmp>(
     xs: X,
@@ -198,6 +204,28 @@ pub fn rms_norm<X: AsAmp>(xs: X, alpha: impl AsAmp, eps: f32) -> Call<op::rms_no
     let alpha = alpha.to_amp();
     call(vec![xs.to_amp()], move |x| {
         composite::rms_norm(&x[0], &alpha, f64::from(eps))
+    })
+}
+
+/// Routed `ops::rope` (precision-preserving; the tables read in f32, never cast by the class).
+pub fn rope<X: AsAmp>(xs: X, cos: impl AsAmp, sin: impl AsAmp) -> Call<op::rope> {
+    rotary(xs, cos, sin, rope::Form::Halves)
+}
+
+/// Routed `ops::rope_i`.
+pub fn rope_i<X: AsAmp>(xs: X, cos: impl AsAmp, sin: impl AsAmp) -> Call<op::rope> {
+    rotary(xs, cos, sin, rope::Form::Interleaved)
+}
+
+/// Routed `ops::rope_thd`.
+pub fn rope_thd<X: AsAmp>(xs: X, cos: impl AsAmp, sin: impl AsAmp) -> Call<op::rope> {
+    rotary(xs, cos, sin, rope::Form::Thd)
+}
+
+fn rotary<X: AsAmp>(xs: X, cos: impl AsAmp, sin: impl AsAmp, form: rope::Form) -> Call<op::rope> {
+    let (cos, sin) = (cos.to_amp(), sin.to_amp());
+    call(vec![xs.to_amp()], move |x| {
+        rope::rope(&x[0], &cos, &sin, form)
     })
 }
 
