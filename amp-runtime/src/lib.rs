@@ -9,6 +9,7 @@ pub mod backends;
 mod cast;
 pub mod checkpoint;
 mod composite;
+pub mod distributed;
 pub mod fp32;
 pub mod kernels;
 pub mod loss;

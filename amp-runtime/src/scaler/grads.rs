@@ -9,6 +9,7 @@ use candle_core::{DType, Result, Tensor, TensorId, Var};
 
 use super::state::ScalerError;
 use super::GradScaler;
+use crate::distributed::DataParallel;
 use crate::kernels::leaf_grads;
 use crate::kernels::unscale::unscale_in_place;
 
@@ -82,6 +83,13 @@ impl GradSet {
         let (moved, kept) = (subset(moved), subset(kept));
         *self = kept;
         moved
+    }
+
+    fn all_reduce(&mut self, dp: &DataParallel) -> Result<()> {
+        let mut grads = self.tensors();
+        dp.all_reduce(&mut grads)?;
+        self.put_back(grads);
+        Ok(())
     }
 
     fn accumulate(&mut self, other: Self) -> Result<()> {
@@ -161,6 +169,13 @@ impl ScaledGrads {
         }
     }
 
+    /// Replaces each gradient by its mean over the ranks of `dp` (data parallel; every rank
+    /// calls it with the gradients of the same parameters, see [`crate::distributed`]). Still
+    /// scaled: the ranks' scalers hold the same scale when they started from the same state.
+    pub fn all_reduce(&mut self, dp: &DataParallel) -> Result<()> {
+        self.set.all_reduce(dp)
+    }
+
     /// Unscales in place with the fused kernel and records which gradients were non-finite.
     pub(super) fn unscale(mut self) -> Result<UnscaledGrads> {
         let mut nonfinite = HashSet::new();
@@ -178,6 +193,7 @@ impl ScaledGrads {
         Ok(UnscaledGrads {
             set: self.set,
             nonfinite,
+            elsewhere: false,
         })
     }
 }
@@ -190,6 +206,8 @@ impl ScaledGrads {
 pub struct UnscaledGrads {
     set: GradSet,
     nonfinite: HashSet<TensorId>,
+    /// Another rank of the scaler's collective found inf or NaN in its gradients.
+    elsewhere: bool,
 }
 
 impl UnscaledGrads {
@@ -198,9 +216,22 @@ impl UnscaledGrads {
         self.set.get(var)
     }
 
-    /// Whether any gradient held inf or NaN before unscaling: the step will be skipped.
+    /// Whether any gradient held inf or NaN before unscaling (here, or on another rank of the
+    /// scaler's collective): the step will be skipped.
     pub fn found_inf(&self) -> bool {
-        !self.nonfinite.is_empty()
+        !self.nonfinite.is_empty() || self.elsewhere
+    }
+
+    /// Records that another rank found inf or NaN: this rank skips the step too.
+    pub(super) fn found_elsewhere(&mut self) {
+        self.elsewhere = true;
+    }
+
+    /// Replaces each gradient by its mean over the ranks of `dp`, as
+    /// [`ScaledGrads::all_reduce`]. The non-finite record of the unscale stays this rank's; a
+    /// scaler with a collective reduces it when it steps.
+    pub fn all_reduce(&mut self, dp: &DataParallel) -> Result<()> {
+        self.set.all_reduce(dp)
     }
 
     /// Whether there are gradients and every element of every one is exactly 0 (a reduction per
@@ -239,7 +270,11 @@ impl UnscaledGrads {
             .filter(|id| self.nonfinite.remove(id))
             .copied()
             .collect();
-        UnscaledGrads { set, nonfinite }
+        UnscaledGrads {
+            set,
+            nonfinite,
+            elsewhere: self.elsewhere,
+        }
     }
 
     /// Scales all gradients so that their joint L2 norm is at most `max_norm`, like

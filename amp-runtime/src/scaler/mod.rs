@@ -24,6 +24,8 @@
 mod grads;
 mod state;
 
+use std::sync::Arc;
+
 use candle_core::{DType, Result, Tensor};
 use candle_nn::Optimizer;
 
@@ -32,6 +34,7 @@ pub use state::{ScalerError, ScalerState};
 
 use state::{invalid_scale, is_valid_scale};
 
+use crate::distributed::Collective;
 use crate::precision::Precision;
 
 /// `tracing` target of the scaler's events (skipped steps, scale changes).
@@ -55,6 +58,8 @@ pub struct GradScaler {
     consecutive_skips: u64,
     /// The variables whose gradients were non-finite at the last skipped step.
     last_nonfinite: Vec<candle_core::TensorId>,
+    /// The data-parallel group whose ranks skip or step together.
+    collective: Option<Arc<dyn Collective>>,
 }
 
 impl Default for GradScaler {
@@ -228,7 +233,12 @@ impl GradScaler {
             ))
             .into());
         }
-        let unscaled = grads.unscale()?;
+        let mut unscaled = grads.unscale()?;
+        if let (true, Some(group)) = (self.enabled, &self.collective) {
+            if crate::distributed::any_rank(group.as_ref(), unscaled.found_inf())? {
+                unscaled.found_elsewhere();
+            }
+        }
         if self.enabled {
             self.found_inf = Some(self.found_inf.unwrap_or(false) | unscaled.found_inf());
         }
@@ -364,6 +374,7 @@ pub struct GradScalerBuilder {
     enabled: bool,
     min_scale: Option<f64>,
     max_scale: Option<f64>,
+    collective: Option<Arc<dyn Collective>>,
 }
 
 impl Default for GradScalerBuilder {
@@ -376,6 +387,7 @@ impl Default for GradScalerBuilder {
             enabled: true,
             min_scale: None,
             max_scale: None,
+            collective: None,
         }
     }
 }
@@ -423,6 +435,14 @@ impl GradScalerBuilder {
         self
     }
 
+    /// Data parallel: each unscale reduces the ranks' found-inf by max over `collective`, so
+    /// that every rank skips or steps together (PyTorch's scaler under DDP). Every rank must
+    /// unscale (or step) the same number of times.
+    pub fn collective(mut self, collective: Arc<dyn Collective>) -> Self {
+        self.collective = Some(collective);
+        self
+    }
+
     pub fn build(self) -> Result<GradScaler> {
         let scale = self.init_scale as f32;
         if !is_valid_scale(scale) {
@@ -445,6 +465,7 @@ impl GradScalerBuilder {
             found_inf: None,
             consecutive_skips: 0,
             last_nonfinite: Vec::new(),
+            collective: self.collective,
         })
     }
 }

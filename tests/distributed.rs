@@ -1,0 +1,328 @@
+//! Data parallel over threads (`distributed::ThreadGroup`): ranks that each train on their part
+//! of a batch end where one process training on the whole batch ends; the GradScaler's ranks
+//! skip together when one overflows; mismatched ranks are errors, not hangs or wrong sums.
+
+use std::sync::Arc;
+
+use candle_amp::distributed::{Collective, DataParallel, ReduceOp, ThreadCollective, ThreadGroup};
+use candle_amp::nn::{self, Linear};
+use candle_amp::{autocast, loss, GradScaler, StepOutcome, Tensor, F32};
+use candle_core::{DType, Device, Result, Var};
+use candle_nn::{Optimizer, VarBuilder, VarMap, SGD};
+
+mod common;
+
+/// Runs `body(rank handle)` on one thread per rank and returns the results in rank order.
+fn on_ranks<R: Send>(
+    world: usize,
+    body: impl Fn(ThreadCollective) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
+    let ranks = ThreadGroup::ranks(world)?;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks.into_iter().map(|c| s.spawn(|| body(c))).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank panicked"))
+            .collect()
+    })
+}
+
+struct Mlp {
+    l1: Linear,
+    l2: Linear,
+}
+
+#[autocast]
+impl Mlp {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        self.l2.forward(&self.l1.forward(x)?.relu()?)
+    }
+}
+
+fn mse_f32(m: &Mlp, x: &Tensor<F32>, y: &Tensor<F32>) -> Result<Tensor<F32>> {
+    loss::mse(&m.forward(x)?, y)
+}
+
+#[autocast(fp16)]
+fn mse_fp16(m: &Mlp, x: &Tensor<F32>, y: &Tensor<F32>) -> Result<Tensor<F32>> {
+    loss::mse(&m.forward(x)?, y)
+}
+
+type Loss = fn(&Mlp, &Tensor<F32>, &Tensor<F32>) -> Result<Tensor<F32>>;
+
+/// A model from fixed weights: the same on every rank.
+fn model() -> Result<(Mlp, VarMap)> {
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu);
+    let m = Mlp {
+        l1: nn::linear(4, 16, vb.pp("l1"))?,
+        l2: nn::linear(16, 2, vb.pp("l2"))?,
+    };
+    for (i, var) in sorted(&vars).iter().enumerate() {
+        let t = var.as_tensor();
+        let v = common::values(t.elem_count(), 10 + i as u64);
+        var.set(&candle_core::Tensor::from_vec(v, t.shape(), t.device())?.affine(0.5, 0.0)?)?;
+    }
+    Ok((m, vars))
+}
+
+fn sorted(vars: &VarMap) -> Vec<Var> {
+    let data = vars.data().lock().unwrap();
+    let mut named: Vec<_> = data.iter().collect();
+    named.sort_by(|a, b| a.0.cmp(b.0));
+    named.into_iter().map(|(_, v)| v.clone()).collect()
+}
+
+/// A batch of 8 rows (inputs and targets), the same for every step's draw `step`.
+fn batch(step: u64) -> Result<(Tensor<F32>, Tensor<F32>)> {
+    let x = candle_core::Tensor::from_vec(common::values(32, 100 + step), (8, 4), &Device::Cpu)?;
+    let y = candle_core::Tensor::from_vec(common::values(16, 200 + step), (8, 2), &Device::Cpu)?;
+    Ok((Tensor::from_candle(x)?, Tensor::from_candle(y)?))
+}
+
+/// The weights after `steps` SGD steps of `loss` on rows `part` of each batch, the gradients
+/// averaged over `dp` when given, through a scaler (with `dp`'s collective) when `fp16`.
+fn train(
+    loss: Loss,
+    fp16: bool,
+    part: std::ops::Range<usize>,
+    dp: Option<&DataParallel>,
+    steps: u64,
+) -> Result<Vec<Vec<f32>>> {
+    let (m, vars) = model()?;
+    let mut opt = SGD::new(vars.all_vars(), 0.1)?;
+    let mut builder = GradScaler::builder().enabled(fp16).init_scale(1024.0);
+    if let Some(dp) = dp {
+        builder = builder.collective(dp.collective().clone());
+    }
+    let mut scaler = builder.build()?;
+    for step in 0..steps {
+        let (x, y) = batch(step)?;
+        let rows = |t: Tensor<F32>| t.narrow(0, part.start, part.len());
+        let l = loss(&m, &rows(x)?, &rows(y)?)?;
+        let mut grads = scaler.scale(&l)?.backward()?;
+        if let Some(dp) = dp {
+            grads.all_reduce(dp)?;
+        }
+        assert_eq!(scaler.step(&mut opt, grads)?, StepOutcome::Stepped);
+        scaler.update()?;
+    }
+    sorted(&vars)
+        .iter()
+        .map(|v| v.as_tensor().flatten_all()?.to_vec1::<f32>())
+        .collect()
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// The mean loss over the whole batch has the mean of the ranks' gradients (equal parts): 2 and
+/// 4 ranks end where one process ends, in f32 and in fp16 with the scaler.
+#[test]
+fn ranks_train_as_one_process_on_the_concatenated_batch() -> Result<()> {
+    for (loss, fp16, tol) in [(mse_f32 as Loss, false, 1e-5), (mse_fp16, true, 2e-2)] {
+        let whole = train(loss, fp16, 0..8, None, 5)?;
+        for world in [2, 4] {
+            let per = 8 / world;
+            let ranks = on_ranks(world, |c| {
+                let r = c.rank();
+                let dp = DataParallel::new(Arc::new(c));
+                train(loss, fp16, r * per..(r + 1) * per, Some(&dp), 5)
+            })?;
+            for (r, w) in ranks.iter().enumerate() {
+                // Every rank holds the same weights, bit for bit.
+                assert_eq!(w, &ranks[0], "fp16 {fp16}, world {world}: rank {r}");
+            }
+            let d = max_diff(&ranks[0], &whole);
+            assert!(d < tol, "fp16 {fp16}, world {world}: {d} from one process");
+        }
+    }
+    Ok(())
+}
+
+/// One rank's fp16 overflow: every rank skips (weights untouched), every scale backs off, the
+/// next finite step steps everywhere. The gradients are not averaged here, so only the scaler's
+/// reduction of found-inf can tell the other rank.
+#[test]
+fn ranks_skip_together_when_one_overflows() -> Result<()> {
+    let outcomes = on_ranks(2, |c| {
+        let rank = c.rank();
+        let c: Arc<dyn Collective> = Arc::new(c);
+        let (m, vars) = model()?;
+        let before = sorted(&vars)[0].as_tensor().to_vec1::<f32>()?;
+        let mut opt = SGD::new(vars.all_vars(), 0.1)?;
+        let mut scaler = GradScaler::builder().collective(c).build()?;
+        let mut seen = Vec::new();
+        for step in 0..2 {
+            let (x, y) = batch(step)?;
+            // Rank 1's first batch overflows f16 in the forward.
+            let x = if rank == 1 && step == 0 {
+                (x * 1e5)?
+            } else {
+                x
+            };
+            let l = mse_fp16(&m, &x, &y)?;
+            let grads = scaler.scale(&l)?.backward()?;
+            let outcome = scaler.step(&mut opt, grads)?;
+            if step == 0 {
+                let now = sorted(&vars)[0].as_tensor().to_vec1::<f32>()?;
+                assert_eq!(
+                    now, before,
+                    "rank {rank}: a skipped step leaves the weights"
+                );
+            }
+            scaler.update()?;
+            seen.push((outcome, scaler.scale_value()));
+        }
+        Ok(seen)
+    })?;
+    for (rank, seen) in outcomes.iter().enumerate() {
+        assert_eq!(
+            seen,
+            &[
+                (StepOutcome::Skipped, 32768.0),
+                (StepOutcome::Stepped, 32768.0)
+            ],
+            "rank {rank}"
+        );
+    }
+    Ok(())
+}
+
+/// Averaging by hand: rank `r` holds `(r + 1) * g`; the mean over 3 ranks is `2 g`, whatever
+/// the bucket size, and in bf16 on the wire it is the bf16 rounding of the sum.
+#[test]
+fn gradients_average_whatever_the_buckets() -> Result<()> {
+    let g = |scale: f32| -> Result<Vec<candle_core::Tensor>> {
+        Ok(vec![
+            candle_core::Tensor::new(&[[1f32, -2.5], [0.1, 3.0]], &Device::Cpu)?
+                .affine(f64::from(scale), 0.0)?,
+            candle_core::Tensor::new(&[7f32, 1.0 / 3.0, -0.2], &Device::Cpu)?
+                .affine(f64::from(scale), 0.0)?,
+        ])
+    };
+    let want: Vec<Vec<f32>> = g(2.0)?
+        .iter()
+        .map(|t| t.flatten_all()?.to_vec1::<f32>())
+        .collect::<Result<_>>()?;
+    for bucket in [4, 16, 1 << 20] {
+        let got = on_ranks(3, |c| {
+            let scale = c.rank() as f32 + 1.0;
+            let dp = DataParallel::new(Arc::new(c)).bucket_bytes(bucket)?;
+            let mut grads = g(scale)?;
+            dp.all_reduce(&mut grads)?;
+            assert_eq!(grads[0].dims(), &[2, 2]);
+            grads
+                .iter()
+                .map(|t| t.flatten_all()?.to_vec1::<f32>())
+                .collect::<Result<Vec<_>>>()
+        })?;
+        for r in &got {
+            assert!(
+                max_diff(r, &want) < 1e-6,
+                "bucket {bucket}: {r:?} vs {want:?}"
+            );
+        }
+    }
+    let bf16 = on_ranks(3, |c| {
+        let scale = c.rank() as f32 + 1.0;
+        let dp = DataParallel::new(Arc::new(c)).reduce_dtype(DType::BF16)?;
+        let mut grads = g(scale)?;
+        dp.all_reduce(&mut grads)?;
+        assert_eq!(
+            grads[0].dtype(),
+            DType::F32,
+            "the mean comes back in the gradient's dtype"
+        );
+        grads[1].to_vec1::<f32>()
+    })?;
+    // 1/3 * 6 summed in bf16: each rank's value rounded to bf16 first, then the f64 sum rounded.
+    let third = [1.0f32, 2.0, 3.0]
+        .iter()
+        .map(|s| f64::from(half::bf16::from_f32(s / 3.0).to_f32()))
+        .sum::<f64>();
+    let want = f64::from(half::bf16::from_f64(third).to_f32()) / 3.0;
+    assert!(
+        (f64::from(bf16[0][1]) - want).abs() < 1e-7,
+        "{:?} vs {want}",
+        bf16[0]
+    );
+    Ok(())
+}
+
+#[test]
+fn ranks_with_different_gradients_all_get_an_error() -> Result<()> {
+    let results = on_ranks(2, |c| {
+        let rank = c.rank();
+        let dp = DataParallel::new(Arc::new(c));
+        let n = if rank == 0 { 3 } else { 4 };
+        let mut grads = vec![candle_core::Tensor::zeros(n, DType::F32, &Device::Cpu)?];
+        Ok(dp.all_reduce(&mut grads).map_err(|e| e.to_string()))
+    })?;
+    for (rank, r) in results.iter().enumerate() {
+        let e = r.as_ref().expect_err("a mismatch is an error");
+        assert!(e.contains("reduce different gradients"), "rank {rank}: {e}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_rank_that_leaves_is_an_error_for_the_others_not_a_hang() -> Result<()> {
+    let mut ranks = ThreadGroup::ranks(2)?;
+    drop(ranks.pop());
+    let t = candle_core::Tensor::new(&[1f32], &Device::Cpu)?;
+    let e = ranks[0]
+        .all_reduce(&t, ReduceOp::Sum)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank 1 left the thread group"), "{e}");
+    assert!(ThreadGroup::ranks(0).is_err());
+    Ok(())
+}
+
+#[test]
+fn broadcast_starts_every_replica_from_rank_0s_weights() -> Result<()> {
+    let got = on_ranks(3, |c| {
+        let rank = c.rank() as f32;
+        let var = Var::from_tensor(&candle_core::Tensor::new(
+            &[rank, rank + 0.5],
+            &Device::Cpu,
+        )?)?;
+        DataParallel::new(Arc::new(c)).broadcast(std::slice::from_ref(&var))?;
+        var.as_tensor().to_vec1::<f32>()
+    })?;
+    assert_eq!(got, vec![vec![0.0, 0.5]; 3]);
+    Ok(())
+}
+
+/// NCCL with one GPU: world size 1, whose mean is the gradient itself and whose max is the
+/// value (needs a GPU and libnccl; `--features cuda,nccl`).
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_world_size_1_reduces_to_the_values() -> Result<()> {
+    use candle_amp::distributed::NcclCollective;
+    let dev = Device::new_cuda(0)?;
+    let id = NcclCollective::unique_id()?;
+    let c = Arc::new(NcclCollective::new(&dev, 0, 1, &id)?);
+    let t = candle_core::Tensor::new(&[1.5f32, -2.0, f32::INFINITY], &dev)?;
+    let max = c.all_reduce(&t, ReduceOp::Max)?.to_vec1::<f32>()?;
+    assert_eq!(max, vec![1.5, -2.0, f32::INFINITY]);
+    let dp = DataParallel::new(c);
+    let mut grads = vec![
+        candle_core::Tensor::new(&[[1f32, 2.0], [3.0, 4.0]], &dev)?,
+        candle_core::Tensor::new(&[0.25f32], &dev)?.to_dtype(DType::BF16)?,
+    ];
+    dp.all_reduce(&mut grads)?;
+    assert_eq!(
+        grads[0].to_vec2::<f32>()?,
+        vec![vec![1.0, 2.0], vec![3.0, 4.0]]
+    );
+    assert_eq!(grads[1].dtype(), DType::BF16);
+    assert_eq!(grads[1].to_dtype(DType::F32)?.to_vec1::<f32>()?, vec![0.25]);
+    Ok(())
+}
