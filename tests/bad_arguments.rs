@@ -475,3 +475,105 @@ fn float_ids_are_an_error_naming_the_ids() -> Result<()> {
 fn lookup_in_region(emb: &candle_nn::Embedding, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
     emb.forward(ids)
 }
+
+// ---- Shapes a layer cannot take, and losses with nothing to average. ----
+
+#[autocast(bf16)]
+fn linear_in_region(l: &candle_nn::Linear, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    l.forward(x)
+}
+
+#[autocast(bf16)]
+fn rms_in_region(n: &candle_nn::RmsNorm, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    n.forward(x)
+}
+
+/// candle names its own op (`shape mismatch in matmul`, `in broadcast_mul`) for an input of the
+/// wrong width; the layers name themselves, both sizes and which parameter disagrees, on every
+/// path. An empty adaptive pool averaged nothing into NaN.
+#[test]
+fn layers_name_the_width_they_take_and_an_empty_pool_is_an_error() -> Result<()> {
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev());
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 5), &dev())?;
+    let linear = nn::linear(4, 3, vb.pp("l"))?;
+    assert_err(
+        "Linear",
+        linear.forward(&x),
+        "the input [2, 5] has 5 features",
+    );
+    assert_err(
+        "Linear, bf16",
+        linear.forward(&x.cast::<BF16>()?),
+        "takes 4 (in_features)",
+    );
+    let candle_linear = candle_nn::linear(4, 3, vb.pp("cl"))?;
+    assert_err(
+        "candle-nn's Linear in a region",
+        linear_in_region(&candle_linear, &x),
+        "takes 4 (in_features)",
+    );
+    let ln = nn::layer_norm(4, 1e-5, vb.pp("ln"))?;
+    assert_err(
+        "LayerNorm",
+        ln.forward(&x),
+        "layer_norm: the input [2, 5] is normalised over its last dimension (5 values)",
+    );
+    let rms = candle_nn::rms_norm(4, 1e-5, vb.pp("rms"))?;
+    assert_err(
+        "candle-nn's RmsNorm in a region",
+        rms_in_region(&rms, &x),
+        "but the scale has shape [4]",
+    );
+    let pool = nn::AdaptiveAvgPool2d::new((1, 1))?;
+    let empty = Tensor::<F32>::zeros((1, 1, 0, 2), &dev())?;
+    assert_err(
+        "AdaptiveAvgPool2d, empty input",
+        pool.forward(&empty),
+        "is empty along dimension 2",
+    );
+    Ok(())
+}
+
+/// A batch whose every target is `ignore_index` (or whose kept classes weigh 0 in all) has no
+/// mean: PyTorch returns NaN, and a training step on it makes every weight NaN. A NaN class
+/// weight does the same to every row of its class.
+#[test]
+fn cross_entropy_with_nothing_to_average_is_an_error() -> Result<()> {
+    use candle_amp::loss::{self, CrossEntropy};
+    let logits = Tensor::<F32>::randn(0.0, 1.0, (2, 3), &dev())?;
+    let ignored = candle_core::Tensor::new(&[-100i64, -100], &dev())?;
+    let options = CrossEntropy {
+        ignore_index: Some(-100),
+        ..Default::default()
+    };
+    assert_err(
+        "every row ignored",
+        loss::cross_entropy_with(&logits, &ignored, &options),
+        "total class weight of 0",
+    );
+    let ids = candle_core::Tensor::new(&[0u32, 1], &dev())?;
+    let cancel = CrossEntropy {
+        weight: Some(candle_core::Tensor::new(&[-1f32, 1.0, 1.0], &dev())?),
+        ..Default::default()
+    };
+    assert_err(
+        "weights adding up to 0",
+        loss::cross_entropy_with(&logits, &ids, &cancel),
+        "total class weight of 0",
+    );
+    let nan = CrossEntropy {
+        weight: Some(candle_core::Tensor::new(&[f32::NAN, 1.0, 1.0], &dev())?),
+        ..Default::default()
+    };
+    assert_err(
+        "a NaN class weight",
+        loss::cross_entropy_with(&logits, &ids, &nan),
+        "the class weights must be finite",
+    );
+    // One row kept: its loss alone, finite.
+    let one = candle_core::Tensor::new(&[1i64, -100], &dev())?;
+    let l = loss::cross_entropy_with(&logits, &one, &options)?.to_scalar::<f32>()?;
+    assert!(l.is_finite() && l > 0.0, "{l}");
+    Ok(())
+}

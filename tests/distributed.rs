@@ -326,3 +326,16 @@ fn nccl_world_size_1_reduces_to_the_values() -> Result<()> {
     assert_eq!(grads[1].to_dtype(DType::F32)?.to_vec1::<f32>()?, vec![0.25]);
     Ok(())
 }
+
+#[test]
+fn integer_gradients_are_an_error() -> Result<()> {
+    let c = ThreadGroup::ranks(1)?.pop().expect("one rank");
+    let dp = DataParallel::new(Arc::new(c));
+    let mut grads = vec![candle_core::Tensor::new(&[3u8, 4], &Device::Cpu)?];
+    let e = dp.all_reduce(&mut grads).unwrap_err().to_string();
+    assert!(e.contains("averages float gradients, got a U8"), "{e}");
+    assert!(DataParallel::new(dp.collective().clone())
+        .reduce_dtype(DType::U32)
+        .is_err());
+    Ok(())
+}

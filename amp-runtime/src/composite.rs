@@ -97,7 +97,13 @@ pub(crate) fn cross_entropy_with_f32(
     }
     let logp = log_softmax_f32(x, 1)?;
     let weight = match &o.weight {
-        Some(w) if w.dims() == [classes] => convert(w, DType::F32)?,
+        Some(w) if w.dims() == [classes] => {
+            let w = convert(w, DType::F32)?;
+            if w.to_vec1::<f32>()?.iter().any(|v| !v.is_finite()) {
+                candle_core::bail!("cross_entropy: the class weights must be finite, got {w}");
+            }
+            w
+        }
         Some(w) => candle_core::bail!(
             "cross_entropy: weight must be ({classes}), got {:?}",
             w.dims()
@@ -110,7 +116,15 @@ pub(crate) fn cross_entropy_with_f32(
     let nll = (picked.neg()? * &w_y)?.sum_all()?;
     let smooth = (logp.broadcast_mul(&weight.unsqueeze(0)?)?.sum(1)?.neg()? * &valid)?.sum_all()?;
     let s = o.label_smoothing;
-    ((nll * (1.0 - s))? + (smooth * (s / classes as f64))?)?.broadcast_div(&w_y.sum_all()?)
+    let total = w_y.sum_all()?;
+    if total.to_scalar::<f32>()? == 0.0 {
+        candle_core::bail!(
+            "cross_entropy: the rows kept have a total class weight of 0 (every target is \
+             ignore_index, or the weights of the classes present add up to 0): their mean is \
+             undefined, where PyTorch returns NaN and training on it makes every weight NaN"
+        );
+    }
+    ((nll * (1.0 - s))? + (smooth * (s / classes as f64))?)?.broadcast_div(&total)
 }
 
 /// `(x - mean) / sqrt(var + eps) * alpha + beta` over the last dimension (biased variance): in
@@ -121,7 +135,7 @@ pub(crate) fn layer_norm(
     beta: Option<&Tensor>,
     eps: f64,
 ) -> Result<Tensor> {
-    check_eps("layer_norm", eps)?;
+    check_norm("layer_norm", x, alpha, beta, eps)?;
     if x.dtype() == DType::F32 {
         if let Some(y) = crate::kernels::layer_norm(x, alpha, beta, eps)? {
             return Ok(y);
@@ -138,7 +152,7 @@ pub(crate) fn layer_norm_f32(
     beta: Option<&Tensor>,
     eps: f64,
 ) -> Result<Tensor> {
-    check_eps("layer_norm", eps)?;
+    check_norm("layer_norm", x, alpha, beta, eps)?;
     match crate::kernels::layer_norm(x, alpha, beta, eps)? {
         Some(y) => Ok(y),
         None => layer_norm_composed(&convert(x, DType::F32)?, alpha, beta, eps),
@@ -165,7 +179,7 @@ fn layer_norm_composed(
 
 /// `x / sqrt(mean(x^2) + eps) * alpha` over the last dimension.
 pub(crate) fn rms_norm(x: &Tensor, alpha: &Tensor, eps: f64) -> Result<Tensor> {
-    check_eps("rms_norm", eps)?;
+    check_norm("rms_norm", x, alpha, None, eps)?;
     let rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
     x.broadcast_div(&rms)?
         .broadcast_mul(&convert(alpha, x.dtype())?)
@@ -201,6 +215,24 @@ pub(crate) fn group_norm(
     normed
         .broadcast_mul(&convert(weight, x.dtype())?.reshape(shape.as_slice())?)?
         .broadcast_add(&convert(bias, x.dtype())?.reshape(shape.as_slice())?)
+}
+
+/// A norm over the last dimension: `eps` as [`check_eps`], and a scale (and shift) of one value
+/// per element of that dimension, named in the error (candle's would name `broadcast_mul`).
+fn check_norm(op: &str, x: &Tensor, alpha: &Tensor, beta: Option<&Tensor>, eps: f64) -> Result<()> {
+    check_eps(op, eps)?;
+    let width = x.dims().last().copied().unwrap_or(1);
+    for (name, t) in [("scale", Some(alpha)), ("shift", beta)] {
+        if let Some(t) = t.filter(|t| t.elem_count() != width) {
+            candle_core::bail!(
+                "{op}: the input {:?} is normalised over its last dimension ({width} values), \
+                 but the {name} has shape {:?}",
+                x.dims(),
+                t.dims()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// A normalisation's `eps` must be finite and positive: a negative one makes the variance plus

@@ -103,6 +103,13 @@ impl DataParallel {
     /// Replaces each of `grads` by its mean over the ranks (same shape and dtype); the ranks
     /// must pass the same gradients in the same order.
     pub fn all_reduce(&self, grads: &mut [Tensor]) -> Result<()> {
+        if let Some(g) = grads.iter().find(|g| !g.dtype().is_float()) {
+            candle_core::bail!(
+                "DataParallel::all_reduce averages float gradients, got a {:?} tensor {:?}",
+                g.dtype(),
+                g.dims()
+            );
+        }
         self.check_same_gradients(grads)?;
         let world = self.collective.world_size();
         let mut start = 0;

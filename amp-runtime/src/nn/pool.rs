@@ -170,6 +170,13 @@ fn adaptive_mean(
     n: usize,
     out: usize,
 ) -> Result<candle_core::Tensor> {
+    if n == 0 {
+        candle_core::bail!(
+            "AdaptiveAvgPool2d: the input {:?} is empty along dimension {dim}: no window has a \
+             value to average (PyTorch rejects it too)",
+            x.dims()
+        );
+    }
     if n == out {
         return Ok(x.clone());
     }

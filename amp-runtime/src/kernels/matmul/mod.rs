@@ -96,6 +96,17 @@ pub(crate) fn broadcast_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// [`crate::kernels::bias::add_bias`] (the bias's gradient summed in f32). Those paths, and a
 /// strided input of rank above 2, take the input flattened to `(rows, in)` and reshape back.
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    if let (Some(&k), &[out, k_w]) = (x.dims().last(), w.dims()) {
+        if k != k_w || b.is_some_and(|b| b.dims() != [out]) {
+            candle_core::bail!(
+                "Linear: the input {:?} has {k} features, the weight {:?} takes {k_w} (in_features) \
+                 and makes {out}{}",
+                x.dims(),
+                w.dims(),
+                b.map(|b| format!(", the bias has shape {:?}", b.dims())).unwrap_or_default()
+            );
+        }
+    }
     let masters = w.dtype() == DType::F32 && b.is_none_or(|b| b.dtype() == DType::F32);
     let shapes = match (x.dims().last(), w.dims()) {
         (Some(&k), &[out, k_w]) => k == k_w && b.is_none_or(|b| b.dims() == [out]),
