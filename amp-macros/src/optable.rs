@@ -120,6 +120,7 @@ pub(crate) const OPS: &[Row] = rows! {
     lower_op: LowerPrecision, method Closure;
     scaled_dot_product_attention: LowerPrecision, free Ops;
     scaled_dot_product_attention_with = scaled_dot_product_attention: LowerPrecision, free Ops;
+    scaled_dot_product_attention_packed = scaled_dot_product_attention: LowerPrecision, free Ops;
 
     // fp32: reductions, exp/log/pow, softmax, norms, every loss.
     sum: Fp32, method Dims;

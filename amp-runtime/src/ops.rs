@@ -202,6 +202,24 @@ pub fn scaled_dot_product_attention_with<P: Precision>(
     )?)
 }
 
+/// [`scaled_dot_product_attention_with`] over a packed projection: `qkv` `(batch, length, 3,
+/// heads, head_dim)` holds the queries, keys and values at index 0, 1 and 2 of dimension 2 (a
+/// `(b, t, 3 * heads * head_dim)` projection reshaped, flash attention's `qkvpacked` layout);
+/// the output is `(batch, length, heads, head_dim)`, which `reshape((b, t, ()))` makes the
+/// output projection's input without a copy. Self-attention only (one length). On CPU it reads
+/// `qkv` in place and its backward writes the gradient of `qkv` as one tensor: where the split
+/// into heads and the merge back are views and copies in the graph (a narrow, a transpose and
+/// their gradients' zero-filled accumulations each), here they are none.
+pub fn scaled_dot_product_attention_packed<P: Precision>(
+    qkv: &Tensor<P>,
+    options: &Attention,
+) -> Result<Tensor<P>> {
+    let x = qkv.as_candle();
+    Tensor::typed(follow::<op::scaled_dot_product_attention>(&[x], |t| {
+        crate::kernels::attention::packed_attention(&at(x, t)?, options)
+    })?)
+}
+
 /// The same ops routed through an autocast policy. In a region, `#[autocast]` calls
 /// `__amp_routed::softmax(..)` where this module is glob-imported, so the routed form is found
 /// exactly when the user's `ops` is this module (see `region/free.rs`).
@@ -212,6 +230,7 @@ pub use crate::region::foreign::routed_arg as __amp_arg;
 pub mod __amp_routed {
     pub use crate::region::free::{
         layer_norm, log_softmax, rms_norm, rope, rope_i, rope_thd, scaled_dot_product_attention,
-        scaled_dot_product_attention_with, sigmoid, silu, softmax, softmax_last_dim,
+        scaled_dot_product_attention_packed, scaled_dot_product_attention_with, sigmoid, silu,
+        softmax, softmax_last_dim,
     };
 }

@@ -1,9 +1,10 @@
 //! A GPT-2-style decoder written as candle-transformers writes one (`gpt2`/`bigcode`): token and
 //! learned position embeddings, pre-norm blocks, multi-head causal self-attention split into
-//! helper methods (the heads views of the packed projection, attended by
-//! `ops::scaled_dot_product_attention` as candle-transformers models call candle's fused
-//! attention), a GELU MLP, a final norm and an LM head tied to the token embeddings, and a
-//! KV cache held in each attention layer as `Option<(AmpTensor, AmpTensor)>`.
+//! helper methods (in training one op over the packed projection,
+//! `ops::scaled_dot_product_attention_packed`, flash attention's `qkvpacked` form; with the KV
+//! cache the heads as views of it and `ops::scaled_dot_product_attention`), a GELU MLP, a final
+//! norm and an LM head tied to the token embeddings, and a KV cache held in each attention layer
+//! as `Option<(AmpTensor, AmpTensor)>`.
 //!
 //! Ported from candle code by adding `#[autocast]` to the impls and writing `Tensor<F32>` for
 //! activations (`candle_core::Tensor` stays for token ids and masks). The model runs in whatever
@@ -70,39 +71,49 @@ impl Attention {
     }
 
     /// The attention of queries `(b, heads, t, d)` over keys and values `(b, heads, past + t,
-    /// d)`, causal when `causal` (query `i` sees keys up to `past + i`): one op, whose products
-    /// run in the region's half dtype and whose softmax runs in f32.
+    /// d)`, causal when `causal` (query `i` sees keys up to `past + i`), as `(b, t, heads, d)`:
+    /// one op, whose products run in the region's half dtype and whose softmax runs in f32.
     fn attn(&self, q: &AmpTensor, k: &AmpTensor, v: &AmpTensor, causal: bool) -> Result<AmpTensor> {
         let y = ops::scaled_dot_product_attention(q, k, v, None, None, causal)?;
-        self.last_dtype.set(Some(y.dtype()));
-        Ok(y)
+        y.transpose(1, 2)
     }
 
     fn forward(&mut self, x: &Tensor<F32>, causal: bool) -> Result<Tensor<F32>> {
         let (b, t, c) = x.dims3()?;
-        // `(b, t, 3, heads, d)`: each of q, k, v is a `(b, heads, t, d)` view, read in place.
+        // `(b, t, 3, heads, d)`: the queries, keys and values of every head, packed.
         let qkv = self
             .c_attn
             .forward(x)?
             .reshape((b, t, 3, self.n_head, c / self.n_head))?;
+        let y = if self.use_cache {
+            self.cached(&qkv, causal)?
+        } else {
+            // Without a cache, one op reads the packed projection in place and writes
+            // `(b, t, heads, d)`: no split into heads or merge back in the graph.
+            let options = ops::Attention {
+                causal,
+                ..Default::default()
+            };
+            ops::scaled_dot_product_attention_packed(&qkv, &options)?
+        };
+        self.last_dtype.set(Some(y.dtype()));
+        self.c_proj.forward(&y.reshape((b, t, c))?)
+    }
+
+    /// Attention with the KV cache: the heads of `qkv` as `(b, heads, t, d)` views, the keys
+    /// and values appended to the cache's.
+    fn cached(&mut self, qkv: &AmpTensor, causal: bool) -> Result<AmpTensor> {
         let head = |i: usize| qkv.i((.., .., i))?.transpose(1, 2);
         let (q, k, v) = (head(0)?, head(1)?, head(2)?);
-        let (k, v) = if self.use_cache {
-            let (k, v) = match &self.kv_cache {
-                Some((past_k, past_v)) => (
-                    Tensor::cat(&[past_k, &k], 2)?,
-                    Tensor::cat(&[past_v, &v], 2)?,
-                ),
-                None => (k, v),
-            };
-            self.kv_cache = Some((k.clone(), v.clone()));
-            (k, v)
-        } else {
-            (k, v)
+        let (k, v) = match &self.kv_cache {
+            Some((past_k, past_v)) => (
+                Tensor::cat(&[past_k, &k], 2)?,
+                Tensor::cat(&[past_v, &v], 2)?,
+            ),
+            None => (k, v),
         };
-        let y = self.attn(&q, &k, &v, causal)?;
-        let y = y.transpose(1, 2)?.reshape((b, t, c))?;
-        self.c_proj.forward(&y)
+        self.kv_cache = Some((k.clone(), v.clone()));
+        self.attn(&q, &k, &v, causal)
     }
 }
 

@@ -255,23 +255,50 @@ pub fn scaled_dot_product_attention_with<Q: AsAmp, K: AsAmp, V: AsAmp>(
     v: V,
     options: &Attention,
 ) -> Call<op::scaled_dot_product_attention> {
-    // The mask is owned by the call (it runs later, under the region's policy).
-    let mask = options.mask.cloned();
-    let Attention {
-        scale,
-        causal,
-        dropout,
-        ..
-    } = *options;
+    let options = OwnedAttention::of(options);
     call(vec![q.to_amp(), k.to_amp(), v.to_amp()], move |x| {
-        let options = Attention {
-            mask: mask.as_ref(),
-            scale,
-            causal,
-            dropout,
-        };
-        crate::kernels::scaled_dot_product_attention(&x[0], &x[1], &x[2], &options)
+        crate::kernels::scaled_dot_product_attention(&x[0], &x[1], &x[2], &options.get())
     })
+}
+
+/// Routed `ops::scaled_dot_product_attention_packed`: `qkv` cast by the op's class.
+pub fn scaled_dot_product_attention_packed<X: AsAmp>(
+    qkv: X,
+    options: &Attention,
+) -> Call<op::scaled_dot_product_attention> {
+    let options = OwnedAttention::of(options);
+    call(vec![qkv.to_amp()], move |x| {
+        crate::kernels::attention::packed_attention(&x[0], &options.get())
+    })
+}
+
+/// An attention call's options owned by the call (it runs later, under the region's policy),
+/// the mask read as it is.
+struct OwnedAttention {
+    mask: Option<Candle>,
+    scale: Option<f64>,
+    causal: bool,
+    dropout: f32,
+}
+
+impl OwnedAttention {
+    fn of(options: &Attention) -> Self {
+        Self {
+            mask: options.mask.cloned(),
+            scale: options.scale,
+            causal: options.causal,
+            dropout: options.dropout,
+        }
+    }
+
+    fn get(&self) -> Attention<'_> {
+        Attention {
+            mask: self.mask.as_ref(),
+            scale: self.scale,
+            causal: self.causal,
+            dropout: self.dropout,
+        }
+    }
 }
 
 /// A loss of a prediction and a target, both cast by the loss's class.

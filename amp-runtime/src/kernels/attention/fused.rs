@@ -16,9 +16,9 @@
 
 use std::mem::MaybeUninit;
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
-use super::{Dropout, Geometry, Mask};
+use super::{Attention, Dropout, Geometry, Mask};
 use crate::kernels::convert::convert_slice;
 use crate::kernels::elem::Real;
 use crate::kernels::gemm::{gemm, gemm_append, GemmElem, MatRef};
@@ -36,11 +36,13 @@ const BLOCK: usize = 32;
 /// Scaled dot-product attention on CPU: the forward op over `(q, k, v)`.
 #[derive(Clone, Debug)]
 pub(super) struct Fused {
-    pub(super) mask: Option<Mask>,
-    pub(super) scale: f32,
-    pub(super) causal: bool,
-    pub(super) dropout: Option<Dropout>,
-    pub(super) g: Geometry,
+    mask: Option<Mask>,
+    scale: f32,
+    causal: bool,
+    dropout: Option<Dropout>,
+    g: Geometry,
+    /// The output is `(b, t_q, h, d_v)` (the packed entry's) rather than `(b, h, t_q, d_v)`.
+    tokens_major: bool,
 }
 
 /// A rank-4 operand as the kernels read it: its elements, start offset and strides.
@@ -52,6 +54,25 @@ struct Operand<'a, T> {
 }
 
 impl<'a, T> Operand<'a, T> {
+    /// Part `i` (0 query, 1 key, 2 value) of a packed `(b, t, 3, h, d)` layout, read as
+    /// `(b, h, t, d)`.
+    fn packed(data: &'a [T], l: &Layout, i: usize) -> Self {
+        let st = l.stride();
+        Self {
+            data,
+            start: l.start_offset() + i * st[2],
+            stride: [st[0], st[3], st[1], st[4]],
+        }
+    }
+
+    /// A `(b, t, h, d)` layout (the packed entry's output and its gradient), read as
+    /// `(b, h, t, d)`.
+    fn tokens_major(data: &'a [T], l: &Layout) -> Result<Self> {
+        let mut o = Self::new(data, l)?;
+        o.stride.swap(1, 2);
+        Ok(o)
+    }
+
     fn new(data: &'a [T], l: &Layout) -> Result<Self> {
         let stride: [usize; 4] = l.stride().try_into().map_err(|_| {
             candle_core::Error::Msg(format!(
@@ -114,6 +135,25 @@ fn write_rounded<T: Real>(values: &[f32], dst: &mut [MaybeUninit<T>]) {
 }
 
 impl Fused {
+    /// The op for one call: `options`' mask read as f32 additions for `g`, the scale and
+    /// dropout already checked ([`super::resolve`]); `tokens_major` for the packed entry.
+    pub(super) fn new(
+        options: &Attention,
+        g: Geometry,
+        scale: f64,
+        dropout: Option<Dropout>,
+        tokens_major: bool,
+    ) -> Result<Self> {
+        Ok(Self {
+            mask: options.mask.map(|m| Mask::new(m, g)).transpose()?,
+            scale: scale as f32,
+            causal: options.causal,
+            dropout,
+            g,
+            tokens_major,
+        })
+    }
+
     /// How many keys query row `i` sees: all, or with `causal` those up to `i + t_k - t_q`.
     fn visible(&self, i: usize) -> usize {
         let g = self.g;
@@ -207,9 +247,17 @@ impl Fused {
                 MatRef::row_major(&convert_slice::<f32, T>(&p), 0, keys),
                 v.rows(b, h / g.group(), 0),
             );
-            // SAFETY: task `(b, h, block)` alone writes rows `from..to` of head `(b, h)`.
-            let rows = unsafe { dst.part((bh * g.tq + from) * g.dv, o.len()) };
-            write_rounded(&o, rows);
+            if self.tokens_major {
+                for (i, row) in (from..to).zip(o.chunks_exact(g.dv)) {
+                    // SAFETY: task `(b, h, block)` alone writes row `i` of head `h` at `(b, i)`.
+                    let out = unsafe { dst.part(((b * g.tq + i) * g.h + h) * g.dv, g.dv) };
+                    write_rounded(row, out);
+                }
+            } else {
+                // SAFETY: task `(b, h, block)` alone writes rows `from..to` of head `(b, h)`.
+                let rows = unsafe { dst.part((bh * g.tq + from) * g.dv, o.len()) };
+                write_rounded(&o, rows);
+            }
         });
         // SAFETY: the tasks' rows cover every head's `t_q` rows, and each was written.
         unsafe { out.set_len(len) };
@@ -483,5 +531,120 @@ impl CustomOp3 for FusedGrad {
         let g = self.attention.g;
         let len = g.b * (g.h * g.tq * g.d + g.hk * g.tk * (g.d + g.dv));
         Ok((grads, Shape::from(len)))
+    }
+}
+
+/// The packed entry's op over `qkv` `(b, t, 3, h, d)`: [`Fused`] reading the three parts in
+/// place, writing a `(b, t, h, d)` output.
+pub(super) struct Packed(pub(super) Fused);
+
+/// The packed storage's three parts as operands of one float type, or an error.
+macro_rules! with_packed {
+    ($s:expr, $l:expr, |$q:ident, $k:ident, $v:ident| $body:expr) => {
+        match $s {
+            CpuStorage::F32(x) => {
+                let ($q, $k, $v) = (
+                    Operand::packed(x, $l, 0),
+                    Operand::packed(x, $l, 1),
+                    Operand::packed(x, $l, 2),
+                );
+                $body
+            }
+            CpuStorage::F16(x) => {
+                let ($q, $k, $v) = (
+                    Operand::packed(x, $l, 0),
+                    Operand::packed(x, $l, 1),
+                    Operand::packed(x, $l, 2),
+                );
+                $body
+            }
+            CpuStorage::BF16(x) => {
+                let ($q, $k, $v) = (
+                    Operand::packed(x, $l, 0),
+                    Operand::packed(x, $l, 1),
+                    Operand::packed(x, $l, 2),
+                );
+                $body
+            }
+            _ => candle_core::bail!(
+                "scaled_dot_product_attention_packed kernel: qkv must be f32, f16 or bf16"
+            ),
+        }
+    };
+}
+
+impl CustomOp1 for Packed {
+    fn name(&self) -> &'static str {
+        "amp-scaled-dot-product-attention-packed"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = self.0.g;
+        let out = with_packed!(s, l, |q, k, v| {
+            candle_core::WithDType::to_cpu_storage_owned(self.0.forward(q, k, v))
+        });
+        Ok((out, Shape::from((g.b, g.tq, g.h, g.dv))))
+    }
+
+    fn bwd(&self, qkv: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        offer(qkv, || {
+            qkv.apply_op1_no_bwd(&PackedGrad {
+                attention: self.0.clone(),
+                dout: grad.clone(),
+            })
+        })
+    }
+}
+
+/// The backward of [`Packed`]: the gradient of `qkv`, `(b, t, 3, h, d)`, from the output's.
+struct PackedGrad {
+    attention: Fused,
+    dout: Tensor,
+}
+
+impl PackedGrad {
+    /// `[dq | dk | dv]`, each `(b, h, t, d)`, interleaved into `(b, t, 3, h, d)`.
+    fn interleave<T: Copy>(&self, parts: &[T]) -> Vec<T> {
+        let g = self.attention.g;
+        let n = g.b * g.h * g.tq * g.d;
+        let mut out = Vec::with_capacity(3 * n);
+        for b in 0..g.b {
+            for t in 0..g.tq {
+                for part in 0..3 {
+                    for h in 0..g.h {
+                        let at = part * n + ((b * g.h + h) * g.tq + t) * g.d;
+                        out.extend_from_slice(&parts[at..at + g.d]);
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+impl CustomOp1 for PackedGrad {
+    fn name(&self) -> &'static str {
+        "amp-scaled-dot-product-attention-packed-grad"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (dout, ldout) = self.dout.storage_and_layout();
+        let Storage::Cpu(dout) = &*dout else {
+            candle_core::bail!(
+                "scaled_dot_product_attention_packed: the gradient is not on the CPU"
+            )
+        };
+        let grads = with_packed!(s, l, |q, k, v| {
+            let Some(d) = candle_core::WithDType::cpu_storage_as_slice(dout).ok() else {
+                candle_core::bail!(
+                    "scaled_dot_product_attention_packed: the gradient's dtype {:?} is not qkv's",
+                    candle_core::backend::BackendStorage::dtype(dout)
+                )
+            };
+            let d = Operand::tokens_major(d, ldout)?;
+            let parts = self.attention.backward(q, k, v, d);
+            candle_core::WithDType::to_cpu_storage_owned(self.interleave(&parts))
+        });
+        Ok((grads, l.shape().clone()))
     }
 }

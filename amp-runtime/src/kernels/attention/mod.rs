@@ -74,41 +74,10 @@ pub(crate) fn scaled_dot_product_attention(
 
 /// [`scaled_dot_product_attention`] with the dropout's seed given.
 fn seeded(q: &Tensor, k: &Tensor, v: &Tensor, options: &Attention, seed: u64) -> Result<Tensor> {
-    let Attention {
-        mask,
-        scale,
-        causal,
-        dropout,
-    } = *options;
     let g = Geometry::check(q, k, v)?;
-    let scale = match scale {
-        Some(s) if !s.is_finite() => {
-            candle_core::bail!("scaled_dot_product_attention: the scale must be finite, got {s}")
-        }
-        Some(s) => s,
-        #[allow(clippy::cast_precision_loss)] // head sizes are far inside f64's exact range
-        None if g.d > 0 => 1.0 / (g.d as f64).sqrt(),
-        None => 1.0,
-    };
-    if !(0.0..1.0).contains(&dropout) {
-        candle_core::bail!(
-            "scaled_dot_product_attention: the dropout probability must be in [0, 1), got \
-             {dropout}"
-        );
-    }
-    if let Some(mask) = mask {
-        check_mask(mask, g)?;
-    }
-    let dropout = (dropout > 0.0).then_some(Dropout { p: dropout, seed });
+    let (scale, dropout) = resolve(options, g, seed)?;
     if crate::kernels::elem::cpu_float(q) {
-        let op = fused::Fused {
-            mask: mask.map(|m| Mask::new(m, g)).transpose()?,
-            scale: scale as f32,
-            causal,
-            dropout,
-            g,
-        };
-        q.apply_op3(k, v, op)
+        q.apply_op3(k, v, fused::Fused::new(options, g, scale, dropout, false)?)
     } else {
         let keep = match dropout {
             Some(d) => Some((d.mask(g, q.device())?, d.p)),
@@ -118,10 +87,79 @@ fn seeded(q: &Tensor, k: &Tensor, v: &Tensor, options: &Attention, seed: u64) ->
             q,
             k,
             v,
-            (mask, scale, causal),
+            (options.mask, scale, options.causal),
             keep.as_ref().map(|(m, p)| (m, *p)),
         )
     }
+}
+
+/// Attention over a packed `(b, t, 3, heads, d)` projection (query, key and value at index 0,
+/// 1 and 2 of dimension 2: flash attention's `qkvpacked` layout), self-attention with every
+/// option of [`scaled_dot_product_attention`]; the output is `(b, t, heads, d)`, the layout the
+/// output projection reads. On CPU one op reading `qkv` in place and writing the output's rows
+/// where they go, its gradient one `(b, t, 3, heads, d)` tensor: none of the split's and
+/// merge's views and copies are graph nodes.
+pub(crate) fn packed_attention(qkv: &Tensor, options: &Attention) -> Result<Tensor> {
+    let name = "scaled_dot_product_attention_packed";
+    let (b, t, three, h, d) = qkv.dims5().map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "{name}: qkv must be (batch, length, 3, heads, head_dim), got {:?}",
+            qkv.dims()
+        ))
+    })?;
+    if three != 3 || !qkv.dtype().is_float() {
+        candle_core::bail!(
+            "{name}: qkv must be a float (batch, length, 3, heads, head_dim) tensor, got {:?} {:?}",
+            qkv.dtype(),
+            qkv.dims()
+        );
+    }
+    let seed = if options.dropout > 0.0 {
+        draw_seed()?
+    } else {
+        0
+    };
+    let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
+    if !crate::kernels::elem::cpu_float(qkv) {
+        return seeded(&part(0)?, &part(1)?, &part(2)?, options, seed)?.transpose(1, 2);
+    }
+    let g = Geometry {
+        b,
+        h,
+        hk: h,
+        tq: t,
+        tk: t,
+        d,
+        dv: d,
+    };
+    let (scale, dropout) = resolve(options, g, seed)?;
+    qkv.apply_op1(fused::Packed(fused::Fused::new(
+        options, g, scale, dropout, true,
+    )?))
+}
+
+/// The scale (given or `1 / sqrt(head_dim)`) and dropout of one call, each checked, and the
+/// mask checked against the geometry.
+fn resolve(options: &Attention, g: Geometry, seed: u64) -> Result<(f64, Option<Dropout>)> {
+    let scale = match options.scale {
+        Some(s) if !s.is_finite() => {
+            candle_core::bail!("scaled_dot_product_attention: the scale must be finite, got {s}")
+        }
+        Some(s) => s,
+        #[allow(clippy::cast_precision_loss)] // head sizes are far inside f64's exact range
+        None if g.d > 0 => 1.0 / (g.d as f64).sqrt(),
+        None => 1.0,
+    };
+    let p = options.dropout;
+    if !(0.0..1.0).contains(&p) {
+        candle_core::bail!(
+            "scaled_dot_product_attention: the dropout probability must be in [0, 1), got {p}"
+        );
+    }
+    if let Some(mask) = options.mask {
+        check_mask(mask, g)?;
+    }
+    Ok((scale, (p > 0.0).then_some(Dropout { p, seed })))
 }
 
 /// A seed for one call's dropout, from candle's random source (which the other dropouts use).

@@ -430,3 +430,72 @@ fn dropout_drops_what_its_seed_says_and_the_backward_agrees() -> Result<()> {
     }
     Ok(())
 }
+
+/// The packed entry is the op on the three parts of `qkv` with the output in `(b, t, h, d)`:
+/// the same values and the same gradient of `qkv`, bit for bit, as the op on the views
+/// (whose gradient candle assembles through the views' backward), with and without the causal
+/// mask and a mask, in f32 and bf16, over lengths that end inside and on a block.
+#[test]
+fn the_packed_entry_is_the_op_on_the_views_bit_for_bit() -> Result<()> {
+    for dtype in [DType::F32, DType::BF16] {
+        for (t, causal, masked) in [(7, false, false), (33, true, false), (64, true, true)] {
+            let (b, h, d) = (2, 3, 8);
+            let qkv = Var::from_tensor(&input5((b, t, 3, h, d), 3, dtype)?)?;
+            let mask = masked
+                .then(|| input((1, 1, t, t), 5, DType::F32))
+                .transpose()?;
+            let options = Attention {
+                mask: mask.as_ref(),
+                scale: None,
+                causal,
+                dropout: 0.0,
+            };
+            let w = input((b, t, h, d), 7, DType::F32)?;
+            let packed = super::packed_attention(&qkv, &options)?;
+            let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
+            let viewed =
+                super::scaled_dot_product_attention(&part(0)?, &part(1)?, &part(2)?, &options)?
+                    .transpose(1, 2)?;
+            assert_eq!(packed.dims(), &[b, t, h, d]);
+            let bits = |x: &Tensor| -> Result<Vec<f32>> {
+                x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+            };
+            assert_eq!(
+                bits(&packed)?,
+                bits(&viewed)?,
+                "{dtype:?} t {t} causal {causal}: values"
+            );
+            let grad = |out: &Tensor| -> Result<Vec<f32>> {
+                let g = (out.to_dtype(DType::F32)? * &w)?.sum_all()?.backward()?;
+                bits(g.get(&qkv).expect("a gradient reaches qkv"))
+            };
+            assert_eq!(
+                grad(&packed)?,
+                grad(&viewed)?,
+                "{dtype:?} t {t} causal {causal}: grad"
+            );
+        }
+    }
+    let flat = input((2, 3, 4, 8), 1, DType::F32)?;
+    let e = super::packed_attention(&flat, &Attention::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("qkv must be (batch, length, 3, heads, head_dim)"),
+        "{e}"
+    );
+    let two = input5((1, 4, 2, 2, 8), 1, DType::F32)?;
+    let e = super::packed_attention(&two, &Attention::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("qkv must be a float (batch, length, 3, heads, head_dim)"),
+        "{e}"
+    );
+    Ok(())
+}
+
+fn input5(shape: (usize, usize, usize, usize, usize), seed: u64, dtype: DType) -> Result<Tensor> {
+    let n = shape.0 * shape.1 * shape.2 * shape.3 * shape.4;
+    Tensor::from_vec(values(n, seed), shape, &Device::Cpu)?.to_dtype(dtype)
+}
