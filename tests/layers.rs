@@ -1996,3 +1996,98 @@ fn upsample_matches_pytorchs_interpolate_and_its_gradient() -> Result<()> {
     }
     Ok(())
 }
+
+/// `LinearAct` is `Linear` then the activation, bit for bit: the output and the gradients of
+/// the input, the weight and the bias, for each fused activation, in bf16 and f16 (one op on
+/// CPU) and f32 (the two ops), with a rank-3 input; and in a bf16 region it runs in bf16.
+#[test]
+fn linear_act_is_the_linear_then_the_activation_bit_for_bit() -> Result<()> {
+    use candle_nn::Activation;
+    fn run<P: Precision>(act: Activation, fused: bool) -> Result<Vec<Vec<f32>>> {
+        let (map, vb) = vars();
+        let linear = nn::linear(6, 5, vb.pp("fc"))?;
+        // The same values every run, from fixed seeds.
+        let seeded =
+            |n: usize, seed: u64| candle_core::Tensor::from_vec(common::values(n, seed), n, &dev());
+        let x = Var::from_tensor(&seeded(36, 1)?.reshape((2, 3, 6))?.affine(2.0, 0.0)?)?;
+        // Weight and bias in name order (`all_vars` has no fixed order).
+        let params: Vec<Var> = {
+            let data = map.data().lock().unwrap();
+            let mut named: Vec<_> = data.iter().collect();
+            named.sort_by(|a, b| a.0.cmp(b.0));
+            named.into_iter().map(|(_, v)| v.clone()).collect()
+        };
+        for (i, v) in params.iter().enumerate() {
+            v.set(&seeded(v.elem_count(), 10 + i as u64)?.reshape(v.shape())?)?;
+        }
+        let xp = Tensor::<F32>::from_candle(x.as_tensor().clone())?.cast::<P>()?;
+        let y = if fused {
+            nn::LinearAct::new(linear.clone(), act)?.forward(&xp)?
+        } else {
+            let z = linear.forward(&xp)?;
+            match act {
+                Activation::Gelu => z.gelu_erf()?,
+                Activation::NewGelu => z.gelu()?,
+                Activation::Silu => z.silu()?,
+                _ => z.relu()?,
+            }
+        };
+        let w = seeded(30, 99)?.reshape((2, 3, 5))?;
+        let loss = (y.as_candle().to_dtype(DType::F32)? * &w)?.sum_all()?;
+        let grads = loss.backward()?;
+        let mut out = vec![y
+            .as_candle()
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?];
+        for v in std::iter::once(&x).chain(&params) {
+            let g = grads.get(v).expect("a gradient for every operand");
+            out.push(g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+        }
+        Ok(out)
+    }
+    for act in [
+        Activation::Gelu,
+        Activation::NewGelu,
+        Activation::Silu,
+        Activation::Relu,
+    ] {
+        assert_eq!(
+            run::<BF16>(act, true)?,
+            run::<BF16>(act, false)?,
+            "{act:?} bf16"
+        );
+        assert_eq!(
+            run::<F16>(act, true)?,
+            run::<F16>(act, false)?,
+            "{act:?} f16"
+        );
+        assert_eq!(
+            run::<F32>(act, true)?,
+            run::<F32>(act, false)?,
+            "{act:?} f32"
+        );
+    }
+    let (_, vb) = vars();
+    let e = nn::LinearAct::new(nn::linear(2, 2, vb.pp("t"))?, Activation::Elu(1.0))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("has no fused form"), "{e}");
+    Ok(())
+}
+
+#[candle_amp::autocast(bf16)]
+fn linear_act_in_region(l: &nn::LinearAct, x: &Tensor<F32>) -> Result<candle_core::DType> {
+    Ok(l.forward(x)?.dtype())
+}
+
+/// In a bf16 region the fused layer is lower precision, as `Linear`: bf16 out of f32 in.
+#[test]
+fn linear_act_runs_in_the_regions_lower_precision() -> Result<()> {
+    let (_, vb) = vars();
+    let layer = nn::LinearAct::new(nn::linear(4, 3, vb.pp("fc"))?, candle_nn::Activation::Gelu)?;
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 4), &dev())?;
+    assert_eq!(linear_act_in_region(&layer, &x)?, DType::BF16);
+    assert_eq!(layer.forward(&x)?.dtype(), DType::F32);
+    Ok(())
+}

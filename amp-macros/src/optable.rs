@@ -104,8 +104,9 @@ macro_rules! rows {
 }
 
 /// The ops, by class. A row without a method or free form is reached through a layer
-/// (`Linear` is `linear`, `BatchNorm2d` is `batch_norm`, `ConvBn2d` is `conv_bn2d`,
-/// `ConvBnReLU2d` is `conv_bn_relu2d`, `Embedding` is `embedding`, `Upsample` is `upsample`).
+/// (`Linear` is `linear`, `LinearAct` is `linear_act`, `BatchNorm2d` is `batch_norm`,
+/// `ConvBn2d` is `conv_bn2d`, `ConvBnReLU2d` is `conv_bn_relu2d`, `Embedding` is `embedding`,
+/// `Upsample` is `upsample`).
 pub(crate) const OPS: &[Row] = rows! {
     // Lower precision: PyTorch's `lower_precision_fp` list.
     matmul: LowerPrecision, method Custom(1);
@@ -115,6 +116,7 @@ pub(crate) const OPS: &[Row] = rows! {
     conv_transpose1d: LowerPrecision, method Custom(6);
     conv_transpose2d: LowerPrecision, method Custom(5);
     linear: LowerPrecision;
+    linear_act: LowerPrecision;
     conv_bn2d: LowerPrecision;
     conv_bn_relu2d: LowerPrecision;
     lower_op: LowerPrecision, method Closure;

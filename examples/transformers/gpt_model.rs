@@ -2,7 +2,8 @@
 //! learned position embeddings, pre-norm blocks, multi-head causal self-attention split into
 //! helper methods (in training one op over the packed projection,
 //! `ops::scaled_dot_product_attention_packed`, flash attention's `qkvpacked` form; with the KV
-//! cache the heads as views of it and `ops::scaled_dot_product_attention`), a GELU MLP, a final
+//! cache the heads as views of it and `ops::scaled_dot_product_attention`), a GELU MLP (its first
+//! layer and the GELU one op, `nn::LinearAct`), a final
 //! norm and an LM head tied to the token embeddings, and a KV cache held in each attention layer
 //! as `Option<(AmpTensor, AmpTensor)>`.
 //!
@@ -118,16 +119,15 @@ impl Attention {
 }
 
 pub struct Mlp {
-    c_fc: Linear,
+    /// The first layer and its GELU as one op (`nn::LinearAct`).
+    c_fc: nn::LinearAct,
     c_proj: Linear,
-    act: nn::Activation,
 }
 
 #[autocast]
 impl Mlp {
     fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
-        let h = self.act.forward(&self.c_fc.forward(x)?)?;
-        self.c_proj.forward(&h)
+        self.c_proj.forward(&self.c_fc.forward(x)?)
     }
 }
 
@@ -147,9 +147,11 @@ impl Block {
             attn: Attention::new(cfg, vb.pp("attn"))?,
             ln_2: nn::layer_norm(cfg.n_embd, cfg.layer_norm_epsilon, vb.pp("ln_2"))?,
             mlp: Mlp {
-                c_fc: nn::linear(cfg.n_embd, 4 * cfg.n_embd, vb.pp("mlp.c_fc"))?,
+                c_fc: nn::LinearAct::new(
+                    nn::linear(cfg.n_embd, 4 * cfg.n_embd, vb.pp("mlp.c_fc"))?,
+                    nn::Activation::NewGelu,
+                )?,
                 c_proj: nn::linear(4 * cfg.n_embd, cfg.n_embd, vb.pp("mlp.c_proj"))?,
-                act: nn::Activation::NewGelu,
             },
             dropout: Dropout::new(cfg.dropout),
         })

@@ -62,7 +62,8 @@ fn supported(x: &Tensor) -> bool {
     cpu_float(x) || cuda_float(x)
 }
 
-fn apply(x: &Tensor, form: Form) -> Result<Tensor> {
+/// `form` of `x`: one op for a float tensor on CPU or CUDA, candle's elsewhere.
+pub(crate) fn apply(x: &Tensor, form: Form) -> Result<Tensor> {
     if supported(x) {
         x.contiguous()?.apply_op1(Activation(form))
     } else {
@@ -76,8 +77,8 @@ fn apply(x: &Tensor, form: Form) -> Result<Tensor> {
 }
 
 /// Which activation.
-#[derive(Clone, Copy, Debug)]
-enum Form {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Form {
     /// GELU, `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
     Tanh,
     /// GELU, `0.5 x (1 + erf(x / sqrt(2)))`.
@@ -102,7 +103,7 @@ impl Form {
 
     /// The activation of every element of `x`. Each form gets its own loop, so that the
     /// branch-free formulas below vectorise.
-    fn values<T: Real + Send + Sync>(self, x: &[T]) -> Vec<T> {
+    pub(crate) fn values<T: Real + Send + Sync>(self, x: &[T]) -> Vec<T> {
         match self {
             Self::Tanh => zip_map(x, x, |x, _| 0.5 * x * tanh_sides(gelu_arg(x)).0),
             Self::Erf => zip_map(x, x, |x, _| x * normal_cdf(x)),
@@ -234,11 +235,15 @@ impl CustomOp1 for Activation {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(arg.apply_op2_no_bwd(
-            &grad.contiguous()?,
-            &ActivationGrad(self.0),
-        )?))
+        Ok(Some(input_grad(arg, grad, self.0)?))
     }
+}
+
+/// `grad * f'(x)`, elementwise, for `x` and `grad` of one float dtype on CPU or CUDA (`x` the
+/// activation's input): the backward of [`apply`], for an op that keeps the input itself.
+pub(crate) fn input_grad(x: &Tensor, grad: &Tensor, form: Form) -> Result<Tensor> {
+    x.contiguous()?
+        .apply_op2_no_bwd(&grad.contiguous()?, &ActivationGrad(form))
 }
 
 /// `(x, grad) -> grad * f'(x)`.

@@ -49,7 +49,7 @@ pub(crate) mod simd;
 pub(crate) mod testing;
 pub(crate) mod widen;
 
-mod activation;
+pub(crate) mod activation;
 mod affine;
 pub(crate) mod attention;
 pub(crate) mod batch_norm;
@@ -83,7 +83,7 @@ pub(crate) use convert::to_dtype;
 pub(crate) use elem::{cpu_float, wide};
 pub(crate) use embedding::{check_ids, embedding};
 pub(crate) use layer_norm::layer_norm;
-pub(crate) use matmul::{broadcast_matmul, linear, matmul};
+pub(crate) use matmul::{broadcast_matmul, linear, linear_act, matmul};
 pub(crate) use mse::mse;
 pub(crate) use pool::{avg_pool2d, max_pool2d, Pool2d};
 pub(crate) use softmax::{log_softmax_last_dim, softmax_last_dim};

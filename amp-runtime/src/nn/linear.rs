@@ -101,6 +101,71 @@ impl AmpLayer for Linear {
 }
 region_forward!(Linear);
 
+/// A [`Linear`] and the activation after it as one op, as [`ConvBnReLU2d`](super::ConvBnReLU2d)
+/// is for a convolution (oneDNN's linear + GELU post-op, IPEX's `LinearGelu`): a transformer
+/// MLP's first layer `act(x W^T + b)`. Lower precision, as `Linear`; the activation (GELU in
+/// either form, SiLU or ReLU) is applied to the product's rounded values in f32 and rounded
+/// once, bit for bit the two layers in a row. In f16 and bf16 on CPU it is one graph node that
+/// keeps the pre-activation for its backward, where the two layers are two nodes (each adding a
+/// zero-filled gradient and an add to candle's backward); elsewhere the two ops.
+#[derive(Clone, Debug)]
+pub struct LinearAct {
+    linear: Linear,
+    act: candle_nn::Activation,
+    form: crate::kernels::activation::Form,
+}
+
+impl LinearAct {
+    /// `act` after `linear`: `Activation::Gelu` (erf), `NewGelu` or `GeluPytorchTanh` (tanh),
+    /// `Silu` or `Relu`; another activation is an error naming these.
+    pub fn new(linear: Linear, act: candle_nn::Activation) -> Result<Self> {
+        use crate::kernels::activation::Form;
+        use candle_nn::Activation;
+        let form = match act {
+            Activation::Gelu => Form::Erf,
+            Activation::NewGelu | Activation::GeluPytorchTanh => Form::Tanh,
+            Activation::Silu => Form::Silu,
+            Activation::Relu => Form::Relu,
+            other => candle_core::bail!(
+                "LinearAct: {other:?} has no fused form (Gelu, NewGelu, GeluPytorchTanh, Silu and \
+                 Relu do): keep the Linear and call the activation after it"
+            ),
+        };
+        Ok(Self { linear, act, form })
+    }
+
+    /// The linear layer.
+    pub fn linear(&self) -> &Linear {
+        &self.linear
+    }
+
+    /// The activation.
+    pub fn activation(&self) -> candle_nn::Activation {
+        self.act
+    }
+
+    /// `act(x W^T + b)` for `x` of shape `(..., in)`, in `x`'s precision.
+    pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
+        if let Some(y) = super::followed::<P, crate::region::calls::forward, _>(self, (x,)) {
+            return y;
+        }
+        let Linear { weight, bias } = &self.linear;
+        count_master_casts::<P>(weight, bias.as_ref());
+        let y = crate::kernels::linear_act(
+            x.as_candle(),
+            weight.as_tensor(),
+            bias.as_ref().map(Var::as_tensor),
+            self.form,
+        )?;
+        Ok(Tensor::wrap(y))
+    }
+}
+
+impl AmpLayer for LinearAct {
+    type Op = op::linear_act;
+}
+region_forward!(LinearAct);
+
 /// A linear layer with bias, initialised as candle-nn's `linear` (and PyTorch's `nn.Linear`).
 pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
     let bound = 1.0 / (in_dim as f64).sqrt();

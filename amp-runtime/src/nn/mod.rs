@@ -57,7 +57,7 @@ pub use conv::{
 pub use conv_bn::{ConvBn2d, ConvBnReLU2d};
 pub use dropout::Dropout;
 pub use embedding::{embedding, Embedding};
-pub use linear::{linear, linear_b, linear_no_bias, Linear};
+pub use linear::{linear, linear_b, linear_no_bias, Linear, LinearAct};
 pub use norm::{
     batch_norm1d, batch_norm2d, group_norm, layer_norm, rms_norm, BatchNorm1d, BatchNorm2d,
     GroupNorm, LayerNorm, RmsNorm,

@@ -6,6 +6,9 @@ use candle_core::{
     Shape, Tensor,
 };
 
+use std::sync::Mutex;
+
+use crate::kernels::activation::{input_grad, Form};
 use crate::kernels::elem::Real;
 use crate::kernels::gemm::{gemm, gemm_append, GemmElem, MatRef};
 use crate::kernels::leaf_grads::{offer, wanted};
@@ -252,5 +255,141 @@ impl CustomOp1 for ColumnSums {
             other => candle_core::bail!("column sums: unexpected dtype {:?}", other.dtype()),
         };
         Ok((out, Shape::from(l.dims()[1])))
+    }
+}
+
+/// `act(x * w^T (+ b))` with f32 masters, the activation applied to the product's rounded
+/// values in f32 and rounded once more (what the two ops give, bit for bit), as one graph node:
+/// the pre-activation is kept for the backward (as the activation's own node would keep it),
+/// whose first pass is the activation's gradient and the rest [`HalfLinear`]'s.
+pub(super) struct HalfLinearAct {
+    form: Form,
+    pre: Mutex<Option<Tensor>>,
+}
+
+impl HalfLinearAct {
+    pub(super) fn new(form: Form) -> Self {
+        Self {
+            form,
+            pre: Mutex::new(None),
+        }
+    }
+
+    /// The activation of the product `z` (rows of `x`'s shape), keeping `z`.
+    fn activate<T: GemmElem + candle_core::WithDType>(
+        &self,
+        z: Vec<T>,
+        shape: &Shape,
+    ) -> Result<CpuStorage> {
+        let a = self.form.values(&z);
+        let z = Tensor::from_vec(z, shape, &candle_core::Device::Cpu)?;
+        *self
+            .pre
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(z);
+        Ok(candle_core::WithDType::to_cpu_storage_owned(a))
+    }
+
+    /// The gradient of the pre-activation from the output's.
+    fn pre_grad(&self, grad: &Tensor) -> Result<Tensor> {
+        let pre = self
+            .pre
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let Some(z) = pre else {
+            candle_core::bail!("linear + activation: the backward ran before the forward")
+        };
+        input_grad(&z, grad, self.form)
+    }
+
+    fn forward(
+        &self,
+        (s1, l1): (&CpuStorage, &Layout),
+        (s2, l2): (&CpuStorage, &Layout),
+        bias: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let shape = HalfLinear::shape(l1, l2.dims()[0]);
+        let b = match bias {
+            Some((CpuStorage::F32(b), lb)) => Some((b.as_slice(), lb)),
+            Some((other, _)) => candle_core::bail!(
+                "linear + activation kernel: expected an f32 bias, got {:?}",
+                other.dtype()
+            ),
+            None => None,
+        };
+        let out = match (s1, s2) {
+            (CpuStorage::BF16(x), CpuStorage::F32(w)) => {
+                self.activate(HalfLinear::run((x, l1), (w, l2), b), &shape)?
+            }
+            (CpuStorage::F16(x), CpuStorage::F32(w)) => {
+                self.activate(HalfLinear::run((x, l1), (w, l2), b), &shape)?
+            }
+            (a, b) => candle_core::bail!(
+                "linear + activation kernel: expected a f16 or bf16 input and an f32 weight, got \
+                 {:?} and {:?}",
+                a.dtype(),
+                b.dtype()
+            ),
+        };
+        Ok((out, shape))
+    }
+}
+
+impl CustomOp2 for HalfLinearAct {
+    fn name(&self) -> &'static str {
+        "amp-half-linear-act"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.forward((s1, l1), (s2, l2), None)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        HalfLinear::grads(x, w, &self.pre_grad(grad)?)
+    }
+}
+
+impl CustomOp3 for HalfLinearAct {
+    fn name(&self) -> &'static str {
+        "amp-half-linear-bias-act"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.forward((s1, l1), (s2, l2), Some((s3, l3)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dz = self.pre_grad(grad)?;
+        let (gx, gw) = HalfLinear::grads(x, w, &dz)?;
+        let gb = offer(b, || rows(&dz)?.apply_op1_no_bwd(&ColumnSums))?;
+        Ok((gx, gw, gb))
     }
 }

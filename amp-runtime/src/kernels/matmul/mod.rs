@@ -15,7 +15,7 @@ mod tests;
 
 pub(crate) use product::{fused, Product};
 
-use linear::HalfLinear;
+use linear::{HalfLinear, HalfLinearAct};
 use product::MasterLinear;
 
 use std::mem::MaybeUninit;
@@ -96,30 +96,16 @@ pub(crate) fn broadcast_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// [`crate::kernels::bias::add_bias`] (the bias's gradient summed in f32). Those paths, and a
 /// strided input of rank above 2, take the input flattened to `(rows, in)` and reshape back.
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    if let (Some(&k), &[out, k_w]) = (x.dims().last(), w.dims()) {
-        if k != k_w || b.is_some_and(|b| b.dims() != [out]) {
-            candle_core::bail!(
-                "Linear: the input {:?} has {k} features, the weight {:?} takes {k_w} (in_features) \
-                 and makes {out}{}",
-                x.dims(),
-                w.dims(),
-                b.map(|b| format!(", the bias has shape {:?}", b.dims())).unwrap_or_default()
-            );
-        }
-    }
-    let masters = w.dtype() == DType::F32 && b.is_none_or(|b| b.dtype() == DType::F32);
-    let shapes = match (x.dims().last(), w.dims()) {
-        (Some(&k), &[out, k_w]) => k == k_w && b.is_none_or(|b| b.dims() == [out]),
-        _ => false,
-    };
-    let half = matches!(x.dtype(), DType::BF16 | DType::F16);
-    let rows_in_place = x.rank() == 2 || (x.rank() > 2 && x.is_contiguous());
-    if x.device().is_cpu() && half && masters && shapes && rows_in_place {
+    check_linear(x, w, b)?;
+    if half_on_masters_in_place(x, w, b) {
         return match b {
             Some(b) => x.apply_op3(w, b, HalfLinear),
             None => x.apply_op2(w, HalfLinear),
         };
     }
+    let masters = w.dtype() == DType::F32 && b.is_none_or(|b| b.dtype() == DType::F32);
+    let shapes = w.rank() == 2;
+    let half = matches!(x.dtype(), DType::BF16 | DType::F16);
     if x.rank() != 2 {
         let Some((&k, lead)) = x.dims().split_last() else {
             candle_core::bail!("Linear: expected an input of rank >= 1, got a scalar")
@@ -137,6 +123,52 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
             None => Ok(y),
         }
     }
+}
+
+/// `act(linear(x, w, b))`, `act` one of the activations' forms: on CPU with a half input and
+/// f32 masters one op ([`HalfLinearAct`]: the activation applied to the product's rounded
+/// values, the pre-activation kept for the backward), bit for bit the two ops; elsewhere the
+/// two ops.
+pub(crate) fn linear_act(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    act: crate::kernels::activation::Form,
+) -> Result<Tensor> {
+    check_linear(x, w, b)?;
+    if half_on_masters_in_place(x, w, b) {
+        return match b {
+            Some(b) => x.apply_op3(w, b, HalfLinearAct::new(act)),
+            None => x.apply_op2(w, HalfLinearAct::new(act)),
+        };
+    }
+    crate::kernels::activation::apply(&linear(x, w, b)?, act)
+}
+
+/// An input whose width is not the weight's, or a bias not of its outputs, is an error naming
+/// both (candle would name its own `matmul`).
+fn check_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<()> {
+    if let (Some(&k), &[out, k_w]) = (x.dims().last(), w.dims()) {
+        if k != k_w || b.is_some_and(|b| b.dims() != [out]) {
+            candle_core::bail!(
+                "Linear: the input {:?} has {k} features, the weight {:?} takes {k_w} (in_features) \
+                 and makes {out}{}",
+                x.dims(),
+                w.dims(),
+                b.map(|b| format!(", the bias has shape {:?}", b.dims())).unwrap_or_default()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Whether the CPU op on f32 masters takes `x`: f16 or bf16 on CPU, its rows readable in place
+/// (rank 2, or contiguous), an f32 weight `(out, in)` and bias `(out)`.
+fn half_on_masters_in_place(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> bool {
+    let masters = w.dtype() == DType::F32 && b.is_none_or(|b| b.dtype() == DType::F32);
+    let half = matches!(x.dtype(), DType::BF16 | DType::F16);
+    let rows_in_place = x.rank() == 2 || (x.rank() > 2 && x.is_contiguous());
+    x.device().is_cpu() && half && masters && w.rank() == 2 && rows_in_place
 }
 
 /// Whether [`matmul`] takes its own path for these operands.
