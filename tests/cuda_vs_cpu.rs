@@ -1,6 +1,6 @@
 //! The CUDA ops against the CPU ops on the same inputs: values and every gradient, in f32, f16
 //! and bf16 (needs a GPU; built with `--features cuda`, and `cudnn` for the cuDNN
-//! convolutions): convolutions, batch norm, max pooling, attention. The CPU op is the reference: f32
+//! convolutions): convolutions, batch norm, max pooling, attention, softmax. The CPU op is the reference: f32
 //! accumulation, one rounding per output.
 //!
 //! Tolerances: the two devices sum in different orders, and cuDNN rounds the kernel gradient
@@ -436,6 +436,57 @@ fn attention_matches_cpu<P: Precision>() -> Result<()> {
     Ok(())
 }
 
+/// `fp32::softmax` and `fp32::log_softmax` over the last dimension (one kernel each way on
+/// CUDA, `softmax.cu`) against the CPU op: the f32 output and the input's gradient, in the
+/// input's dtype, for rows of 1, 7, 300 (more than a block) and 2048 values, one with a `-inf`.
+fn softmax_matches_cpu<P: Precision>() -> Result<()> {
+    let cuda = Device::new_cuda(0)?;
+    for n in [1, 7, 300, 2048] {
+        for log in [false, true] {
+            let run = |dev: &Device| -> Result<Vec<candle_core::Tensor>> {
+                let mut v = common::values(3 * n, 7);
+                if n > 1 {
+                    v[1] = f32::NEG_INFINITY; // a hidden column in the first row
+                }
+                let x = candle_core::Tensor::from_vec(v, (3, n), dev)?.to_dtype(P::DTYPE)?;
+                let x = Var::from_tensor(&(x * 4.0)?)?;
+                let typed = Tensor::<P>::from_candle(x.as_tensor().clone())?;
+                let y = if log {
+                    candle_amp::fp32::log_softmax(&typed, candle_core::D::Minus1)?
+                } else {
+                    candle_amp::fp32::softmax(&typed, candle_core::D::Minus1)?
+                };
+                // A hidden column's log-probability is -inf: compared, and weighted, as 0.
+                let y = finite_or_zero(y.as_candle())?;
+                let r = randn(y.dims(), 4, dev)?;
+                let grads = (&y * r)?.sum_all()?.backward()?;
+                let g = grads.get(&x).cloned().expect("a gradient for x");
+                Ok(vec![y, g])
+            };
+            let (want, got) = (run(&Device::Cpu)?, run(&cuda)?);
+            let what = format!(
+                "{} n {n} {:?}",
+                if log { "log_softmax" } else { "softmax" },
+                P::DTYPE
+            );
+            assert_eq!(got[0].dtype(), DType::F32, "{what}: the output is f32");
+            assert_eq!(
+                got[1].dtype(),
+                P::DTYPE,
+                "{what}: the gradient is the input's"
+            );
+            assert_close(&format!("{what} y"), &got[0], &want[0], 1e-5)?;
+            assert_close(&format!("{what} grad"), &got[1], &want[1], tol(P::DTYPE))?;
+        }
+    }
+    Ok(())
+}
+
+/// `y` with its `-inf` values as 0 (a log-softmax of a hidden column), for comparing.
+fn finite_or_zero(y: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+    y.ne(f32::NEG_INFINITY)?.where_cond(y, &y.zeros_like()?)
+}
+
 macro_rules! per_precision {
     ($body:ident: $f32:ident, $f16:ident, $bf16:ident) => {
         #[test]
@@ -467,6 +518,7 @@ per_precision!(
     conv_bn_relu_train_bf16_cuda
 );
 per_precision!(conv1d_matches_cpu: conv1d_f32_cuda, conv1d_f16_cuda, conv1d_bf16_cuda);
+per_precision!(softmax_matches_cpu: softmax_f32_cuda, softmax_f16_cuda, softmax_bf16_cuda);
 per_precision!(
     conv_transpose2d_matches_cpu: conv_transpose2d_f32_cuda,
     conv_transpose2d_f16_cuda,

@@ -15,10 +15,16 @@ use crate::kernels::parallel;
 use crate::kernels::elem::Real;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
 
-/// Softmax of `x` over its last dimension, in f32: through this op for a float tensor on CPU,
-/// candle-nn's composition (after an f32 cast) elsewhere.
+/// Whether the op runs `x`: an f32, f16 or bf16 tensor on CPU, or (feature `cuda`) on CUDA.
+fn supported(x: &Tensor) -> bool {
+    use crate::kernels::elem::{cpu_float, cuda_float};
+    cpu_float(x) || cuda_float(x)
+}
+
+/// Softmax of `x` over its last dimension, in f32: through this op for a float tensor on CPU or
+/// CUDA, candle-nn's composition (after an f32 cast) elsewhere.
 pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if crate::kernels::elem::cpu_float(x) {
+    if supported(x) {
         x.contiguous()?.apply_op1(SoftmaxLastDim { log: false })
     } else {
         candle_nn::ops::softmax(&x.to_dtype(DType::F32)?, D::Minus1)
@@ -27,7 +33,7 @@ pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 
 /// Log-softmax of `x` over its last dimension, in f32 (as [`softmax_last_dim`]).
 pub(crate) fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if crate::kernels::elem::cpu_float(x) {
+    if supported(x) {
         x.contiguous()?.apply_op1(SoftmaxLastDim { log: true })
     } else {
         candle_nn::ops::log_softmax(&x.to_dtype(DType::F32)?, D::Minus1)
@@ -97,7 +103,28 @@ impl CustomOp1 for SoftmaxLastDim {
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::kernels::cuda::softmax::forward(s, l, self.log)
+    }
+
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        // On CUDA one kernel (`softmax.cu`); on CPU candle ops in f32, then the cast.
+        #[cfg(feature = "cuda")]
+        if res.device().is_cuda() {
+            let op = SoftmaxGrad {
+                log: self.log,
+                dtype: arg.dtype(),
+            };
+            return Ok(Some(
+                res.contiguous()?
+                    .apply_op2_no_bwd(&grad.contiguous()?, &op)?,
+            ));
+        }
         let dx = if self.log {
             (grad - res.exp()?.broadcast_mul(&grad.sum_keepdim(D::Minus1)?)?)?
         } else {
@@ -105,6 +132,40 @@ impl CustomOp1 for SoftmaxLastDim {
             (&gy - res.broadcast_mul(&gy.sum_keepdim(D::Minus1)?)?)?
         };
         Ok(Some(crate::kernels::convert::to_dtype(&dx, arg.dtype())?))
+    }
+}
+
+/// The backward on CUDA: `(y, dy) -> dx` in the input's dtype (`softmax.cu`).
+#[cfg(feature = "cuda")]
+struct SoftmaxGrad {
+    log: bool,
+    dtype: DType,
+}
+
+#[cfg(feature = "cuda")]
+impl candle_core::CustomOp2 for SoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "amp-softmax-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("the softmax gradient kernel runs on CUDA (the CPU's is candle ops)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        y: &candle_core::CudaStorage,
+        ly: &Layout,
+        dy: &candle_core::CudaStorage,
+        ldy: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::kernels::cuda::softmax::backward((y, ly), (dy, ldy), self.dtype, self.log)
     }
 }
 

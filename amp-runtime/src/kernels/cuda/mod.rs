@@ -1,5 +1,5 @@
 //! The CUDA side of the kernels: each op's launches in a file of their own beside the CUDA C
-//! source it runs (`unscale`, `batch_norm`, `activation`, `pool`, `optim`; `conv` calls cuDNN, feature
+//! source it runs (`unscale`, `batch_norm`, `activation`, `pool`, `optim`, `softmax`; `conv` calls cuDNN, feature
 //! `cudnn`), and here what they share: NVRTC
 //! compilation of the sources ([`Module`]), storage addresses with the guards that order
 //! launches after earlier work, fresh outputs, and launch geometry.
@@ -16,6 +16,7 @@ pub(crate) mod batch_norm;
 pub(crate) mod conv;
 pub(crate) mod optim;
 pub(crate) mod pool;
+pub(crate) mod softmax;
 pub(crate) mod unscale;
 
 use std::sync::OnceLock;
@@ -185,7 +186,7 @@ pub(crate) fn grid_dim(n: usize, what: &str) -> Result<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{activation, batch_norm, optim, pool, unscale};
+    use super::{activation, batch_norm, optim, pool, softmax, unscale};
 
     /// NVRTC accepts the kernel sources with their defines (needs the NVRTC library, not a GPU).
     #[test]
@@ -223,6 +224,13 @@ mod tests {
         }
         let ptx = pool::POOL.ptx().unwrap();
         for kernel in ["amp_max_pool", "amp_max_pool_grad"] {
+            assert!(
+                ptx.contains(&format!(".entry {kernel}(")),
+                "{kernel} missing"
+            );
+        }
+        let ptx = softmax::SOFTMAX.ptx().unwrap();
+        for kernel in ["amp_softmax", "amp_softmax_grad"] {
             assert!(
                 ptx.contains(&format!(".entry {kernel}(")),
                 "{kernel} missing"
