@@ -1,6 +1,6 @@
 //! The CUDA ops against the CPU ops on the same inputs: values and every gradient, in f32, f16
 //! and bf16 (needs a GPU; built with `--features cuda`, and `cudnn` for the cuDNN
-//! convolutions): convolutions, batch norm, max pooling, attention, softmax. The CPU op is the reference: f32
+//! convolutions): convolutions, batch norm, max pooling, attention, softmax, layer norm. The CPU op is the reference: f32
 //! accumulation, one rounding per output.
 //!
 //! Tolerances: the two devices sum in different orders, and cuDNN rounds the kernel gradient
@@ -482,6 +482,24 @@ fn softmax_matches_cpu<P: Precision>() -> Result<()> {
     Ok(())
 }
 
+/// Layer norm (`layer_norm.cu` on CUDA: the rows' forward, the backward's rows and columns)
+/// against the CPU op: the output, and the gradients of the input and of the f32 scale and
+/// shift, over rows of 7 and 300 values (more than a block).
+fn layer_norm_matches_cpu<P: Precision>() -> Result<()> {
+    for n in [7, 300] {
+        compare::<P>(&format!("layer_norm n {n}"), &[5, 3, n], &[n], |w, b| {
+            Ok(Box::new(move |x: &Tensor<P>| {
+                let (w, b) = (
+                    Tensor::<F32>::from_candle(w.as_tensor().clone())?,
+                    Tensor::<F32>::from_candle(b.as_tensor().clone())?,
+                );
+                candle_amp::fp32::layer_norm(x, &w, Some(&b), 1e-5)?.cast::<P>()
+            }))
+        })?;
+    }
+    Ok(())
+}
+
 /// `y` with its `-inf` values as 0 (a log-softmax of a hidden column), for comparing.
 fn finite_or_zero(y: &candle_core::Tensor) -> Result<candle_core::Tensor> {
     y.ne(f32::NEG_INFINITY)?.where_cond(y, &y.zeros_like()?)
@@ -519,6 +537,11 @@ per_precision!(
 );
 per_precision!(conv1d_matches_cpu: conv1d_f32_cuda, conv1d_f16_cuda, conv1d_bf16_cuda);
 per_precision!(softmax_matches_cpu: softmax_f32_cuda, softmax_f16_cuda, softmax_bf16_cuda);
+per_precision!(
+    layer_norm_matches_cpu: layer_norm_f32_cuda,
+    layer_norm_f16_cuda,
+    layer_norm_bf16_cuda
+);
 per_precision!(
     conv_transpose2d_matches_cpu: conv_transpose2d_f32_cuda,
     conv_transpose2d_f16_cuda,

@@ -1,4 +1,5 @@
-//! Layer norm over the last dimension on CPU in f32 as one op with its own backward.
+//! Layer norm over the last dimension on CPU and CUDA in f32 as one op with its own backward
+//! (CUDA: `cuda/layer_norm.cu`, the same arithmetic).
 //!
 //! The differentiable composition (`composite::layer_norm`) is nine graph nodes (two means, a
 //! subtraction, a square, an add, a square root, a division, the scale and the shift), each a
@@ -16,7 +17,8 @@ use crate::kernels::parallel;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 /// `layer_norm(x, w, b)` in f32 through this op when it applies (an f32, f16 or bf16 input on
-/// CPU, read as it is; f32 scale and shift of the last dimension's length); `None` otherwise.
+/// CPU or CUDA, read as it is; f32 scale and shift of the last dimension's length on its
+/// device); `None` otherwise.
 pub(crate) fn layer_norm(
     x: &Tensor,
     w: &Tensor,
@@ -24,9 +26,11 @@ pub(crate) fn layer_norm(
     eps: f64,
 ) -> Result<Option<Tensor>> {
     let n = x.dims().last().copied().unwrap_or(0);
-    let fits = |t: &Tensor| t.dtype() == DType::F32 && t.dims() == [n] && t.device().is_cpu();
-    let float = matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    if !(x.device().is_cpu() && float && fits(w) && b.is_none_or(fits)) || n == 0 {
+    let fits = |t: &Tensor| {
+        t.dtype() == DType::F32 && t.dims() == [n] && t.device().same_device(x.device())
+    };
+    let float = crate::kernels::elem::cpu_float(x) || crate::kernels::elem::cuda_float(x);
+    if !(float && fits(w) && b.is_none_or(fits)) || n == 0 {
         return Ok(None);
     }
     let b = match b {
@@ -119,6 +123,19 @@ impl CustomOp3 for LayerNorm {
         let (w, b) = (f32s(sw, lw, "layer norm")?, f32s(sb, lb, "layer norm")?);
         let y = with_floats!("layer norm", sx, lx, |x| self.forward(x, w, b));
         Ok((CpuStorage::F32(y), lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        sw: &candle_core::CudaStorage,
+        lw: &Layout,
+        sb: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::kernels::cuda::layer_norm::forward((sx, lx), (sw, lw), (sb, lb), self.eps)
     }
 
     fn bwd(
@@ -220,6 +237,19 @@ impl CustomOp3 for LayerNormGrad {
         let out = with_floats!("layer norm backward", sx, lx, |x| self.backward(x, w, dy));
         let len = out.len();
         Ok((CpuStorage::F32(out), Shape::from(len)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        sw: &candle_core::CudaStorage,
+        lw: &Layout,
+        sdy: &candle_core::CudaStorage,
+        ldy: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::kernels::cuda::layer_norm::backward((sx, lx), (sw, lw), (sdy, ldy), self.eps)
     }
 }
 

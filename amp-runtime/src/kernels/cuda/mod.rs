@@ -1,5 +1,5 @@
 //! The CUDA side of the kernels: each op's launches in a file of their own beside the CUDA C
-//! source it runs (`unscale`, `batch_norm`, `activation`, `pool`, `optim`, `softmax`; `conv` calls cuDNN, feature
+//! source it runs (`unscale`, `batch_norm`, `activation`, `pool`, `optim`, `softmax`, `layer_norm`; `conv` calls cuDNN, feature
 //! `cudnn`), and here what they share: NVRTC
 //! compilation of the sources ([`Module`]), storage addresses with the guards that order
 //! launches after earlier work, fresh outputs, and launch geometry.
@@ -14,6 +14,7 @@ pub(crate) mod activation;
 pub(crate) mod batch_norm;
 #[cfg(feature = "cudnn")]
 pub(crate) mod conv;
+pub(crate) mod layer_norm;
 pub(crate) mod optim;
 pub(crate) mod pool;
 pub(crate) mod softmax;
@@ -186,7 +187,7 @@ pub(crate) fn grid_dim(n: usize, what: &str) -> Result<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{activation, batch_norm, optim, pool, softmax, unscale};
+    use super::{activation, batch_norm, layer_norm, optim, pool, softmax, unscale};
 
     /// NVRTC accepts the kernel sources with their defines (needs the NVRTC library, not a GPU).
     #[test]
@@ -224,6 +225,17 @@ mod tests {
         }
         let ptx = pool::POOL.ptx().unwrap();
         for kernel in ["amp_max_pool", "amp_max_pool_grad"] {
+            assert!(
+                ptx.contains(&format!(".entry {kernel}(")),
+                "{kernel} missing"
+            );
+        }
+        let ptx = layer_norm::LAYER_NORM.ptx().unwrap();
+        for kernel in [
+            "amp_layer_norm",
+            "amp_layer_norm_grad_rows",
+            "amp_layer_norm_grad_cols",
+        ] {
             assert!(
                 ptx.contains(&format!(".entry {kernel}(")),
                 "{kernel} missing"

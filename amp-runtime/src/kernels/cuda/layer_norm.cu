@@ -1,0 +1,110 @@
+// The CUDA half of kernels::layer_norm: layer norm over the last dimension of an f32, f16 or
+// bf16 array (dt 0, 1, 2; see half.cuh), read widened to f32, with f32 scale and shift, the
+// output in f32; and its backward, the input's gradient per row and the scale's and shift's
+// summed down the rows, all f32. The arithmetic is the CPU op's: the mean, then the biased
+// variance of the centred values, `rstd = 1 / sqrt(var + eps)`; backward `g = dy * w`,
+// `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`, `dw = sum dy * xhat`, `db = sum dy`.
+// One block (a multiple of 32 threads) per row, reductions through warp shuffles and one
+// shared slot per warp. Compiled at run time by NVRTC after half.cuh.
+
+// The block's sum of `v`, in every thread.
+__device__ __forceinline__ float amp_ln_sum(float v, float* slots) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads(); // the slots' previous use is over
+    if (lane == 0) {
+        slots[warp] = v;
+    }
+    __syncthreads();
+    v = lane < (int)((blockDim.x + 31) >> 5) ? slots[lane] : 0.0f;
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    return v;
+}
+
+// Row `at..at + n`'s mean and 1 / sqrt(var + eps), in every thread.
+__device__ __forceinline__ void amp_ln_moments(
+    const void* x, unsigned long long at, unsigned long long n, int dt, float eps,
+    float* slots, float* mean, float* rstd)
+{
+    float s = 0.0f;
+    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+        s += amp_get(x, at + i, dt);
+    }
+    const float m = amp_ln_sum(s, slots) / (float)n;
+    float q = 0.0f;
+    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+        const float c = amp_get(x, at + i, dt) - m;
+        q += c * c;
+    }
+    *mean = m;
+    *rstd = 1.0f / sqrtf(amp_ln_sum(q, slots) / (float)n + eps);
+}
+
+// y = (x - mean) * rstd * w + b per row.
+extern "C" __global__ void amp_layer_norm(
+    const void* x, const float* w, const float* b, float* y, int dt, float eps,
+    unsigned long long rows, unsigned long long n)
+{
+    __shared__ float slots[32];
+    for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const unsigned long long at = r * n;
+        float mean, rstd;
+        amp_ln_moments(x, at, n, dt, eps, slots, &mean, &rstd);
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+            y[at + i] = (amp_get(x, at + i, dt) - mean) * rstd * w[i] + b[i];
+        }
+    }
+}
+
+// dx per row into out[0 .. rows * n], and each row's mean and rstd into stats[2r], stats[2r+1].
+extern "C" __global__ void amp_layer_norm_grad_rows(
+    const void* x, const float* w, const float* dy, float* out, float* stats, int dt, float eps,
+    unsigned long long rows, unsigned long long n)
+{
+    __shared__ float slots[32];
+    for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const unsigned long long at = r * n;
+        float mean, rstd;
+        amp_ln_moments(x, at, n, dt, eps, slots, &mean, &rstd);
+        float sg = 0.0f, sgx = 0.0f;
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+            const float g = dy[at + i] * w[i];
+            sg += g;
+            sgx += g * (amp_get(x, at + i, dt) - mean) * rstd;
+        }
+        const float mean_g = amp_ln_sum(sg, slots) / (float)n;
+        const float mean_gx = amp_ln_sum(sgx, slots) / (float)n;
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+            const float xhat = (amp_get(x, at + i, dt) - mean) * rstd;
+            out[at + i] = rstd * (dy[at + i] * w[i] - mean_g - xhat * mean_gx);
+        }
+        if (threadIdx.x == 0) {
+            stats[2 * r] = mean;
+            stats[2 * r + 1] = rstd;
+        }
+    }
+}
+
+// dw[j] = sum over rows of dy * xhat, db[j] = sum over rows of dy: one thread per column
+// (adjacent threads read adjacent columns of a row), rows in order.
+extern "C" __global__ void amp_layer_norm_grad_cols(
+    const void* x, const float* dy, const float* stats, float* dw, float* db, int dt,
+    unsigned long long rows, unsigned long long n)
+{
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long j = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; j < n;
+         j += stride) {
+        float sw = 0.0f, sb = 0.0f;
+        for (unsigned long long r = 0; r < rows; ++r) {
+            const float d = dy[r * n + j];
+            sw += d * (amp_get(x, r * n + j, dt) - stats[2 * r]) * stats[2 * r + 1];
+            sb += d;
+        }
+        dw[j] = sw;
+        db[j] = sb;
+    }
+}
