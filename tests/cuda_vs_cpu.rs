@@ -482,8 +482,8 @@ fn softmax_matches_cpu<P: Precision>() -> Result<()> {
     Ok(())
 }
 
-/// Layer norm (`layer_norm.cu` on CUDA: the rows' forward, the backward's rows and columns)
-/// against the CPU op: the output, and the gradients of the input and of the f32 scale and
+/// Layer norm and RMS norm (`layer_norm.cu` on CUDA: the rows' forward, the backward's rows
+/// and columns) against the CPU op: the output, and the gradients of the input and of the f32 scale and
 /// shift, over rows of 7 and 300 values (more than a block).
 fn layer_norm_matches_cpu<P: Precision>() -> Result<()> {
     for n in [7, 300] {
@@ -494,6 +494,18 @@ fn layer_norm_matches_cpu<P: Precision>() -> Result<()> {
                     Tensor::<F32>::from_candle(b.as_tensor().clone())?,
                 );
                 candle_amp::fp32::layer_norm(x, &w, Some(&b), 1e-5)?.cast::<P>()
+            }))
+        })?;
+        // RMS norm, the same kernels without the centring (the shift added after it).
+        compare::<P>(&format!("rms_norm n {n}"), &[5, 3, n], &[n], |w, b| {
+            Ok(Box::new(move |x: &Tensor<P>| {
+                let (w, b) = (
+                    Tensor::<F32>::from_candle(w.as_tensor().clone())?,
+                    Tensor::<F32>::from_candle(b.as_tensor().clone())?,
+                );
+                candle_amp::fp32::rms_norm(x, &w, 1e-5)?
+                    .broadcast_add(&b)?
+                    .cast::<P>()
             }))
         })?;
     }

@@ -177,12 +177,28 @@ fn layer_norm_composed(
     }
 }
 
-/// `x / sqrt(mean(x^2) + eps) * alpha` over the last dimension.
+/// `x / sqrt(mean(x^2) + eps) * alpha` over the last dimension: in f32 on CPU and CUDA one
+/// fused op (`kernels::layer_norm::rms_norm`), otherwise composed.
 pub(crate) fn rms_norm(x: &Tensor, alpha: &Tensor, eps: f64) -> Result<Tensor> {
     check_norm("rms_norm", x, alpha, None, eps)?;
+    if x.dtype() == DType::F32 {
+        if let Some(y) = crate::kernels::layer_norm::rms_norm(x, alpha, eps)? {
+            return Ok(y);
+        }
+    }
     let rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
     x.broadcast_div(&rms)?
         .broadcast_mul(&convert(alpha, x.dtype())?)
+}
+
+/// [`rms_norm`] in f32 from an f32, f16 or bf16 input: the fused op reads a half input as it
+/// is (no f32 copy); elsewhere the composition on an f32 copy.
+pub(crate) fn rms_norm_f32(x: &Tensor, alpha: &Tensor, eps: f64) -> Result<Tensor> {
+    check_norm("rms_norm", x, alpha, None, eps)?;
+    match crate::kernels::layer_norm::rms_norm(x, alpha, eps)? {
+        Some(y) => Ok(y),
+        None => rms_norm(&convert(x, DType::F32)?, alpha, eps),
+    }
 }
 
 /// Group normalisation of `x` `(batch, channels, ..)` in `x`'s dtype (f32 from the fp32

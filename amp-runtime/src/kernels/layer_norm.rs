@@ -1,5 +1,5 @@
-//! Layer norm over the last dimension on CPU and CUDA in f32 as one op with its own backward
-//! (CUDA: `cuda/layer_norm.cu`, the same arithmetic).
+//! Layer norm and RMS norm over the last dimension on CPU and CUDA in f32 as one op each with
+//! its own backward (CUDA: `cuda/layer_norm.cu`, the same arithmetic).
 //!
 //! The differentiable composition (`composite::layer_norm`) is nine graph nodes (two means, a
 //! subtraction, a square, an add, a square root, a division, the scale and the shift), each a
@@ -8,7 +8,9 @@
 //! `xhat = (x - mean) * rstd` and `g = dy * w`,
 //! `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`, `dw = sum over rows of dy * xhat`,
 //! `db = sum over rows of dy` (PyTorch's `native_layer_norm_backward`), in one pass over the
-//! rows.
+//! rows. RMS norm is the same op without the centring (`mean` taken as 0, no shift, and no
+//! `mean(g)` term in `dx`): `y = x / sqrt(mean(x^2) + eps) * w`, where its composition was six
+//! nodes.
 
 use crate::kernels::elem::with_floats;
 use crate::kernels::elem::Real;
@@ -25,6 +27,16 @@ pub(crate) fn layer_norm(
     b: Option<&Tensor>,
     eps: f64,
 ) -> Result<Option<Tensor>> {
+    norm(x, w, b, eps, false)
+}
+
+/// `rms_norm(x, w)` in f32 through this op when it applies (as [`layer_norm`]); `None`
+/// otherwise.
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Option<Tensor>> {
+    norm(x, w, None, eps, true)
+}
+
+fn norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64, rms: bool) -> Result<Option<Tensor>> {
     let n = x.dims().last().copied().unwrap_or(0);
     let fits = |t: &Tensor| {
         t.dtype() == DType::F32 && t.dims() == [n] && t.device().same_device(x.device())
@@ -38,7 +50,10 @@ pub(crate) fn layer_norm(
         None => w.zeros_like()?,
     };
     #[allow(clippy::cast_possible_truncation)] // an epsilon, well inside f32
-    let op = LayerNorm { eps: eps as f32 };
+    let op = LayerNorm {
+        eps: eps as f32,
+        rms,
+    };
     x.contiguous()?
         .apply_op3(&w.contiguous()?, &b.contiguous()?, op)
         .map(Some)
@@ -49,11 +64,11 @@ fn rows_per_task(n: usize) -> usize {
     ((1 << 15) / n.max(1)).max(1)
 }
 
-/// Mean and `1 / sqrt(var + eps)` of a row, eight partial sums per pass.
-fn moments(x: &[f32], eps: f32) -> (f32, f32) {
+/// Mean (0 for RMS norm) and `1 / sqrt(var + eps)` of a row, eight partial sums per pass.
+fn moments(x: &[f32], eps: f32, rms: bool) -> (f32, f32) {
     #[allow(clippy::cast_precision_loss)] // a row length
     let n = x.len() as f32;
-    let mean = lane_sum(x, |v| v) / n;
+    let mean = if rms { 0.0 } else { lane_sum(x, |v| v) / n };
     let var = lane_sum(x, |v| (v - mean) * (v - mean)) / n;
     (mean, 1.0 / (var + eps).sqrt())
 }
@@ -85,6 +100,8 @@ fn f32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
 
 struct LayerNorm {
     eps: f32,
+    /// RMS norm: no centring.
+    rms: bool,
 }
 
 impl LayerNorm {
@@ -97,7 +114,7 @@ impl LayerNorm {
             let mut row = vec![0f32; n];
             for (y, x) in y.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
                 T::widen(x, &mut row);
-                let (mean, rstd) = moments(&row, self.eps);
+                let (mean, rstd) = moments(&row, self.eps, self.rms);
                 for (((y, &x), &w), &b) in y.iter_mut().zip(&row).zip(w).zip(b) {
                     *y = (x - mean) * rstd * w + b;
                 }
@@ -108,7 +125,11 @@ impl LayerNorm {
 
 impl CustomOp3 for LayerNorm {
     fn name(&self) -> &'static str {
-        "amp-layer-norm"
+        if self.rms {
+            "amp-rms-norm"
+        } else {
+            "amp-layer-norm"
+        }
     }
 
     fn cpu_fwd(
@@ -135,7 +156,7 @@ impl CustomOp3 for LayerNorm {
         sb: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        crate::kernels::cuda::layer_norm::forward((sx, lx), (sw, lw), (sb, lb), self.eps)
+        crate::kernels::cuda::layer_norm::forward((sx, lx), (sw, lw), (sb, lb), self.eps, self.rms)
     }
 
     fn bwd(
@@ -149,7 +170,11 @@ impl CustomOp3 for LayerNorm {
         let n = w.elem_count();
         let rows = x.elem_count() / n;
         // One pass gives all three; each is returned only if wanted.
-        let grads = x.apply_op3_no_bwd(w, &dy.contiguous()?, &LayerNormGrad { eps: self.eps })?;
+        let grad = LayerNormGrad {
+            eps: self.eps,
+            rms: self.rms,
+        };
+        let grads = x.apply_op3_no_bwd(w, &dy.contiguous()?, &grad)?;
         let dx = wanted(x, || {
             crate::kernels::convert::to_dtype(
                 &grads.narrow(0, 0, rows * n)?.reshape(x.shape())?,
@@ -165,6 +190,7 @@ impl CustomOp3 for LayerNorm {
 /// `(x, w, dy) -> [dx, dw, db]`, flat, in f32 (`x` in any float dtype).
 struct LayerNormGrad {
     eps: f32,
+    rms: bool,
 }
 
 impl LayerNormGrad {
@@ -186,7 +212,7 @@ impl LayerNormGrad {
                     .zip(dy.chunks_exact(n))
                 {
                     T::widen(x, &mut row);
-                    let (mean, rstd) = moments(&row, self.eps);
+                    let (mean, rstd) = moments(&row, self.eps, self.rms);
                     let (mut mean_g, mut mean_gx) = (0f32, 0f32);
                     for j in 0..n {
                         xhat[j] = (row[j] - mean) * rstd;
@@ -196,7 +222,8 @@ impl LayerNormGrad {
                         dw[j] += dy[j] * xhat[j];
                         db[j] += dy[j];
                     }
-                    let (mean_g, mean_gx) = (mean_g / nf, mean_gx / nf);
+                    let mean_g = if self.rms { 0.0 } else { mean_g / nf };
+                    let mean_gx = mean_gx / nf;
                     for j in 0..n {
                         dx[j] = rstd * (dy[j] * w[j] - mean_g - xhat[j] * mean_gx);
                     }
@@ -249,7 +276,13 @@ impl CustomOp3 for LayerNormGrad {
         sdy: &candle_core::CudaStorage,
         ldy: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        crate::kernels::cuda::layer_norm::backward((sx, lx), (sw, lw), (sdy, ldy), self.eps)
+        crate::kernels::cuda::layer_norm::backward(
+            (sx, lx),
+            (sw, lw),
+            (sdy, ldy),
+            self.eps,
+            self.rms,
+        )
     }
 }
 
@@ -262,9 +295,14 @@ mod tests {
         crate::kernels::testing::max_abs_diff(a, b).expect("comparable tensors")
     }
 
-    /// The textbook layer norm from candle ops (eps 1e-5), differentiated by candle.
-    fn composed(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-        let centered = x.broadcast_sub(&x.mean_keepdim(candle_core::D::Minus1)?)?;
+    /// The textbook layer norm (RMS norm with `rms`: no centring) from candle ops (eps 1e-5),
+    /// differentiated by candle.
+    fn composed(x: &Tensor, w: &Tensor, b: Option<&Tensor>, rms: bool) -> Result<Tensor> {
+        let centered = if rms {
+            x.clone()
+        } else {
+            x.broadcast_sub(&x.mean_keepdim(candle_core::D::Minus1)?)?
+        };
         let var = centered.sqr()?.mean_keepdim(candle_core::D::Minus1)?;
         let y = centered
             .broadcast_div(&(var + 1e-5)?.sqrt()?)?
@@ -277,15 +315,18 @@ mod tests {
 
     /// Output and the three gradients against the differentiable composition (candle autograd),
     /// with and without a shift, for rows shorter and longer than a task's share, from a
-    /// strided input.
+    /// strided input; RMS norm the same way (no shift).
     #[test]
     fn matches_the_composition_forward_and_backward() -> Result<()> {
         let dev = Device::Cpu;
         let cases = [(3, 5, true), (70, 700, true), (4, 9, false)];
-        for ((rows, n, shifted), dtype) in cases
+        let dtypes = [DType::F32, DType::F16, DType::BF16];
+        for (((rows, n, shifted), dtype), rms) in cases
             .into_iter()
-            .flat_map(|c| [DType::F32, DType::F16, DType::BF16].map(|d| (c, d)))
+            .flat_map(|c| dtypes.map(|d| (c, d)))
+            .flat_map(|c| [(c, false), (c, true)])
         {
+            let shifted = shifted && !rms;
             // The half input's values, also as the f64 reference's input: only the fused op's
             // f32 arithmetic differs, and the rounding of dx to the input's dtype.
             // Fixed inputs (candle's CPU generator cannot be seeded).
@@ -301,13 +342,15 @@ mod tests {
             let bias = shifted.then(|| b.as_tensor());
             let run = |fused: bool| -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
                 let xv = Var::from_tensor(&x)?;
-                let y = if fused {
+                let y = if fused && rms {
+                    rms_norm(xv.as_tensor(), w.as_tensor(), 1e-5)?.expect("applies")
+                } else if fused {
                     layer_norm(xv.as_tensor(), w.as_tensor(), bias, 1e-5)?.expect("applies")
                 } else {
                     let f64s = |t: &Tensor| t.to_dtype(DType::F64);
                     let bias = bias.map(f64s).transpose()?;
                     let x = f64s(xv.as_tensor())?;
-                    composed(&x, &f64s(w.as_tensor())?, bias.as_ref())?.to_dtype(DType::F32)?
+                    composed(&x, &f64s(w.as_tensor())?, bias.as_ref(), rms)?.to_dtype(DType::F32)?
                 };
                 let grads = (&y * &up)?.sum_all()?.backward()?;
                 let g = |t: &Tensor| grads.get(t).cloned();
@@ -320,7 +363,7 @@ mod tests {
             };
             let (y, dx, dw, db) = run(true)?;
             let (ry, rdx, rdw, rdb) = run(false)?;
-            let case = format!("({rows}, {n}) {dtype:?}");
+            let case = format!("({rows}, {n}) {dtype:?} rms {rms}");
             assert_eq!((y.dtype(), dx.dtype()), (DType::F32, dtype), "{case}");
             assert!(max_diff(&y, &ry) < 1e-5, "{case}: y");
             // dx is rounded to the input's dtype once (|dx| of a few units here).

@@ -58,7 +58,7 @@ mod binary;
 mod conv;
 mod embedding;
 pub(crate) mod gemm;
-mod layer_norm;
+pub(crate) mod layer_norm;
 mod matmul;
 mod mse;
 pub(crate) mod optim;

@@ -87,9 +87,7 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
                 |x| composite::layer_norm(x, self.weight(), self.bias(), self.eps()),
             )
         } else {
-            unary::<Pol, op::rms_norm>(&x.to_amp(), |x| {
-                composite::rms_norm(x, self.weight(), self.eps())
-            })
+            super::norm::routed_rms_norm::<Pol>(&x.to_amp(), self.weight(), self.eps())
         }
     }
 }
@@ -97,9 +95,7 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::RmsNorm {
     type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
-        unary::<Pol, op::rms_norm>(&x.to_amp(), |x| {
-            composite::rms_norm(x, self.weight(), self.eps())
-        })
+        super::norm::routed_rms_norm::<Pol>(&x.to_amp(), self.weight(), self.eps())
     }
 }
 

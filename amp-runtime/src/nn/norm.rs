@@ -277,10 +277,22 @@ impl AmpLayer for RmsNorm {
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for RmsNorm {
     type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
-        unary::<Pol, op::rms_norm>(&x.to_amp(), |x| {
-            composite::rms_norm(x, self.weight(), self.eps())
-        })
+        routed_rms_norm::<Pol>(&x.to_amp(), self.weight(), self.eps())
     }
+}
+
+/// An RMS norm in a region (this crate's layer or candle-nn's): fp32-class, a half input read
+/// as it is by the fused op under an f32 target.
+pub(crate) fn routed_rms_norm<Pol: Policy>(
+    x: &AmpTensor,
+    weight: &candle_core::Tensor,
+    eps: f64,
+) -> Result<AmpTensor> {
+    unary_widening::<Pol, op::rms_norm>(
+        x,
+        |x| composite::rms_norm_f32(x, weight, eps),
+        |x| composite::rms_norm(x, weight, eps),
+    )
 }
 
 /// An RMS norm with scale initialised to ones.

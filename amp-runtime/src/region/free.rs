@@ -202,9 +202,12 @@ pub fn layer_norm<X: AsAmp>(
 /// Routed `ops::rms_norm`.
 pub fn rms_norm<X: AsAmp>(xs: X, alpha: impl AsAmp, eps: f32) -> Call<op::rms_norm> {
     let alpha = alpha.to_amp();
-    call(vec![xs.to_amp()], move |x| {
-        composite::rms_norm(&x[0], &alpha, f64::from(eps))
-    })
+    let a = alpha.clone();
+    widening_call(
+        vec![xs.to_amp()],
+        move |x| composite::rms_norm_f32(&x[0], &a, f64::from(eps)),
+        move |x| composite::rms_norm(&x[0], &alpha, f64::from(eps)),
+    )
 }
 
 /// Routed `ops::rope` (precision-preserving; the tables read in f32, never cast by the class).

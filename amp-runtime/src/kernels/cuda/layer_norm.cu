@@ -5,7 +5,8 @@
 // variance of the centred values, `rstd = 1 / sqrt(var + eps)`; backward `g = dy * w`,
 // `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`, `dw = sum dy * xhat`, `db = sum dy`.
 // One block (a multiple of 32 threads) per row, reductions through warp shuffles and one
-// shared slot per warp. Compiled at run time by NVRTC after half.cuh.
+// shared slot per warp. With `rms` the same op is RMS norm: the mean taken as 0 (no centring)
+// and no mean(g) term in dx. Compiled at run time by NVRTC after half.cuh.
 
 // The block's sum of `v`, in every thread.
 __device__ __forceinline__ float amp_ln_sum(float v, float* slots) {
@@ -25,16 +26,16 @@ __device__ __forceinline__ float amp_ln_sum(float v, float* slots) {
     return v;
 }
 
-// Row `at..at + n`'s mean and 1 / sqrt(var + eps), in every thread.
+// Row `at..at + n`'s mean (0 with `rms`) and 1 / sqrt(var + eps), in every thread.
 __device__ __forceinline__ void amp_ln_moments(
-    const void* x, unsigned long long at, unsigned long long n, int dt, float eps,
+    const void* x, unsigned long long at, unsigned long long n, int dt, float eps, int rms,
     float* slots, float* mean, float* rstd)
 {
     float s = 0.0f;
-    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+    for (unsigned long long i = threadIdx.x; i < n && !rms; i += blockDim.x) {
         s += amp_get(x, at + i, dt);
     }
-    const float m = amp_ln_sum(s, slots) / (float)n;
+    const float m = rms ? 0.0f : amp_ln_sum(s, slots) / (float)n;
     float q = 0.0f;
     for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
         const float c = amp_get(x, at + i, dt) - m;
@@ -46,14 +47,14 @@ __device__ __forceinline__ void amp_ln_moments(
 
 // y = (x - mean) * rstd * w + b per row.
 extern "C" __global__ void amp_layer_norm(
-    const void* x, const float* w, const float* b, float* y, int dt, float eps,
+    const void* x, const float* w, const float* b, float* y, int dt, float eps, int rms,
     unsigned long long rows, unsigned long long n)
 {
     __shared__ float slots[32];
     for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const unsigned long long at = r * n;
         float mean, rstd;
-        amp_ln_moments(x, at, n, dt, eps, slots, &mean, &rstd);
+        amp_ln_moments(x, at, n, dt, eps, rms, slots, &mean, &rstd);
         for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
             y[at + i] = (amp_get(x, at + i, dt) - mean) * rstd * w[i] + b[i];
         }
@@ -63,20 +64,21 @@ extern "C" __global__ void amp_layer_norm(
 // dx per row into out[0 .. rows * n], and each row's mean and rstd into stats[2r], stats[2r+1].
 extern "C" __global__ void amp_layer_norm_grad_rows(
     const void* x, const float* w, const float* dy, float* out, float* stats, int dt, float eps,
-    unsigned long long rows, unsigned long long n)
+    int rms, unsigned long long rows, unsigned long long n)
 {
     __shared__ float slots[32];
     for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const unsigned long long at = r * n;
         float mean, rstd;
-        amp_ln_moments(x, at, n, dt, eps, slots, &mean, &rstd);
+        amp_ln_moments(x, at, n, dt, eps, rms, slots, &mean, &rstd);
         float sg = 0.0f, sgx = 0.0f;
         for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
             const float g = dy[at + i] * w[i];
             sg += g;
             sgx += g * (amp_get(x, at + i, dt) - mean) * rstd;
         }
-        const float mean_g = amp_ln_sum(sg, slots) / (float)n;
+        const float sum_g = amp_ln_sum(sg, slots);
+        const float mean_g = rms ? 0.0f : sum_g / (float)n;
         const float mean_gx = amp_ln_sum(sgx, slots) / (float)n;
         for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
             const float xhat = (amp_get(x, at + i, dt) - mean) * rstd;

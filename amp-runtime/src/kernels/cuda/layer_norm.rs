@@ -1,4 +1,4 @@
-//! The CUDA launches of layer norm (`layer_norm.cu`): the forward from f32, f16 or bf16 rows
+//! The CUDA launches of layer norm and RMS norm (`layer_norm.cu`, `rms` its flag): the forward from f32, f16 or bf16 rows
 //! with f32 scale and shift into f32, one block per row; the backward into one flat f32
 //! `[dx | dw | db]`, as the CPU op returns it: the rows' `dx` (saving each row's mean and
 //! `rstd`), then `dw` and `db` one thread per column down the rows.
@@ -44,6 +44,7 @@ pub(crate) fn forward(
     (w, lw): (&CudaStorage, &Layout),
     (b, lb): (&CudaStorage, &Layout),
     eps: f32,
+    rms: bool,
 ) -> Result<(CudaStorage, Shape)> {
     let dev = &x.device;
     let (rows, n) = rows_of(lx, lw)?;
@@ -52,7 +53,7 @@ pub(crate) fn forward(
         return Ok((out, lx.shape().clone()));
     }
     let stream = dev.cuda_stream();
-    let dt = code(x.dtype())?;
+    let (dt, rms) = (code(x.dtype())?, i32::from(rms));
     let (xp, _x) = address(x, lx, &stream)?;
     let (wp, _w) = address(w, lw, &stream)?;
     let (bp, _b) = address(b, lb, &stream)?;
@@ -65,6 +66,7 @@ pub(crate) fn forward(
     builder.arg(&yp);
     builder.arg(&dt);
     builder.arg(&eps);
+    builder.arg(&rms);
     builder.arg(&rows);
     builder.arg(&n);
     // SAFETY: the arguments match `amp_layer_norm`; `xp` addresses `rows * n` values of dtype
@@ -81,6 +83,7 @@ pub(crate) fn backward(
     (w, lw): (&CudaStorage, &Layout),
     (dy, ldy): (&CudaStorage, &Layout),
     eps: f32,
+    rms: bool,
 ) -> Result<(CudaStorage, Shape)> {
     if dy.dtype() != DType::F32 || ldy.shape() != lx.shape() {
         candle_core::bail!("layer norm gradient kernel: an f32 gradient of the input's shape")
@@ -94,7 +97,7 @@ pub(crate) fn backward(
         return Ok((out, Shape::from(len)));
     }
     let stream = dev.cuda_stream();
-    let dt = code(x.dtype())?;
+    let (dt, rms) = (code(x.dtype())?, i32::from(rms));
     let (xp, _x) = address(x, lx, &stream)?;
     let (wp, _w) = address(w, lw, &stream)?;
     let (dyp, _dy) = address(dy, ldy, &stream)?;
@@ -114,6 +117,7 @@ pub(crate) fn backward(
         builder.arg(&sp);
         builder.arg(&dt);
         builder.arg(&eps);
+        builder.arg(&rms);
         builder.arg(&rows);
         builder.arg(&n);
         // SAFETY: the arguments match `amp_layer_norm_grad_rows`; `xp` addresses `rows * n`
