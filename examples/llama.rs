@@ -199,32 +199,6 @@ fn medians(mut runs: Vec<Run>) -> (Run, Vec<Vec<f32>>) {
     (results, per_seed)
 }
 
-/// Greedy generation with the KV cache from `prompt`, and the largest difference of its logits
-/// from full recomputes.
-fn generate_checked(
-    model: &Llama,
-    cfg: &Config,
-    dev: &Device,
-    prompt: &[u32],
-) -> Result<(Vec<u32>, f32)> {
-    let mut cache = Cache::new(true, DType::F32, cfg, dev)?;
-    let (tokens, cached) = llama_model::generate(model, &mut cache, prompt, 12)?;
-    let mut no_cache = Cache::new(false, DType::F32, cfg, dev)?;
-    let full = llama_model::recomputed(
-        model,
-        &mut no_cache,
-        &tokens[..tokens.len() - 1],
-        prompt.len(),
-    )?;
-    let diff = cached
-        .iter()
-        .flatten()
-        .zip(full.iter().flatten())
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
-    Ok((tokens, diff))
-}
-
 fn main() -> Result<()> {
     common::keep_freed_memory();
     let args = Args::parse();
@@ -248,7 +222,7 @@ fn main() -> Result<()> {
     };
     let (runs, model) = train_seeds(&args, &cfg)?;
     let prompt = [0u32, 2, 4];
-    let (tokens, kv_diff) = generate_checked(&model, &cfg, &args.device, &prompt)?;
+    let (tokens, kv_diff) = llama_model::generate_checked(&model, &cfg, &args.device, &prompt, 12)?;
     let (results, per_seed) = medians(runs);
 
     if args.json {

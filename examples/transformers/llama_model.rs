@@ -407,7 +407,7 @@ pub fn loss_bf16(m: &Llama, cache: &mut Cache, ids: &Tensor) -> Result<Tensor> {
 /// Greedy generation of `n` tokens after `prompt` with the KV cache (`cache` must have it on
 /// and be empty): the prompt in one call, then one token per call. Returns the tokens and the
 /// last-position logits of each call.
-pub fn generate(
+fn generate(
     m: &Llama,
     cache: &mut Cache,
     prompt: &[u32],
@@ -433,16 +433,34 @@ pub fn generate(
 
 /// The last-position logits of each prefix of `tokens` of length `from..=tokens.len()`, each by
 /// a full forward without the KV cache: what [`generate`]'s cached calls must reproduce.
-pub fn recomputed(
-    m: &Llama,
-    cache: &mut Cache,
-    tokens: &[u32],
-    from: usize,
-) -> Result<Vec<Vec<f32>>> {
+fn recomputed(m: &Llama, cache: &mut Cache, tokens: &[u32], from: usize) -> Result<Vec<Vec<f32>>> {
     (from..=tokens.len())
         .map(|n| {
             let ids = Tensor::new(&tokens[..n], &cache.device)?.unsqueeze(0)?;
             m.forward(&ids, 0, cache)?.squeeze(0)?.to_vec1()
         })
         .collect()
+}
+
+/// Greedy generation of `n` tokens after `prompt` with the KV cache, and the largest difference
+/// of its logits from full recomputes of the same prefixes without it.
+pub fn generate_checked(
+    m: &Llama,
+    cfg: &Config,
+    dev: &Device,
+    prompt: &[u32],
+    n: usize,
+) -> Result<(Vec<u32>, f32)> {
+    let mut cache = Cache::new(true, DType::F32, cfg, dev)?;
+    let (tokens, cached) = generate(m, &mut cache, prompt, n)?;
+    let mut no_cache = Cache::new(false, DType::F32, cfg, dev)?;
+    let full = recomputed(m, &mut no_cache, &tokens[..tokens.len() - 1], prompt.len())?;
+    assert_eq!(full.len(), cached.len(), "a recompute per cached call");
+    let diff = cached
+        .iter()
+        .flatten()
+        .zip(full.iter().flatten())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    Ok((tokens, diff))
 }
