@@ -127,7 +127,9 @@ impl DataParallel {
             let mut offset = 0;
             for g in bucket.iter_mut() {
                 let n = g.elem_count();
-                let part = summed.narrow(0, offset, n)?.to_dtype(DType::F32)?;
+                // The mean in f32 (f64 for f64 gradients), rounded once to the gradient's dtype.
+                let wide = crate::kernels::wide(g.dtype());
+                let part = summed.narrow(0, offset, n)?.to_dtype(wide)?;
                 *g = (part / world as f64)?
                     .to_dtype(g.dtype())?
                     .reshape(g.shape())?;

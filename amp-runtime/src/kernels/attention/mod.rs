@@ -10,7 +10,8 @@
 //! operands' dtype for the second product (as autocast casts the softmax's output for the
 //! `matmul` after it), the output rounded once; the backward recomputes the block's
 //! probabilities. Off the CPU the same semantics run as candle ops ([`composed`]), which the
-//! tests also use as the composed reference.
+//! tests also use as the composed reference. [`packed_attention`] is the same op over a packed
+//! `(b, t, 3, h, d)` projection, reading it in place and writing `(b, t, h, d)`.
 //!
 //! Semantics, beside PyTorch's:
 //! - `mask` broadcasts to `(b, h, t_q, t_k)`: a float mask is added to the scores (in f32), a
