@@ -9,7 +9,8 @@
 #  - makes a link folder: lib*.so names for cuBLAS/cuBLASLt/cuRAND/NVRTC/cudart, and link-time
 #    stubs of the driver library (libcuda.so, soname libcuda.so.1) and of cuDNN 9 (libcudnn.so,
 #    soname libcudnn.so.9) built from the symbol lists kept next to this script
-#    (scripts/libcuda-symbols.txt, scripts/libcudnn-symbols.txt: cudarc's cuDNN bindings);
+#    (scripts/libcuda-symbols.txt, scripts/libcudnn-symbols.txt: cudarc's cuDNN bindings;
+#    scripts/libnccl-symbols.txt: cudarc's NCCL bindings);
 #  - exports PATH (nvcc), CUDA_ROOT/CUDA_PATH, CUDA_COMPUTE_CAP (default 90: H100/H200; set it
 #    before sourcing for another GPU), LIBRARY_PATH.
 #
@@ -41,10 +42,11 @@ for _l in cublas cublasLt curand nvrtc cudart; do
   _f=$(ls "$_cuda_nv"/lib/lib$_l.so.* 2>/dev/null | head -n 1)
   [ -n "$_f" ] && ln -sf "$_f" "$CUDA_ENV_DIR/link/lib$_l.so"
 done
-# Link-time stubs: the driver's libcuda.so.1, and cuDNN 9's libcudnn.so.9 for `--features cudnn`
-# (cuDNN is a separate 700 MB download; the binary only needs its names to link, and finds the
-# real library on the GPU machine).
-for _l in cuda:1 cudnn:9; do
+# Link-time stubs: the driver's libcuda.so.1, cuDNN 9's libcudnn.so.9 for `--features cudnn`
+# and NCCL 2's libnccl.so.2 for `--features nccl` (cuDNN and NCCL are downloads of hundreds of
+# MB; the binary only needs their names to link, and finds the real libraries on the GPU
+# machine).
+for _l in cuda:1 cudnn:9 nccl:2; do
   _name=${_l%%:*}
   if [ ! -f "$CUDA_ENV_DIR/link/lib$_name.so" ] || [ "$_cuda_env_here/lib$_name-symbols.txt" -nt "$CUDA_ENV_DIR/link/lib$_name.so" ]; then
     awk '{print "void " $1 "(void){}"}' "$_cuda_env_here/lib$_name-symbols.txt" > "$CUDA_ENV_DIR/link/${_name}stub.c"

@@ -4,7 +4,8 @@
 #   scripts/gpu-bundle.sh              ->  target/gpu-bundle.tar.xz   (then scripts/gpu-check.sh there)
 #
 # What goes in: the release examples the check runs, every test binary built with `--features
-# cuda,cudnn` (the root package's integration tests and amp-runtime's unit tests), and the PyTorch peer
+# cuda,cudnn` (the root package's integration tests, `distributed` with `nccl` too, and
+# amp-runtime's unit tests), and the PyTorch peer
 # script. Binaries are built for a portable x86-64-v3 CPU (the workspace builds for the CPU at
 # hand otherwise; set RUSTFLAGS to choose another). Each binary embeds the same PTX of candle's
 # kernels (~50 MB apiece), so they are packed together with a large xz dictionary: one archive
@@ -39,7 +40,12 @@ for line in sys.stdin:
     if msg.get("reason") == "compiler-artifact" and msg.get("executable") and msg["profile"]["test"]:
         print(msg["executable"])'
 }
-{ list_tests --features cuda,cudnn; list_tests -p amp-runtime --features cudnn --lib; } |
+{
+  list_tests --features cuda,cudnn
+  list_tests -p amp-runtime --features cudnn --lib
+  # Last, so that it replaces the binary of the same name: only it needs libnccl to start.
+  list_tests --features cuda,cudnn,nccl --test distributed
+} |
   while read -r exe; do
     name=$(basename "$exe")
     cp "$exe" "$out/tests/${name%-*}"

@@ -4,7 +4,8 @@
 #
 # Runs, in this order, and prints one table at the end (each step's status and seconds; the log
 # of each failed step is printed in full above it):
-#   1. every CUDA test (test names containing `cuda`) of every test binary;
+#   1. every CUDA test (test names containing `cuda`) of every test binary (NCCL's at world size
+#      1 among them: `distributed` links torch's libnccl.so.2);
 #   2. compute-sanitizer memcheck on the binaries that launch this crate's kernels
 #      (skipped with a note where compute-sanitizer is not installed);
 #   3. the PyTorch comparison, `pytorch_peer.py --device cuda --examples DIR` (needs torch with

@@ -301,10 +301,10 @@ fn broadcast_starts_every_replica_from_rank_0s_weights() -> Result<()> {
 }
 
 /// NCCL with one GPU: world size 1, whose mean is the gradient itself and whose max is the
-/// value (needs a GPU and libnccl; `--features cuda,nccl`).
+/// value (needs a GPU and libnccl; `--features cuda,nccl`; named `_cuda` for the GPU check).
 #[cfg(feature = "nccl")]
 #[test]
-fn nccl_world_size_1_reduces_to_the_values() -> Result<()> {
+fn nccl_world_size_1_reduces_to_the_values_cuda() -> Result<()> {
     use candle_amp::distributed::NcclCollective;
     let dev = Device::new_cuda(0)?;
     let id = NcclCollective::unique_id()?;
