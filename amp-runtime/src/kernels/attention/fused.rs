@@ -54,15 +54,16 @@ struct Operand<'a, T> {
 }
 
 impl<'a, T> Operand<'a, T> {
-    /// Part `i` (0 query, 1 key, 2 value) of a packed `(b, t, 3, h, d)` layout, read as
-    /// `(b, h, t, d)`.
-    fn packed(data: &'a [T], l: &Layout, i: usize) -> Self {
+    /// The query, key and value of a packed `(b, t, 3, h, d)` layout (parts 0, 1 and 2 of
+    /// dimension 2), each read as `(b, h, t, d)`.
+    fn parts(data: &'a [T], l: &Layout) -> (Self, Self, Self) {
         let st = l.stride();
-        Self {
+        let part = |i: usize| Self {
             data,
             start: l.start_offset() + i * st[2],
             stride: [st[0], st[3], st[1], st[4]],
-        }
+        };
+        (part(0), part(1), part(2))
     }
 
     /// A `(b, t, h, d)` layout (the packed entry's output and its gradient), read as
@@ -543,27 +544,15 @@ macro_rules! with_packed {
     ($s:expr, $l:expr, |$q:ident, $k:ident, $v:ident| $body:expr) => {
         match $s {
             CpuStorage::F32(x) => {
-                let ($q, $k, $v) = (
-                    Operand::packed(x, $l, 0),
-                    Operand::packed(x, $l, 1),
-                    Operand::packed(x, $l, 2),
-                );
+                let ($q, $k, $v) = Operand::parts(x, $l);
                 $body
             }
             CpuStorage::F16(x) => {
-                let ($q, $k, $v) = (
-                    Operand::packed(x, $l, 0),
-                    Operand::packed(x, $l, 1),
-                    Operand::packed(x, $l, 2),
-                );
+                let ($q, $k, $v) = Operand::parts(x, $l);
                 $body
             }
             CpuStorage::BF16(x) => {
-                let ($q, $k, $v) = (
-                    Operand::packed(x, $l, 0),
-                    Operand::packed(x, $l, 1),
-                    Operand::packed(x, $l, 2),
-                );
+                let ($q, $k, $v) = Operand::parts(x, $l);
                 $body
             }
             _ => candle_core::bail!(

@@ -4,11 +4,11 @@
 //! `rstd`), then `dw` and `db` one thread per column down the rows.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, DType, Layout, Result, Shape};
 
-use super::{address, alloc, code, grid_dim, grid_stride, out_address, Module};
+use super::{address, alloc, block_per_row, code, grid_stride, out_address, Module};
 
 /// Threads per block (one block per row; the column pass's blocks too).
 const THREADS: u32 = 256;
@@ -16,15 +16,6 @@ const THREADS: u32 = 256;
 /// Layer norm and its gradients (`layer_norm.cu`).
 pub(crate) static LAYER_NORM: Module =
     Module::new("candle_amp_layer_norm", include_str!("layer_norm.cu"), &[]);
-
-/// One block per row, at most 2^16 blocks (the kernels loop over the rest).
-fn by_rows(rows: u64) -> Result<LaunchConfig> {
-    Ok(LaunchConfig {
-        grid_dim: (grid_dim(rows.min(1 << 16) as usize, "rows")?, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    })
-}
 
 /// The row length `n` (the scale's) and the number of rows of `x`.
 fn rows_of(lx: &Layout, lw: &Layout) -> Result<(u64, u64)> {
@@ -72,7 +63,7 @@ pub(crate) fn forward(
     // SAFETY: the arguments match `amp_layer_norm`; `xp` addresses `rows * n` values of dtype
     // `dt`, `wp` and `bp` `n` f32 and `yp` `rows * n` f32 (freshly allocated), each held for
     // the launch.
-    unsafe { builder.launch(by_rows(rows)?) }.w()?;
+    unsafe { builder.launch(block_per_row(rows, THREADS)) }.w()?;
     drop(out_guard);
     Ok((out, lx.shape().clone()))
 }
@@ -123,7 +114,7 @@ pub(crate) fn backward(
         // SAFETY: the arguments match `amp_layer_norm_grad_rows`; `xp` addresses `rows * n`
         // values of dtype `dt`, `wp` `n` f32, `dyp` `rows * n` f32, `op` the `rows * n + 2n`
         // f32 of `out` and `sp` the `2 rows` f32 of `stats` (both fresh), held for the launch.
-        unsafe { builder.launch(by_rows(rows)?) }.w()?;
+        unsafe { builder.launch(block_per_row(rows, THREADS)) }.w()?;
     }
     // dw and db after dx: `4 * rows * n` and `4 * (rows * n + n)` bytes into `out`.
     let (dwp, dbp) = (op + 4 * rows * n, op + 4 * (rows * n + n));

@@ -144,6 +144,20 @@ pub(crate) fn grid_stride(n: u64, threads: u32) -> LaunchConfig {
     }
 }
 
+/// One block of `threads` per row of `rows`, at most 2^16 blocks (the kernels loop over the
+/// rest): the row-wise reductions' launch (softmax, layer norm).
+pub(crate) fn block_per_row(rows: u64, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            u32::try_from(rows.min(1 << 16)).expect("at most 2^16 blocks"),
+            1,
+            1,
+        ),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// A fresh storage of `len` values of `dtype` (f32, f16 or bf16), to be written whole by the
 /// caller's kernel before anything reads it.
 pub(crate) fn alloc(dev: &CudaDevice, dtype: DType, len: usize) -> Result<CudaStorage> {

@@ -3,11 +3,11 @@
 //! gradient into the input's dtype, one block per row.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, DType, Layout, Result, Shape};
 
-use super::{address, alloc, code, grid_dim, out_address, Module};
+use super::{address, alloc, block_per_row, code, out_address, Module};
 
 /// Threads per block (one block per row).
 const THREADS: u32 = 256;
@@ -15,15 +15,6 @@ const THREADS: u32 = 256;
 /// Softmax and its gradient (`softmax.cu`).
 pub(crate) static SOFTMAX: Module =
     Module::new("candle_amp_softmax", include_str!("softmax.cu"), &[]);
-
-/// One block per row, at most 2^16 blocks (the kernels loop over the rest).
-fn by_rows(rows: usize) -> Result<LaunchConfig> {
-    Ok(LaunchConfig {
-        grid_dim: (grid_dim(rows.min(1 << 16), "rows")?, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    })
-}
 
 /// Rows and row length of a contiguous layout.
 fn rows_of(l: &Layout) -> (u64, u64) {
@@ -55,7 +46,7 @@ pub(crate) fn forward(x: &CudaStorage, lx: &Layout, log: bool) -> Result<(CudaSt
     builder.arg(&n);
     // SAFETY: the arguments match `amp_softmax`; `xp` addresses `rows * n` values of dtype
     // `dt` and `yp` as many f32 (freshly allocated), each held for the launch.
-    unsafe { builder.launch(by_rows(rows as usize)?) }.w()?;
+    unsafe { builder.launch(block_per_row(rows, THREADS)) }.w()?;
     drop(out_guard);
     Ok((out, lx.shape().clone()))
 }
@@ -94,7 +85,7 @@ pub(crate) fn backward(
     builder.arg(&n);
     // SAFETY: the arguments match `amp_softmax_grad`; `yp` and `dyp` address `rows * n` f32
     // values and `dxp` as many of dtype `dt` (freshly allocated), each held for the launch.
-    unsafe { builder.launch(by_rows(rows as usize)?) }.w()?;
+    unsafe { builder.launch(block_per_row(rows, THREADS)) }.w()?;
     drop(out_guard);
     Ok((out, ly.shape().clone()))
 }

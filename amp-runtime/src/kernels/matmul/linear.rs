@@ -3,7 +3,7 @@
 
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result,
-    Shape, Tensor,
+    Shape, Tensor, WithDType,
 };
 
 use std::sync::Mutex;
@@ -73,6 +73,51 @@ impl HalfLinear {
         }
         Shape::from(dims)
     }
+}
+
+/// What a product op on f32 masters makes of its rows: [`HalfLinear`] keeps them,
+/// [`HalfLinearAct`] activates them.
+trait Epilogue {
+    fn finish<T: GemmElem>(&self, y: Vec<T>, shape: &Shape) -> Result<CpuStorage>;
+}
+
+impl Epilogue for HalfLinear {
+    fn finish<T: GemmElem>(&self, y: Vec<T>, _: &Shape) -> Result<CpuStorage> {
+        Ok(WithDType::to_cpu_storage_owned(y))
+    }
+}
+
+/// The forward of the ops on f32 masters: `x * w^T (+ b)` for a f16 or bf16 input and an f32
+/// weight (and bias) on CPU, the rows handed to `epilogue`.
+fn on_masters(
+    epilogue: &impl Epilogue,
+    (s1, l1): (&CpuStorage, &Layout),
+    (s2, l2): (&CpuStorage, &Layout),
+    bias: Option<(&CpuStorage, &Layout)>,
+) -> Result<(CpuStorage, Shape)> {
+    let shape = HalfLinear::shape(l1, l2.dims()[0]);
+    let b = match bias {
+        Some((CpuStorage::F32(b), lb)) => Some((b.as_slice(), lb)),
+        Some((other, _)) => candle_core::bail!(
+            "half linear kernel: expected an f32 bias, got {:?}",
+            other.dtype()
+        ),
+        None => None,
+    };
+    let out = match (s1, s2) {
+        (CpuStorage::BF16(x), CpuStorage::F32(w)) => {
+            epilogue.finish(HalfLinear::run((x, l1), (w, l2), b), &shape)?
+        }
+        (CpuStorage::F16(x), CpuStorage::F32(w)) => {
+            epilogue.finish(HalfLinear::run((x, l1), (w, l2), b), &shape)?
+        }
+        (a, b) => candle_core::bail!(
+            "half linear kernel: expected a f16 or bf16 input and an f32 weight, got {:?} and {:?}",
+            a.dtype(),
+            b.dtype()
+        ),
+    };
+    Ok((out, shape))
 }
 
 /// `(rows, in)` of an input `(..., in)`: a view (rank 2, or contiguous).
@@ -146,20 +191,7 @@ impl CustomOp2 for HalfLinear {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let y = match (s1, s2) {
-            (CpuStorage::BF16(x), CpuStorage::F32(w)) => {
-                CpuStorage::BF16(Self::run((x, l1), (w, l2), None))
-            }
-            (CpuStorage::F16(x), CpuStorage::F32(w)) => {
-                CpuStorage::F16(Self::run((x, l1), (w, l2), None))
-            }
-            (a, b) => candle_core::bail!(
-                "half linear kernel: expected a f16 or bf16 input and an f32 weight, got {:?} and {:?}",
-                a.dtype(),
-                b.dtype()
-            ),
-        };
-        Ok((y, Self::shape(l1, l2.dims()[0])))
+        on_masters(self, (s1, l1), (s2, l2), None)
     }
 
     fn bwd(
@@ -187,22 +219,7 @@ impl CustomOp3 for HalfLinear {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let y = match (s1, s2, s3) {
-            (CpuStorage::BF16(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
-                CpuStorage::BF16(Self::run((x, l1), (w, l2), Some((b, l3))))
-            }
-            (CpuStorage::F16(x), CpuStorage::F32(w), CpuStorage::F32(b)) => {
-                CpuStorage::F16(Self::run((x, l1), (w, l2), Some((b, l3))))
-            }
-            (a, b, c) => candle_core::bail!(
-                "half linear kernel: expected a f16 or bf16 input and f32 weight and bias, got {:?}, {:?} \
-                 and {:?}",
-                a.dtype(),
-                b.dtype(),
-                c.dtype()
-            ),
-        };
-        Ok((y, Self::shape(l1, l2.dims()[0])))
+        on_masters(self, (s1, l1), (s2, l2), Some((s3, l3)))
     }
 
     fn bwd(
@@ -276,18 +293,14 @@ impl HalfLinearAct {
     }
 
     /// The activation of the product `z` (rows of `x`'s shape), keeping `z`.
-    fn activate<T: GemmElem + candle_core::WithDType>(
-        &self,
-        z: Vec<T>,
-        shape: &Shape,
-    ) -> Result<CpuStorage> {
+    fn activate<T: GemmElem>(&self, z: Vec<T>, shape: &Shape) -> Result<CpuStorage> {
         let a = self.form.values(&z);
         let z = Tensor::from_vec(z, shape, &candle_core::Device::Cpu)?;
         *self
             .pre
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(z);
-        Ok(candle_core::WithDType::to_cpu_storage_owned(a))
+        Ok(WithDType::to_cpu_storage_owned(a))
     }
 
     /// The gradient of the pre-activation from the output's.
@@ -302,37 +315,11 @@ impl HalfLinearAct {
         };
         input_grad(&z, grad, self.form)
     }
+}
 
-    fn forward(
-        &self,
-        (s1, l1): (&CpuStorage, &Layout),
-        (s2, l2): (&CpuStorage, &Layout),
-        bias: Option<(&CpuStorage, &Layout)>,
-    ) -> Result<(CpuStorage, Shape)> {
-        let shape = HalfLinear::shape(l1, l2.dims()[0]);
-        let b = match bias {
-            Some((CpuStorage::F32(b), lb)) => Some((b.as_slice(), lb)),
-            Some((other, _)) => candle_core::bail!(
-                "linear + activation kernel: expected an f32 bias, got {:?}",
-                other.dtype()
-            ),
-            None => None,
-        };
-        let out = match (s1, s2) {
-            (CpuStorage::BF16(x), CpuStorage::F32(w)) => {
-                self.activate(HalfLinear::run((x, l1), (w, l2), b), &shape)?
-            }
-            (CpuStorage::F16(x), CpuStorage::F32(w)) => {
-                self.activate(HalfLinear::run((x, l1), (w, l2), b), &shape)?
-            }
-            (a, b) => candle_core::bail!(
-                "linear + activation kernel: expected a f16 or bf16 input and an f32 weight, got \
-                 {:?} and {:?}",
-                a.dtype(),
-                b.dtype()
-            ),
-        };
-        Ok((out, shape))
+impl Epilogue for HalfLinearAct {
+    fn finish<T: GemmElem>(&self, y: Vec<T>, shape: &Shape) -> Result<CpuStorage> {
+        self.activate(y, shape)
     }
 }
 
@@ -348,7 +335,7 @@ impl CustomOp2 for HalfLinearAct {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.forward((s1, l1), (s2, l2), None)
+        on_masters(self, (s1, l1), (s2, l2), None)
     }
 
     fn bwd(
@@ -376,7 +363,7 @@ impl CustomOp3 for HalfLinearAct {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.forward((s1, l1), (s2, l2), Some((s3, l3)))
+        on_masters(self, (s1, l1), (s2, l2), Some((s3, l3)))
     }
 
     fn bwd(
