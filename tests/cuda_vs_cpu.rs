@@ -8,6 +8,8 @@
 //! use TF32 (10-bit mantissa products), PyTorch's default. Each value is compared against
 //! `tol * max(|reference|, mean |reference|)`.
 #![cfg(feature = "cuda")]
+// Exact comparisons where a value must be exactly zero.
+#![allow(clippy::float_cmp)]
 
 use candle_amp::nn::{self, Conv1dConfig, Conv2dConfig};
 use candle_amp::{Precision, Tensor, BF16, F16, F32};
@@ -393,44 +395,132 @@ fn conv_bn_relu_train_matches_cpu_layers<P: Precision>() -> Result<()> {
     Ok(())
 }
 
-/// `ops::scaled_dot_product_attention` on CUDA (candle ops: cuBLAS products in `P`, the softmax
-/// in f32) against the CPU op (one op, f32 between the products), grouped-query heads, an
-/// additive mask and the causal mask: the output and the three gradients. The CUDA side rounds
-/// the scores to `P` before the softmax where the CPU op keeps them in f32, so the tolerance is
-/// four times the others'.
+/// The mask of one attention case.
+#[derive(Clone, Copy, Debug)]
+enum AttnMask {
+    None,
+    /// A float `(t_q, t_k)` mask added to the scores.
+    Additive,
+    /// A boolean (`u8`) `(b, 1, t_q, t_k)` mask, each batch's row 0 hiding every key.
+    Boolean,
+}
+
+/// `ops::scaled_dot_product_attention` on CUDA (one op: cuBLAS products in `P`, the masked
+/// softmax in one f32 kernel) against the CPU op (f32 between the products): the output and the
+/// three gradients, grouped-query heads, for query/key lengths 1, 7, 64, 1000 and a KV cache's
+/// 7 against 20, with no mask, an additive mask, a boolean mask with a row that sees no key (its
+/// output and gradients 0 on both, no NaN anywhere) and the causal mask. Both keep the scores
+/// in f32; the tolerance is four times the others' for the sums over up to 1000 rounded
+/// probabilities and scores' gradients, taken in different orders.
 fn attention_matches_cpu<P: Precision>() -> Result<()> {
     let cuda = Device::new_cuda(0)?;
-    let run = |dev: &Device| -> Result<Vec<candle_core::Tensor>> {
-        let head = |heads: usize, seed: u64| -> Result<Var> {
-            Var::from_tensor(&randn(&[2, heads, 9, 16], seed, dev)?.to_dtype(P::DTYPE)?)
+    let cases = [
+        (1, 1, AttnMask::None, false),
+        (7, 7, AttnMask::Boolean, false),
+        (7, 7, AttnMask::None, true),
+        (64, 64, AttnMask::Additive, true),
+        (7, 20, AttnMask::Boolean, true),
+        (1000, 1000, AttnMask::None, true),
+    ];
+    for (tq, tk, mask_kind, causal) in cases {
+        let run = |dev: &Device| -> Result<Vec<candle_core::Tensor>> {
+            let head = |heads: usize, t: usize, seed: u64| -> Result<Var> {
+                Var::from_tensor(&randn(&[2, heads, t, 16], seed, dev)?.to_dtype(P::DTYPE)?)
+            };
+            let (q, k, v) = (head(4, tq, 1)?, head(2, tk, 2)?, head(2, tk, 3)?);
+            let typed = |x: &Var| Tensor::<P>::from_candle(x.as_tensor().clone());
+            let mask = match mask_kind {
+                AttnMask::None => None,
+                AttnMask::Additive => Some(randn(&[tq, tk], 5, dev)?),
+                AttnMask::Boolean => {
+                    let keep: Vec<u8> = (0..2 * tq * tk)
+                        .map(|e| u8::from(e % (tq * tk) >= tk && (e * 7) % 5 != 0))
+                        .collect();
+                    Some(candle_core::Tensor::from_vec(keep, (2, 1, tq, tk), dev)?)
+                }
+            };
+            let y = candle_amp::ops::scaled_dot_product_attention(
+                &typed(&q)?,
+                &typed(&k)?,
+                &typed(&v)?,
+                mask.as_ref(),
+                None,
+                causal,
+            )?;
+            let y = y.as_candle().clone();
+            let r = randn(y.dims(), 4, dev)?;
+            let grads = (y.to_dtype(DType::F32)? * r)?.sum_all()?.backward()?;
+            let mut out = vec![y];
+            for x in [&q, &k, &v] {
+                out.push(grads.get(x).cloned().expect("a gradient for q, k and v"));
+            }
+            Ok(out)
         };
-        let (q, k, v) = (head(4, 1)?, head(2, 2)?, head(2, 3)?);
-        let typed = |x: &Var| Tensor::<P>::from_candle(x.as_tensor().clone());
-        let mask = randn(&[9, 9], 5, dev)?;
-        let y = candle_amp::ops::scaled_dot_product_attention(
-            &typed(&q)?,
-            &typed(&k)?,
-            &typed(&v)?,
-            Some(&mask),
-            None,
-            true,
+        let (want, got) = (run(&Device::Cpu)?, run(&cuda)?);
+        for (name, (g, w)) in ["y", "grad q", "grad k", "grad v"]
+            .iter()
+            .zip(got.iter().zip(&want))
+        {
+            assert_eq!(g.dtype(), P::DTYPE, "attention {name}: dtype");
+            let what = format!(
+                "attention {:?} {tq}x{tk} {mask_kind:?} causal {causal} {name}",
+                P::DTYPE
+            );
+            let values = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            assert!(values.iter().all(|x| x.is_finite()), "{what}: not finite");
+            assert_close(&what, g, w, 4.0 * tol(P::DTYPE))?;
+        }
+        if matches!(mask_kind, AttnMask::Boolean) {
+            // Row 0 of each batch sees no key: output 0, and no gradient into its query.
+            let y0 = got[0]
+                .narrow(2, 0, 1)?
+                .abs()?
+                .sum_all()?
+                .to_dtype(DType::F32)?;
+            let dq0 = got[1]
+                .narrow(2, 0, 1)?
+                .abs()?
+                .sum_all()?
+                .to_dtype(DType::F32)?;
+            assert_eq!(
+                y0.to_scalar::<f32>()?,
+                0.0,
+                "a row that sees no key: output"
+            );
+            assert_eq!(
+                dq0.to_scalar::<f32>()?,
+                0.0,
+                "a row that sees no key: query gradient"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `ops::scaled_dot_product_attention_packed` on CUDA (the parts read from the packed
+/// projection, the output written `(b, t, h, d)`) against the CPU op: the output and the packed
+/// gradient, causal.
+fn packed_attention_matches_cpu<P: Precision>() -> Result<()> {
+    let cuda = Device::new_cuda(0)?;
+    let run = |dev: &Device| -> Result<[candle_core::Tensor; 2]> {
+        let qkv = Var::from_tensor(&randn(&[2, 9, 3, 4, 16], 1, dev)?.to_dtype(P::DTYPE)?)?;
+        let options = candle_amp::ops::Attention {
+            causal: true,
+            ..Default::default()
+        };
+        let y = candle_amp::ops::scaled_dot_product_attention_packed(
+            &Tensor::<P>::from_candle(qkv.as_tensor().clone())?,
+            &options,
         )?;
         let y = y.as_candle().clone();
         let r = randn(y.dims(), 4, dev)?;
         let grads = (y.to_dtype(DType::F32)? * r)?.sum_all()?.backward()?;
-        let mut out = vec![y];
-        for x in [&q, &k, &v] {
-            out.push(grads.get(x).cloned().expect("a gradient for q, k and v"));
-        }
-        Ok(out)
+        Ok([y, grads.get(&qkv).cloned().expect("a gradient for qkv")])
     };
     let (want, got) = (run(&Device::Cpu)?, run(&cuda)?);
-    for (name, (g, w)) in ["y", "grad q", "grad k", "grad v"]
-        .iter()
-        .zip(got.iter().zip(&want))
-    {
-        assert_eq!(g.dtype(), P::DTYPE, "attention {name}: dtype");
-        let what = format!("attention {:?} {name}", P::DTYPE);
+    for (name, (g, w)) in ["y", "grad qkv"].iter().zip(got.iter().zip(&want)) {
+        assert_eq!(g.dtype(), P::DTYPE, "packed attention {name}: dtype");
+        let what = format!("packed attention {:?} {name}", P::DTYPE);
         assert_close(&what, g, w, 4.0 * tol(P::DTYPE))?;
     }
     Ok(())
@@ -560,3 +650,8 @@ per_precision!(
     conv_transpose2d_bf16_cuda
 );
 per_precision!(attention_matches_cpu: attention_f32_cuda, attention_f16_cuda, attention_bf16_cuda);
+per_precision!(
+    packed_attention_matches_cpu: packed_attention_f32_cuda,
+    packed_attention_f16_cuda,
+    packed_attention_bf16_cuda
+);

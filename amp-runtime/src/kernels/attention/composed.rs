@@ -31,8 +31,13 @@ pub(crate) fn composed(
             .broadcast_as((b, hk, g.group(), tk, d))?
             .reshape((b, hk * g.group(), tk, d))
     };
-    let (k, v) = (repeat(k)?, repeat(v)?);
-    let scores = crate::kernels::matmul::matmul(q, &k.t()?)?;
+    // Contiguous operands: candle's CUDA matmul takes no head split's strided views.
+    let (q, k, v) = (
+        q.contiguous()?,
+        repeat(k)?.contiguous()?,
+        repeat(v)?.contiguous()?,
+    );
+    let scores = crate::kernels::matmul::matmul(&q, &k.t()?)?;
     let mut s = (scores.to_dtype(wide)? * scale)?;
     if let Some(mask) = mask {
         check_mask(mask, g)?;

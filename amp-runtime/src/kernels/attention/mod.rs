@@ -9,7 +9,9 @@
 //! accumulation), the scale, the mask and the softmax in f32, the probabilities rounded to the
 //! operands' dtype for the second product (as autocast casts the softmax's output for the
 //! `matmul` after it), the output rounded once; the backward recomputes the block's
-//! probabilities. Off the CPU the same semantics run as candle ops ([`composed`]), which the
+//! probabilities. On CUDA it is one node too (`cuda.rs`, feature `cuda`): two cuBLAS products with the scale,
+//! masks and softmax between them in one kernel, the backward recomputing the scores. Elsewhere,
+//! and on CUDA with dropout, the same semantics run as candle ops ([`composed`]), which the
 //! tests also use as the composed reference. [`packed_attention`] is the same op over a packed
 //! `(b, t, 3, h, d)` projection, reading it in place and writing `(b, t, h, d)`.
 //!
@@ -32,6 +34,8 @@
 //!   backward regenerates the forward's choice instead of storing it.
 
 mod composed;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod fused;
 #[cfg(test)]
 mod tests;
@@ -79,6 +83,11 @@ fn seeded(q: &Tensor, k: &Tensor, v: &Tensor, options: &Attention, seed: u64) ->
     let (scale, dropout) = resolve(options, g, seed)?;
     if crate::kernels::elem::cpu_float(q) {
         q.apply_op3(k, v, fused::Fused::new(options, g, scale, dropout, false)?)
+    } else if on_cuda(q, dropout) {
+        #[cfg(feature = "cuda")]
+        return cuda::attention(q, k, v, (options.mask, scale, options.causal), g);
+        #[cfg(not(feature = "cuda"))]
+        unreachable!("on_cuda is false without the cuda feature")
     } else {
         let keep = match dropout {
             Some(d) => Some((d.mask(g, q.device())?, d.p)),
@@ -120,10 +129,6 @@ pub(crate) fn packed_attention(qkv: &Tensor, options: &Attention) -> Result<Tens
     } else {
         0
     };
-    let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
-    if !crate::kernels::elem::cpu_float(qkv) {
-        return seeded(&part(0)?, &part(1)?, &part(2)?, options, seed)?.transpose(1, 2);
-    }
     let g = Geometry {
         b,
         h,
@@ -134,9 +139,26 @@ pub(crate) fn packed_attention(qkv: &Tensor, options: &Attention) -> Result<Tens
         dv: d,
     };
     let (scale, dropout) = resolve(options, g, seed)?;
+    if on_cuda(qkv, dropout) {
+        #[cfg(feature = "cuda")]
+        return cuda::packed(qkv, (options.mask, scale, options.causal), g);
+    }
+    if !crate::kernels::elem::cpu_float(qkv) {
+        let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
+        return seeded(&part(0)?, &part(1)?, &part(2)?, options, seed)?.transpose(1, 2);
+    }
     qkv.apply_op1(fused::Packed(fused::Fused::new(
         options, g, scale, dropout, true,
     )?))
+}
+
+/// Whether the CUDA op runs: CUDA operands of f32, f16 or bf16, without dropout (which runs
+/// composed, drawing its keep mask on the host).
+fn on_cuda(x: &Tensor, dropout: Option<Dropout>) -> bool {
+    cfg!(feature = "cuda")
+        && x.device().is_cuda()
+        && dropout.is_none()
+        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
 }
 
 /// The scale (given or `1 / sqrt(head_dim)`) and dropout of one call, each checked, and the
@@ -287,20 +309,29 @@ impl Mask {
         } else {
             mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?
         };
-        let mut dims = [1usize; 4];
-        dims[4 - mask.rank()..].copy_from_slice(mask.dims());
+        Ok(Self {
+            values,
+            strides: Self::strides(mask.dims(), g),
+        })
+    }
+
+    /// The strides that broadcast a contiguous mask of `dims` (a checked mask's) to
+    /// `(b, h, t_q, t_k)`: 0 along broadcast dimensions.
+    fn strides(dims: &[usize], g: Geometry) -> [usize; 4] {
+        let mut padded = [1usize; 4];
+        padded[4 - dims.len()..].copy_from_slice(dims);
         let target = [g.b, g.h, g.tq, g.tk];
         let mut strides = [0usize; 4];
         let mut step = 1;
         for i in (0..4).rev() {
-            strides[i] = if dims[i] == 1 && target[i] != 1 {
+            strides[i] = if padded[i] == 1 && target[i] != 1 {
                 0
             } else {
                 step
             };
-            step *= dims[i];
+            step *= padded[i];
         }
-        Ok(Self { values, strides })
+        strides
     }
 
     /// The mask's value for key `j` of row `(b, h, i)` is `values[start + j * step]`.

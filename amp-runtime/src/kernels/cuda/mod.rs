@@ -1,5 +1,6 @@
 //! The CUDA side of the kernels: each op's launches in a file of their own beside the CUDA C
-//! source it runs (`unscale`, `batch_norm`, `activation`, `pool`, `optim`, `softmax`, `layer_norm`; `conv` calls cuDNN, feature
+//! source it runs (`unscale`, `batch_norm`, `activation`, `pool`, `optim`, `softmax`, `layer_norm`,
+//! `attention`; `conv` calls cuDNN, feature
 //! `cudnn`), and here what they share: NVRTC
 //! compilation of the sources ([`Module`]), storage addresses with the guards that order
 //! launches after earlier work, fresh outputs, and launch geometry.
@@ -11,6 +12,7 @@
 //! CPU path.
 
 pub(crate) mod activation;
+pub(crate) mod attention;
 pub(crate) mod batch_norm;
 #[cfg(feature = "cudnn")]
 pub(crate) mod conv;
@@ -201,7 +203,7 @@ pub(crate) fn grid_dim(n: usize, what: &str) -> Result<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{activation, batch_norm, layer_norm, optim, pool, softmax, unscale};
+    use super::{activation, attention, batch_norm, layer_norm, optim, pool, softmax, unscale};
 
     /// NVRTC accepts the kernel sources with their defines (needs the NVRTC library, not a GPU).
     #[test]
@@ -230,6 +232,10 @@ mod tests {
             .ptx()
             .unwrap()
             .contains(".entry amp_activation("));
+        assert!(attention::ATTENTION
+            .ptx()
+            .unwrap()
+            .contains(".entry amp_attention_probs("));
         let ptx = optim::OPTIM.ptx().unwrap();
         for kernel in ["amp_sgd", "amp_adamw_moments", "amp_adamw_apply"] {
             assert!(
