@@ -51,6 +51,10 @@ impl crate::kernels::matmul::Product for Pointwise {
     }
 
     /// The input and weight gradients from the output gradient `dy`.
+    fn bias_dim(_rank: usize) -> usize {
+        1
+    }
+
     fn grads(x: &Tensor, k: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dx = wanted(x, || input_grad(x.dims(), k, dy))?;
         let dk = offer(k, || kernel_grad(x, dy))?;

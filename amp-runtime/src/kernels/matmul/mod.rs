@@ -91,10 +91,11 @@ pub(crate) fn broadcast_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// grad * w`. No half copy of the weight joins the autograd graph, so candle's backward does not
 /// allocate and add a half gradient for one. A contiguous input of any rank is read in place as
 /// its rows (no reshape nodes, whose backward would each cost a zero tensor and an add of the
-/// activation's size). On CUDA, for f32, f16 and bf16 inputs, one op as well ([`MasterLinear`]).
-/// Elsewhere: the weight cast to `x`'s dtype, candle's matmul and
-/// [`crate::kernels::bias::add_bias`] (the bias's gradient summed in f32). Those paths, and a
-/// strided input of rank above 2, take the input flattened to `(rows, in)` and reshape back.
+/// activation's size). On CUDA, for f32, f16 and bf16 inputs, one op as well ([`MasterLinear`]),
+/// reading a contiguous input of any rank as its rows too. Elsewhere: the weight cast to `x`'s
+/// dtype, candle's matmul and [`crate::kernels::bias::add_bias`] (the bias's gradient summed in
+/// f32). Those paths, and a strided input of rank above 2, take the input flattened to
+/// `(rows, in)` and reshape back.
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     check_linear(x, w, b)?;
     if half_on_masters_in_place(x, w, b) {
@@ -106,6 +107,15 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
     let masters = w.dtype() == DType::F32 && b.is_none_or(|b| b.dtype() == DType::F32);
     let shapes = w.rank() == 2;
     let half = matches!(x.dtype(), DType::BF16 | DType::F16);
+    let rows_in_place = x.rank() == 2 || (x.rank() > 2 && x.is_contiguous());
+    if x.device().is_cuda()
+        && (half || x.dtype() == DType::F32)
+        && masters
+        && shapes
+        && rows_in_place
+    {
+        return fused::<MasterLinear>(x, w, b);
+    }
     if x.rank() != 2 {
         let Some((&k, lead)) = x.dims().split_last() else {
             candle_core::bail!("Linear: expected an input of rank >= 1, got a scalar")
@@ -114,14 +124,10 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
         out.push(w.dim(0)?);
         return linear(&x.reshape((lead.iter().product::<usize>(), k))?, w, b)?.reshape(out);
     }
-    if x.device().is_cuda() && (half || x.dtype() == DType::F32) && masters && shapes {
-        fused::<MasterLinear>(x, w, b)
-    } else {
-        let y = x.matmul(&crate::kernels::convert::to_dtype(w, x.dtype())?.t()?)?;
-        match b {
-            Some(b) => crate::kernels::bias::add_bias(&y, b, y.rank().saturating_sub(1)),
-            None => Ok(y),
-        }
+    let y = x.matmul(&crate::kernels::convert::to_dtype(w, x.dtype())?.t()?)?;
+    match b {
+        Some(b) => crate::kernels::bias::add_bias(&y, b, y.rank().saturating_sub(1)),
+        None => Ok(y),
     }
 }
 

@@ -22,6 +22,9 @@ pub(crate) trait Product: Send + Sync + 'static {
 
     /// The gradients of `x` and `w` from the output's gradient `grad`.
     fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)>;
+
+    /// The dimension of an output of rank `rank` that the bias runs along.
+    fn bias_dim(rank: usize) -> usize;
 }
 
 /// The product `P` of `x` and `w` (contiguous), plus `bias` when given, as one graph node; the
@@ -89,7 +92,8 @@ impl<P: Product> CustomOp3 for Fused<P> {
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (y, shape) = P::product(x, lx, w, lw)?;
-        crate::kernels::bias::BiasAdd { dim: 1 }.cpu_fwd(&y, &Layout::contiguous(&shape), b, lb)
+        let dim = P::bias_dim(shape.rank());
+        crate::kernels::bias::BiasAdd { dim }.cpu_fwd(&y, &Layout::contiguous(&shape), b, lb)
     }
 
     #[cfg(feature = "cuda")]
@@ -103,7 +107,8 @@ impl<P: Product> CustomOp3 for Fused<P> {
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (y, shape) = P::product(x, lx, w, lw)?;
-        crate::kernels::bias::BiasAdd { dim: 1 }.cuda_fwd(&y, &Layout::contiguous(&shape), b, lb)
+        let dim = P::bias_dim(shape.rank());
+        crate::kernels::bias::BiasAdd { dim }.cuda_fwd(&y, &Layout::contiguous(&shape), b, lb)
     }
 
     fn bwd(
@@ -115,7 +120,10 @@ impl<P: Product> CustomOp3 for Fused<P> {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (gx, gw) = P::grads(x, w, grad)?;
-        let gb = offer(b, || crate::kernels::bias::channel_sums(grad, 1, b.shape()))?;
+        let dim = P::bias_dim(grad.rank());
+        let gb = offer(b, || {
+            crate::kernels::bias::channel_sums(grad, dim, b.shape())
+        })?;
         Ok((gx, gw, gb))
     }
 }
@@ -135,14 +143,26 @@ impl Product for MasterLinear {
     const NAME: &'static str = "amp-master-linear";
     const NAME_WITH_BIAS: &'static str = "amp-master-linear-bias";
 
-    /// `x (rows, in) * w^T` with `w` rounded to `x`'s dtype.
+    /// `x (..., in) * w^T` with `w` rounded to `x`'s dtype, `x` contiguous (read as its rows:
+    /// no reshape nodes around the op).
     fn product<S: BackendStorage>(x: &S, lx: &Layout, w: &S, lw: &Layout) -> Result<(S, Shape)> {
-        let (&[rows, k], &[out, k_w]) = (lx.dims(), lw.dims()) else {
+        let (Some((&k, lead)), &[out, k_w]) = (lx.dims().split_last(), lw.dims()) else {
             candle_core::bail!("linear: {:?} by {:?}", lx.dims(), lw.dims())
         };
         if k != k_w {
             candle_core::bail!("linear: {k} inputs, weight for {k_w}")
         }
+        let rows = lead.iter().product::<usize>();
+        let lx = if lx.dims().len() == 2 {
+            lx.clone()
+        } else if lx.is_contiguous() {
+            Layout::contiguous_with_offset((rows, k), lx.start_offset())
+        } else {
+            candle_core::bail!(
+                "linear: a strided input of rank {} (reshape it first)",
+                lead.len() + 1
+            )
+        };
         let cast;
         let (w, lw) = if w.dtype() == x.dtype() {
             (w, lw.clone())
@@ -150,18 +170,26 @@ impl Product for MasterLinear {
             cast = w.to_dtype(lw, x.dtype())?;
             (&cast, Layout::contiguous((out, k)))
         };
-        let y = x.matmul(w, (1, rows, out, k), lx, &lw.transpose(0, 1)?)?;
-        Ok((y, Shape::from((rows, out))))
+        let y = x.matmul(w, (1, rows, out, k), &lx, &lw.transpose(0, 1)?)?;
+        Ok((y, Shape::from([lead, &[out]].concat())))
+    }
+
+    fn bias_dim(rank: usize) -> usize {
+        rank - 1
     }
 
     fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let out = w.dim(0)?;
+        let grad = grad.reshape(((), out))?;
         let grad_x = wanted(x, || {
             grad.matmul(&crate::kernels::convert::to_dtype(
                 &w.detach(),
                 grad.dtype(),
-            )?)
+            )?)?
+            .reshape(x.shape())
         })?;
-        let grad_w = offer(w, || grad.t()?.matmul(x)?.to_dtype(w.dtype()))?;
+        let x = x.reshape(((), w.dim(1)?))?;
+        let grad_w = offer(w, || grad.t()?.matmul(&x)?.to_dtype(w.dtype()))?;
         Ok((grad_x, grad_w))
     }
 }

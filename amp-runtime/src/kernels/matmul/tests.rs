@@ -16,18 +16,21 @@ fn max_rel_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
 /// The off-CPU `Linear` op (run here on CPU, where its forward is candle's matmul on
 /// storages) against the candle composition: the master cast to the input's dtype, `x *
 /// w^T + b` with the bias rounded to that dtype, and all three gradients (the weight's
-/// rounded to that dtype once, then widened; the bias's summed in f32), in f32 and bf16.
+/// rounded to that dtype once, then widened; the bias's summed in f32), in f32 and bf16, for a
+/// rank-2 input and a rank-3 one read as its rows.
 #[test]
 fn the_master_linear_op_is_the_composition() -> Result<()> {
     let dev = Device::Cpu;
     for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 8e-3)] {
-        for bias in [true, false] {
-            let x = Var::from_tensor(&Tensor::randn(0f32, 1., (37, 19), &dev)?.to_dtype(dtype)?)?;
+        for (bias, lead) in [(true, vec![37]), (false, vec![37]), (true, vec![5, 7])] {
+            let x_shape = [lead.as_slice(), &[19]].concat();
+            let y_shape = [lead.as_slice(), &[11]].concat();
+            let x = Var::from_tensor(&Tensor::randn(0f32, 1., x_shape, &dev)?.to_dtype(dtype)?)?;
             let w = Var::randn(0f32, 1., (11, 19), &dev)?;
             let b = Var::randn(0f32, 1., 11, &dev)?;
             let ours = fused::<MasterLinear>(&x, &w, bias.then_some(b.as_tensor()))?;
-            assert_eq!((ours.dtype(), ours.dims()), (dtype, &[37, 11][..]));
-            let product = x.matmul(&w.to_dtype(dtype)?.t()?)?;
+            assert_eq!((ours.dtype(), ours.dims()), (dtype, y_shape.as_slice()));
+            let product = x.broadcast_matmul(&w.to_dtype(dtype)?.t()?)?;
             let theirs = if bias {
                 product.broadcast_add(&b.to_dtype(dtype)?)?
             } else {
@@ -37,7 +40,7 @@ fn the_master_linear_op_is_the_composition() -> Result<()> {
                 max_rel_diff(&ours, &theirs.to_dtype(DType::F32)?)? <= tol,
                 "{dtype:?}"
             );
-            let r = Tensor::randn(0f32, 1., (37, 11), &dev)?;
+            let r = Tensor::randn(0f32, 1., y_shape.as_slice(), &dev)?;
             let loss = |y: &Tensor| (y.to_dtype(DType::F32)? * &r)?.sum_all()?.backward();
             let (g_ours, g_theirs) = (loss(&ours)?, loss(&theirs)?);
             let vars: Vec<&Var> = if bias { vec![&x, &w, &b] } else { vec![&x, &w] };
