@@ -6,8 +6,9 @@
 //! all gradients at once: the gradients' storages are borrowed together and their elements are
 //! cut into chunks that the kernels' thread pool (`parallel`) processes, so a model with many small tensors
 //! costs one parallel pass, not one candle op (and one host sync) per tensor. With the `cuda`
-//! feature, contiguous CUDA gradients go through one kernel launch per dtype and device
-//! (`kernels::cuda::unscale`); anything else takes the per-tensor candle-ops path ([`naive_unscale`]).
+//! feature, CUDA gradients go through one kernel launch per dtype and device
+//! (`kernels::cuda::unscale`), a strided one copied contiguous first; anything else takes the
+//! per-tensor candle-ops path ([`naive_unscale`]).
 //!
 //! The check looks at each value *as written*, after scaling and rounding to the gradient's
 //! dtype. PyTorch's kernel checks the value before scaling, which misses what the multiplication
@@ -52,11 +53,17 @@ pub fn unscale_in_place(grads: &mut [Tensor], inv_scale: f32) -> Result<Vec<bool
     })?;
     #[cfg(feature = "cuda")]
     let other = {
-        // Contiguous gradients, one device at a time, through the CUDA kernel; anything else
-        // (a strided CUDA gradient) takes the per-tensor path below.
+        // CUDA gradients, one device at a time, through the CUDA kernel; a strided one is
+        // replaced by a contiguous copy first (the per-tensor path would read each back to
+        // the host: a sync per gradient).
         let (cuda, other): (Vec<usize>, Vec<usize>) = other
             .into_iter()
-            .partition(|&i| grads[i].device().is_cuda() && grads[i].is_contiguous());
+            .partition(|&i| grads[i].device().is_cuda());
+        for &i in &cuda {
+            if !grads[i].is_contiguous() {
+                grads[i] = grads[i].contiguous()?;
+            }
+        }
         let mut devices: Vec<candle_core::DeviceLocation> = Vec::new();
         for &i in &cuda {
             if !devices.contains(&grads[i].device().location()) {
