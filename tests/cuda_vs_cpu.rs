@@ -317,7 +317,7 @@ struct ConvBnRun {
 /// ReLU as three layers, the conv there without the bias (which the batch's mean removes): the
 /// values, the gradients of the input, kernel, scale and shift, the running variance; on CUDA
 /// the bias's gradient is exactly 0 and the running mean moves by `momentum * bias` more.
-/// Pointwise (a cuBLAS product) and 3x3 (cuDNN) convolutions, on 9x9 images (rows read one
+/// Pointwise and 3x3 convolutions (both cuDNN's with `cudnn`), on 9x9 images (rows read one
 /// value at a time) and 8x8 (16-byte loads).
 fn conv_bn_relu_train_matches_cpu_layers<P: Precision>() -> Result<()> {
     let run = |dev: &Device, ks: usize, side: usize, fused: bool| -> Result<ConvBnRun> {
