@@ -12,7 +12,7 @@
 #![allow(clippy::float_cmp)]
 
 use candle_amp::nn::{self, Conv1dConfig, Conv2dConfig};
-use candle_amp::{Precision, Tensor, BF16, F16, F32};
+use candle_amp::{autocast, Precision, Tensor, BF16, F16, F32};
 use candle_core::{DType, Device, Result, Var};
 
 mod common;
@@ -567,6 +567,57 @@ fn softmax_matches_cpu<P: Precision>() -> Result<()> {
             );
             assert_close(&format!("{what} y"), &got[0], &want[0], 1e-5)?;
             assert_close(&format!("{what} grad"), &got[1], &want[1], tol(P::DTYPE))?;
+        }
+    }
+    Ok(())
+}
+
+/// A residual sum in a region: the f32 stream plus (minus) a half product, one op reading the
+/// half operand as it is (`binary.cu` on CUDA).
+#[autocast(fp16)]
+fn residual_fp16(x: &Tensor<F32>, w: &Tensor<F32>) -> Result<Tensor<F32>> {
+    let y = (x + x.matmul(w)?)?;
+    Ok((&y - x.matmul(w)?.relu()?)?)
+}
+
+#[autocast(bf16)]
+fn residual_bf16(x: &Tensor<F32>, w: &Tensor<F32>) -> Result<Tensor<F32>> {
+    let y = (x + x.matmul(w)?)?;
+    Ok((&y - x.matmul(w)?.relu()?)?)
+}
+
+/// The region's widening sums (an f32 and a half operand, summed in f32 without a cast) on
+/// CUDA against the CPU: the output and the gradients of the stream and the weight, fp16 and
+/// bf16.
+#[test]
+fn widening_sums_match_cpu_cuda() -> Result<()> {
+    let cuda = Device::new_cuda(0)?;
+    for half in [DType::F16, DType::BF16] {
+        let run = |dev: &Device| -> Result<Vec<candle_core::Tensor>> {
+            let x = Var::from_tensor(&randn(&[6, 40], 1, dev)?)?;
+            let w = Var::from_tensor(&(randn(&[40, 40], 2, dev)? * 0.2)?)?;
+            let (tx, tw) = (
+                Tensor::<F32>::from_candle(x.as_tensor().clone())?,
+                Tensor::<F32>::from_candle(w.as_tensor().clone())?,
+            );
+            let y = if half == DType::F16 {
+                residual_fp16(&tx, &tw)?
+            } else {
+                residual_bf16(&tx, &tw)?
+            };
+            let y = y.as_candle().clone();
+            let r = randn(y.dims(), 4, dev)?;
+            let grads = (&y * r)?.sum_all()?.backward()?;
+            Ok(vec![
+                y,
+                grads.get(&x).cloned().expect("a gradient for x"),
+                grads.get(&w).cloned().expect("a gradient for w"),
+            ])
+        };
+        let (want, got) = (run(&Device::Cpu)?, run(&cuda)?);
+        for (name, (g, w)) in ["y", "grad x", "grad w"].iter().zip(got.iter().zip(&want)) {
+            assert_eq!(g.dtype(), DType::F32, "widening sum {name}: dtype");
+            assert_close(&format!("widening sum {half:?} {name}"), g, w, tol(half))?;
         }
     }
     Ok(())

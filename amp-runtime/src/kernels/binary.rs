@@ -278,6 +278,104 @@ impl CustomOp2 for Sum {
     }
 }
 
+/// `a + b` (`a - b` with `Sub`) in f32 for operands of one shape, one f32 and the other f16 or
+/// bf16: the promote-class sum of a region (an f32 residual stream plus a half branch), with
+/// the half operand read as it is instead of cast to f32 first. The values are the cast-then-sum
+/// ones to the bit (widening is exact; one f32 sum per element); one graph node where the cast
+/// was a second (its own f32 copy in the forward, a zero tensor and an add in candle's
+/// backward). On CPU and CUDA; `None` elsewhere or for other operands, for the caller's
+/// cast-then-sum.
+pub(crate) fn widening_sum(a: &Tensor, b: &Tensor, sub: bool) -> Result<Option<Tensor>> {
+    let half = |t: &Tensor| matches!(t.dtype(), DType::F16 | DType::BF16);
+    let mixed = (a.dtype() == DType::F32 && half(b)) || (half(a) && b.dtype() == DType::F32);
+    let device = a.device().is_cpu() || (cfg!(feature = "cuda") && a.device().is_cuda());
+    if !(mixed && device && a.shape() == b.shape() && a.device().same_device(b.device())) {
+        return Ok(None);
+    }
+    let op = Widening(if sub { Sum::Sub } else { Sum::Add });
+    a.contiguous()?.apply_op2(&b.contiguous()?, op).map(Some)
+}
+
+/// The op of [`widening_sum`].
+struct Widening(Sum);
+
+/// `x + sign * y` in f32 over contiguous elements of any two float types.
+fn widening_values<X: Real, Y: Real>(x: &[X], y: &[Y], sign: f32) -> Vec<f32> {
+    x.iter()
+        .zip(y)
+        .map(|(x, y)| x.get() + sign * y.get())
+        .collect()
+}
+
+impl CustomOp2 for Widening {
+    fn name(&self) -> &'static str {
+        match self.0 {
+            Sum::Add => "amp-widening-add",
+            Sum::Sub => "amp-widening-sub",
+        }
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
+            candle_core::bail!("{}: contiguous operands expected", self.name())
+        };
+        let sign = self.0.sign();
+        let out = match (s1, s2) {
+            (CpuStorage::F32(a), CpuStorage::BF16(b)) => {
+                widening_values(&a[a0..a1], &b[b0..b1], sign)
+            }
+            (CpuStorage::F32(a), CpuStorage::F16(b)) => {
+                widening_values(&a[a0..a1], &b[b0..b1], sign)
+            }
+            (CpuStorage::BF16(a), CpuStorage::F32(b)) => {
+                widening_values(&a[a0..a1], &b[b0..b1], sign)
+            }
+            (CpuStorage::F16(a), CpuStorage::F32(b)) => {
+                widening_values(&a[a0..a1], &b[b0..b1], sign)
+            }
+            _ => candle_core::bail!("{}: an f32 and a half operand expected", self.name()),
+        };
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::kernels::cuda::binary::widening_sum((s1, l1), (s2, l2), self.0.sign())
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        // The f32 gradient, rounded to a half operand's dtype (the cast's backward).
+        let grad_a = wanted(a, || crate::kernels::convert::to_dtype(grad, a.dtype()))?;
+        let grad_b = wanted(b, || {
+            let g = match self.0 {
+                Sum::Add => grad.clone(),
+                Sum::Sub => crate::kernels::affine(grad, -1.0, 0.0)?,
+            };
+            crate::kernels::convert::to_dtype(&g, b.dtype())
+        })?;
+        Ok((grad_a, grad_b))
+    }
+}
+
 /// `grad` summed over the dimensions an operand of `shape` was broadcast along (in f32 for a
 /// half gradient), or `grad` itself when the shapes agree.
 fn summed_to(grad: &Tensor, shape: &Shape) -> Result<Tensor> {
@@ -304,6 +402,75 @@ mod tests {
         Tensor::new(values, &Device::Cpu)?
             .reshape(shape)?
             .to_dtype(dtype)
+    }
+
+    /// The widening sum against the cast-then-sum it stands for: f32 values bit for bit, the
+    /// f32 operand's gradient the output's, the half operand's the output's rounded to its dtype
+    /// (negated for `-`), in both orders, for bf16 and f16, narrowed operands included; other
+    /// operands are left to the caller (`None`).
+    #[test]
+    fn the_widening_sum_is_the_cast_then_the_sum() -> Result<()> {
+        let xs: Vec<f32> = (0..30).map(|i| i as f32 * 0.37 - 3.1).collect();
+        let ys: Vec<f32> = (0..36).map(|i| 1.3 - i as f32 * 0.113).collect();
+        for half in [DType::BF16, DType::F16] {
+            for sub in [false, true] {
+                for half_first in [false, true] {
+                    let wide = Var::from_tensor(&tensor(&xs, &[5, 6], DType::F32)?)?;
+                    let narrow = Var::from_tensor(&tensor(&ys, &[6, 6], half)?.narrow(0, 1, 5)?)?;
+                    let (a, b) = if half_first {
+                        (narrow.as_tensor(), wide.as_tensor())
+                    } else {
+                        (wide.as_tensor(), narrow.as_tensor())
+                    };
+                    let ours = widening_sum(a, b, sub)?.expect("an f32 and a half operand");
+                    let (a32, b32) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+                    let theirs = if sub { (&a32 - &b32)? } else { (&a32 + &b32)? };
+                    assert_eq!(ours.dtype(), DType::F32);
+                    let (o, t) = (
+                        ours.flatten_all()?.to_vec1::<f32>()?,
+                        theirs.flatten_all()?.to_vec1::<f32>()?,
+                    );
+                    assert!(o.iter().zip(&t).all(|(x, y)| x.to_bits() == y.to_bits()));
+                    let r = tensor(
+                        &xs.iter().map(|x| x * 0.01 + 0.5).collect::<Vec<_>>(),
+                        &[5, 6],
+                        DType::F32,
+                    )?;
+                    let (g_ours, g_theirs) = (
+                        (&ours * &r)?.sum_all()?.backward()?,
+                        (&theirs * &r)?.sum_all()?.backward()?,
+                    );
+                    for v in [&wide, &narrow] {
+                        let (x, y) = (
+                            g_ours.get(v).expect("ours"),
+                            g_theirs.get(v).expect("theirs"),
+                        );
+                        assert_eq!(x.dtype(), v.dtype());
+                        let (x, y) = (
+                            x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+                            y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+                        );
+                        assert!(
+                            x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                            "{half:?} sub {sub}"
+                        );
+                    }
+                }
+            }
+        }
+        let a = tensor(&xs, &[5, 6], DType::F32)?;
+        for b in [
+            tensor(&xs, &[5, 6], DType::F32)?,
+            tensor(&xs[..6], &[6], DType::BF16)?,
+        ] {
+            assert!(
+                widening_sum(&a, &b, false)?.is_none(),
+                "{:?} {:?}",
+                b.dtype(),
+                b.dims()
+            );
+        }
+        Ok(())
     }
 
     /// Values against a hand computation in f32 rounded once, with the mask broadcast along

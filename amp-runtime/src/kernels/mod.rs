@@ -73,7 +73,7 @@ pub(crate) use attention::scaled_dot_product_attention;
 pub(crate) use bias::add_bias;
 pub(crate) use binary::{
     add, broadcast_add, broadcast_div, broadcast_maximum, broadcast_minimum, broadcast_mul,
-    broadcast_sub, spread, sub,
+    broadcast_sub, spread, sub, widening_sum,
 };
 pub(crate) use conv::{
     conv1d, conv2d, conv_transpose, handles as conv2d_handles,

@@ -11,7 +11,7 @@ use std::marker::PhantomData;
 use candle_core::{DType, Result};
 
 use super::policy::Policy;
-use super::route::{binary, unary};
+use super::route::{at, binary, routed, unary};
 use super::value::{AmpTensor, AsAmp};
 use crate::cast::convert;
 use crate::kernels::affine;
@@ -95,10 +95,10 @@ impl<Pol: Policy, L: OperatorSide, R: OperatorSide> TensorOperators for &&&Opera
     // `+` and `-` on candle-amp's op, which gives no gradient to an operand that tracks nothing
     // (a mask).
     fn __amp_add(self) -> Result<AmpTensor> {
-        self.binary::<op::add>(crate::kernels::add)
+        self.sum::<op::add>(false)
     }
     fn __amp_sub(self) -> Result<AmpTensor> {
-        self.binary::<op::sub>(crate::kernels::sub)
+        self.sum::<op::sub>(true)
     }
     fn __amp_mul(self) -> Result<AmpTensor> {
         self.binary::<op::mul>(candle_core::Tensor::mul)
@@ -109,6 +109,28 @@ impl<Pol: Policy, L: OperatorSide, R: OperatorSide> TensorOperators for &&&Opera
 }
 
 impl<Pol: Policy, L: OperatorSide, R: OperatorSide> Operands<Pol, L, R> {
+    /// `+` (`-` with `sub`): where the policy sums an f32 and a half operand of one shape in
+    /// f32 (the promote class: a residual stream plus a half branch), one op reading the half
+    /// operand as it is ([`crate::kernels::widening_sum`], the cast-then-sum's values to the
+    /// bit); otherwise each operand cast to the target, then candle-amp's sum.
+    fn sum<O: op::Op>(&self, sub: bool) -> Result<AmpTensor> {
+        let (l, r) = self.take();
+        let (a, b) = (l.side()?, r.side()?);
+        routed::<Pol, O>(&[&a, &b], |t| {
+            if t == Some(DType::F32) {
+                if let Some(y) = crate::kernels::widening_sum(&a, &b, sub)? {
+                    return Ok(y);
+                }
+            }
+            let (a, b) = (at(&a, t)?, at(&b, t)?);
+            if sub {
+                crate::kernels::sub(&a, &b)
+            } else {
+                crate::kernels::add(&a, &b)
+            }
+        })
+    }
+
     fn binary<O: op::Op>(
         &self,
         f: impl FnOnce(&candle_core::Tensor, &candle_core::Tensor) -> Result<candle_core::Tensor>,

@@ -1,6 +1,6 @@
 //! The CUDA side of the kernels: each op's launches in a file of their own beside the CUDA C
 //! source it runs (`unscale`, `batch_norm`, `activation`, `pool`, `optim`, `softmax`, `layer_norm`,
-//! `attention`; `conv` calls cuDNN, feature
+//! `attention`, `binary`; `conv` calls cuDNN, feature
 //! `cudnn`), and here what they share: NVRTC
 //! compilation of the sources ([`Module`]), storage addresses with the guards that order
 //! launches after earlier work, fresh outputs, and launch geometry.
@@ -14,6 +14,7 @@
 pub(crate) mod activation;
 pub(crate) mod attention;
 pub(crate) mod batch_norm;
+pub(crate) mod binary;
 #[cfg(feature = "cudnn")]
 pub(crate) mod conv;
 pub(crate) mod layer_norm;
@@ -203,7 +204,9 @@ pub(crate) fn grid_dim(n: usize, what: &str) -> Result<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{activation, attention, batch_norm, layer_norm, optim, pool, softmax, unscale};
+    use super::{
+        activation, attention, batch_norm, binary, layer_norm, optim, pool, softmax, unscale,
+    };
 
     /// NVRTC accepts the kernel sources with their defines (needs the NVRTC library, not a GPU).
     #[test]
@@ -236,6 +239,10 @@ mod tests {
             .ptx()
             .unwrap()
             .contains(".entry amp_attention_probs("));
+        assert!(binary::BINARY
+            .ptx()
+            .unwrap()
+            .contains(".entry amp_widening_sum("));
         let ptx = optim::OPTIM.ptx().unwrap();
         for kernel in ["amp_sgd", "amp_adamw_moments", "amp_adamw_apply"] {
             assert!(
