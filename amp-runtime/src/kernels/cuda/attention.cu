@@ -13,29 +13,6 @@
 // a hidden key's probability is exactly 0. The CPU op's semantics. Compiled at run time by
 // NVRTC after half.cuh.
 
-#define AMP_NEG_INF __int_as_float(0xff800000)
-
-// The block's sum (op 0) or maximum (op 1) of `v`, in every thread.
-__device__ __forceinline__ float amp_attn_reduce(float v, int op, float* slots) {
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float o = __shfl_xor_sync(0xffffffffu, v, offset);
-        v = op == 0 ? v + o : fmaxf(v, o);
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads(); // the slots' previous use is over
-    if (lane == 0) {
-        slots[warp] = v;
-    }
-    __syncthreads();
-    const int warps = (blockDim.x + 31) >> 5;
-    v = lane < warps ? slots[lane] : (op == 0 ? 0.0f : AMP_NEG_INF);
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float o = __shfl_xor_sync(0xffffffffu, v, offset);
-        v = op == 0 ? v + o : fmaxf(v, o);
-    }
-    return v;
-}
-
 extern "C" __global__ void amp_attention_probs(
     const void* s, const float* mask, const void* dp, void* out, int dts, int dt, int grad,
     float scale,
@@ -60,8 +37,8 @@ extern "C" __global__ void amp_attention_probs(
             m = fmaxf(m, v);
             nan = isnan(v) ? 1.0f : nan;
         }
-        m = amp_attn_reduce(m, 1, slots);
-        nan = amp_attn_reduce(nan, 1, slots);
+        m = amp_block_reduce(m, 1, slots);
+        nan = amp_block_reduce(nan, 1, slots);
         if (nan > 0.0f || m == AMP_NEG_INF) {
             const float fill = nan > 0.0f ? __int_as_float(0x7fc00000) : 0.0f;
             for (unsigned long long j = threadIdx.x; j < tk; j += blockDim.x) {
@@ -73,7 +50,7 @@ extern "C" __global__ void amp_attention_probs(
         for (unsigned long long j = threadIdx.x; j < tk; j += blockDim.x) {
             sum += expf(AMP_SCORE(j) - m);
         }
-        sum = amp_attn_reduce(sum, 0, slots);
+        sum = amp_block_reduce(sum, 0, slots);
         const float inv = 1.0f / sum;
         if (!grad) {
             for (unsigned long long j = threadIdx.x; j < tk; j += blockDim.x) {
@@ -85,7 +62,7 @@ extern "C" __global__ void amp_attention_probs(
         for (unsigned long long j = threadIdx.x; j < tk; j += blockDim.x) {
             dot += expf(AMP_SCORE(j) - m) * inv * amp_get(dp, at + j, dts);
         }
-        dot = amp_attn_reduce(dot, 0, slots);
+        dot = amp_block_reduce(dot, 0, slots);
         for (unsigned long long j = threadIdx.x; j < tk; j += blockDim.x) {
             const float p = expf(AMP_SCORE(j) - m) * inv;
             amp_put(out, at + j, scale * p * (amp_get(dp, at + j, dts) - dot), dt);

@@ -1,6 +1,32 @@
 // Shared by candle-amp's CUDA kernels (prepended to each source before NVRTC compiles it).
 // The sources include no headers: half and bfloat16 values travel as 16-bit integers and are
 // converted here, f16 by the PTX conversions, bf16 by bit arithmetic (round to nearest even).
+// Also here: the block-wide reduction of the row-per-block kernels (softmax, layer norm,
+// attention).
+
+#define AMP_NEG_INF __int_as_float(0xff800000)
+
+// The block's sum (op 0) or maximum (op 1) of `v`, in every thread: warp shuffles, then one
+// shared slot per warp (`slots`, 32 floats; the block a multiple of 32 threads).
+__device__ __forceinline__ float amp_block_reduce(float v, int op, float* slots) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, v, offset);
+        v = op == 0 ? v + o : fmaxf(v, o);
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads(); // the slots' previous use is over
+    if (lane == 0) {
+        slots[warp] = v;
+    }
+    __syncthreads();
+    const int warps = (blockDim.x + 31) >> 5;
+    v = lane < warps ? slots[lane] : (op == 0 ? 0.0f : AMP_NEG_INF);
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, v, offset);
+        v = op == 0 ? v + o : fmaxf(v, o);
+    }
+    return v;
+}
 
 __device__ __forceinline__ float amp_load(const unsigned short* p, bool bf) {
     unsigned short bits = *p;

@@ -8,24 +8,6 @@
 // shared slot per warp. With `rms` the same op is RMS norm: the mean taken as 0 (no centring)
 // and no mean(g) term in dx. Compiled at run time by NVRTC after half.cuh.
 
-// The block's sum of `v`, in every thread.
-__device__ __forceinline__ float amp_ln_sum(float v, float* slots) {
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        v += __shfl_xor_sync(0xffffffffu, v, offset);
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads(); // the slots' previous use is over
-    if (lane == 0) {
-        slots[warp] = v;
-    }
-    __syncthreads();
-    v = lane < (int)((blockDim.x + 31) >> 5) ? slots[lane] : 0.0f;
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        v += __shfl_xor_sync(0xffffffffu, v, offset);
-    }
-    return v;
-}
-
 // Row `at..at + n`'s mean (0 with `rms`) and 1 / sqrt(var + eps), in every thread.
 __device__ __forceinline__ void amp_ln_moments(
     const void* x, unsigned long long at, unsigned long long n, int dt, float eps, int rms,
@@ -35,14 +17,14 @@ __device__ __forceinline__ void amp_ln_moments(
     for (unsigned long long i = threadIdx.x; i < n && !rms; i += blockDim.x) {
         s += amp_get(x, at + i, dt);
     }
-    const float m = rms ? 0.0f : amp_ln_sum(s, slots) / (float)n;
+    const float m = rms ? 0.0f : amp_block_reduce(s, 0, slots) / (float)n;
     float q = 0.0f;
     for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
         const float c = amp_get(x, at + i, dt) - m;
         q += c * c;
     }
     *mean = m;
-    *rstd = 1.0f / sqrtf(amp_ln_sum(q, slots) / (float)n + eps);
+    *rstd = 1.0f / sqrtf(amp_block_reduce(q, 0, slots) / (float)n + eps);
 }
 
 // y = (x - mean) * rstd * w + b per row.
@@ -77,9 +59,9 @@ extern "C" __global__ void amp_layer_norm_grad_rows(
             sg += g;
             sgx += g * (amp_get(x, at + i, dt) - mean) * rstd;
         }
-        const float sum_g = amp_ln_sum(sg, slots);
+        const float sum_g = amp_block_reduce(sg, 0, slots);
         const float mean_g = rms ? 0.0f : sum_g / (float)n;
-        const float mean_gx = amp_ln_sum(sgx, slots) / (float)n;
+        const float mean_gx = amp_block_reduce(sgx, 0, slots) / (float)n;
         for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
             const float xhat = (amp_get(x, at + i, dt) - mean) * rstd;
             out[at + i] = rstd * (dy[at + i] * w[i] - mean_g - xhat * mean_gx);

@@ -6,29 +6,6 @@
 // `x - max - log(sum)`; a row with a NaN is NaN (fmaxf skips it, x - max does not); a row of
 // -inf only is NaN, as on CPU. Compiled at run time by NVRTC after half.cuh.
 
-#define AMP_NEG_INF __int_as_float(0xff800000)
-
-// The block's sum (op 0) or maximum (op 1) of `v`, in every thread.
-__device__ __forceinline__ float amp_sm_reduce(float v, int op, float* slots) {
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float o = __shfl_xor_sync(0xffffffffu, v, offset);
-        v = op == 0 ? v + o : fmaxf(v, o);
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads(); // the slots' previous use is over
-    if (lane == 0) {
-        slots[warp] = v;
-    }
-    __syncthreads();
-    const int warps = (blockDim.x + 31) >> 5;
-    v = lane < warps ? slots[lane] : (op == 0 ? 0.0f : AMP_NEG_INF);
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float o = __shfl_xor_sync(0xffffffffu, v, offset);
-        v = op == 0 ? v + o : fmaxf(v, o);
-    }
-    return v;
-}
-
 // y[r, :] = softmax(x[r, :]) (log-softmax with `log`), `rows` rows of `n`.
 extern "C" __global__ void amp_softmax(
     const void* x, float* y, int dt, int log, unsigned long long rows, unsigned long long n)
@@ -40,12 +17,12 @@ extern "C" __global__ void amp_softmax(
         for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
             m = fmaxf(m, amp_get(x, at + i, dt));
         }
-        m = amp_sm_reduce(m, 1, slots);
+        m = amp_block_reduce(m, 1, slots);
         float s = 0.0f;
         for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
             s += expf(amp_get(x, at + i, dt) - m);
         }
-        s = amp_sm_reduce(s, 0, slots);
+        s = amp_block_reduce(s, 0, slots);
         const float log_s = logf(s);
         for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
             const float v = amp_get(x, at + i, dt) - m;
@@ -67,7 +44,7 @@ extern "C" __global__ void amp_softmax_grad(
         for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
             s += log ? dy[at + i] : dy[at + i] * y[at + i];
         }
-        s = amp_sm_reduce(s, 0, slots);
+        s = amp_block_reduce(s, 0, slots);
         for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
             const float g = log ? dy[at + i] - expf(y[at + i]) * s : y[at + i] * (dy[at + i] - s);
             amp_put(dx, at + i, g, dt);
