@@ -6,7 +6,7 @@
 //! launches after earlier work, fresh outputs, and launch geometry.
 //!
 //! The sources are compiled at run time by NVRTC, once per process, each after `half.cuh`
-//! (the half and bfloat16 conversions they share) and the `#define`s its [`Module`] names:
+//! (the half and bfloat16 conversions and the block reduction they share) and the `#define`s its [`Module`] names:
 //! a block size the Rust launch and the CUDA code both depend on is defined once, in Rust,
 //! and handed to the source. Building the crate needs no CUDA toolkit, and neither does the
 //! CPU path.
@@ -34,7 +34,7 @@ use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result};
 
 /// A CUDA C source of this crate, compiled by NVRTC on first use (after `half.cuh`, the half and
-/// bfloat16 conversions every source shares, and `defines`, each `#define NAME value`) and
+/// bfloat16 conversions and the block reduction every source shares, and `defines`, each `#define NAME value`) and
 /// loaded by candle under `name`.
 #[derive(Debug)]
 pub(crate) struct Module {
