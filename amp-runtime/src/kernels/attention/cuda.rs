@@ -1,6 +1,7 @@
-//! The attention on CUDA as one op with its own backward: the two products on cuBLAS (candle's
-//! batched matmul on storages, f32 accumulation), the scale, the mask, the causal mask and the
-//! softmax between them in one kernel (`cuda/attention.cu`), and in the backward the scores
+//! The attention on CUDA as one op with its own backward: the two products on cuBLAS with f32
+//! accumulation (the scores through `products_nt_f32`, the rest through candle's batched matmul
+//! on storages), the scale, the mask, the causal mask and the softmax between them in one
+//! kernel (`cuda/attention.cu`), and in the backward the scores
 //! recomputed, the probabilities' gradient turned into the scores' by the same kernel, and four
 //! more products. One graph node per call where the composition is a dozen, each with a
 //! `(b, h, t_q, t_k)` buffer and candle's zero-and-add in the backward.
@@ -109,7 +110,7 @@ impl Cuda {
     }
 
     /// The kernel on contiguous scores `s` (with the probabilities' gradient `dp`: the scores'
-    /// gradient), in `s`'s dtype.
+    /// gradient), in the operands' dtype.
     fn probs(
         &self,
         s: (&CudaStorage, &Layout),
