@@ -234,9 +234,21 @@ def candle_amp(examples, dev, example, extra):
     else:
         cmd = ["cargo", "run", "-q", "--release", "--example", example, "--"]
     cmd += ["--json", "--precision", dev.precision, "--device", dev.name]
-    run = subprocess.run(cmd + extra, capture_output=True, text=True)
+    return run_json(cmd + extra)
+
+
+class WorkloadFailed(Exception):
+    """One of our examples exited with an error: its row is reported as failed, the others run."""
+
+
+def run_json(cmd):
+    """The last stdout line of `cmd` as JSON, or WorkloadFailed with its stderr."""
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise WorkloadFailed(f"{' '.join(cmd)} could not start: {e}") from e
     if run.returncode != 0:
-        sys.exit(f"{' '.join(cmd + extra)} failed ({run.returncode}):\n{run.stderr}")
+        raise WorkloadFailed(f"{' '.join(cmd)} failed ({run.returncode}):\n{run.stderr}")
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
@@ -264,50 +276,53 @@ def main():
     os.chdir(root)
 
     dev = Device(args.device)
-    rows = {}
-    sine = dev.sine
-    ours = candle_amp(
-        args.examples, dev, "quantized_sine",
-        ["--size", str(sine["size"]), "--hidden", str(sine["hidden"]), "--epochs", str(sine["epochs"]),
-         "--out", "target/peer"],
-    )
-    rows["quantized_sine"] = {
-        "torch_f32": quantized_sine_torch(torch, dev, amp=False, **sine),
-        "torch_amp": quantized_sine_torch(torch, dev, amp=True, **sine),
-        "ours_f32": ours["f32"]["ms_per_step"],
-        "ours_amp": ours["amp"]["ms_per_step"],
-        "ours_peak_amp_vs_f32": peak_ratio(ours, "amp"),
-    }
-    recipe = dev.recipe
-    ours = candle_amp(
-        args.examples, dev, "amp_recipe",
-        ["--width", str(recipe["width"]), "--batch", str(recipe["batch"])],
-    )
-    rows["amp_recipe"] = {
-        "torch_f32": amp_recipe_torch(torch, dev, amp=False, **recipe),
-        "torch_amp": amp_recipe_torch(torch, dev, amp=True, **recipe),
-        "ours_f32": ours["f32"]["ms_per_step"],
-        "ours_amp": ours["amp"]["ms_per_step"],
-        "ours_peak_amp_vs_f32": peak_ratio(ours, "amp"),
-    }
-    gpt = dev.gpt
-    cmd = [os.path.join(args.examples, "gpt")] if args.examples else [
-        "cargo", "run", "-q", "--release", "--example", "gpt", "--"]
-    cmd += ["--json", "--device", dev.name, "--out", "target/peer", "--lr", "3e-4"] + [
-        a for key in ("width", "seq", "batch", "steps") for a in (f"--{key}", str(gpt[key]))]
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    if run.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed ({run.returncode}):\n{run.stderr}")
-    ours = json.loads(run.stdout.strip().splitlines()[-1])
-    rows["gpt"] = {
-        "torch_f32": gpt_torch(torch, dev, amp=False, **gpt),
-        "torch_amp": gpt_torch(torch, dev, amp=True, **gpt),
-        "torch_amp_eager_attention": gpt_torch(torch, dev, amp=True, attention="eager", **gpt),
-        "ours_f32": ours["f32"]["ms_per_step"],
-        "ours_amp": ours[dev.precision]["ms_per_step"],
-        "ours_peak_amp_vs_f32": peak_ratio(ours, dev.precision),
-    }
-    for res in dev.resnet:
+
+    def sine():
+        sine = dev.sine
+        ours = candle_amp(
+            args.examples, dev, "quantized_sine",
+            ["--size", str(sine["size"]), "--hidden", str(sine["hidden"]), "--epochs", str(sine["epochs"]),
+             "--out", "target/peer"],
+        )
+        return {
+            "torch_f32": quantized_sine_torch(torch, dev, amp=False, **sine),
+            "torch_amp": quantized_sine_torch(torch, dev, amp=True, **sine),
+            "ours_f32": ours["f32"]["ms_per_step"],
+            "ours_amp": ours["amp"]["ms_per_step"],
+            "ours_peak_amp_vs_f32": peak_ratio(ours, "amp"),
+        }
+
+    def recipe():
+        recipe = dev.recipe
+        ours = candle_amp(
+            args.examples, dev, "amp_recipe",
+            ["--width", str(recipe["width"]), "--batch", str(recipe["batch"])],
+        )
+        return {
+            "torch_f32": amp_recipe_torch(torch, dev, amp=False, **recipe),
+            "torch_amp": amp_recipe_torch(torch, dev, amp=True, **recipe),
+            "ours_f32": ours["f32"]["ms_per_step"],
+            "ours_amp": ours["amp"]["ms_per_step"],
+            "ours_peak_amp_vs_f32": peak_ratio(ours, "amp"),
+        }
+
+    def gpt():
+        gpt = dev.gpt
+        cmd = [os.path.join(args.examples, "gpt")] if args.examples else [
+            "cargo", "run", "-q", "--release", "--example", "gpt", "--"]
+        cmd += ["--json", "--device", dev.name, "--out", "target/peer", "--lr", "3e-4"] + [
+            a for key in ("width", "seq", "batch", "steps") for a in (f"--{key}", str(gpt[key]))]
+        ours = run_json(cmd)
+        return {
+            "torch_f32": gpt_torch(torch, dev, amp=False, **gpt),
+            "torch_amp": gpt_torch(torch, dev, amp=True, **gpt),
+            "torch_amp_eager_attention": gpt_torch(torch, dev, amp=True, attention="eager", **gpt),
+            "ours_f32": ours["f32"]["ms_per_step"],
+            "ours_amp": ours[dev.precision]["ms_per_step"],
+            "ours_peak_amp_vs_f32": peak_ratio(ours, dev.precision),
+        }
+
+    def resnet(res):
         ours = candle_amp(
             args.examples, dev, "resnet",
             ["--depth", str(res["depth"]), "--image-size", str(res["image_size"]),
@@ -315,21 +330,33 @@ def main():
              "--train-per-class", str(res["batch"] * res["steps"] // 2 // res["classes"]),
              "--val-per-class", "8", "--epochs", "2", "--out", "target/peer"],
         )
-        rows[f"resnet{res['depth']} b{res['batch']}"] = {
+        return {
             "torch_f32": resnet_torch(torch, dev, amp=False, **res),
             "torch_amp": resnet_torch(torch, dev, amp=True, **res),
             "ours_f32": ours["f32"]["ms_per_step"],
             "ours_amp": ours["amp"]["ms_per_step"],
             "ours_peak_amp_vs_f32": peak_ratio(ours, "amp"),
         }
+
+    workloads = [("quantized_sine", sine), ("amp_recipe", recipe), ("gpt", gpt)] + [
+        (f"resnet{res['depth']} b{res['batch']}", lambda res=res: resnet(res)) for res in dev.resnet]
+    # A workload whose example fails is reported and skipped: the others' figures still come.
+    rows, failed = {}, {}
+    for name, workload in workloads:
+        try:
+            rows[name] = workload()
+        except WorkloadFailed as e:
+            failed[name] = str(e)
+            print(f"{name}: {e}", file=sys.stderr)
     for r in rows.values():
         r["ours_amp_vs_f32"] = r["ours_amp"] / r["ours_f32"]
         r["torch_amp_vs_f32"] = r["torch_amp"] / r["torch_f32"]
         r["ours_vs_torch_amp_step"] = r["ours_amp"] / r["torch_amp"]
         r["ours_vs_torch_f32_step"] = r["ours_f32"] / r["torch_f32"]
     if args.json:
-        print(json.dumps({"torch": torch.__version__, "device": dev.name, "precision": dev.precision, **rows}))
-        return 0
+        print(json.dumps({"torch": torch.__version__, "device": dev.name, "precision": dev.precision,
+                          **rows, "failed": sorted(failed)}))
+        return 1 if failed else 0
     where = torch.cuda.get_device_name() if dev.cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"PyTorch {torch.__version__}, {where}; ms per step (amp = {dev.precision} autocast)")
     print(f"{'workload':<16} {'torch f32':>10} {'torch amp':>10} {'ours f32':>9} {'ours amp':>9}"
@@ -339,10 +366,13 @@ def main():
               f" {r['ours_amp']:>9.2f} {r['ours_amp_vs_f32']:>13.2f} {r['torch_amp_vs_f32']:>14.2f}"
               f" {r['ours_vs_torch_amp_step']:>15.2f}"
               f" {'-' if r['ours_peak_amp_vs_f32'] is None else format(r['ours_peak_amp_vs_f32'], '.2f'):>18}")
-    eager = rows["gpt"]["torch_amp_eager_attention"]
-    print(f"(gpt: both sides attend with the fused op; PyTorch's amp step with the attention written"
-          f" out: {eager:.2f} ms)")
-    return 0
+    if "gpt" in rows:
+        eager = rows["gpt"]["torch_amp_eager_attention"]
+        print(f"(gpt: both sides attend with the fused op; PyTorch's amp step with the attention"
+              f" written out: {eager:.2f} ms)")
+    for name in failed:
+        print(f"{name}: FAILED (its error is above)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
