@@ -11,7 +11,7 @@
 #   3. the PyTorch comparison, `pytorch_peer.py --device cuda --examples DIR` (needs torch with
 #      CUDA in this machine's python3);
 #   4. `bench --device cuda --json`.
-# Whole run: 96 s on an H100 (at 1eec57a). The machine needs a CUDA 13 driver; the CUDA runtime
+# Whole run: about 110 s on an H200 (the tree of 2399ef7). The machine needs a CUDA 13 driver; the CUDA runtime
 # libraries and cuDNN are taken from torch's pip wheels (`nvidia/cu13/lib`, `nvidia/cudnn/lib`),
 # as the binaries were built against CUDA 13.0. Exits non-zero when any step failed.
 set -uo pipefail
