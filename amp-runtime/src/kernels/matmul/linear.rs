@@ -65,6 +65,18 @@ impl HalfLinear {
         Ok((grad_x, grad_w))
     }
 
+    /// [`HalfLinear::grads`] and the bias's gradient, the column sums of `grad` in f32.
+    fn grads_with_bias(
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (gx, gw) = Self::grads(x, w, grad)?;
+        let gb = offer(b, || rows(grad)?.apply_op1_no_bwd(&ColumnSums))?;
+        Ok((gx, gw, gb))
+    }
+
     /// The output's shape: `x`'s with the last dimension `out`.
     fn shape(lx: &Layout, out: usize) -> Shape {
         let mut dims = lx.dims().to_vec();
@@ -230,9 +242,7 @@ impl CustomOp3 for HalfLinear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (gx, gw) = Self::grads(x, w, grad)?;
-        let gb = offer(b, || rows(grad)?.apply_op1_no_bwd(&ColumnSums))?;
-        Ok((gx, gw, gb))
+        Self::grads_with_bias(x, w, b, grad)
     }
 }
 
@@ -374,9 +384,6 @@ impl CustomOp3 for HalfLinearAct {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dz = self.pre_grad(grad)?;
-        let (gx, gw) = HalfLinear::grads(x, w, &dz)?;
-        let gb = offer(b, || rows(&dz)?.apply_op1_no_bwd(&ColumnSums))?;
-        Ok((gx, gw, gb))
+        HalfLinear::grads_with_bias(x, w, b, &self.pre_grad(grad)?)
     }
 }
