@@ -775,6 +775,65 @@ fn helpers_run_under_the_policy_of_the_region_calling_them() -> Result<()> {
     Ok(())
 }
 
+/// Typed helpers: a `&Tensor<F32>` or `Tensor<F32>` parameter of an `#[autocast]` fn or inherent
+/// method also takes the values a calling region computed, as a PyTorch function takes its
+/// caller's tensors, and the helper runs under the caller's policy.
+#[autocast]
+fn typed_product_dtype(q: &Tensor<F32>, k: Tensor<F32>) -> Result<DType> {
+    Ok(q.matmul(&k.t()?)?.dtype())
+}
+
+struct Typed;
+
+#[autocast]
+impl Typed {
+    fn product_dtype(&self, q: &Tensor<F32>) -> Result<DType> {
+        Ok(q.matmul(&q.t()?)?.dtype())
+    }
+
+    fn relu(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        Ok(x.relu()?)
+    }
+}
+
+/// `[the region value's dtype, free helper, method, free helper given the typed parameter]`.
+#[autocast(fp16)]
+fn typed_helper_dtypes(x: &Tensor<F32>, w: &Tensor<F32>) -> Result<Vec<DType>> {
+    let h = x.matmul(w)?;
+    let by_ref = &h;
+    Ok(vec![
+        h.dtype(),
+        typed_product_dtype(&h, h.clone())?,
+        Typed.product_dtype(&by_ref)?,
+        typed_product_dtype(x, x.clone())?,
+    ])
+}
+
+#[autocast(fp16)]
+fn typed_helper_relu(x: &Tensor<F32>, w: &Tensor<F32>) -> Result<Tensor<F32>> {
+    let h = x.matmul(w)?;
+    Ok(Typed.relu(&h)?)
+}
+
+#[test]
+fn typed_helpers_take_region_values() -> Result<()> {
+    let x = Tensor::<F32>::randn(0.0, 1.0, (3, 4), &dev())?;
+    let w = Tensor::<F32>::randn(0.0, 1.0, (4, 4), &dev())?;
+    let f16 = DType::F16;
+    assert_eq!(typed_helper_dtypes(&x, &w)?, [f16; 4]);
+    // The helper's ReLU ran on the fp16 product as it was: candle's own f16 ReLU of it.
+    let (xh, wh) = (x.as_candle().to_dtype(f16)?, w.as_candle().to_dtype(f16)?);
+    let expected = xh.matmul(&wh)?.relu()?.to_dtype(DType::F32)?;
+    let got = typed_helper_relu(&x, &w)?;
+    assert_eq!(got.to_vec2::<f32>()?, expected.to_vec2::<f32>()?);
+    // Plain callers: typed tensors, by reference, through an `Arc` (the deref coercion the
+    // declared `&Tensor<F32>` allowed) and by value; the helper runs in f32.
+    let shared = std::sync::Arc::new(x.clone());
+    assert_eq!(typed_product_dtype(&shared, x.clone())?, DType::F32);
+    assert_eq!(Typed.product_dtype(&x)?, DType::F32);
+    Ok(())
+}
+
 // ---- A region value behaves like a candle Tensor: shapes, indexing, scalars, masks. ----
 
 /// Causal attention scores written as candle-transformers writes them, with a u8 mask.

@@ -42,7 +42,48 @@ fn region_fn(item: &ItemFn, part: &Part, region_args: &AutocastArgs) -> ItemFn {
     let mut f = item.clone();
     *f.block = region_block(part, region_args);
     strip_tensor_param_mut(&mut f.sig);
+    accept_region_values(&mut f.sig);
     f
+}
+
+/// Input:  `fn f(x: &Tensor<F16>, y: Tensor<P>, ids: &candle_core::Tensor)`
+/// Output: `fn f(x: &(impl TensorArg<F16> + ?Sized), y: impl TensorArg<P>, ids: &candle_core::
+///         Tensor)`: a typed parameter also takes the values of a calling region (candle
+///         tensors), as a PyTorch function takes whatever tensor its caller computed; a typed
+///         tensor of another precision is still refused. Parameters without a written precision
+///         (`&Tensor`, which may be candle's) keep their type, and with it deref coercion.
+fn accept_region_values(sig: &mut syn::Signature) {
+    for input in &mut sig.inputs {
+        let FnArg::Typed(typed) = input else { continue };
+        let by_ref = matches!(&*typed.ty, Type::Reference(_));
+        let declared: &mut Type = match &mut *typed.ty {
+            Type::Reference(r) => &mut r.elem,
+            other => other,
+        };
+        let Some(precision) = written_precision(declared).cloned() else {
+            continue;
+        };
+        let tensor_arg = Rt::TensorArg.at(declared.span());
+        let bound = quote_spanned!(declared.span()=> impl #tensor_arg<#precision>);
+        *declared = Type::Verbatim(if by_ref {
+            quote_spanned!(declared.span()=> (#bound + ?::core::marker::Sized))
+        } else {
+            bound
+        });
+    }
+}
+
+/// `Tensor<X>` (any path ending in `Tensor` with one type argument): `X`.
+fn written_precision(ty: &Type) -> Option<&Type> {
+    let Type::Path(p) = ty else { return None };
+    let last = p.path.segments.last()?;
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    match (last.ident == "Tensor", args.args.first(), args.args.len()) {
+        (true, Some(syn::GenericArgument::Type(precision)), 1) => Some(precision),
+        _ => None,
+    }
 }
 
 /// Input:  `fn f(mut x: Tensor<F32>)`
@@ -269,6 +310,10 @@ fn region_impl(imp: &Impl, region_args: &AutocastArgs) -> TokenStream {
         if method.part.is_rewritten() {
             f.block = region_block(&method.part, region_args);
             strip_tensor_param_mut(&mut f.sig);
+            // A trait's method keeps the trait's signature.
+            if imp.item.trait_.is_none() {
+                accept_region_values(&mut f.sig);
+            }
         }
     }
     quote!(#item #(#region_calls)*)

@@ -34,6 +34,8 @@ pub(crate) enum Rt {
     EnterAs,
     /// A declared tensor type's value in a region (`Option<&Tensor<P>>` arguments).
     RegionParam,
+    /// The bound of a region fn's `Tensor<P>` parameter: a `Tensor<P>` or a region value.
+    TensorArg,
     EnterFp32,
     EnterCast,
     /// How a part's results leave it, decided at entry (`Leave::at_entry`).
@@ -96,7 +98,7 @@ pub(crate) enum Rt {
 impl Rt {
     /// Every name, for the test that pins the contract with the facade.
     #[cfg(test)]
-    pub(crate) const ALL: [Self; 56] = [
+    pub(crate) const ALL: [Self; 57] = [
         Self::Fp16Policy,
         Self::Bf16Policy,
         Self::Fp32Policy,
@@ -113,6 +115,7 @@ impl Rt {
         Self::Enter,
         Self::EnterAs,
         Self::RegionParam,
+        Self::TensorArg,
         Self::EnterFp32,
         Self::EnterCast,
         Self::Leave,
@@ -173,6 +176,7 @@ impl Rt {
             Self::Enter => "enter",
             Self::EnterAs => "EnterAs",
             Self::RegionParam => "RegionParam",
+            Self::TensorArg => "TensorArg",
             Self::EnterFp32 => "enter_fp32",
             Self::EnterCast => "enter_cast",
             Self::Leave => "Leave",

@@ -29,7 +29,7 @@ pub use precision::{Half, Precision, Promote, BF16, F16, F32};
 pub use region::{
     autocast_dtype, cast_count, current_policy, is_autocast_enabled, AmpModule, AmpTensor, AsAmp,
     Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Operand, Policy, RegionCall, RegionCallMut,
-    RegionValue,
+    RegionValue, TensorArg,
 };
 pub use scaler::{
     GradScaler, GradScalerBuilder, ScaledGrads, ScaledLoss, ScalerError, ScalerState, StepOutcome,

@@ -60,6 +60,45 @@ impl<A: AsAmp + ?Sized> EnterAs<candle_core::Tensor> for A {
     }
 }
 
+/// An argument for a parameter declared `Tensor<P>` or `&Tensor<P>` of an `#[autocast]` or
+/// `#[keep_fp32]` fn or inherent method: a `Tensor<P>`, or a value computed in a calling region
+/// (a candle tensor, in the precision its ops gave it), directly or through a reference, `Box`,
+/// `Rc`, `Arc` or a `RefCell`/`Mutex`/`RwLock` guard. The macro declares such a parameter
+/// `&(impl TensorArg<P> + ?Sized)` (by value: `impl TensorArg<P>`), so that a region hands its
+/// values to a typed helper as PyTorch code hands tensors to a function; a typed tensor of
+/// another precision stays a compile error.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be passed for a `Tensor<{P}>` parameter of an autocast fn",
+    label = "expected a `Tensor<{P}>` or a value computed in a region",
+    note = "a typed tensor of another precision is cast first: `x.cast::<{P}>()?`"
+)]
+pub trait TensorArg<P: Precision>: AsAmp {}
+
+impl<P: Precision> TensorArg<P> for Tensor<P> {}
+
+impl<P: Precision> TensorArg<P> for candle_core::Tensor {}
+
+/// The references and smart pointers a typed parameter reached by deref coercion before the
+/// macro made it generic.
+macro_rules! tensor_arg_through {
+    ($($ptr:ty),* $(,)?) => {
+        $(impl<P: Precision, T: TensorArg<P> + ?Sized> TensorArg<P> for $ptr {})*
+    };
+}
+
+tensor_arg_through!(
+    &T,
+    &mut T,
+    Box<T>,
+    std::rc::Rc<T>,
+    std::sync::Arc<T>,
+    std::cell::Ref<'_, T>,
+    std::cell::RefMut<'_, T>,
+    std::sync::MutexGuard<'_, T>,
+    std::sync::RwLockReadGuard<'_, T>,
+    std::sync::RwLockWriteGuard<'_, T>,
+);
+
 /// A value entering a `#[keep_fp32]` part: f32 if floating, an integer tensor as it is.
 fn upcast(x: AmpTensor) -> Result<AmpTensor> {
     if floating(&x) {

@@ -29,6 +29,7 @@ mod route;
 mod value;
 
 pub use crate::cast::cast_count;
+pub use boundary::TensorArg;
 pub use call::{calls, RegionCall, RegionCallMut};
 pub use module::AmpModule;
 pub use policy::{
@@ -45,7 +46,7 @@ pub(crate) use route::{unary, unary_widening, with_precision};
 pub mod __private {
     pub use super::boundary::{
         candle_module_call, enter, enter_cast, enter_fp32, grad_like, EnterAs, GradsLike,
-        RegionParam,
+        RegionParam, TensorArg,
     };
     pub use super::call::{calls, module_call, RegionCall, RegionCallMut};
     pub use super::exit::{
