@@ -320,6 +320,9 @@ def main():
             "ours_f32": ours["f32"]["ms_per_step"],
             "ours_amp": ours[dev.precision]["ms_per_step"],
             "ours_peak_amp_vs_f32": peak_ratio(ours, dev.precision),
+            # Where our step's host time goes (forward, backward, scaler and optimizer).
+            "ours_host_ms": {mode: ours[key]["host_ms"] for mode, key in
+                             (("f32", "f32"), ("amp", dev.precision))},
         }
 
     def resnet(res):
@@ -370,6 +373,9 @@ def main():
         eager = rows["gpt"]["torch_amp_eager_attention"]
         print(f"(gpt: both sides attend with the fused op; PyTorch's amp step with the attention"
               f" written out: {eager:.2f} ms)")
+        for mode, host in rows["gpt"]["ours_host_ms"].items():
+            phases = ", ".join(f"{phase} {ms:.2f}" for phase, ms in host.items())
+            print(f"(gpt, ours {mode}: host ms per step: {phases})")
     for name in failed:
         print(f"{name}: FAILED (its error is above)")
     return 1 if failed else 0

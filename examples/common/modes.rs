@@ -36,8 +36,23 @@ pub struct ModeResult {
     pub final_loss: f32,
     pub peak_bytes: usize,
     pub skipped_steps: u64,
+    /// Where the host's time of a timed step went.
+    pub host_ms: HostMs,
     #[serde(skip)]
     pub losses: Vec<f32>,
+}
+
+/// Host time of a step's phases, ms per timed step: `forward` (the loss's graph), `backward`,
+/// `step` (the scaler's `step` and `update`: unscaling, its one found-inf read, the optimizer)
+/// and `loss_read` (reading the loss back). On a GPU kernels run asynchronously, so the first
+/// three are what the host spends launching them, and the reads wait for the device: a step
+/// whose time is mostly launching is bound by the host, not by the GPU.
+#[derive(Serialize, Debug, Default, Clone, Copy)]
+pub struct HostMs {
+    pub forward: f64,
+    pub backward: f64,
+    pub step: f64,
+    pub loss_read: f64,
 }
 
 /// The GradScaler of `mode`'s loop: enabled for fp16 only (bf16 has f32's range and, as in
@@ -64,15 +79,26 @@ pub fn run_steps<O: Optimizer>(
     let bar = super::progress(steps.len() as u64, mode.name(), quiet);
     let (mut losses, mut start) = (Vec::with_capacity(steps.len()), Instant::now());
     let total = steps.end;
+    let mut host = HostMs::default();
     for step in steps {
         if losses.len() == 1 {
             start = Instant::now(); // the first step is the untimed warm-up
+            host = HostMs::default();
         }
+        let mut phase = Instant::now();
+        let mut lap = |total: &mut f64| {
+            *total += phase.elapsed().as_secs_f64() * 1e3;
+            phase = Instant::now();
+        };
         let l = loss(opt, step)?;
+        lap(&mut host.forward);
         let grads = scaler.scale(&l)?.backward()?;
+        lap(&mut host.backward);
         let _ = scaler.step(opt, grads)?;
         scaler.update()?;
+        lap(&mut host.step);
         let value = l.to_scalar::<f32>()?;
+        lap(&mut host.loss_read);
         losses.push(value);
         bar.set_message(format!("loss {value:.4}"));
         bar.inc(1);
@@ -80,8 +106,15 @@ pub fn run_steps<O: Optimizer>(
     bar.finish();
     let timed = losses.len().saturating_sub(1).max(1);
     let tail = (total / 10).clamp(1, losses.len().max(1));
+    let per_step = |ms: f64| ms / timed as f64;
     Ok(ModeResult {
-        ms_per_step: start.elapsed().as_secs_f64() * 1e3 / timed as f64,
+        ms_per_step: per_step(start.elapsed().as_secs_f64() * 1e3),
+        host_ms: HostMs {
+            forward: per_step(host.forward),
+            backward: per_step(host.backward),
+            step: per_step(host.step),
+            loss_read: per_step(host.loss_read),
+        },
         final_loss: super::mean_tail_n(&losses, tail),
         peak_bytes: peak.bytes()?,
         skipped_steps: scaler.skipped_steps(),
