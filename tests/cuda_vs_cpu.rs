@@ -191,18 +191,20 @@ fn conv_transpose2d_matches_cpu<P: Precision>() -> Result<()> {
     Ok(())
 }
 
-/// `BatchNorm2d` in training mode (batch statistics, the running ones moved), then in evaluation
-/// mode with the moved running statistics: both outputs, batched, so that the comparison covers
-/// the running-statistics update too.
-/// Batch norm in training and evaluation; rows of 25 values (one at a time) and of 32 (the
-/// kernels' 16-byte loads).
+/// Batch norm in training and evaluation; rows of 25 values (one at a time), of 32 (the
+/// kernels' 16-byte loads), and the small rows of a late layer, whose 16-byte groups of several
+/// rows share a block of the affine pass: 4 values (f32: one group a row; half: one at a time)
+/// and 16 (two groups a row in f32, one in half).
 fn batch_norm_matches_cpu<P: Precision>() -> Result<()> {
-    for x_shape in [[4, 6, 5, 5], [2, 6, 8, 4]] {
+    for x_shape in [[4, 6, 5, 5], [2, 6, 8, 4], [5, 6, 2, 2], [3, 6, 4, 4]] {
         batch_norm_matches_cpu_on::<P>(&x_shape)?;
     }
     Ok(())
 }
 
+/// `BatchNorm2d` in training mode (batch statistics, the running ones moved), then in evaluation
+/// mode with the moved running statistics: both outputs, batched, so that the comparison covers
+/// the running-statistics update too.
 fn batch_norm_matches_cpu_on<P: Precision>(x_shape: &[usize]) -> Result<()> {
     compare::<P>("batch_norm2d", x_shape, &[6], |w, b| {
         let dev = w.device().clone();

@@ -200,30 +200,34 @@ extern "C" __global__ void amp_bn_grad_consts(
 // `mul`, `dy` and `k` may be null (mul then 1, no dy term). The forward is center = mean,
 // scale = invstd, mul = weight, shift = bias; the input gradient center = mean, scale = p,
 // shift = q, k * dy (kernels::batch_norm's InputGrad), dy masked by the forward's ReLU where
-// `relu_scale` is not null (see amp_relu_kept). Grid (rows, chunks of AMP_BN_SPAN values of a
-// row's hw): a block's row fixes its channel.
-#define AMP_BN_SPAN (AMP_BN_THREADS * 8)
-
+// `relu_scale` is not null (see amp_relu_kept). A grid-stride loop over the `total` values in
+// groups of W (a row of hw values holds whole groups), each group's channel from its row: the
+// rows of a late layer's small feature maps (4x4: 16 values) share blocks, where a block per
+// row had left all but a few of its threads idle. The channel index takes a 32-bit division
+// where the tensor allows.
 template <int W>
 __device__ __forceinline__ void amp_bn_apply_w(
     const void* x, const void* dy, void* out, int dt,
-    unsigned int channels, unsigned long long hw,
+    unsigned int channels, unsigned long long hw, unsigned long long total,
     const float* center, const float* scale, const float* mul, const float* shift,
     const float* k, int relu,
     const float* relu_scale, const float* relu_mul, const float* relu_shift)
 {
-    const unsigned long long row = blockIdx.x;
-    const unsigned int c = (unsigned int)(row % channels);
-    const float m = center[c];
-    const float s = mul ? scale[c] * mul[c] : scale[c];
-    const float t = shift[c];
-    const float kc = k ? k[c] : 0.0f;
-    const float rs = relu_scale ? relu_scale[c] * relu_mul[c] : 0.0f;
-    const float rt = relu_scale ? relu_shift[c] : 0.0f;
-    const unsigned long long begin = (unsigned long long)blockIdx.y * AMP_BN_SPAN;
-    const unsigned long long end = begin + AMP_BN_SPAN < hw ? begin + AMP_BN_SPAN : hw;
-    for (unsigned long long i = begin + threadIdx.x * W; i < end; i += AMP_BN_THREADS * W) {
-        const unsigned long long at = row * hw + i;
+    const unsigned long long groups = total / W;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const bool narrow = total <= 0xffffffffull;
+    for (unsigned long long j = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         j < groups; j += stride) {
+        const unsigned long long at = j * W;
+        const unsigned int c = narrow
+            ? ((unsigned int)at / (unsigned int)hw) % channels
+            : (unsigned int)((at / hw) % channels);
+        const float m = center[c];
+        const float s = mul ? scale[c] * mul[c] : scale[c];
+        const float t = shift[c];
+        const float kc = k ? k[c] : 0.0f;
+        const float rs = relu_scale ? relu_scale[c] * relu_mul[c] : 0.0f;
+        const float rt = relu_scale ? relu_shift[c] : 0.0f;
         float xs[W], vs[W], gs[W];
         amp_get_w<W>(x, at, dt, xs);
         if (dy) {
@@ -252,19 +256,19 @@ __device__ __forceinline__ void amp_bn_apply_w(
 // `width` as for amp_bn_sums (x, dy and out 16-byte aligned, hw a multiple of it).
 extern "C" __global__ void amp_bn_apply(
     const void* x, const void* dy, void* out, int dt, int width,
-    unsigned int channels, unsigned long long hw,
+    unsigned int channels, unsigned long long hw, unsigned long long total,
     const float* center, const float* scale, const float* mul, const float* shift,
     const float* k, int relu,
     const float* relu_scale, const float* relu_mul, const float* relu_shift)
 {
     if (width == 8) {
-        amp_bn_apply_w<8>(x, dy, out, dt, channels, hw, center, scale, mul, shift, k, relu,
+        amp_bn_apply_w<8>(x, dy, out, dt, channels, hw, total, center, scale, mul, shift, k, relu,
                           relu_scale, relu_mul, relu_shift);
     } else if (width == 4) {
-        amp_bn_apply_w<4>(x, dy, out, dt, channels, hw, center, scale, mul, shift, k, relu,
+        amp_bn_apply_w<4>(x, dy, out, dt, channels, hw, total, center, scale, mul, shift, k, relu,
                           relu_scale, relu_mul, relu_shift);
     } else {
-        amp_bn_apply_w<1>(x, dy, out, dt, channels, hw, center, scale, mul, shift, k, relu,
+        amp_bn_apply_w<1>(x, dy, out, dt, channels, hw, total, center, scale, mul, shift, k, relu,
                           relu_scale, relu_mul, relu_shift);
     }
 }

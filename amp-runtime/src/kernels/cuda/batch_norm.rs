@@ -23,8 +23,6 @@ pub(crate) static BATCH_NORM: Module = Module::new(
     include_str!("batch_norm.cu"),
     &[("AMP_BN_THREADS", THREADS)],
 );
-/// `AMP_BN_SPAN`: values of a row one block of the affine pass covers.
-const SPAN: usize = THREADS as usize * 8;
 /// Values one thread of the sums sums in f32 at most (then f64); small enough that a channel
 /// of a large activation splits over several blocks (more loads in flight).
 const PER_THREAD: u64 = 64;
@@ -385,19 +383,10 @@ impl Apply<'_> {
         let (mask, _mask_guards) = ReluMask::addresses(self.relu_mask.as_ref(), &stream, g.c)?;
         let (out_ptr, out_guard) = out_address(&mut out, &stream);
         let width = width(x.dtype(), g.hw, &[xp, dyp, out_ptr]);
-        let rows = grid_dim(g.n * g.c, "rows")?;
-        let chunks = u32::try_from(g.hw.div_ceil(SPAN))
-            .ok()
-            .filter(|&c| c <= 65_535)
-            .ok_or_else(|| too_many("values per row"))?;
-        let (channels, hw) = (grid_dim(g.c, "channels")?, g.hw as u64);
+        let (channels, hw, total) = (grid_dim(g.c, "channels")?, g.hw as u64, len as u64);
         let func =
             dev.get_or_load_custom_func("amp_bn_apply", BATCH_NORM.name, BATCH_NORM.ptx()?)?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows, chunks, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = grid_stride(total / width as u64, THREADS);
         let mut builder = func.builder();
         builder.arg(&xp);
         builder.arg(&dyp);
@@ -406,6 +395,7 @@ impl Apply<'_> {
         builder.arg(&width);
         builder.arg(&channels);
         builder.arg(&hw);
+        builder.arg(&total);
         builder.arg(&d_center);
         builder.arg(&d_scale);
         builder.arg(&mul);
@@ -417,7 +407,7 @@ impl Apply<'_> {
             builder.arg(p);
         }
         // SAFETY: the arguments match `amp_bn_apply`; `xp`, `dyp` (when not null) and `out_ptr`
-        // address `rows * hw` values of the kernel's dtype in storages held for the launch
+        // address `total` values (rows of `hw`) of the kernel's dtype in storages held for the launch
         // (`out` freshly allocated, distinct from the inputs), aligned and of rows of whole
         // groups where `width` > 1; every per-channel array (the
         // mask's unless null) holds `channels` f32 values (checked above).
@@ -478,8 +468,4 @@ fn f32_address<'a>(
         candle_core::bail!("batch norm kernel: {what} must be {c} f32 values")
     }
     address(s, l, stream)
-}
-
-fn too_many(what: &str) -> candle_core::Error {
-    candle_core::Error::Msg(format!("batch norm kernel: too many {what} for one launch"))
 }
