@@ -89,6 +89,30 @@ fn conv_geometry_is_checked<P: candle_amp::Precision>() -> Result<()> {
         line.conv1d(&k1, 0, 1, 1, 1),
         "conv1d: the kernel spans 5",
     );
+    // Arguments near `usize::MAX` overflowed the check itself (a panic), or passed it with an
+    // output no allocation can hold (a capacity overflow's panic).
+    let huge = usize::MAX / 2;
+    let small = image::<P>((2, 2, 3, 3))?;
+    assert_err(
+        "padding near usize::MAX",
+        x.conv2d(&small, huge, 1, 1, 1),
+        "too large to allocate",
+    );
+    assert_err(
+        "dilation usize::MAX",
+        x.conv2d(&small, 0, 1, usize::MAX, 1),
+        "no output position",
+    );
+    assert_err(
+        "padding 2^62",
+        line.conv1d(&k1, 1 << 62, 1, 1, 1),
+        "too large to allocate",
+    );
+    assert_err(
+        "groups usize::MAX",
+        x.conv2d(&k, 0, 1, 1, usize::MAX),
+        "per group",
+    );
     Ok(())
 }
 
@@ -137,6 +161,65 @@ fn transposed_conv_geometry_is_checked() -> Result<()> {
         "1-D groups 0",
         line.conv_transpose1d(&k1, 0, 0, 1, 1, 0),
         "groups must be",
+    );
+    // A stride near `usize::MAX` overflowed the output's size (a panic).
+    assert_err(
+        "stride near usize::MAX",
+        x.conv_transpose2d(&k, 0, 0, usize::MAX / 2, 1),
+        "too large to allocate",
+    );
+    assert_err(
+        "dilation usize::MAX",
+        line.conv_transpose1d(&k1, 0, 0, 1, usize::MAX, 1),
+        "too large to allocate",
+    );
+    Ok(())
+}
+
+#[candle_amp::autocast(bf16)]
+fn pool_in_region(pool: &nn::MaxPool2d, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    pool.forward(x)
+}
+
+#[test]
+fn pools_reject_overflowing_padding_and_empty_planes() -> Result<()> {
+    let x = image::<F32>((1, 1, 4, 4))?;
+    // A padding near `usize::MAX / 2` overflowed the window check (a panic).
+    let wide = nn::MaxPool2d::with_stride(usize::MAX, 1).with_padding(usize::MAX / 2 + 1);
+    assert_err("max pool padding", wide.forward(&x), "does not fit");
+    assert_err(
+        "max pool padding, region",
+        pool_in_region(&wide, &x),
+        "does not fit",
+    );
+    let avg = nn::AvgPool2d::with_stride(usize::MAX, 1).with_padding(usize::MAX / 2 + 1);
+    assert_err("avg pool padding", avg.forward(&x), "does not fit");
+    // An empty plane: every window lay in the padding (-inf or -0.0 out, as if valid).
+    let empty = Tensor::<F32>::zeros((1, 1, 0, 4), &dev())?;
+    let pool = nn::MaxPool2d::with_stride(2, 1).with_padding(1);
+    assert_err("max pool of 0x4", pool.forward(&empty), "are empty");
+    assert_err(
+        "max pool of 0x4, region",
+        pool_in_region(&pool, &empty),
+        "are empty",
+    );
+    let avg = nn::AvgPool2d::with_stride(2, 1).with_padding(1);
+    assert_err("avg pool of 0x4", avg.forward(&empty), "are empty");
+    Ok(())
+}
+
+#[test]
+fn rope_of_an_empty_head_is_empty() -> Result<()> {
+    // A head dimension of 0 divided by zero (a panic) in the kernel's row blocking.
+    let x = Tensor::<F32>::zeros((1, 1, 3, 0), &dev())?;
+    let table = candle_core::Tensor::zeros((3, 0), DType::F32, &dev())?;
+    for rope in [candle_amp::ops::rope::<F32>, candle_amp::ops::rope_i::<F32>] {
+        assert_eq!(rope(&x, &table, &table)?.dims(), [1, 1, 3, 0]);
+    }
+    let thd = Tensor::<F32>::zeros((1, 3, 1, 0), &dev())?;
+    assert_eq!(
+        candle_amp::ops::rope_thd(&thd, &table, &table)?.dims(),
+        [1, 3, 1, 0]
     );
     Ok(())
 }

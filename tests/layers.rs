@@ -1639,32 +1639,39 @@ fn adaptive_avg_pool_uses_pytorchs_windows_and_keeps_the_precision() -> Result<(
         (1, 2, h, w),
         &dev,
     )?)?;
-    let pool = nn::AdaptiveAvgPool2d::new((2, 3))?;
-    let y = pool
-        .forward(&x)?
-        .into_candle()
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    let mut k = 0;
-    for c in 0..2 {
-        for i in 0..2 {
-            for j in 0..3 {
-                let (r0, r1) = (i * h / 2, ((i + 1) * h).div_ceil(2));
-                let (c0, c1) = (j * w / 3, ((j + 1) * w).div_ceil(3));
-                let cells: Vec<f64> = (r0..r1)
-                    .flat_map(|r| (c0..c1).map(move |q| (r, q)))
-                    .map(|(r, q)| f64::from(xs[c * h * w + r * w + q]))
-                    .collect();
-                let want = cells.iter().sum::<f64>() / cells.len() as f64;
-                assert!(
-                    (f64::from(y[k]) - want).abs() < 1e-6,
-                    "({c},{i},{j}): {} vs {want}",
-                    y[k]
-                );
-                k += 1;
+    // Fewer cells than rows and columns (overlapping windows), and more (windows of one value,
+    // some repeated).
+    for (oh, ow) in [(2, 3), (8, 9)] {
+        let y = nn::AdaptiveAvgPool2d::new((oh, ow))?
+            .forward(&x)?
+            .into_candle()
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let mut k = 0;
+        for c in 0..2 {
+            for i in 0..oh {
+                for j in 0..ow {
+                    let (r0, r1) = (i * h / oh, ((i + 1) * h).div_ceil(oh));
+                    let (c0, c1) = (j * w / ow, ((j + 1) * w).div_ceil(ow));
+                    let cells: Vec<f64> = (r0..r1)
+                        .flat_map(|r| (c0..c1).map(move |q| (r, q)))
+                        .map(|(r, q)| f64::from(xs[c * h * w + r * w + q]))
+                        .collect();
+                    let want = cells.iter().sum::<f64>() / cells.len() as f64;
+                    assert!(
+                        (f64::from(y[k]) - want).abs() < 1e-6,
+                        "{oh}x{ow} ({c},{i},{j}): {} vs {want}",
+                        y[k]
+                    );
+                    k += 1;
+                }
             }
         }
     }
+    // An output no memory holds is an error, not a hang building its cells.
+    let huge = nn::AdaptiveAvgPool2d::new((usize::MAX, 1))?.forward(&x);
+    assert!(huge.is_err_and(|e| e.to_string().contains("too large")));
+    let pool = nn::AdaptiveAvgPool2d::new((2, 3))?;
     let global = nn::AdaptiveAvgPool2d::new((1, 1))?
         .forward(&x)?
         .into_candle();

@@ -1,4 +1,5 @@
-//! What the kernels read of candle's layouts: contiguous runs, strided offsets, overlap.
+//! What the kernels read of candle's layouts: contiguous runs, strided offsets, overlap; and
+//! whether an output's shape can be allocated at all.
 
 use candle_core::Layout;
 
@@ -64,4 +65,22 @@ pub(crate) fn is_non_overlapping(layout: &Layout) -> bool {
         span = stride * dim;
     }
     true
+}
+
+/// Bytes no allocation can reach: the 47-bit user address space of x86-64 and aarch64 Linux.
+const ADDRESSABLE: u128 = 1 << 47;
+
+/// Fails, naming `op`, when a tensor of `dims` could not exist: its element count overflows, or
+/// its f32 elements would exceed the address space. The geometry checks of the ops whose output
+/// size grows with their arguments (padding, stride, dilation, an adaptive pool's size) call it,
+/// so that an absurd argument is an error rather than an arithmetic overflow's panic, a
+/// capacity overflow or an allocation's abort.
+pub(crate) fn check_allocatable(op: &str, dims: &[usize]) -> candle_core::Result<()> {
+    let elements = dims
+        .iter()
+        .try_fold(1u128, |n, &d| n.checked_mul(d as u128));
+    match elements {
+        Some(n) if n * 4 <= ADDRESSABLE => Ok(()),
+        _ => candle_core::bail!("{op}: an output of shape {dims:?} is too large to allocate"),
+    }
 }

@@ -43,6 +43,10 @@ impl Form {
 /// the module's documentation), in `x`'s dtype. Differentiable in `x`.
 pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, form: Form) -> Result<Tensor> {
     let geometry = Geometry::check(x, cos, sin, form)?;
+    if x.elem_count() == 0 {
+        // Nothing to rotate (a head dimension of 0: the kernel walks rows of `d`).
+        return Ok(x.clone());
+    }
     let (cos, sin) = (cos.to_dtype(DType::F32)?, sin.to_dtype(DType::F32)?);
     if !cpu_float(x) {
         return composed(x, &cos, &sin, form);

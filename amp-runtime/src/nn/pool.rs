@@ -156,14 +156,21 @@ impl AdaptiveAvgPool2d {
         if let Some(y) = super::followed::<P, crate::region::calls::forward, _>(self, (x,)) {
             return y;
         }
-        let (_, _, h, w) = x.dims4()?;
+        let (b, c, h, w) = x.dims4()?;
+        crate::kernels::layout::check_allocatable(
+            "AdaptiveAvgPool2d",
+            &[b, c, self.out.0, self.out.1],
+        )?;
         let wide = crate::cast::convert(x.as_candle(), candle_core::DType::F32)?;
         let pooled = adaptive_mean(&adaptive_mean(&wide, 2, h, self.out.0)?, 3, w, self.out.1)?;
         Tensor::from_candle(crate::cast::convert(&pooled, P::DTYPE)?)
     }
 }
 
-/// The adaptive mean over dimension `dim` of size `n`, to `out` cells.
+/// The adaptive mean over dimension `dim` (2 or 3 of a rank-4 `x`) of size `n`, to `out`
+/// cells: one cell the dimension's mean; more, the sums of each cell's window as one product
+/// with its 0/1 membership matrix `(n, out)`, divided by the windows' lengths (a node per cell
+/// would make a graph as long as the output is wide).
 fn adaptive_mean(
     x: &candle_core::Tensor,
     dim: usize,
@@ -180,13 +187,27 @@ fn adaptive_mean(
     if n == out {
         return Ok(x.clone());
     }
-    let cells = (0..out)
-        .map(|i| {
-            let (start, end) = (i * n / out, ((i + 1) * n).div_ceil(out));
-            x.narrow(dim, start, end - start)?.mean_keepdim(dim)
-        })
-        .collect::<Result<Vec<_>>>()?;
-    candle_core::Tensor::cat(&cells, dim)
+    if out == 1 {
+        return x.mean_keepdim(dim);
+    }
+    crate::kernels::layout::check_allocatable("AdaptiveAvgPool2d", &[n, out])?;
+    let mut member = vec![0f32; n * out];
+    let mut lens = vec![0f32; out];
+    for (i, len) in lens.iter_mut().enumerate() {
+        // In u128: `i * n` may not fit a usize for a wide output.
+        let (i, n128, out128) = (i as u128, n as u128, out as u128);
+        let start = (i * n128 / out128) as usize;
+        let end = ((i + 1) * n128).div_ceil(out128) as usize;
+        for j in start..end {
+            member[j * out + i as usize] = 1.0;
+        }
+        *len = (end - start) as f32;
+    }
+    let member = candle_core::Tensor::from_vec(member, (n, out), x.device())?;
+    let lens = candle_core::Tensor::from_vec(lens, out, x.device())?;
+    let last = x.rank() - 1;
+    let sums = x.transpose(dim, last)?.broadcast_matmul(&member)?;
+    sums.broadcast_div(&lens)?.transpose(dim, last)
 }
 
 impl AmpLayer for AdaptiveAvgPool2d {

@@ -88,7 +88,7 @@ pub(crate) fn check_geometry(op: &str, x: &[usize], k: &[usize], p: Conv2dParams
         )
     }
     let (c_in, c_out, c_in_g) = (x[1], k[0], k[1]);
-    if c_in_g * p.groups != c_in {
+    if c_in_g.checked_mul(p.groups) != Some(c_in) {
         candle_core::bail!(
             "{op}: the input has {c_in} channels, the kernel {c_in_g} per group x {} groups",
             p.groups
@@ -100,12 +100,15 @@ pub(crate) fn check_geometry(op: &str, x: &[usize], k: &[usize], p: Conv2dParams
             p.groups
         )
     }
+    let mut out = vec![x[0], c_out];
     for (&size, &taps) in x[2..].iter().zip(&k[2..]) {
         if taps == 0 {
             candle_core::bail!("{op}: the kernel {k:?} has a side of size 0")
         }
-        let span = p.dilation * (taps - 1) + 1;
-        if span > size + 2 * p.padding {
+        // In u128: a padding or dilation near `usize::MAX` must not overflow the check.
+        let span = p.dilation as u128 * (taps as u128 - 1) + 1;
+        let padded = size as u128 + 2 * p.padding as u128;
+        if span > padded {
             candle_core::bail!(
                 "{op}: the kernel spans {span} (size {taps}, dilation {}) along a side of the \
                  input of {size} padded by {} on each side: no output position",
@@ -113,8 +116,10 @@ pub(crate) fn check_geometry(op: &str, x: &[usize], k: &[usize], p: Conv2dParams
                 p.padding
             )
         }
+        let side = (padded - span) / p.stride as u128 + 1;
+        out.push(usize::try_from(side).unwrap_or(usize::MAX));
     }
-    Ok(())
+    crate::kernels::layout::check_allocatable(op, &out)
 }
 
 /// `conv2d` with candle's semantics plus an optional per-channel `bias` `(c_out)` of the
@@ -306,20 +311,27 @@ pub(crate) fn check_transpose(x: &[usize], k: &[usize], t: TransposeParams) -> R
             t.dilation
         )
     }
+    let mut out = vec![x[0], k[1].saturating_mul(t.groups)];
     for (&size, &taps) in x[2..].iter().zip(&k[2..]) {
         if taps == 0 || size == 0 {
             candle_core::bail!("{op}: a side of size 0 in {x:?} or {k:?}")
         }
-        let full = (size - 1) * t.stride + t.dilation * (taps - 1) + t.output_padding + 1;
-        if full <= 2 * t.padding {
+        // In u128: a stride, dilation or padding near `usize::MAX` must not overflow the check.
+        let full = (size as u128 - 1) * t.stride as u128
+            + t.dilation as u128 * (taps as u128 - 1)
+            + t.output_padding as u128
+            + 1;
+        let padding = 2 * t.padding as u128;
+        if full <= padding {
             candle_core::bail!(
                 "{op}: padding {} on each side leaves no output of the {full} positions a side \
                  of {size} makes",
                 t.padding
             )
         }
+        out.push(usize::try_from(full - padding).unwrap_or(usize::MAX));
     }
-    Ok(())
+    crate::kernels::layout::check_allocatable(op, &out)
 }
 
 /// Whether the convolution is a matrix product per image: a 1x1 kernel at stride 1, no padding,

@@ -54,13 +54,19 @@ impl Pool2d {
         )
     }
 
+    /// Whether every window holds a value of a non-empty `(h, w)` plane: window and stride
+    /// positive, the padded plane (which must fit a `usize`) at least a window wide.
     fn fits(&self, (h, w): (usize, usize)) -> bool {
+        let padded = |n: usize| {
+            n.checked_add(self.padding.checked_mul(2)?)
+                .filter(|_| n > 0)
+        };
         self.kernel.0 > 0
             && self.kernel.1 > 0
             && self.stride.0 > 0
             && self.stride.1 > 0
-            && h + 2 * self.padding >= self.kernel.0
-            && w + 2 * self.padding >= self.kernel.1
+            && padded(h).is_some_and(|p| p >= self.kernel.0)
+            && padded(w).is_some_and(|p| p >= self.kernel.1)
     }
 
     /// The input rows (or columns) of output `o` along a dimension of `n`: the in-bounds part
@@ -200,6 +206,9 @@ fn plane_f32<'a, T: Real>(x: &'a [T], c: usize, len: usize, buf: &'a mut Vec<f32
 /// Whether `p` pools a `(h, w)` plane: the window fits the padded plane, and the padding is at
 /// most half the window (PyTorch's rule too: a wider one leaves windows of nothing but padding).
 fn check(op: &str, p: Pool2d, (h, w): (usize, usize)) -> Result<()> {
+    if h == 0 || w == 0 {
+        candle_core::bail!("{op}: the input's {h}x{w} planes are empty: no window has a value");
+    }
     if !p.fits((h, w)) {
         candle_core::bail!(
             "{op}: a {:?} window with stride {:?} does not fit a {h}x{w} input padded by {}",
