@@ -660,3 +660,128 @@ fn cross_entropy_with_nothing_to_average_is_an_error() -> Result<()> {
     assert!(l.is_finite() && l > 0.0, "{l}");
     Ok(())
 }
+
+// ---- The second sweep's findings: losses, layers without inputs, values finite only in f64. ----
+
+#[autocast(bf16)]
+fn cross_entropy_in_region(x: &Tensor<F32>, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
+    candle_amp::loss::cross_entropy(x, ids)
+}
+
+/// Losses: class ids out of range or of a float dtype (candle's gather named index
+/// 18446744073709551615, or its dtype), an empty batch for the weighted cross-entropy (candle's
+/// "empty tensor for reduce"), a prediction and target of other shapes (candle's `sub`); and
+/// the mean squared error of nothing, NaN as PyTorch's (it was 0, a silent "perfect" loss).
+#[test]
+fn losses_check_their_targets_and_average_nothing_into_nan() -> Result<()> {
+    let logits = Tensor::<F32>::randn(0.0, 1.0, (2, 3), &dev())?;
+    let negative = candle_core::Tensor::new(&[-1i64, 0], &dev())?;
+    let beyond = candle_core::Tensor::new(&[0u32, 3], &dev())?;
+    let floats = candle_core::Tensor::new(&[0f32, 1.0], &dev())?;
+    for (what, ids, expected) in [
+        ("id -1", &negative, "class ids must be in 0..3, got -1"),
+        ("id 3", &beyond, "class ids must be in 0..3, got 3"),
+        ("f32 ids", &floats, "integer class ids"),
+    ] {
+        assert_err(
+            what,
+            candle_amp::loss::cross_entropy(&logits, ids),
+            expected,
+        );
+        assert_err(what, cross_entropy_in_region(&logits, ids), expected);
+        let logp = candle_amp::ops::log_softmax(&logits, 1)?;
+        assert_err(what, candle_amp::loss::nll(&logp, ids), expected);
+    }
+    let empty = Tensor::<F32>::zeros((0, 3), &dev())?;
+    let no_ids = candle_core::Tensor::zeros(0, DType::U32, &dev())?;
+    assert_err(
+        "weighted cross-entropy of no row",
+        candle_amp::loss::cross_entropy_with(
+            &empty,
+            &no_ids,
+            &candle_amp::loss::CrossEntropy::default(),
+        ),
+        "empty batch has no row to average",
+    );
+    let column = Tensor::<F32>::zeros((3, 1), &dev())?;
+    let row = Tensor::<F32>::zeros(3, &dev())?;
+    assert_err(
+        "mse (3, 1) vs (3)",
+        candle_amp::loss::mse(&column, &row),
+        "mse: the prediction [3, 1] and the target [3]",
+    );
+    assert_err(
+        "l1",
+        candle_amp::loss::l1(&column, &row),
+        "l1: the prediction",
+    );
+    assert_err(
+        "smooth_l1",
+        candle_amp::loss::smooth_l1(&column, &row, 1.0),
+        "smooth_l1: the prediction",
+    );
+    assert_err(
+        "bce",
+        candle_amp::loss::binary_cross_entropy_with_logits(&column, &row),
+        "binary_cross_entropy_with_logits: the prediction",
+    );
+    let nothing = Tensor::<F32>::zeros(0, &dev())?;
+    let mse = candle_amp::loss::mse(&nothing, &nothing)?.to_scalar::<f32>()?;
+    assert!(mse.is_nan(), "the mean of no error is NaN, got {mse}");
+    Ok(())
+}
+
+/// A layer with no input feature or channel builds, as PyTorch's does (zero weights and bias:
+/// candle-nn's initialisers failed on the infinite bound 1/sqrt(0)); a group norm of an empty
+/// batch is empty; a checkpoint's step beyond the file's i64 is an error naming it.
+#[test]
+fn layers_without_inputs_build_and_empty_batches_pass_through() -> Result<()> {
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev());
+    let linear = nn::linear(0, 3, vb.pp("l"))?;
+    let y = linear.forward(&Tensor::<F32>::zeros((2, 0), &dev())?)?;
+    assert_eq!(y.to_vec2::<f32>()?, vec![vec![0.0; 3]; 2]);
+    let conv = nn::conv2d(0, 2, 3, Conv2dConfig::default(), vb.pp("c"))?;
+    assert_eq!(conv.weight().dims(), [2, 0, 3, 3]);
+    assert!(nn::conv1d(0, 2, 3, Conv1dConfig::default(), vb.pp("c1")).is_ok());
+    let gn = nn::group_norm(2, 4, 1e-5, vb.pp("gn"))?;
+    let empty = Tensor::<F32>::zeros((0, 4, 2, 2), &dev())?;
+    assert_eq!(gn.forward(&empty)?.dims(), [0, 4, 2, 2]);
+    let opt = SGD::new(vars.all_vars(), 0.1)?;
+    let scaler = candle_amp::GradScaler::new();
+    let path = std::env::temp_dir().join(format!("bad-step-{}.safetensors", std::process::id()));
+    assert_err(
+        "step u64::MAX",
+        candle_amp::checkpoint::save(&path, &vars, &opt, &scaler, u64::MAX),
+        "does not fit the file's i64 `step`",
+    );
+    Ok(())
+}
+
+/// Hyper-parameters finite as f64 and infinite as the f32 the kernels apply (a learning rate of
+/// 1e39 made the weights -inf; an attention scale of 1e300 every output NaN).
+#[test]
+fn values_finite_only_in_f64_are_rejected() -> Result<()> {
+    let w = Var::ones(2, DType::F32, &dev())?;
+    assert_err(
+        "SGD lr 1e39",
+        SGD::new(vec![w.clone()], 1e39),
+        "invalid learning rate",
+    );
+    let adamw = ParamsAdamW {
+        lr: 1e39,
+        ..Default::default()
+    };
+    assert_err(
+        "AdamW lr 1e39",
+        AdamW::new(vec![w], adamw),
+        "invalid learning rate",
+    );
+    let q = Tensor::<F32>::randn(0.0, 1.0, (1, 1, 2, 4), &dev())?;
+    assert_err(
+        "attention scale 1e300",
+        candle_amp::ops::scaled_dot_product_attention(&q, &q, &q, None, Some(1e300), false),
+        "the scale must be finite",
+    );
+    Ok(())
+}

@@ -195,7 +195,8 @@ fn ranks_skip_together_when_one_overflows() -> Result<()> {
 }
 
 /// Averaging by hand: rank `r` holds `(r + 1) * g`; the mean over 3 ranks is `2 g`, whatever
-/// the bucket size, and in bf16 on the wire it is the bf16 rounding of the sum.
+/// the bucket size, and in bf16 on the wire it is the bf16 rounding of the sum of the ranks'
+/// shares, each rounded to bf16.
 #[test]
 fn gradients_average_whatever_the_buckets() -> Result<()> {
     let g = |scale: f32| -> Result<Vec<candle_core::Tensor>> {
@@ -241,12 +242,13 @@ fn gradients_average_whatever_the_buckets() -> Result<()> {
         );
         grads[1].to_vec1::<f32>()
     })?;
-    // 1/3 * 6 summed in bf16: each rank's value rounded to bf16 first, then the f64 sum rounded.
-    let third = [1.0f32, 2.0, 3.0]
+    // Rank r's 1/3 * (r + 1), divided by the 3 ranks in f32 and rounded to bf16, then the f64
+    // sum of the three rounded to bf16 (DDP's compression hook divides before the sum too).
+    let ninth = [1.0f32, 2.0, 3.0]
         .iter()
-        .map(|s| f64::from(half::bf16::from_f32(s / 3.0).to_f32()))
+        .map(|s| f64::from(half::bf16::from_f32(s / 3.0 / 3.0).to_f32()))
         .sum::<f64>();
-    let want = f64::from(half::bf16::from_f64(third).to_f32()) / 3.0;
+    let want = f64::from(half::bf16::from_f64(ninth).to_f32());
     assert!(
         (f64::from(bf16[0][1]) - want).abs() < 1e-7,
         "{:?} vs {want}",
@@ -268,6 +270,46 @@ fn ranks_with_different_gradients_all_get_an_error() -> Result<()> {
         let e = r.as_ref().expect_err("a mismatch is an error");
         assert!(e.contains("reduce different gradients"), "rank {rank}: {e}");
     }
+    // As many tensors of as many values, of other shapes: two parameters in another order,
+    // then a (2, 3) weight against a (3, 2) one. Each was averaged with the other rank's
+    // unrelated values.
+    let order: [&[&[usize]]; 2] = [&[&[2], &[3]], &[&[3], &[2]]];
+    let transposed: [&[&[usize]]; 2] = [&[&[2, 3], &[1]], &[&[3, 2], &[1]]];
+    for per_rank in [order, transposed] {
+        let results = on_ranks(2, |c| {
+            let dims = per_rank[c.rank()];
+            let dp = DataParallel::new(Arc::new(c));
+            let mut grads = dims
+                .iter()
+                .map(|&d| candle_core::Tensor::ones(d, DType::F32, &Device::Cpu))
+                .collect::<Result<Vec<_>>>()?;
+            let reduced = dp.all_reduce(&mut grads).map_err(|e| e.to_string());
+            let var = Var::ones(dims[0], DType::F32, &Device::Cpu)?;
+            let broadcast = dp.broadcast(&[var]).map_err(|e| e.to_string());
+            Ok((reduced, broadcast))
+        })?;
+        for (rank, (reduced, broadcast)) in results.iter().enumerate() {
+            for e in [reduced.as_ref().err(), broadcast.as_ref().err()] {
+                let e = e.unwrap_or_else(|| panic!("rank {rank} {per_rank:?}: accepted"));
+                assert!(e.contains("other shapes"), "rank {rank}: {e}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// f16 gradients of 40000 on two ranks: their mean fits f16, their sum (80000) does not. Each
+/// share is divided before the sum (DDP's default hook), so the mean is 40000, not inf.
+#[test]
+fn half_gradients_average_without_overflowing() -> Result<()> {
+    let got = on_ranks(2, |c| {
+        let dp = DataParallel::new(Arc::new(c));
+        let mut grads =
+            vec![candle_core::Tensor::new(&[40000f32, -1.5], &Device::Cpu)?.to_dtype(DType::F16)?];
+        dp.all_reduce(&mut grads)?;
+        grads[0].to_dtype(DType::F32)?.to_vec1::<f32>()
+    })?;
+    assert_eq!(got, vec![vec![40000.0, -1.5]; 2]);
     Ok(())
 }
 

@@ -826,6 +826,10 @@ fn clip_grad_norm_both_ways_matches_the_hand_computation() -> Result<()> {
     let again = grads.clip_grad_norm(max_norm * 2.0)?;
     assert!((again - max_norm).abs() <= 1e-5 * max_norm);
     assert_eq!(bits(grads.get(&model.vars[2]).unwrap())?, before);
+    // `inf` measures the norm and clips nothing, as PyTorch's `clip_grad_norm_(.., inf)`.
+    let measured = grads.clip_grad_norm(f64::INFINITY)?;
+    assert_eq!(measured, again);
+    assert_eq!(bits(grads.get(&model.vars[2]).unwrap())?, before);
     Ok(())
 }
 
@@ -851,7 +855,13 @@ fn clip_grad_value_clamps_unscaled_gradients() -> Result<()> {
         assert_eq!(got, want);
     }
     assert!(grads.clip_grad_norm(f64::NAN).is_err());
+    assert!(grads.clip_grad_norm(-1.0).is_err());
     assert!(grads.clip_grad_value(-1.0).is_err());
+    assert!(grads.clip_grad_value(f64::NAN).is_err());
+    // `inf` clamps nothing.
+    let before = bits(grads.get(&model.vars[0]).unwrap())?;
+    grads.clip_grad_value(f64::INFINITY)?;
+    assert_eq!(bits(grads.get(&model.vars[0]).unwrap())?, before);
     Ok(())
 }
 

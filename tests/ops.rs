@@ -621,6 +621,96 @@ fn fp32_class_methods_on_f32() -> Result<()> {
     Ok(())
 }
 
+#[candle_amp::autocast(bf16)]
+fn pow_and_lse_in_region(
+    x: &Tensor<F32>,
+    y: &Tensor<F32>,
+    rows: &Tensor<F32>,
+) -> Result<(Tensor<F32>, Tensor<F32>)> {
+    Ok((x.pow(y)?, rows.log_sum_exp(1)?))
+}
+
+/// `pow` and `log_sum_exp` at the edges where candle's compositions (`exp(y * ln x)`, the shift
+/// by an infinite maximum) give NaN: PyTorch's values (`torch.pow`, `torch.logsumexp`), on the
+/// typed methods, the `fp32::` functions and in a region; and `pow`'s gradient at a negative
+/// base, `y * x^(y - 1)`.
+#[test]
+fn pow_and_log_sum_exp_match_pytorch_at_the_edges() -> Result<()> {
+    let nan = f32::NAN;
+    let x = [-2f32, -3., -2., 0., 0., 0., 2., nan, 1., -2., 4.];
+    let y = [3f32, 2., 0.5, 0., 2., -1., 0.5, 0., nan, -1., -0.5];
+    let want = [
+        -8f32,
+        9.,
+        nan,
+        1.,
+        0.,
+        f32::INFINITY,
+        2f32.sqrt(),
+        1.,
+        1.,
+        -0.5,
+        0.5,
+    ];
+    let same = |got: &[f32]| {
+        got.iter()
+            .zip(&want)
+            .all(|(g, w)| g == w || (g.is_nan() && w.is_nan()) || (g - w).abs() <= 1e-6 * w.abs())
+    };
+    let (xt, yt) = (
+        Tensor::<F32>::new(&x, &dev())?,
+        Tensor::<F32>::new(&y, &dev())?,
+    );
+    let rows = Tensor::<F32>::new(
+        &[
+            [f32::NEG_INFINITY, f32::NEG_INFINITY],
+            [f32::INFINITY, 1.],
+            [1., 2.],
+        ],
+        &dev(),
+    )?;
+    let lse_want = [
+        f32::NEG_INFINITY,
+        f32::INFINITY,
+        (1f32.exp() + 2f32.exp()).ln(),
+    ];
+    let (region_pow, region_lse) = pow_and_lse_in_region(&xt, &yt, &rows)?;
+    for (how, got) in [
+        ("method", xt.pow(&yt)?),
+        ("fp32::pow", fp32::pow(&xt, &yt)?),
+        ("fp32::broadcast_pow", fp32::broadcast_pow(&xt, &yt)?),
+        ("region", region_pow),
+    ] {
+        let got = got.to_vec1::<f32>()?;
+        assert!(same(&got), "{how}: {got:?} vs {want:?}");
+    }
+    for (how, got) in [
+        ("method", rows.log_sum_exp(1)?),
+        ("fp32::log_sum_exp", fp32::log_sum_exp(&rows, 1)?),
+        ("region", region_lse),
+    ] {
+        let got = got.to_vec1::<f32>()?;
+        assert_eq!(got[..2], lse_want[..2], "{how}");
+        assert!((got[2] - lse_want[2]).abs() < 1e-6, "{how}: {got:?}");
+    }
+    // d/dx x^3 at -2 is 12, d/dx x^2 at -3 is -6.
+    let base = candle_core::Var::new(&[-2f32, -3.], &dev())?;
+    let exponent = candle_core::Tensor::new(&[3f32, 2.], &dev())?;
+    let grads = fp32::pow(
+        &Tensor::<F32>::from_candle(base.as_tensor().clone())?,
+        &Tensor::<F32>::from_candle(exponent)?,
+    )?
+    .as_candle()
+    .sum_all()?
+    .backward()?;
+    let dx = grads.get(&base).expect("a gradient").to_vec1::<f32>()?;
+    assert!(
+        (dx[0] - 12.0).abs() < 1e-5 && (dx[1] + 6.0).abs() < 1e-5,
+        "{dx:?}"
+    );
+    Ok(())
+}
+
 /// candle's shape and index methods, `clamp`, and scalars on the left, on typed tensors.
 #[test]
 fn scalars_on_the_left_shapes_and_indexing_as_candle() -> Result<()> {

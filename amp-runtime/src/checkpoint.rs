@@ -94,7 +94,12 @@ pub fn save(
             tensors.insert(format!("optim.{name}.{entry}"), t.to_device(cpu)?);
         }
     }
-    let step = i64::try_from(step).map_err(candle_core::Error::wrap)?;
+    let step = i64::try_from(step).map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "checkpoint::save: step {step} does not fit the file's i64 `step` (at most {})",
+            i64::MAX
+        ))
+    })?;
     tensors.insert("step".to_string(), Tensor::new(step, cpu)?);
     tensors.insert("format".to_string(), Tensor::new(FORMAT, cpu)?);
     let mut tmp = path.as_os_str().to_owned();

@@ -30,13 +30,87 @@ pub(crate) fn log_softmax_f32<Di: candle_core::shape::Dim>(x: &Tensor, dim: Di) 
 /// Cross-entropy of logits `(batch, classes)` at class ids `(batch)` in f32, candle-nn's
 /// `nll(log_softmax(x, 1))` with the fused log-softmax (reading half logits as they are).
 pub(crate) fn cross_entropy_f32(x: &Tensor, target: &Tensor) -> Result<Tensor> {
-    if x.rank() != 2 {
+    check_class_ids("cross_entropy", x, target)?;
+    candle_nn::loss::nll(&log_softmax_f32(x, 1)?, target)
+}
+
+/// candle-nn's `nll` of log-probabilities `(batch, classes)` at class ids `(batch)`, the ids
+/// checked first ([`check_class_ids`]).
+pub(crate) fn nll(logp: &Tensor, target: &Tensor) -> Result<Tensor> {
+    check_class_ids("nll", logp, target)?;
+    candle_nn::loss::nll(logp, target)
+}
+
+/// Class ids as PyTorch checks them: `x` is `(batch, classes)`, the target one integer id per
+/// row, each in `0..classes` (candle's gather reported a negative id as index
+/// 18446744073709551615, and f32 ids as a dtype its gather lacks). The range is read where the
+/// ids are on the CPU; on a GPU that read would stop the step, and there they go to the
+/// gather as they are.
+pub(crate) fn check_class_ids(op: &str, x: &Tensor, target: &Tensor) -> Result<()> {
+    let (n, classes) = x.dims2().map_err(|_| {
+        candle_core::Error::Msg(format!("{op} expects (batch, classes), got {:?}", x.dims()))
+    })?;
+    if target.dims() != [n] || target.dtype().is_float() {
         candle_core::bail!(
-            "cross_entropy expects logits (batch, classes), got {:?}",
-            x.dims()
+            "{op}: the target is {n} integer class ids, got {:?} {:?}",
+            target.dtype(),
+            target.dims()
         )
     }
-    candle_nn::loss::nll(&log_softmax_f32(x, 1)?, target)
+    if target.device().is_cpu() {
+        let ids = target.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+        if let Some(bad) = ids.iter().find(|&&id| id < 0 || id >= classes as i64) {
+            candle_core::bail!("{op}: class ids must be in 0..{classes}, got {bad}")
+        }
+    }
+    Ok(())
+}
+
+/// `x ^ y` elementwise (same shapes) with the values of PyTorch's (IEEE) `pow` where candle's
+/// `exp(y * ln x)` gives NaN: a negative base with an integer exponent (`(-2)^3 = -8`), `x^0 = 1`
+/// for every `x` (0, inf and NaN included) and `1^y = 1`. A negative base with a non-integer
+/// exponent stays NaN. The magnitude is candle's composition on `|x|`, so the gradients are
+/// its, signed by the base for odd exponents.
+pub(crate) fn pow(x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let magnitude = (y * x.abs()?.log()?)?.exp()?;
+    let negative = x.lt(0.0)?;
+    let integer = y.eq(&y.round()?)?;
+    let half = (y * 0.5)?;
+    let odd = (half.ne(&half.floor()?)? * &integer)?;
+    let signed = (&negative * odd)?.where_cond(&magnitude.neg()?, &magnitude)?;
+    let undefined = (&negative * integer.eq(0u8)?)?;
+    let value = undefined.where_cond(&magnitude.affine(0.0, f64::NAN)?, &signed)?;
+    let one = y.eq(0.0)?.maximum(&x.eq(1.0)?)?;
+    one.where_cond(&value.ones_like()?, &value)
+}
+
+/// [`pow`] with the operands broadcast to a common shape first.
+pub(crate) fn broadcast_pow(x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let shape = x
+        .shape()
+        .broadcast_shape_binary_op(y.shape(), "broadcast_pow")?;
+    pow(&x.broadcast_as(&shape)?, &y.broadcast_as(&shape)?)
+}
+
+/// `log(sum(exp(x)))` over `dims`, stably: candle's (shifted by the maximum) but, as PyTorch,
+/// shifted by 0 where the maximum is infinite, so that a slice of `-inf` gives `-inf` and one
+/// holding `+inf` gives `+inf` (candle's `-inf - -inf` and `inf - inf` made both NaN).
+pub(crate) fn log_sum_exp<D: candle_core::shape::Dims>(x: &Tensor, dims: D) -> Result<Tensor> {
+    let dims = dims.to_indexes(x.shape(), "log_sum_exp")?;
+    let Some((&first, rest)) = dims.split_first() else {
+        return Ok(x.clone());
+    };
+    // The shift cancels from the value and its gradient: no graph through it.
+    let max = rest
+        .iter()
+        .try_fold(x.max_keepdim(first)?, |max, &dim| max.max_keepdim(dim))?
+        .detach();
+    let shift = max
+        .abs()?
+        .eq(f64::INFINITY)?
+        .where_cond(&max.zeros_like()?, &max)?;
+    let sum = x.broadcast_sub(&shift)?.exp()?.sum(dims.as_slice())?;
+    sum.log()? + shift.reshape(sum.shape())?
 }
 
 /// PyTorch's `F.cross_entropy` options: class weights `(classes)`, a class id whose rows are
@@ -73,6 +147,12 @@ pub(crate) fn cross_entropy_with_f32(
             target.dtype(),
             target.dims()
         )
+    }
+    if n == 0 {
+        candle_core::bail!(
+            "cross_entropy: an empty batch has no row to average: its mean is undefined, where \
+             PyTorch returns NaN"
+        );
     }
     if !(0.0..=1.0).contains(&o.label_smoothing) {
         candle_core::bail!(
@@ -219,6 +299,10 @@ pub(crate) fn group_norm(
             weight.elem_count()
         )
     }
+    if x.elem_count() == 0 {
+        // An empty batch normalises to an empty output, as in PyTorch.
+        return Ok(x.clone());
+    }
     let grouped = x.reshape((dims[0], groups, ()))?;
     let mean = grouped.mean_keepdim(D::Minus1)?;
     let centred = grouped.broadcast_sub(&mean)?;
@@ -262,17 +346,34 @@ pub(crate) fn check_eps(op: &str, eps: f64) -> Result<()> {
     }
 }
 
-fn diff(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
+/// A pointwise loss's prediction and target have one shape: PyTorch broadcasts other shapes
+/// with a warning (a `(n, 1)` prediction against an `(n)` target becomes an `(n, n)` loss, a
+/// common silent bug); here it is an error naming the loss, not candle's `sub`.
+fn check_same_shape(op: &str, inp: &Tensor, target: &Tensor) -> Result<()> {
+    if inp.dims() == target.dims() {
+        Ok(())
+    } else {
+        candle_core::bail!(
+            "{op}: the prediction {:?} and the target {:?} must have one shape",
+            inp.dims(),
+            target.dims()
+        )
+    }
+}
+
+fn diff(op: &str, inp: &Tensor, target: &Tensor) -> Result<Tensor> {
+    check_same_shape(op, inp, target)?;
     inp - convert(target, inp.dtype())?
 }
 
 pub(crate) fn mse(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
-    diff(inp, target)?.sqr()?.mean_all()
+    diff("mse", inp, target)?.sqr()?.mean_all()
 }
 
 /// [`mse`] in f32 from f32, f16 or bf16 operands: one fused op on CPU that reads them as they
 /// are (`kernels::mse`), otherwise the composition on an f32 copy of the prediction.
 pub(crate) fn mse_f32(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
+    check_same_shape("mse", inp, target)?;
     match crate::kernels::mse(inp, target)? {
         Some(loss) => Ok(loss),
         None => mse(&convert(inp, DType::F32)?, target),
@@ -280,7 +381,7 @@ pub(crate) fn mse_f32(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
 }
 
 pub(crate) fn l1(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
-    diff(inp, target)?.abs()?.mean_all()
+    diff("l1", inp, target)?.abs()?.mean_all()
 }
 
 /// `0.5 d^2 / beta` where `|d| < beta`, `|d| - 0.5 beta` elsewhere, averaged; L1 at `beta = 0`.
@@ -291,7 +392,7 @@ pub(crate) fn smooth_l1(inp: &Tensor, target: &Tensor, beta: f64) -> Result<Tens
     if beta == 0.0 {
         return l1(inp, target);
     }
-    let d = diff(inp, target)?.abs()?;
+    let d = diff("smooth_l1", inp, target)?.abs()?;
     let quadratic = (d.sqr()? * (0.5 / beta))?;
     let linear = (&d - 0.5 * beta)?;
     d.lt(beta)?.where_cond(&quadratic, &linear)?.mean_all()
@@ -299,6 +400,7 @@ pub(crate) fn smooth_l1(inp: &Tensor, target: &Tensor, beta: f64) -> Result<Tens
 
 /// `max(x, 0) - x * t + log(1 + exp(-|x|))`, averaged: PyTorch's stable form.
 pub(crate) fn binary_cross_entropy_with_logits(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
+    check_same_shape("binary_cross_entropy_with_logits", inp, target)?;
     let t = convert(target, inp.dtype())?;
     let softplus_neg_abs = crate::kernels::affine(&inp.abs()?.neg()?.exp()?, 1.0, 1.0)?.log()?;
     ((inp.relu()? - (inp * &t)?)? + softplus_neg_abs)?.mean_all()

@@ -81,7 +81,7 @@ pub fn powf<P: Precision>(x: &Tensor<P>, e: f64) -> Result<Tensor<F32>> {
 
 /// `x ^ rhs` elementwise.
 pub fn pow<P: Precision, Q: Precision>(x: &Tensor<P>, rhs: &Tensor<Q>) -> Result<Tensor<F32>> {
-    up(x)?.pow(&up(rhs)?).map(out)
+    composite::pow(&up(x)?, &up(rhs)?).map(out)
 }
 
 /// `x ^ rhs` elementwise with broadcasting.
@@ -89,7 +89,7 @@ pub fn broadcast_pow<P: Precision, Q: Precision>(
     x: &Tensor<P>,
     rhs: &Tensor<Q>,
 ) -> Result<Tensor<F32>> {
-    up(x)?.broadcast_pow(&up(rhs)?).map(out)
+    composite::broadcast_pow(&up(x)?, &up(rhs)?).map(out)
 }
 
 /// `x * x`: PyTorch's `square`, which is `pow(x, 2)` and so fp32-class under CUDA autocast (an
@@ -105,7 +105,7 @@ pub fn recip<P: Precision>(x: &Tensor<P>) -> Result<Tensor<F32>> {
 
 /// `log(sum(exp(x)))` over `dims`, shifted by the maximum for stability.
 pub fn log_sum_exp<P: Precision, D: Dims>(x: &Tensor<P>, dims: D) -> Result<Tensor<F32>> {
-    up(x)?.log_sum_exp(dims).map(out)
+    composite::log_sum_exp(&up(x)?, dims).map(out)
 }
 
 /// Cumulative sum along `dim`.
@@ -165,7 +165,7 @@ pub fn smooth_l1<P: Precision, Q: Precision>(
 
 /// Negative log likelihood of log-probabilities `(batch, classes)` at integer `target` `(batch)`.
 pub fn nll<P: Precision>(inp: &Tensor<P>, target: &candle_core::Tensor) -> Result<Tensor<F32>> {
-    candle_nn::loss::nll(&up(inp)?, target).map(out)
+    composite::nll(&up(inp)?, target).map(out)
 }
 
 /// Cross-entropy of logits `(batch, classes)` against integer class ids `(batch)`.
@@ -222,7 +222,7 @@ impl<P: Precision> Tensor<P> {
         P: Fp32Input<op::pow>,
     {
         self.cast::<F32>()?
-            .binary_op::<op::pow, F32>(rhs, candle_core::Tensor::pow)
+            .binary_op::<op::pow, F32>(rhs, composite::pow)
     }
 
     /// `x ^ rhs` elementwise with broadcasting.
@@ -231,7 +231,16 @@ impl<P: Precision> Tensor<P> {
         P: Fp32Input<op::broadcast_pow>,
     {
         self.cast::<F32>()?
-            .binary_op::<op::broadcast_pow, F32>(rhs, candle_core::Tensor::broadcast_pow)
+            .binary_op::<op::broadcast_pow, F32>(rhs, composite::broadcast_pow)
+    }
+
+    /// `log(sum(exp(x)))` over `dims`, computed stably (`-inf` for a slice of `-inf`, `inf` for
+    /// one holding `inf`, as PyTorch; see [`crate::fp32::log_sum_exp`]).
+    pub fn log_sum_exp<D: candle_core::shape::Dims>(&self, dims: D) -> Result<Tensor<F32>>
+    where
+        P: Fp32Input<op::log_sum_exp>,
+    {
+        self.unary_op::<op::log_sum_exp, F32>(|x| composite::log_sum_exp(x, dims))
     }
 
     fp32_methods! {
@@ -257,8 +266,6 @@ impl<P: Precision> Tensor<P> {
         sqr();
         /// `1 / x`.
         recip();
-        /// `log(sum(exp(x)))` over `dims`, computed stably.
-        log_sum_exp<D: candle_core::shape::Dims>(dims: D);
         /// Cumulative sum along `dim`.
         cumsum<D: candle_core::shape::Dim>(dim: D);
     }

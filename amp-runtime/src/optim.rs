@@ -406,9 +406,10 @@ impl OptimizerState for AdamW {
 }
 
 /// A learning rate must be a finite number >= 0, as PyTorch's optimizers require (PyTorch lets
-/// NaN through its `lr < 0` check; a NaN rate turns every weight into NaN at the first step).
+/// NaN through its `lr < 0` check; a NaN rate turns every weight into NaN at the first step),
+/// and finite in f32 too, where the updates apply it.
 fn check_lr(optimizer: &str, lr: f64) -> Result<()> {
-    if lr.is_finite() && lr >= 0.0 {
+    if crate::kernels::elem::finite_in_f32(lr) && lr >= 0.0 {
         Ok(())
     } else {
         candle_core::bail!("{optimizer}: invalid learning rate {lr}, need a finite value >= 0")
@@ -420,7 +421,7 @@ fn check_lr(optimizer: &str, lr: f64) -> Result<()> {
 fn check_adamw(p: &ParamsAdamW) -> Result<()> {
     check_lr("AdamW", p.lr)?;
     for (name, value) in [("eps", p.eps), ("weight_decay", p.weight_decay)] {
-        if !(value.is_finite() && value >= 0.0) {
+        if !(crate::kernels::elem::finite_in_f32(value) && value >= 0.0) {
             candle_core::bail!("AdamW: invalid {name} {value}, need a finite value >= 0")
         }
     }

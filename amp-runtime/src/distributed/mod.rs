@@ -17,8 +17,10 @@
 //!   multi-process example runs it.
 //!
 //! Every rank must reduce the same gradients in the same order (the same model, the same
-//! parameters used): the reduction first compares each rank's count of tensors and values,
-//! and a mismatch is an error on every rank rather than a wrong sum. Start the replicas from
+//! parameters used): the reduction first compares each rank's count of tensors and values and
+//! a fingerprint of their shapes and dtypes, and a mismatch is an error on every rank rather
+//! than a wrong sum. Each gradient is divided by the world size before the sum (in f32, as
+//! DDP's default hook does), so half gradients whose mean fits their range do not overflow. Start the replicas from
 //! the same weights: [`DataParallel::broadcast`] copies rank 0's into every rank (DDP does it
 //! at construction).
 
@@ -117,20 +119,25 @@ impl DataParallel {
             let end = self.bucket_end(grads, start);
             let bucket = &mut grads[start..end];
             let dtype = self.reduce_dtype.unwrap_or(bucket[0].dtype());
+            // Each gradient divided by the world size before the sum, as PyTorch DDP's default
+            // hook does: the division in f32 (f64 for f64 gradients), rounded once to the wire's
+            // dtype, so that half gradients whose mean fits their range never overflow in the
+            // sum (two ranks' f16 40000s made an infinite sum, then an infinite mean).
             let flat = bucket
                 .iter()
-                .map(|g| g.flatten_all()?.to_dtype(dtype))
+                .map(|g| {
+                    let wide = g.flatten_all()?.to_dtype(crate::kernels::wide(g.dtype()))?;
+                    (wide / world as f64)?.to_dtype(dtype)
+                })
                 .collect::<Result<Vec<_>>>()?;
-            let summed = self
+            let mean = self
                 .collective
                 .all_reduce(&Tensor::cat(&flat, 0)?, ReduceOp::Sum)?;
             let mut offset = 0;
             for g in bucket.iter_mut() {
                 let n = g.elem_count();
-                // The mean in f32 (f64 for f64 gradients), rounded once to the gradient's dtype.
-                let wide = crate::kernels::wide(g.dtype());
-                let part = summed.narrow(0, offset, n)?.to_dtype(wide)?;
-                *g = (part / world as f64)?
+                *g = mean
+                    .narrow(0, offset, n)?
                     .to_dtype(g.dtype())?
                     .reshape(g.shape())?;
                 offset += n;
@@ -173,32 +180,61 @@ impl DataParallel {
         end
     }
 
-    /// Every rank passes as many tensors of as many values: a mismatch (a parameter without a
-    /// gradient on one rank, another model) is an error on every rank, never a sum of
-    /// unrelated values.
+    /// Every rank passes the same list of tensors: as many, of the same shapes and dtypes in
+    /// the same order. A mismatch (a parameter without a gradient on one rank, another model,
+    /// two parameters' shapes swapped) is an error on every rank, never a sum of unrelated
+    /// values: the ranks compare the count, the total of values and a fingerprint of the
+    /// shapes and dtypes (FNV-1a, sent as two exact 32-bit halves), PyTorch DDP's check of the
+    /// parameters' shapes across ranks.
     fn check_same_gradients(&self, grads: &[Tensor]) -> Result<()> {
         let count = grads.len() as f64;
         let values = grads.iter().map(|g| g.elem_count() as f64).sum::<f64>();
-        let mine = Tensor::new(&[count, values, -count, -values], &candle_core::Device::Cpu)?;
+        let print = fingerprint(grads);
+        let (lo, hi) = (f64::from(print as u32), f64::from((print >> 32) as u32));
+        let mine = Tensor::new(
+            &[count, values, lo, hi, -count, -values, -lo, -hi],
+            &candle_core::Device::Cpu,
+        )?;
         let seen = self
             .collective
             .all_reduce(&mine, ReduceOp::Max)?
             .to_vec1::<f64>()?;
-        let (max, min) = ((seen[0], seen[1]), (-seen[2], -seen[3]));
-        if max != min {
+        let (max, min) = (&seen[..4], &seen[4..]);
+        // Counts and 32-bit halves: integers an f64 holds exactly.
+        #[allow(clippy::float_cmp)]
+        let differ = max.iter().zip(min).any(|(a, b)| *a != -b);
+        if differ {
+            let dims: Vec<_> = grads.iter().map(|g| g.dims().to_vec()).collect();
             candle_core::bail!(
                 "rank {}: the ranks reduce different gradients ({count} tensors of {values} \
-                 values here; between {} and {} tensors, {} and {} values across ranks): every \
-                 rank must compute gradients of the same parameters",
+                 values here, of shapes {dims:?}; between {} and {} tensors, {} and {} values \
+                 across ranks, or other shapes): every rank must compute gradients of the same \
+                 parameters, in the same order",
                 self.collective.rank(),
-                min.0,
-                max.0,
-                min.1,
-                max.1
+                -min[0],
+                max[0],
+                -min[1],
+                max[1]
             );
         }
         Ok(())
     }
+}
+
+/// FNV-1a over each tensor's rank, dims and dtype, in order.
+fn fingerprint(tensors: &[Tensor]) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    let mut eat = |v: u64| {
+        for byte in v.to_le_bytes() {
+            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for t in tensors {
+        eat(t.rank() as u64);
+        t.dims().iter().for_each(|&d| eat(d as u64));
+        t.dtype().as_str().bytes().for_each(|b| eat(u64::from(b)));
+    }
+    hash
 }
 
 /// Whether any rank saw a non-finite gradient: `found` reduced by max over `collective`.

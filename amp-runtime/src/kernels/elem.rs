@@ -120,6 +120,14 @@ impl Real for bf16 {
     }
 }
 
+/// Whether a hyper-parameter given in f64 stays finite where the kernels apply it, in f32: a
+/// learning rate of 1e39 is finite as an f64 and infinite as the f32 factor of the update.
+pub(crate) fn finite_in_f32(v: f64) -> bool {
+    #[allow(clippy::cast_possible_truncation)] // the rounding is what is checked
+    let narrowed = v as f32;
+    v.is_finite() && narrowed.is_finite()
+}
+
 /// The dtype composed paths compute a float dtype's values in: f64 for f64, f32 for every
 /// other (the half types widened).
 pub(crate) fn wide(dtype: candle_core::DType) -> candle_core::DType {

@@ -63,7 +63,7 @@ impl CustomOp2 for Mse {
             squared_error(xs, ts)
         }));
         #[allow(clippy::cast_precision_loss)] // an element count
-        let mean = sum / lx.shape().elem_count().max(1) as f64;
+        let mean = sum / lx.shape().elem_count() as f64;
         Ok((CpuStorage::F32(vec![mean as f32]), Shape::from(())))
     }
 

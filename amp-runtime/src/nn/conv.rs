@@ -71,14 +71,14 @@ fn conv_params(
     }
     let c_in_g = c_in / groups;
     let shape: Vec<usize> = [c_out, c_in_g].iter().chain(kernel).copied().collect();
-    let w = vb.get_with_hints(shape, "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
+    crate::kernels::layout::check_allocatable("convolution's weight", &shape)?;
+    let fan_in = kernel.iter().product::<usize>() * c_in_g;
+    let (weight_init, bias_init) = super::fan_in_init(fan_in);
+    let w = vb.get_with_hints(shape, "weight", weight_init)?;
     let bias = if with_bias {
-        let bound = 1.0 / ((c_in_g * kernel.iter().product::<usize>()) as f64).sqrt();
-        let init = candle_nn::Init::Uniform {
-            lo: -bound,
-            up: bound,
-        };
-        Some(Var::from_tensor(&vb.get_with_hints(c_out, "bias", init)?)?)
+        Some(Var::from_tensor(
+            &vb.get_with_hints(c_out, "bias", bias_init)?,
+        )?)
     } else {
         None
     };

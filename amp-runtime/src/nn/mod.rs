@@ -198,6 +198,25 @@ impl candle_nn::Module for Embedding {
     }
 }
 
+/// PyTorch's initialisation of a layer whose outputs each see `fan_in` inputs: the weight's
+/// (candle-nn's default, Kaiming-normal) and the bias's (uniform in `+-1/sqrt(fan_in)`). With no
+/// input (`fan_in` 0, a zero-element weight) both are zeros: PyTorch builds that layer (its
+/// initialisers skip empty tensors, its bias bound is 0), where candle-nn's fail on the
+/// infinite bound ("non-finite range in uniform distribution").
+fn fan_in_init(fan_in: usize) -> (candle_nn::Init, candle_nn::Init) {
+    if fan_in == 0 {
+        return (candle_nn::Init::Const(0.0), candle_nn::Init::Const(0.0));
+    }
+    let bound = 1.0 / (fan_in as f64).sqrt();
+    (
+        candle_nn::init::DEFAULT_KAIMING_NORMAL,
+        candle_nn::Init::Uniform {
+            lo: -bound,
+            up: bound,
+        },
+    )
+}
+
 /// Checks that a master weight is an f32 `Var` (what optimizers need: candle-nn's AdamW keeps
 /// its moments in the Var's dtype, so f16 masters break training).
 fn master(var: Var, what: &str) -> Result<Var> {

@@ -351,9 +351,7 @@ pub fn smooth_l1<X: AsAmp>(inp: X, target: impl AsAmp, beta: f64) -> Call<op::sm
 /// Routed `loss::nll` (class ids: integers, never cast).
 pub fn nll<X: AsAmp>(inp: X, target: impl AsAmp) -> Call<op::nll> {
     let target = target.to_amp();
-    call(vec![inp.to_amp()], move |x| {
-        candle_nn::loss::nll(&x[0], &target)
-    })
+    call(vec![inp.to_amp()], move |x| composite::nll(&x[0], &target))
 }
 
 /// Routed `loss::cross_entropy` (class ids: integers, never cast).
@@ -363,7 +361,10 @@ pub fn cross_entropy<X: AsAmp>(inp: X, target: impl AsAmp) -> Call<op::cross_ent
     widening_call(
         vec![inp.to_amp()],
         move |x| composite::cross_entropy_f32(&x[0], &target),
-        move |x| candle_nn::loss::cross_entropy(&x[0], &same),
+        move |x| {
+            composite::check_class_ids("cross_entropy", &x[0], &same)?;
+            candle_nn::loss::cross_entropy(&x[0], &same)
+        },
     )
 }
 

@@ -32,6 +32,13 @@ macro_rules! routed {
             self.unary::<op::$name>(|x| x.$name(dim))
         }
     };
+    // PyTorch's values at infinite maxima (`crate::composite::log_sum_exp`).
+    (@dims log_sum_exp) => {
+        /// Routed `log_sum_exp`.
+        pub fn log_sum_exp<D: candle_core::shape::Dims>(&self, dims: D) -> Result<AmpTensor> {
+            self.unary::<op::log_sum_exp>(|x| crate::composite::log_sum_exp(x, dims))
+        }
+    };
     (@dims $name:ident) => {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
         pub fn $name<D: candle_core::shape::Dims>(&self, dims: D) -> Result<AmpTensor> {
@@ -67,6 +74,15 @@ macro_rules! routed {
     (@binary broadcast_div) => { routed!(@kernel broadcast_div); };
     (@binary broadcast_maximum) => { routed!(@kernel broadcast_maximum); };
     (@binary broadcast_minimum) => { routed!(@kernel broadcast_minimum); };
+    // PyTorch's values where candle's compositions give NaN (`crate::composite`).
+    (@binary pow) => { routed!(@composite pow); };
+    (@binary broadcast_pow) => { routed!(@composite broadcast_pow); };
+    (@composite $name:ident) => {
+        #[doc = concat!("Routed `", stringify!($name), "`.")]
+        pub fn $name(&self, rhs: impl Operand) -> Result<AmpTensor> {
+            self.binary::<op::$name>(&rhs.operand(), crate::composite::$name)
+        }
+    };
     (@kernel $name:ident) => {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
         pub fn $name(&self, rhs: impl Operand) -> Result<AmpTensor> {

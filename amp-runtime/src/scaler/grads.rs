@@ -282,12 +282,13 @@ impl UnscaledGrads {
     ///
     /// The norm is accumulated in f64 over the gradients in graph order; the coefficient
     /// `max_norm / (norm + 1e-6)` is applied in place when below 1. With non-finite gradients
-    /// the norm is inf or NaN, as in PyTorch; the step is skipped anyway.
+    /// the norm is inf or NaN, as in PyTorch; the step is skipped anyway. `max_norm = inf`
+    /// clips nothing and returns the norm, as in PyTorch (a way to measure it).
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
-        if !(max_norm.is_finite() && max_norm >= 0.0) {
+        if max_norm.is_nan() || max_norm < 0.0 {
             return Err(ScalerError::Invalid {
                 field: "max_norm",
-                reason: format!("must be a finite number >= 0, got {max_norm}"),
+                reason: format!("must be a number >= 0 (inf clips nothing), got {max_norm}"),
             }
             .into());
         }
@@ -312,12 +313,12 @@ impl UnscaledGrads {
     }
 
     /// Clamps every gradient element to `[-clip_value, clip_value]`, like
-    /// `torch.nn.utils.clip_grad_value_`.
+    /// `torch.nn.utils.clip_grad_value_` (`inf` clamps nothing, as there).
     pub fn clip_grad_value(&mut self, clip_value: f64) -> Result<()> {
-        if !(clip_value.is_finite() && clip_value >= 0.0) {
+        if clip_value.is_nan() || clip_value < 0.0 {
             return Err(ScalerError::Invalid {
                 field: "clip_value",
-                reason: format!("must be a finite number >= 0, got {clip_value}"),
+                reason: format!("must be a number >= 0 (inf clamps nothing), got {clip_value}"),
             }
             .into());
         }

@@ -165,7 +165,8 @@ fn on_cuda(x: &Tensor, dropout: Option<Dropout>) -> bool {
 /// mask checked against the geometry.
 fn resolve(options: &Attention, g: Geometry, seed: u64) -> Result<(f64, Option<Dropout>)> {
     let scale = match options.scale {
-        Some(s) if !s.is_finite() => {
+        // Applied in f32: 1e300 is finite as an f64 and infinite there.
+        Some(s) if !crate::kernels::elem::finite_in_f32(s) => {
             candle_core::bail!("scaled_dot_product_attention: the scale must be finite, got {s}")
         }
         Some(s) => s,
