@@ -47,6 +47,7 @@ use candle_amp::{autocast, Bf16Policy, Fp16Policy, GradScaler, Policy, Tensor, F
 use candle_core::{DType, Device, Result};
 use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
+use common::modes::HostMs;
 use common::AmpPrecision;
 use resnet::{Depth, ResNet};
 
@@ -190,6 +191,8 @@ struct ModeResult {
     final_loss: f32,
     val_accuracy: Vec<f32>,
     skipped_steps: u64,
+    /// Where the host's time of a timed step went (see `HostMs`).
+    host_ms: HostMs,
     #[serde(skip)]
     losses: Vec<f32>,
 }
@@ -257,6 +260,7 @@ fn train<Pol: Policy>(
     let (mut losses, mut val_accuracy) = (Vec::new(), Vec::new());
     // The first steps are untimed: CUDA loads kernels and cuDNN picks algorithms per shape.
     let (mut timed, mut timed_steps) = (std::time::Duration::ZERO, 0usize);
+    let mut host = HostMs::default();
     for epoch in first_epoch..last_epoch {
         // The usual step schedule: a tenth of the rate for the last quarter of the epochs (set
         // every epoch, so that a resumed run has it too).
@@ -278,13 +282,23 @@ fn train<Pol: Policy>(
             let x = Tensor::<F32>::from_candle(data.train_x.as_candle().index_select(&idx, 0)?)?;
             let y = data.train_y.index_select(&idx, 0)?;
             let start = Instant::now();
-            let l = loss::cross_entropy(&logits::<Pol>(&model, &x, true, args.frozen, amp)?, &y)?;
-            let _ = scaler.step(&mut opt, scaler.scale(l.as_candle())?.backward()?)?;
-            scaler.update()?;
-            let value = l.to_scalar::<f32>()?;
+            // This step's host time per phase, kept once the untimed steps are over.
+            let mut phases = HostMs::default();
+            let l = HostMs::time(&mut phases.forward, || {
+                loss::cross_entropy(&logits::<Pol>(&model, &x, true, args.frozen, amp)?, &y)
+            })?;
+            let grads = HostMs::time(&mut phases.backward, || {
+                scaler.scale(l.as_candle())?.backward()
+            })?;
+            HostMs::time(&mut phases.step, || -> Result<()> {
+                let _ = scaler.step(&mut opt, grads)?;
+                scaler.update()
+            })?;
+            let value = HostMs::time(&mut phases.loss_read, || l.to_scalar::<f32>())?;
             if losses.len() >= UNTIMED_STEPS {
                 timed += start.elapsed();
                 timed_steps += 1;
+                host.add(phases);
             }
             losses.push(value);
             bar.set_message(format!("epoch {} loss {value:.4}", epoch + 1));
@@ -308,6 +322,7 @@ fn train<Pol: Policy>(
         ),
         val_accuracy,
         skipped_steps: scaler.skipped_steps(),
+        host_ms: host.per_step(timed_steps),
         losses,
     })
 }

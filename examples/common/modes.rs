@@ -55,6 +55,35 @@ pub struct HostMs {
     pub loss_read: f64,
 }
 
+impl HostMs {
+    /// Runs `f`, adding its host time in ms to `slot`.
+    pub fn time<R>(slot: &mut f64, f: impl FnOnce() -> R) -> R {
+        let start = Instant::now();
+        let r = f();
+        *slot += start.elapsed().as_secs_f64() * 1e3;
+        r
+    }
+
+    /// Adds another step's times.
+    pub fn add(&mut self, other: Self) {
+        self.forward += other.forward;
+        self.backward += other.backward;
+        self.step += other.step;
+        self.loss_read += other.loss_read;
+    }
+
+    /// The totals of `steps` steps, per step.
+    pub fn per_step(self, steps: usize) -> Self {
+        let per = |ms: f64| ms / steps.max(1) as f64;
+        Self {
+            forward: per(self.forward),
+            backward: per(self.backward),
+            step: per(self.step),
+            loss_read: per(self.loss_read),
+        }
+    }
+}
+
 /// The GradScaler of `mode`'s loop: enabled for fp16 only (bf16 has f32's range and, as in
 /// PyTorch, no loss scaling).
 pub fn scaler(mode: Mode) -> Result<GradScaler> {
@@ -85,20 +114,13 @@ pub fn run_steps<O: Optimizer>(
             start = Instant::now(); // the first step is the untimed warm-up
             host = HostMs::default();
         }
-        let mut phase = Instant::now();
-        let mut lap = |total: &mut f64| {
-            *total += phase.elapsed().as_secs_f64() * 1e3;
-            phase = Instant::now();
-        };
-        let l = loss(opt, step)?;
-        lap(&mut host.forward);
-        let grads = scaler.scale(&l)?.backward()?;
-        lap(&mut host.backward);
-        let _ = scaler.step(opt, grads)?;
-        scaler.update()?;
-        lap(&mut host.step);
-        let value = l.to_scalar::<f32>()?;
-        lap(&mut host.loss_read);
+        let l = HostMs::time(&mut host.forward, || loss(opt, step))?;
+        let grads = HostMs::time(&mut host.backward, || scaler.scale(&l)?.backward())?;
+        HostMs::time(&mut host.step, || -> Result<()> {
+            let _ = scaler.step(opt, grads)?;
+            scaler.update()
+        })?;
+        let value = HostMs::time(&mut host.loss_read, || l.to_scalar::<f32>())?;
         losses.push(value);
         bar.set_message(format!("loss {value:.4}"));
         bar.inc(1);
@@ -106,15 +128,9 @@ pub fn run_steps<O: Optimizer>(
     bar.finish();
     let timed = losses.len().saturating_sub(1).max(1);
     let tail = (total / 10).clamp(1, losses.len().max(1));
-    let per_step = |ms: f64| ms / timed as f64;
     Ok(ModeResult {
-        ms_per_step: per_step(start.elapsed().as_secs_f64() * 1e3),
-        host_ms: HostMs {
-            forward: per_step(host.forward),
-            backward: per_step(host.backward),
-            step: per_step(host.step),
-            loss_read: per_step(host.loss_read),
-        },
+        ms_per_step: start.elapsed().as_secs_f64() * 1e3 / timed as f64,
+        host_ms: host.per_step(timed),
         final_loss: super::mean_tail_n(&losses, tail),
         peak_bytes: peak.bytes()?,
         skipped_steps: scaler.skipped_steps(),
