@@ -785,3 +785,172 @@ fn values_finite_only_in_f64_are_rejected() -> Result<()> {
     );
     Ok(())
 }
+
+// ---- The third sweep's findings. ----
+
+/// A gradient of another shape (as many values: `(4)` for a `(2, 2)` weight) updated the
+/// weights in its own layout; a zero-element parameter (`nn::linear(0, n)`'s weight) made the
+/// in-place pass fail. PyTorch rejects the first and steps over the second.
+#[test]
+fn optimizers_check_gradient_shapes_and_step_over_empty_parameters() -> Result<()> {
+    let w = Var::ones((2, 2), DType::F32, &dev())?;
+    let wrong = Var::ones(4, DType::F32, &dev())?;
+    let mut grads = candle_core::backprop::GradStore::default();
+    grads.insert(w.as_tensor(), wrong.as_tensor().clone());
+    let mut sgd = SGD::new(vec![w.clone()], 0.1)?;
+    assert_err(
+        "SGD",
+        sgd.step(&grads),
+        "a gradient of shape [4] for a parameter of shape [2, 2]",
+    );
+    let mut adamw = AdamW::new(vec![w.clone()], ParamsAdamW::default())?;
+    assert_err("AdamW", adamw.step(&grads), "a gradient of shape [4]");
+    assert_eq!(w.as_tensor().to_vec2::<f32>()?, [[1.0, 1.0], [1.0, 1.0]]);
+    let empty = Var::zeros((3, 0), DType::F32, &dev())?;
+    let mut grads = candle_core::backprop::GradStore::default();
+    grads.insert(empty.as_tensor(), empty.as_tensor().clone());
+    AdamW::new(vec![empty.clone()], ParamsAdamW::default())?.step(&grads)?;
+    SGD::new(vec![empty], 0.1)?.step(&grads)?;
+    Ok(())
+}
+
+/// A loss that reaches no variable was stepped as `Stepped` (PyTorch's backward raises); an
+/// integer loss was scaled; f16 parameters' gradients were unscaled in f16 (PyTorch raises
+/// "Attempting to unscale FP16 gradients").
+#[test]
+fn the_scaler_refuses_losses_without_gradients_and_f16_gradients() -> Result<()> {
+    let scaler = candle_amp::GradScaler::new();
+    let constant = candle_core::Tensor::new(5f32, &dev())?;
+    assert_err(
+        "a constant loss",
+        scaler.scale(&constant)?.backward(),
+        "depends on no variable",
+    );
+    let ids = candle_core::Tensor::new(5u32, &dev())?;
+    assert_err("a u32 loss", scaler.scale(&ids), "must be a float value");
+    let w = Var::ones(2, DType::F16, &dev())?;
+    let loss = w.as_tensor().to_dtype(DType::F32)?.sum_all()?;
+    let mut scaler = candle_amp::GradScaler::new();
+    let grads = scaler.scale(&loss)?.backward()?;
+    assert_err(
+        "f16 gradients",
+        scaler.unscale(grads),
+        "Attempting to unscale FP16 gradients",
+    );
+    Ok(())
+}
+
+/// Shapes whose size overflows reached candle's unchecked multiplications (a panic in a debug
+/// build); `chunk(0)` divided by zero; `flatten(1, 0)` did nothing, `full(70000)` in f16 gave
+/// inf, `randn` took a negative deviation (PyTorch raises on each).
+#[test]
+fn typed_tensors_check_sizes_and_arguments() -> Result<()> {
+    let huge = usize::MAX;
+    assert_err(
+        "zeros",
+        Tensor::<F32>::zeros((huge, 2), &dev()),
+        "too large",
+    );
+    assert_err("ones", Tensor::<F16>::ones((huge, 2), &dev()), "too large");
+    let x = Tensor::<F32>::ones((2, 3), &dev())?;
+    assert_err("reshape", x.reshape((huge, 2, 3)), "too large");
+    assert_err("broadcast_left", x.broadcast_left((huge, 2)), "too large");
+    assert_err("pad_with_zeros", x.pad_with_zeros(1, huge, 1), "overflows");
+    assert_err("chunk 0", x.chunk(0, 1), "must be positive");
+    assert_err("flatten(1, 0)", x.flatten(1, 0), "comes after");
+    assert_err(
+        "full f16 70000",
+        Tensor::<F16>::full(70000.0, 2, &dev()),
+        "overflows",
+    );
+    assert_eq!(
+        Tensor::<F16>::full(65504.0, 1, &dev())?.to_vec1::<f32>()?,
+        [65504.0]
+    );
+    assert_err(
+        "randn std -1",
+        Tensor::<F32>::randn(0.0, -1.0, 2, &dev()),
+        "std",
+    );
+    assert_err(
+        "rand 1..0",
+        Tensor::<F32>::rand(1.0, 0.0, 2, &dev()),
+        "lo <= up",
+    );
+    // The log of an empty sum, as PyTorch.
+    let empty = Tensor::<F32>::zeros((2, 0), &dev())?;
+    assert_eq!(
+        empty.log_sum_exp(1)?.to_vec1::<f32>()?,
+        [f32::NEG_INFINITY; 2]
+    );
+    Ok(())
+}
+
+/// Panics and silent results in the ops and layers: packed attention over heads of size 0
+/// (`chunks_exact(0)`), a causal mask of `usize::MAX` past keys (an overflow), group norm on
+/// integers (candle's `todo!`), layer norm on integers (zeros out) or on a scalar, a transposed
+/// convolution whose output's byte count overflowed the size check itself, a checkpoint path
+/// naming no file (a stray `.tmp` left behind).
+#[test]
+fn ops_and_layers_reject_empty_heads_integers_and_scalars() -> Result<()> {
+    let qkv = Tensor::<F32>::zeros((1, 2, 3, 2, 0), &dev())?;
+    let y = candle_amp::ops::scaled_dot_product_attention_packed(
+        &qkv,
+        &candle_amp::ops::Attention::default(),
+    )?;
+    assert_eq!(y.dims(), [1, 2, 2, 0]);
+    assert_err(
+        "causal_mask overflow",
+        candle_amp::ops::causal_mask(1, usize::MAX, &dev()),
+        "overflow",
+    );
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev());
+    let ints = candle_core::Tensor::ones((2, 2, 2), DType::U32, &dev())?;
+    let gn = nn::group_norm(1, 2, 1e-5, vb.pp("gn"))?;
+    assert_err(
+        "group norm of u32",
+        candle_nn::Module::forward(&gn, &ints),
+        "must be a float tensor",
+    );
+    let ln = nn::layer_norm(2, 1e-5, vb.pp("ln"))?;
+    assert_err(
+        "layer norm of u32",
+        candle_nn::Module::forward(&ln, &ints),
+        "must be a float tensor",
+    );
+    let scalar = Tensor::<F32>::new(1f32, &dev())?;
+    assert_err(
+        "layer norm of a scalar",
+        ln.forward(&scalar),
+        "a scalar has none",
+    );
+    let x = image::<F32>((1, 1, 5, 5))?;
+    let k = image::<F32>((1, 1, 3, 3))?;
+    assert_err(
+        "conv_transpose2d stride usize::MAX / 2",
+        x.conv_transpose2d(&k, 0, 0, usize::MAX / 2, 1),
+        "too large to allocate",
+    );
+    let ct = nn::conv_transpose2d(
+        1,
+        1,
+        3,
+        candle_nn::ConvTranspose2dConfig::default(),
+        vb.pp("ct"),
+    )?;
+    assert_err(
+        "ConvTranspose2d of a rank-3 input",
+        ct.forward(&image::<F32>((1, 1, 5, 5))?.squeeze(0)?),
+        "ConvTranspose2d: the input must be (batch, channels, h, w)",
+    );
+    let opt = SGD::new(vars.all_vars(), 0.1)?;
+    let scaler = candle_amp::GradScaler::new();
+    assert_err(
+        "checkpoint path \"\"",
+        candle_amp::checkpoint::save("", &vars, &opt, &scaler, 1),
+        "names no file",
+    );
+    assert!(!std::path::Path::new(".tmp").exists());
+    Ok(())
+}

@@ -368,6 +368,36 @@ fn activation_values_and_gradients<P: Precision>(dev: &Device) -> Result<()> {
     Ok(())
 }
 
+/// SiLU far in its tails: the slope is about 0 below -85 (it was -inf: `x * exp(-x)`
+/// overflowed) and 1 far above 0, the values about 0 and `x`.
+fn silu_far_tails<P: Precision>(dev: &Device) -> Result<()> {
+    let xs = [-90f32, -100.0, -1000.0, 90.0, 200.0];
+    let x =
+        candle_core::Var::from_tensor(&candle_core::Tensor::new(&xs, dev)?.to_dtype(P::DTYPE)?)?;
+    let y = Tensor::<P>::from_candle(x.as_tensor().clone())?.silu()?;
+    let grads = y.cast::<F32>()?.into_candle().sum_all()?.backward()?;
+    let dx = grads
+        .get(x.as_tensor())
+        .expect("a gradient for x")
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?;
+    let values = y.cast::<F32>()?.to_vec1::<f32>()?;
+    for (i, &x) in xs.iter().enumerate() {
+        let (want_value, want_slope) = if x < 0.0 { (0.0, 0.0) } else { (x, 1.0) };
+        assert!(
+            (values[i] - want_value).abs() <= 1e-30,
+            "silu({x}) = {}",
+            values[i]
+        );
+        assert!(
+            (dx[i] - want_slope).abs() <= 1e-30,
+            "silu'({x}) = {}",
+            dx[i]
+        );
+    }
+    Ok(())
+}
+
 macro_rules! per_precision {
     ($($name:ident => $check:ident),* $(,)?) => {$(
         mod $name {
@@ -409,6 +439,7 @@ per_precision! {
     lower_precision => lower_precision_ops,
     fp32_class => fp32_class_ops,
     activations => activation_values_and_gradients,
+    silu_tails => silu_far_tails,
 }
 
 #[test]
@@ -708,6 +739,66 @@ fn pow_and_log_sum_exp_match_pytorch_at_the_edges() -> Result<()> {
         (dx[0] - 12.0).abs() < 1e-5 && (dx[1] + 6.0).abs() < 1e-5,
         "{dx:?}"
     );
+    Ok(())
+}
+
+#[candle_amp::autocast(bf16)]
+fn extrema_in_region(x: &Tensor<F32>, y: &Tensor<F32>) -> Result<Vec<Vec<f32>>> {
+    Ok(vec![
+        x.max_all()?.reshape(1)?.to_vec1::<f32>()?,
+        x.min_all()?.reshape(1)?.to_vec1::<f32>()?,
+        x.max(0)?.to_vec1::<f32>()?,
+        x.min_keepdim(0)?.flatten_all()?.to_vec1::<f32>()?,
+        x.maximum(y)?.flatten_all()?.to_vec1::<f32>()?,
+        x.broadcast_minimum(y)?.flatten_all()?.to_vec1::<f32>()?,
+        x.argmax(0)?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+    ])
+}
+
+/// Maxima and minima propagate NaN, as PyTorch's (candle's `>` never picks a NaN: the maximum
+/// of `[1, NaN, 0]` was 1), and `argmax` points at the first NaN; typed and in a region.
+#[test]
+fn extrema_propagate_nan_as_pytorch() -> Result<()> {
+    let nan = f32::NAN;
+    let x = Tensor::<F32>::new(&[[1f32, nan], [nan, 5.0], [0.0, 2.0]], &dev())?;
+    let y = Tensor::<F32>::new(&[[2f32, 1.0], [1.0, 1.0], [nan, 1.0]], &dev())?;
+    let same = |a: &[f32], b: &[f32]| {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(a, b)| a == b || (a.is_nan() && b.is_nan()))
+    };
+    let want: Vec<Vec<f32>> = vec![
+        vec![nan],
+        vec![nan],
+        vec![nan, nan],
+        vec![nan, nan],
+        vec![2.0, nan, nan, 5.0, nan, 2.0],
+        vec![1.0, nan, nan, 1.0, nan, 1.0],
+        vec![1.0, 0.0],
+    ];
+    let typed: Vec<Vec<f32>> = vec![
+        x.max_all()?.reshape(1)?.to_vec1()?,
+        x.min_all()?.reshape(1)?.to_vec1()?,
+        x.max(0)?.to_vec1()?,
+        x.min_keepdim(0)?.flatten_all()?.to_vec1()?,
+        x.maximum(&y)?.flatten_all()?.to_vec1()?,
+        x.broadcast_minimum(&y)?.flatten_all()?.to_vec1()?,
+        x.argmax(0)?.to_dtype(DType::F32)?.to_vec1()?,
+    ];
+    for (how, got) in [("typed", typed), ("region", extrema_in_region(&x, &y)?)] {
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(same(g, w), "{how} {i}: {g:?} vs {w:?}");
+        }
+    }
+    // Without NaN, candle's values; the gradient of a maximum still reaches its argument.
+    let v = candle_core::Var::new(&[3f32, 1.0, 2.0], &dev())?;
+    let grads = Tensor::<F32>::from_candle(v.as_tensor().clone())?
+        .max_all()?
+        .into_candle()
+        .backward()?;
+    let g = grads.get(&v).expect("a gradient").to_vec1::<f32>()?;
+    assert_eq!(g, [1.0, 0.0, 0.0]);
     Ok(())
 }
 

@@ -82,6 +82,11 @@ pub fn save(
     step: u64,
 ) -> Result<()> {
     let path = path.as_ref();
+    if path.file_name().is_none() {
+        // "" or a path ending in `..`: the temporary file would land beside it, then fail to
+        // move into place.
+        candle_core::bail!("checkpoint::save: {} names no file", path.display())
+    }
     let named = named(vars);
     let cpu = &Device::Cpu;
     let mut tensors: HashMap<String, Tensor> = scaler.state().to_tensors("scaler.")?;
@@ -106,6 +111,8 @@ pub fn save(
     tmp.push(".tmp");
     candle_core::safetensors::save(&tensors, &tmp)?;
     std::fs::rename(&tmp, path).map_err(|e| {
+        // Not left behind beside the target.
+        let _ = std::fs::remove_file(&tmp);
         candle_core::Error::Msg(format!(
             "checkpoint: cannot move {} into place: {e}",
             Path::new(&tmp).display()

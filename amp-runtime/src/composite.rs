@@ -100,6 +100,14 @@ pub(crate) fn log_sum_exp<D: candle_core::shape::Dims>(x: &Tensor, dims: D) -> R
     let Some((&first, rest)) = dims.split_first() else {
         return Ok(x.clone());
     };
+    if x.elem_count() == 0 {
+        // The log of an empty sum, -inf, as PyTorch (candle's maximum fails on nothing).
+        let kept: Vec<usize> = (0..x.rank())
+            .filter(|d| !dims.contains(d))
+            .map(|d| x.dims()[d])
+            .collect();
+        return Tensor::full(f32::NEG_INFINITY, kept, x.device())?.to_dtype(x.dtype());
+    }
     // The shift cancels from the value and its gradient: no graph through it.
     let max = rest
         .iter()
@@ -292,6 +300,7 @@ pub(crate) fn group_norm(
     eps: f64,
 ) -> Result<Tensor> {
     check_eps("group_norm", eps)?;
+    check_float_input("group_norm", x)?;
     let dims = x.dims();
     if dims.len() < 2 || dims[1] != weight.elem_count() || !dims[1].is_multiple_of(groups) {
         candle_core::bail!(
@@ -321,7 +330,10 @@ pub(crate) fn group_norm(
 /// per element of that dimension, named in the error (candle's would name `broadcast_mul`).
 fn check_norm(op: &str, x: &Tensor, alpha: &Tensor, beta: Option<&Tensor>, eps: f64) -> Result<()> {
     check_eps(op, eps)?;
-    let width = x.dims().last().copied().unwrap_or(1);
+    check_float_input(op, x)?;
+    let Some(&width) = x.dims().last() else {
+        candle_core::bail!("{op}: normalises over the input's last dimension; a scalar has none")
+    };
     for (name, t) in [("scale", Some(alpha)), ("shift", beta)] {
         if let Some(t) = t.filter(|t| t.elem_count() != width) {
             candle_core::bail!(
@@ -333,6 +345,19 @@ fn check_norm(op: &str, x: &Tensor, alpha: &Tensor, beta: Option<&Tensor>, eps: 
         }
     }
     Ok(())
+}
+
+/// A normalisation's input is a float tensor (an integer one made candle panic in group norm,
+/// and layer norm return zeros).
+fn check_float_input(op: &str, x: &Tensor) -> Result<()> {
+    if x.dtype().is_float() {
+        Ok(())
+    } else {
+        candle_core::bail!(
+            "{op}: the input must be a float tensor, got {:?}",
+            x.dtype()
+        )
+    }
 }
 
 /// A normalisation's `eps` must be finite and positive: a negative one makes the variance plus

@@ -43,12 +43,16 @@ pub fn causal_mask(
     past: usize,
     device: &candle_core::Device,
 ) -> Result<candle_core::Tensor> {
+    let keys = past.checked_add(t).ok_or_else(|| {
+        candle_core::Error::Msg(format!("causal_mask: {past} + {t} keys overflow"))
+    })?;
+    crate::kernels::layout::check_allocatable("causal_mask", &[t, keys])?;
     let mask: Vec<f32> = (0..t)
         .flat_map(|i| {
             (0..past + t).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 })
         })
         .collect();
-    candle_core::Tensor::from_vec(mask, (t, past + t), device)
+    candle_core::Tensor::from_vec(mask, (t, keys), device)
 }
 
 /// Log-softmax along `d`.

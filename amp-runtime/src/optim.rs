@@ -112,8 +112,9 @@ impl Optimizer for SGD {
     fn step(&mut self, grads: &GradStore) -> Result<()> {
         let lr = self.learning_rate;
         check_lr("SGD", lr)?;
+        check_grad_shapes("SGD", &self.vars, grads)?;
         for var in &self.vars {
-            let Some(grad) = grads.get(var) else {
+            let Some(grad) = grads.get(var).filter(|_| var.elem_count() > 0) else {
                 continue;
             };
             if in_place(var) || on_cuda(var) {
@@ -240,8 +241,11 @@ impl Optimizer for AdamW {
     /// `set_learning_rate` or `set_params`, whose signatures cannot fail).
     fn step(&mut self, grads: &GradStore) -> Result<()> {
         check_adamw(&self.config)?;
+        let vars: Vec<Var> = self.params.iter().map(|p| p.var.clone()).collect();
+        check_grad_shapes("AdamW", &vars, grads)?;
         for i in 0..self.params.len() {
-            let Some(grad) = grads.get(&self.params[i].var) else {
+            let var = &self.params[i].var;
+            let Some(grad) = grads.get(var).filter(|_| var.elem_count() > 0) else {
                 continue;
             };
             self.params[i].steps += 1;
@@ -414,6 +418,22 @@ fn check_lr(optimizer: &str, lr: f64) -> Result<()> {
     } else {
         candle_core::bail!("{optimizer}: invalid learning rate {lr}, need a finite value >= 0")
     }
+}
+
+/// Each gradient in `grads` has its parameter's shape, checked before any parameter is written
+/// (a failed step changes nothing): a gradient of another shape, even of as many values, would
+/// update the weights in another tensor's layout, where PyTorch's optimizers raise.
+fn check_grad_shapes(optimizer: &str, vars: &[Var], grads: &GradStore) -> Result<()> {
+    for var in vars {
+        if let Some(grad) = grads.get(var).filter(|g| g.dims() != var.dims()) {
+            candle_core::bail!(
+                "{optimizer}: a gradient of shape {:?} for a parameter of shape {:?}",
+                grad.dims(),
+                var.dims()
+            )
+        }
+    }
+    Ok(())
 }
 
 /// AdamW's hyper-parameters in PyTorch's ranges (its constructor's checks, NaN rejected too):

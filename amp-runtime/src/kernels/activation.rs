@@ -125,10 +125,12 @@ impl Form {
                 g * (normal_cdf(x) + x * INV_SQRT_2PI * exp(-0.5 * x * x))
             }),
             Self::Silu => zip_map(x, grad, |x, g| {
-                // s = sigmoid(x), 1 - s = e s: no cancellation where s is near 1.
-                let e = exp(-x);
-                let s = 1.0 / (1.0 + e);
-                g * s * (1.0 + x * e * s)
+                // s = sigmoid(x) and 1 - s = sigmoid(-x), each from its own exp: no
+                // cancellation where s is near 1, and no overflow where x is very negative
+                // (`x * exp(-x)` was -inf below about -85, the gradient with it).
+                let s = 1.0 / (1.0 + exp(-x));
+                let one_minus_s = 1.0 / (1.0 + exp(x));
+                g * s * (1.0 + x * one_minus_s)
             }),
             Self::Relu => zip_map(x, grad, |x, g| if x > 0.0 { g } else { 0.0 }),
         }

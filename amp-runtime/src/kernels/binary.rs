@@ -56,14 +56,15 @@ pub(crate) fn broadcast_div(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     broadcast_spread(a, b, "div", |a, b| a / b)
 }
 
-/// The elementwise maximum with broadcasting (candle's; see [`broadcast_spread`]).
+/// The elementwise maximum with broadcasting (NaN where either operand is, as
+/// [`crate::kernels::extrema::maximum`]; see [`broadcast_spread`]).
 pub(crate) fn broadcast_maximum(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    broadcast_spread(a, b, "maximum", |a, b| a.maximum(b))
+    broadcast_spread(a, b, "maximum", crate::kernels::extrema::maximum)
 }
 
-/// The elementwise minimum with broadcasting (candle's; see [`broadcast_spread`]).
+/// The elementwise minimum with broadcasting (as [`broadcast_maximum`]).
 pub(crate) fn broadcast_minimum(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    broadcast_spread(a, b, "minimum", |a, b| a.minimum(b))
+    broadcast_spread(a, b, "minimum", crate::kernels::extrema::minimum)
 }
 
 /// `op` (candle's, same shapes) on `a` and `b` broadcast to their common shape, where a half

@@ -79,8 +79,8 @@ pub(crate) fn check_allocatable(op: &str, dims: &[usize]) -> candle_core::Result
     let elements = dims
         .iter()
         .try_fold(1u128, |n, &d| n.checked_mul(d as u128));
-    match elements {
-        Some(n) if n * 4 <= ADDRESSABLE => Ok(()),
+    match elements.and_then(|n| n.checked_mul(4)) {
+        Some(bytes) if bytes <= ADDRESSABLE => Ok(()),
         _ => candle_core::bail!("{op}: an output of shape {dims:?} is too large to allocate"),
     }
 }

@@ -26,6 +26,7 @@
 //! - `conv`: convolutions on CPU as GEMMs (im2col/col2im), forward and both gradients.
 //! - `batch_norm`: batch norm as one op with its own backward, and conv + batch norm fused.
 //! - `activation`, `affine`, `binary`: element-wise ops computed in f32 with one-pass backwards.
+//! - `extrema`: maxima, minima and `argmax` that propagate NaN as PyTorch's (candle's skip it).
 //! - `softmax`, `layer_norm`, `mse`: fp32-class ops reading half inputs as they are.
 //! - `pool`: max and average pooling and their backward.
 //! - `attention`: scaled dot-product attention as one op, its score blocks on the GEMM.
@@ -40,6 +41,7 @@ mod convert;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub(crate) mod elem;
+pub(crate) mod extrema;
 pub(crate) mod layout;
 pub(crate) mod leaf_grads;
 pub(crate) mod parallel;

@@ -345,6 +345,13 @@ pub(crate) fn transposed(
     b: Option<&candle_core::Tensor>,
     c: &ConvTranspose2dConfig,
 ) -> Result<candle_core::Tensor> {
+    if x.rank() != 4 {
+        // The shared check would name the 1-D transposed convolution for a rank-3 input.
+        candle_core::bail!(
+            "ConvTranspose2d: the input must be (batch, channels, h, w), got {:?}",
+            x.dims()
+        )
+    }
     let params = crate::kernels::TransposeParams {
         padding: c.padding,
         output_padding: c.output_padding,

@@ -20,6 +20,46 @@ macro_rules! routed {
         routed!(@$shape $name);
     )*};
     (@custom $name:ident) => {};
+    // Ops whose candle results differ from PyTorch's at NaN and infinities: PyTorch's values
+    // (`crate::kernels::extrema`, `crate::composite`). Before the generic arms, which would match first.
+    (@binary pow) => { routed!(@composite_fn pow, crate::composite::pow); };
+    (@binary broadcast_pow) => { routed!(@composite_fn broadcast_pow, crate::composite::broadcast_pow); };
+    (@dim max) => { routed!(@extremum max, max, false); };
+    (@dim max_keepdim) => { routed!(@extremum max_keepdim, max, true); };
+    (@dim min) => { routed!(@extremum min, min, false); };
+    (@dim min_keepdim) => { routed!(@extremum min_keepdim, min, true); };
+    (@extremum $name:ident, $f:ident, $keep:literal) => {
+        #[doc = concat!("Routed `", stringify!($name), "` (NaN where the slice holds one).")]
+        pub fn $name<D: candle_core::shape::Dim>(&self, dim: D) -> Result<AmpTensor> {
+            self.unary::<op::$name>(|x| crate::kernels::extrema::$f(x, dim, $keep))
+        }
+    };
+    (@unary max_all) => {
+        /// Routed `max_all` (NaN if any element is).
+        pub fn max_all(&self) -> Result<AmpTensor> {
+            self.unary::<op::max_all>(crate::kernels::extrema::max_all)
+        }
+    };
+    (@unary min_all) => {
+        /// Routed `min_all` (NaN if any element is).
+        pub fn min_all(&self) -> Result<AmpTensor> {
+            self.unary::<op::min_all>(crate::kernels::extrema::min_all)
+        }
+    };
+    (@binary maximum) => { routed!(@composite_fn maximum, crate::kernels::extrema::maximum); };
+    (@binary minimum) => { routed!(@composite_fn minimum, crate::kernels::extrema::minimum); };
+    (@composite_fn $name:ident, $f:path) => {
+        #[doc = concat!("Routed `", stringify!($name), "`.")]
+        pub fn $name(&self, rhs: impl Operand) -> Result<AmpTensor> {
+            self.binary::<op::$name>(&rhs.operand(), $f)
+        }
+    };
+    (@dims log_sum_exp) => {
+        /// Routed `log_sum_exp`.
+        pub fn log_sum_exp<D: candle_core::shape::Dims>(&self, dims: D) -> Result<AmpTensor> {
+            self.unary::<op::log_sum_exp>(|x| crate::composite::log_sum_exp(x, dims))
+        }
+    };
     (@unary $name:ident) => {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
         pub fn $name(&self) -> Result<AmpTensor> {
@@ -30,13 +70,6 @@ macro_rules! routed {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
         pub fn $name<D: candle_core::shape::Dim>(&self, dim: D) -> Result<AmpTensor> {
             self.unary::<op::$name>(|x| x.$name(dim))
-        }
-    };
-    // PyTorch's values at infinite maxima (`crate::composite::log_sum_exp`).
-    (@dims log_sum_exp) => {
-        /// Routed `log_sum_exp`.
-        pub fn log_sum_exp<D: candle_core::shape::Dims>(&self, dims: D) -> Result<AmpTensor> {
-            self.unary::<op::log_sum_exp>(|x| crate::composite::log_sum_exp(x, dims))
         }
     };
     (@dims $name:ident) => {
@@ -74,15 +107,6 @@ macro_rules! routed {
     (@binary broadcast_div) => { routed!(@kernel broadcast_div); };
     (@binary broadcast_maximum) => { routed!(@kernel broadcast_maximum); };
     (@binary broadcast_minimum) => { routed!(@kernel broadcast_minimum); };
-    // PyTorch's values where candle's compositions give NaN (`crate::composite`).
-    (@binary pow) => { routed!(@composite pow); };
-    (@binary broadcast_pow) => { routed!(@composite broadcast_pow); };
-    (@composite $name:ident) => {
-        #[doc = concat!("Routed `", stringify!($name), "`.")]
-        pub fn $name(&self, rhs: impl Operand) -> Result<AmpTensor> {
-            self.binary::<op::$name>(&rhs.operand(), crate::composite::$name)
-        }
-    };
     (@kernel $name:ident) => {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
         pub fn $name(&self, rhs: impl Operand) -> Result<AmpTensor> {
@@ -191,9 +215,10 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         // Routed (and reported) as the cast of the whole; the chunks are views of it.
         routed::<Pol, op::chunk>(&[&x], |t| at(&x, t))?.chunk(chunks, dim)
     }
-    /// Routed `argmax`: integer ids, a plain candle tensor.
+    /// Routed `argmax`: integer ids, a plain candle tensor (a slice holding NaN: its first
+    /// NaN's index).
     pub fn argmax<D: candle_core::shape::Dim>(&self, dim: D) -> Result<candle_core::Tensor> {
-        self.amp().argmax(dim)
+        crate::kernels::extrema::argmax(&self.amp(), dim)
     }
     /// Routed `conv1d`.
     pub fn conv1d(

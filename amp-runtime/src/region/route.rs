@@ -97,7 +97,9 @@ macro_rules! with_precision {
                 type $P = $crate::precision::BF16;
                 $body
             }
-            other => candle_core::bail!("not a floating precision of a region: {other:?}"),
+            other => candle_core::bail!(
+                "the layers and ops run on f32, f16 or bf16 tensors, got {other:?} (cast it first)"
+            ),
         }
     };
 }

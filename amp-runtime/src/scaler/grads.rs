@@ -45,6 +45,9 @@ impl GradSet {
                 }
             }
         }
+        if ids.is_empty() {
+            return Err(ScalerError::NoGradients.into());
+        }
         Ok(Self { store, ids })
     }
 
@@ -182,6 +185,17 @@ impl ScaledGrads {
         if let Some(scale) = self.scale {
             let inv_scale = (1.0 / f64::from(scale)) as f32;
             let mut grads = self.set.tensors();
+            if grads.iter().any(|g| g.dtype() == DType::F16) {
+                // PyTorch's rule: an unscaled f16 gradient underflows where the scaled one did
+                // not, the loss of precision scaling exists to avoid.
+                return Err(ScalerError::Mismatch(
+                    "f16 parameters' gradients cannot be unscaled (PyTorch: \"Attempting to \
+                     unscale FP16 gradients\"): keep f32 master weights and let the region \
+                     run the ops in f16"
+                        .to_string(),
+                )
+                .into());
+            }
             let found = unscale_in_place(&mut grads, inv_scale)?;
             self.set.put_back(grads);
             for (&id, found) in self.set.ids.iter().zip(found) {

@@ -197,6 +197,9 @@ impl GradScaler {
         if loss.elem_count() != 1 {
             return Err(ScalerError::NotScalarLoss(loss.dims().to_vec()).into());
         }
+        if !loss.dtype().is_float() {
+            return Err(ScalerError::NotFloatLoss(loss.dtype()).into());
+        }
         if !self.enabled {
             return Ok(ScaledLoss {
                 tensor: loss.clone(),

@@ -26,6 +26,17 @@ pub enum ScalerError {
          for scalar outputs\")"
     )]
     NotScalarLoss(Vec<usize>),
+    /// A loss of an integer dtype: no gradient flows through it.
+    #[error("GradScaler: the loss must be a float value, got {0:?}")]
+    NotFloatLoss(candle_core::DType),
+    /// A backward that reached no variable: an optimizer step on it would update nothing while
+    /// the scaler counted it as a good step.
+    #[error(
+        "GradScaler: the loss depends on no variable, so no gradient reaches a parameter \
+         (PyTorch's backward raises \"element 0 of tensors does not require grad\"): compute \
+         the loss from the model's output"
+    )]
+    NoGradients,
     /// Backoff would take the scale below the smallest normal f32: every step for a long while
     /// had inf/NaN gradients, so the scale is not the cause.
     #[error("{}", underflow_message(*scale, *backoff_factor, *consecutive_skips))]

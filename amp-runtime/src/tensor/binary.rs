@@ -73,11 +73,23 @@ impl<P: Precision> Tensor<P> {
         mul,
         /// Elementwise quotient (same shapes).
         div,
-        /// Elementwise maximum.
-        maximum,
-        /// Elementwise minimum.
-        minimum,
     );
+
+    /// Elementwise maximum, NaN where either operand is (PyTorch's; candle's keeps the other).
+    pub fn maximum<Q>(&self, rhs: &Tensor<Q>) -> Result<Self>
+    where
+        Q: SamePrecision<P, op::maximum>,
+    {
+        self.binary_op::<op::maximum, Q>(rhs, crate::kernels::extrema::maximum)
+    }
+
+    /// Elementwise minimum, NaN where either operand is.
+    pub fn minimum<Q>(&self, rhs: &Tensor<Q>) -> Result<Self>
+    where
+        Q: SamePrecision<P, op::minimum>,
+    {
+        self.binary_op::<op::minimum, Q>(rhs, crate::kernels::extrema::minimum)
+    }
 
     compare!(
         /// `self == rhs` with broadcasting, as a u8 candle mask (for `where_cond`).

@@ -314,6 +314,7 @@ impl<P: Precision> Tensor<P> {
 
     /// A tensor of zeros.
     pub fn zeros<S: Into<Shape>>(shape: S, device: &Device) -> Result<Self> {
+        let shape = allocatable("zeros", shape)?;
         Ok(Self::wrap(candle_core::Tensor::zeros(
             shape,
             P::DTYPE,
@@ -323,6 +324,7 @@ impl<P: Precision> Tensor<P> {
 
     /// A tensor of ones.
     pub fn ones<S: Into<Shape>>(shape: S, device: &Device) -> Result<Self> {
+        let shape = allocatable("ones", shape)?;
         Ok(Self::wrap(candle_core::Tensor::ones(
             shape,
             P::DTYPE,
@@ -330,8 +332,18 @@ impl<P: Precision> Tensor<P> {
         )?))
     }
 
-    /// A tensor filled with `value` (rounded to `P`).
+    /// A tensor filled with `value` (rounded to `P`); a finite value beyond `P`'s range is an
+    /// error, as PyTorch's "value cannot be converted without overflow" (f16 holds at most
+    /// 65504: 70000 would be inf).
     pub fn full<S: Into<Shape>>(value: f64, shape: S, device: &Device) -> Result<Self> {
+        let rounded = match P::DTYPE {
+            DType::F16 => half::f16::from_f64(value).to_f64(),
+            DType::BF16 => half::bf16::from_f64(value).to_f64(),
+            _ => f64::from(value as f32),
+        };
+        if value.is_finite() && !rounded.is_finite() {
+            candle_core::bail!("full: {value} overflows {:?}", P::DTYPE)
+        }
         Self::ones(shape, device)?.affine(0.0, value)
     }
 
@@ -345,14 +357,26 @@ impl<P: Precision> Tensor<P> {
         Ok(Self::wrap(self.inner.ones_like()?))
     }
 
-    /// Normal samples with the given mean and standard deviation, drawn in f32 then rounded to `P`.
+    /// Normal samples with the given mean and standard deviation (finite, the deviation >= 0,
+    /// as PyTorch's `normal_` requires), drawn in f32 then rounded to `P`.
     pub fn randn<S: Into<Shape>>(mean: f64, std: f64, shape: S, device: &Device) -> Result<Self> {
+        if !(mean.is_finite() && std.is_finite() && std >= 0.0) {
+            candle_core::bail!(
+                "randn: the mean must be finite and the std finite and >= 0, got {mean} and {std}"
+            )
+        }
+        let shape = allocatable("randn", shape)?;
         let t = candle_core::Tensor::randn(mean as f32, std as f32, shape, device)?;
         Ok(Self::wrap(t.to_dtype(P::DTYPE)?))
     }
 
-    /// Uniform samples in `[lo, up)`, drawn in f32 then rounded to `P`.
+    /// Uniform samples in `[lo, up)` (finite, `lo <= up`, as PyTorch's `uniform_` requires),
+    /// drawn in f32 then rounded to `P`.
     pub fn rand<S: Into<Shape>>(lo: f64, up: f64, shape: S, device: &Device) -> Result<Self> {
+        if !(lo.is_finite() && up.is_finite() && lo <= up) {
+            candle_core::bail!("rand: the range must be finite with lo <= up, got [{lo}, {up})")
+        }
+        let shape = allocatable("rand", shape)?;
         let t = candle_core::Tensor::rand(lo as f32, up as f32, shape, device)?;
         Ok(Self::wrap(t.to_dtype(P::DTYPE)?))
     }
@@ -438,6 +462,15 @@ impl<P: Precision> Tensor<P> {
 
 mod binary;
 mod preserve;
+
+/// `shape`, when a tensor of it could exist ([`crate::kernels::layout::check_allocatable`]):
+/// candle multiplies the dimensions unchecked (a panic in a debug build, a wrapped size in a
+/// release one).
+pub(crate) fn allocatable<S: Into<Shape>>(op: &str, shape: S) -> Result<Shape> {
+    let shape = shape.into();
+    crate::kernels::layout::check_allocatable(op, shape.dims())?;
+    Ok(shape)
+}
 
 #[cfg(test)]
 mod tests {

@@ -77,6 +77,16 @@ impl<P: Precision> Tensor<P> {
 
     /// Same data, new shape (one dimension may be `()`-inferred as in candle).
     pub fn reshape<S: candle_core::shape::ShapeWithOneHole>(&self, shape: S) -> Result<Self> {
+        // candle multiplies the dimensions unchecked while it resolves the shape: a debug build
+        // panics on a product that overflows (a release build wraps, then reports a mismatch).
+        let n = self.elem_count();
+        let resolve = std::panic::AssertUnwindSafe(move || shape.into_shape(n));
+        let shape = std::panic::catch_unwind(resolve).map_err(|_| {
+            candle_core::Error::Msg(
+                "reshape: the shape's size overflows: too large to allocate".into(),
+            )
+        })??;
+        let shape = super::allocatable("reshape", shape)?;
         self.unary_op::<op::reshape, P>(|x| x.reshape(shape))
     }
 
@@ -106,6 +116,9 @@ impl<P: Precision> Tensor<P> {
 
     /// Splits into `chunks` pieces along `dim`.
     pub fn chunk<D: candle_core::shape::Dim>(&self, chunks: usize, dim: D) -> Result<Vec<Self>> {
+        if chunks == 0 {
+            candle_core::bail!("chunk: the number of chunks must be positive, got 0")
+        }
         Ok(self
             .inner
             .chunk(chunks, dim)?
@@ -120,20 +133,29 @@ impl<P: Precision> Tensor<P> {
         start: D1,
         end: D2,
     ) -> Result<Self> {
-        self.unary_op::<op::flatten, P>(|x| x.flatten(start, end))
+        let (first, last) = (
+            start.to_index(self.shape(), "flatten")?,
+            end.to_index(self.shape(), "flatten")?,
+        );
+        if first > last {
+            candle_core::bail!("flatten: the start dimension {first} comes after the end {last}")
+        }
+        self.unary_op::<op::flatten, P>(|x| x.flatten(first, last))
     }
 
     /// Broadcasts to `shape`: a view, except that a half tensor that tracks is copied through
     /// f32, so that its gradient is summed over the new dimensions in f32 (candle sums a view's
     /// gradient in half).
     pub fn broadcast_as<S: Into<Shape>>(&self, shape: S) -> Result<Self> {
-        self.unary_op::<op::broadcast_as, P>(|x| crate::kernels::spread(x, &shape.into()))
+        let shape = super::allocatable("broadcast_as", shape)?;
+        self.unary_op::<op::broadcast_as, P>(|x| crate::kernels::spread(x, &shape))
     }
 
     /// Broadcasts by adding leading dimensions (as [`Self::broadcast_as`]).
     pub fn broadcast_left<S: Into<Shape>>(&self, left: S) -> Result<Self> {
-        let shape = [left.into().dims(), self.dims()].concat();
-        self.unary_op::<op::broadcast_left, P>(|x| crate::kernels::spread(x, &Shape::from(shape)))
+        let shape =
+            super::allocatable("broadcast_left", [left.into().dims(), self.dims()].concat())?;
+        self.unary_op::<op::broadcast_left, P>(|x| crate::kernels::spread(x, &shape))
     }
 
     /// Pads `dim` with zeros on both sides.
@@ -143,7 +165,16 @@ impl<P: Precision> Tensor<P> {
         left: usize,
         right: usize,
     ) -> Result<Self> {
-        self.unary_op::<op::pad_with_zeros, P>(|x| x.pad_with_zeros(dim, left, right))
+        let d = dim.to_index(self.shape(), "pad_with_zeros")?;
+        let mut dims = self.dims().to_vec();
+        dims[d] = dims[d]
+            .checked_add(left)
+            .and_then(|n| n.checked_add(right))
+            .ok_or_else(|| {
+                candle_core::Error::Msg(format!("pad_with_zeros: {left} + {right} overflows"))
+            })?;
+        super::allocatable("pad_with_zeros", dims)?;
+        self.unary_op::<op::pad_with_zeros, P>(|x| x.pad_with_zeros(d, left, right))
     }
 
     /// Rows selected by integer ids along `dim` (ids are a plain candle tensor).
@@ -165,16 +196,29 @@ impl<P: Precision> Tensor<P> {
         squeeze,
         /// Inserts a dimension of size 1.
         unsqueeze,
-        /// Maximum over `dim`, kept as a size-1 dimension. Exact in any precision, so it is
-        /// precision-preserving (PyTorch's autocast does not upcast it either).
-        max_keepdim,
-        /// Maximum over `dim`.
-        max,
-        /// Minimum over `dim`, kept as a size-1 dimension.
-        min_keepdim,
-        /// Minimum over `dim`.
-        min,
     );
+
+    /// Maximum over `dim`, kept as a size-1 dimension; NaN where the slice holds one, as
+    /// PyTorch (candle's skips it). Exact in any precision, so it is precision-preserving
+    /// (PyTorch's autocast does not upcast it either).
+    pub fn max_keepdim<D: candle_core::shape::Dim>(&self, dim: D) -> Result<Self> {
+        self.unary_op::<op::max_keepdim, P>(|x| crate::kernels::extrema::max(x, dim, true))
+    }
+
+    /// Maximum over `dim` (NaN as [`Self::max_keepdim`]).
+    pub fn max<D: candle_core::shape::Dim>(&self, dim: D) -> Result<Self> {
+        self.unary_op::<op::max, P>(|x| crate::kernels::extrema::max(x, dim, false))
+    }
+
+    /// Minimum over `dim`, kept as a size-1 dimension (NaN as [`Self::max_keepdim`]).
+    pub fn min_keepdim<D: candle_core::shape::Dim>(&self, dim: D) -> Result<Self> {
+        self.unary_op::<op::min_keepdim, P>(|x| crate::kernels::extrema::min(x, dim, true))
+    }
+
+    /// Minimum over `dim` (NaN as [`Self::max_keepdim`]).
+    pub fn min<D: candle_core::shape::Dim>(&self, dim: D) -> Result<Self> {
+        self.unary_op::<op::min, P>(|x| crate::kernels::extrema::min(x, dim, false))
+    }
 
     /// Any candle function on the data, run in `P` (outside a region: the op's class is the
     /// caller's business; inside one, or in code one calls, it runs as a lower-precision op).
@@ -201,19 +245,20 @@ impl<P: Precision> Tensor<P> {
         self.unary_op::<op::clamp, P>(|x| x.clamp(min, max))
     }
 
-    /// Maximum of all elements (rank 0).
+    /// Maximum of all elements (rank 0), NaN if any is.
     pub fn max_all(&self) -> Result<Self> {
-        self.unary_op::<op::max_all, P>(candle_core::Tensor::max_all)
+        self.unary_op::<op::max_all, P>(crate::kernels::extrema::max_all)
     }
 
-    /// Minimum of all elements (rank 0).
+    /// Minimum of all elements (rank 0), NaN if any is.
     pub fn min_all(&self) -> Result<Self> {
-        self.unary_op::<op::min_all, P>(candle_core::Tensor::min_all)
+        self.unary_op::<op::min_all, P>(crate::kernels::extrema::min_all)
     }
 
-    /// Indices of the maxima over `dim`, as a plain `u32` candle tensor.
+    /// Indices of the maxima over `dim`, as a plain `u32` candle tensor; a slice holding NaN
+    /// gives its first NaN's index, as PyTorch.
     pub fn argmax<D: candle_core::shape::Dim>(&self, dim: D) -> Result<candle_core::Tensor> {
-        self.inner.argmax(dim)
+        crate::kernels::extrema::argmax(&self.inner, dim)
     }
 
     /// 2-D max pooling over the last two dimensions, stride = kernel size.

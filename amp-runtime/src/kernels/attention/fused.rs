@@ -232,6 +232,10 @@ impl Fused {
         let g = self.g;
         let blocks = g.tq.div_ceil(BLOCK);
         let len = g.b * g.h * g.tq * g.dv;
+        if len == 0 {
+            // No output value (an empty batch or length, or values of size 0).
+            return Vec::new();
+        }
         let mut out: Vec<T> = Vec::with_capacity(len);
         let dst = Disjoint::new(&mut out.spare_capacity_mut()[..len]);
         parallel::for_each_index(g.b * g.h * blocks, |task| {
@@ -281,6 +285,9 @@ impl Fused {
             g.b * g.hk * g.tk * g.dv,
         );
         let len = nq + nk + nv;
+        if len == 0 {
+            return Vec::new();
+        }
         let mut out: Vec<T> = Vec::with_capacity(len);
         let dst = Disjoint::new(&mut out.spare_capacity_mut()[..len]);
         parallel::for_each_index(g.b * g.hk, |task| {

@@ -47,9 +47,10 @@ __device__ __forceinline__ float amp_act_grad(float x, float g, int form) {
     } else if (form == 1) {
         return g * (amp_normal_cdf(x) + x * AMP_INV_SQRT_2PI * expf(-0.5f * x * x));
     } else if (form == 2) {
-        const float e = expf(-x);
-        const float s = 1.0f / (1.0f + e);
-        return g * s * (1.0f + x * e * s);
+        // sigmoid(x) and 1 - sigmoid(x) = sigmoid(-x), each from its own exp (the CPU op's).
+        const float s = 1.0f / (1.0f + expf(-x));
+        const float one_minus_s = 1.0f / (1.0f + expf(x));
+        return g * s * (1.0f + x * one_minus_s);
     }
     return x > 0.0f ? g : 0.0f;
 }
