@@ -412,7 +412,7 @@ fn a_nan_input_makes_both_running_statistics_nan() -> Result<()> {
 #[test]
 fn dropout_rejects_a_probability_outside_zero_to_one() -> Result<()> {
     let x = Tensor::<F32>::ones((4, 4), &dev())?;
-    for p in [f32::NAN, -0.5, 1.0, 1.5] {
+    for p in [f32::NAN, -0.5, 1.5] {
         let drop = nn::Dropout::new(p);
         assert_err("training", drop.forward(&x, true), "dropout probability");
         assert_err("evaluation", drop.forward(&x, false), "dropout probability");
@@ -423,6 +423,13 @@ fn dropout_rejects_a_probability_outside_zero_to_one() -> Result<()> {
             .to_flat_vec::<f32>()?,
         vec![1.0; 16]
     );
+    // p = 1, as PyTorch (`input * 0`): everything dropped in training, a NaN staying NaN;
+    // nothing dropped in evaluation.
+    let with_nan = Tensor::<F32>::new(&[1f32, f32::NAN], &dev())?;
+    let all = nn::Dropout::new(1.0);
+    let dropped = all.forward(&with_nan, true)?.to_vec1::<f32>()?;
+    assert!(dropped[0] == 0.0 && dropped[1].is_nan(), "{dropped:?}");
+    assert_eq!(all.forward(&x, false)?.to_flat_vec::<f32>()?, vec![1.0; 16]);
     Ok(())
 }
 
@@ -952,5 +959,80 @@ fn ops_and_layers_reject_empty_heads_integers_and_scalars() -> Result<()> {
         "names no file",
     );
     assert!(!std::path::Path::new(".tmp").exists());
+    let nowhere = std::env::temp_dir()
+        .join("no-such-dir-of-candle-amp")
+        .join("ckpt.safetensors");
+    assert_err(
+        "checkpoint in a missing directory",
+        candle_amp::checkpoint::save(&nowhere, &vars, &opt, &scaler, 1),
+        "does not exist",
+    );
+    Ok(())
+}
+
+// ---- The fourth sweep's findings. ----
+
+/// `l1`'s gradient at a prediction equal to its target is 0 (PyTorch's `sign(0)`; candle's
+/// `abs` gave 1); binary cross-entropy on logits keeps its tail (`log1p`: at x = 30, t = 1 the
+/// loss is e^-30 = 9.4e-14, it was 0); softmax over an empty dimension is empty, as PyTorch's;
+/// `pow` of two shapes names itself.
+#[test]
+fn losses_and_ops_at_their_edges() -> Result<()> {
+    let x = Var::new(&[3f32, 1.0], &dev())?;
+    let t = Tensor::<F32>::new(&[0f32, 1.0], &dev())?;
+    let grads = candle_amp::loss::l1(&Tensor::<F32>::from_candle(x.as_tensor().clone())?, &t)?
+        .into_candle()
+        .backward()?;
+    assert_eq!(
+        grads.get(&x).expect("a gradient").to_vec1::<f32>()?,
+        [0.5, 0.0]
+    );
+    let logit = Tensor::<F32>::new(&[30f32], &dev())?;
+    let one = Tensor::<F32>::new(&[1f32], &dev())?;
+    let bce =
+        candle_amp::loss::binary_cross_entropy_with_logits(&logit, &one)?.to_scalar::<f32>()?;
+    let want = (-30f64).exp() as f32;
+    assert!((bce - want).abs() <= 1e-6 * want, "{bce} vs {want}");
+    let empty = Tensor::<F32>::zeros((0, 3), &dev())?;
+    assert_eq!(candle_amp::ops::softmax(&empty, 0)?.dims(), [0, 3]);
+    assert_eq!(candle_amp::ops::log_softmax(&empty, 0)?.dims(), [0, 3]);
+    let (a, b) = (
+        Tensor::<F32>::ones(3, &dev())?,
+        Tensor::<F32>::ones(2, &dev())?,
+    );
+    assert_err(
+        "pow of two shapes",
+        candle_amp::fp32::pow(&a, &b),
+        "pow: the base [3]",
+    );
+    Ok(())
+}
+
+/// One optimizer stepped twice in one iteration applied both steps; PyTorch raises "step() has
+/// already been called since the last update()". After `update()` it steps again.
+#[test]
+fn the_scaler_steps_each_optimizer_once_per_update() -> Result<()> {
+    let w = Var::new(&[1f32, 2.0], &dev())?;
+    let mut opt = SGD::new(vec![w.clone()], 1.0)?;
+    let mut scaler = candle_amp::GradScaler::new();
+    let loss = || w.as_tensor().sum_all();
+    let grads = scaler.scale(&loss()?)?.backward()?;
+    assert_eq!(
+        scaler.step(&mut opt, grads)?,
+        candle_amp::StepOutcome::Stepped
+    );
+    let again = scaler.scale(&loss()?)?.backward()?;
+    assert_err(
+        "a second step",
+        scaler.step(&mut opt, again),
+        "already stepped",
+    );
+    assert_eq!(w.as_tensor().to_vec1::<f32>()?, [0.0, 1.0]);
+    scaler.update()?;
+    let next = scaler.scale(&loss()?)?.backward()?;
+    assert_eq!(
+        scaler.step(&mut opt, next)?,
+        candle_amp::StepOutcome::Stepped
+    );
     Ok(())
 }

@@ -178,3 +178,71 @@ fn custom_fwd_ops_sit_in_models_built_from_layers() -> Result<()> {
     );
     Ok(())
 }
+
+// ---- custom_bwd: gradients that are absent or of the wrong shape. ----
+
+/// `y = x` (a copy); the backward returns `None` (`Absent`) or a gradient summed to one value
+/// (`Summed`, the wrong shape).
+macro_rules! copy_op {
+    ($name:ident, |$grad:ident| $bwd:expr) => {
+        struct $name;
+
+        impl CustomOp1 for $name {
+            fn name(&self) -> &'static str {
+                stringify!($name)
+            }
+
+            fn cpu_fwd(
+                &self,
+                storage: &CpuStorage,
+                layout: &Layout,
+            ) -> Result<(CpuStorage, Shape)> {
+                let (start, end) = layout.contiguous_offsets().expect("contiguous input");
+                let CpuStorage::F32(v) = storage else {
+                    candle_core::bail!("copy: f32")
+                };
+                Ok((
+                    CpuStorage::F32(v[start..end].to_vec()),
+                    layout.shape().clone(),
+                ))
+            }
+
+            #[custom_bwd]
+            fn bwd(
+                &self,
+                _arg: &candle_core::Tensor,
+                _res: &candle_core::Tensor,
+                $grad: &candle_core::Tensor,
+            ) -> Result<Option<candle_core::Tensor>> {
+                $bwd
+            }
+        }
+    };
+}
+
+copy_op!(Absent, |_grad| Ok(None));
+copy_op!(Summed, |grad| Ok(Some(grad.sum_all()?)));
+
+/// A `None` gradient for an input another op computed made candle's backward panic ("grad not
+/// populated"): it is zeros now, so the variable before that op gets a zero gradient (PyTorch
+/// leaves it `None`). A gradient of the wrong shape is an error naming `#[custom_bwd]` and both
+/// shapes, where candle's named its own `add`.
+#[test]
+fn custom_bwd_absent_and_misshapen_gradients() -> Result<()> {
+    let x = candle_core::Var::new(&[1f32, 2.0], &dev())?;
+    let y = (x.as_tensor() * 2.0)?.apply_op1(Absent)?;
+    let grads = y.sum_all()?.backward()?;
+    let g = grads.get(&x).expect("a zero gradient").to_vec1::<f32>()?;
+    assert_eq!(g, [0.0, 0.0]);
+    let y = (x.as_tensor() * 2.0)?.apply_op1(Summed)?;
+    let err = y
+        .sum_all()?
+        .backward()
+        .expect_err("a gradient of shape []")
+        .to_string();
+    assert!(
+        err.contains("#[custom_bwd]: a returned gradient has shape []"),
+        "{err}"
+    );
+    Ok(())
+}

@@ -331,14 +331,17 @@ fn a_rank_that_leaves_is_an_error_for_the_others_not_a_hang() -> Result<()> {
 fn broadcast_starts_every_replica_from_rank_0s_weights() -> Result<()> {
     let got = on_ranks(3, |c| {
         let rank = c.rank() as f32;
+        // Rank 0's -0.0 arrives as -0.0, to the bit.
+        let first = if rank == 0.0 { -0.0 } else { rank };
         let var = Var::from_tensor(&candle_core::Tensor::new(
-            &[rank, rank + 0.5],
+            &[first, rank + 0.5],
             &Device::Cpu,
         )?)?;
         DataParallel::new(Arc::new(c)).broadcast(std::slice::from_ref(&var))?;
-        var.as_tensor().to_vec1::<f32>()
+        let values = var.as_tensor().to_vec1::<f32>()?;
+        Ok(values.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
     })?;
-    assert_eq!(got, vec![vec![0.0, 0.5]; 3]);
+    assert_eq!(got, vec![vec![(-0.0f32).to_bits(), 0.5f32.to_bits()]; 3]);
     Ok(())
 }
 

@@ -85,7 +85,20 @@ pub fn save(
     if path.file_name().is_none() {
         // "" or a path ending in `..`: the temporary file would land beside it, then fail to
         // move into place.
-        candle_core::bail!("checkpoint::save: {} names no file", path.display())
+        candle_core::bail!(
+            "checkpoint::save: {:?} names no file",
+            path.display().to_string()
+        )
+    }
+    if let Some(dir) = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty() && !d.is_dir())
+    {
+        candle_core::bail!(
+            "checkpoint::save: the directory {:?} of {:?} does not exist",
+            dir.display().to_string(),
+            path.display().to_string()
+        )
     }
     let named = named(vars);
     let cpu = &Device::Cpu;

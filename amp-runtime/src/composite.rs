@@ -10,7 +10,12 @@ use crate::cast::convert;
 /// fused op (`kernels::softmax_last_dim`, which reads half inputs as they are), otherwise
 /// candle-nn's max-shifted composition on an f32 copy.
 pub(crate) fn softmax_f32<Di: candle_core::shape::Dim>(x: &Tensor, dim: Di) -> Result<Tensor> {
-    if dim.to_index(x.shape(), "softmax")? + 1 == x.rank() {
+    let dim = dim.to_index(x.shape(), "softmax")?;
+    if x.elem_count() == 0 {
+        // Nothing to normalise: an empty f32 result, as PyTorch's (candle's reduce fails).
+        return convert(x, DType::F32);
+    }
+    if dim + 1 == x.rank() {
         crate::kernels::softmax_last_dim(x)
     } else {
         candle_nn::ops::softmax(&convert(x, DType::F32)?, dim)
@@ -20,7 +25,11 @@ pub(crate) fn softmax_f32<Di: candle_core::shape::Dim>(x: &Tensor, dim: Di) -> R
 /// Log-softmax along `dim` in f32, as [`softmax_f32`] (`kernels::log_softmax_last_dim` over the
 /// last dimension).
 pub(crate) fn log_softmax_f32<Di: candle_core::shape::Dim>(x: &Tensor, dim: Di) -> Result<Tensor> {
-    if dim.to_index(x.shape(), "log_softmax")? + 1 == x.rank() {
+    let dim = dim.to_index(x.shape(), "log_softmax")?;
+    if x.elem_count() == 0 {
+        return convert(x, DType::F32);
+    }
+    if dim + 1 == x.rank() {
         crate::kernels::log_softmax_last_dim(x)
     } else {
         candle_nn::ops::log_softmax(&convert(x, DType::F32)?, dim)
@@ -72,6 +81,14 @@ pub(crate) fn check_class_ids(op: &str, x: &Tensor, target: &Tensor) -> Result<(
 /// exponent stays NaN. The magnitude is candle's composition on `|x|`, so the gradients are
 /// its, signed by the base for odd exponents.
 pub(crate) fn pow(x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    if x.dims() != y.dims() {
+        candle_core::bail!(
+            "pow: the base {:?} and the exponent {:?} must have one shape (broadcast_pow \
+             broadcasts)",
+            x.dims(),
+            y.dims()
+        )
+    }
     let magnitude = (y * x.abs()?.log()?)?.exp()?;
     let negative = x.lt(0.0)?;
     let integer = y.eq(&y.round()?)?;
@@ -405,8 +422,11 @@ pub(crate) fn mse_f32(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// The mean absolute error, `|d|` as `relu(d) + relu(-d)`: the same values, and the gradient
+/// 0 where a prediction equals its target (PyTorch's `sign(0) = 0`; candle's `abs` gives 1).
 pub(crate) fn l1(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
-    diff("l1", inp, target)?.abs()?.mean_all()
+    let d = diff("l1", inp, target)?;
+    (crate::kernels::relu(&d)? + crate::kernels::relu(&d.neg()?)?)?.mean_all()
 }
 
 /// `0.5 d^2 / beta` where `|d| < beta`, `|d| - 0.5 beta` elsewhere, averaged; L1 at `beta = 0`.
@@ -427,6 +447,11 @@ pub(crate) fn smooth_l1(inp: &Tensor, target: &Tensor, beta: f64) -> Result<Tens
 pub(crate) fn binary_cross_entropy_with_logits(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
     check_same_shape("binary_cross_entropy_with_logits", inp, target)?;
     let t = convert(target, inp.dtype())?;
-    let softplus_neg_abs = crate::kernels::affine(&inp.abs()?.neg()?.exp()?, 1.0, 1.0)?.log()?;
+    // log(1 + e) with e = exp(-|x|) <= 1, as log1p: where e < 1e-4, `1 + e` would lose e's
+    // digits (a loss of 0 at x = 30, PyTorch's 9.4e-14), and `e - e^2 / 2` is exact to f32.
+    let e = inp.abs()?.neg()?.exp()?;
+    let series = (&e - (e.sqr()? * 0.5)?)?;
+    let log = crate::kernels::affine(&e, 1.0, 1.0)?.log()?;
+    let softplus_neg_abs = e.lt(1e-4)?.where_cond(&series, &log)?;
     ((inp.relu()? - (inp * &t)?)? + softplus_neg_abs)?.mean_all()
 }

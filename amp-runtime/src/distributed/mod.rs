@@ -155,6 +155,10 @@ impl DataParallel {
         for v in vars {
             let mine = if self.collective.rank() == 0 {
                 v.as_tensor().clone()
+            } else if v.dtype().is_float() {
+                // -0.0, so that the sum is rank 0's value to the bit (x + -0.0 is x for every
+                // x, -0.0 included; + 0.0 would turn rank 0's -0.0 into 0.0).
+                v.as_tensor().zeros_like()?.neg()?
             } else {
                 v.as_tensor().zeros_like()?
             };

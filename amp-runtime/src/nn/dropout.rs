@@ -17,7 +17,7 @@ pub struct Dropout {
 }
 
 impl Dropout {
-    /// A dropout of probability `p`, which must be in `[0, 1)`: checked when it runs (an error
+    /// A dropout of probability `p`, which must be in `[0, 1]` (1 drops everything, as PyTorch): checked when it runs (an error
     /// from `forward`), since this is candle-nn's infallible signature.
     pub fn new(p: f32) -> Self {
         Self { p }
@@ -50,11 +50,17 @@ impl Dropout {
     /// `p` is checked on every call, in training and evaluation alike (`new` keeps candle-nn's
     /// infallible signature): a NaN or negative `p` would otherwise pass as "nothing to drop".
     fn run(self, x: &candle_core::Tensor, train: bool) -> Result<candle_core::Tensor> {
-        if !(0.0..1.0).contains(&self.p) {
-            candle_core::bail!("dropout probability has to be in [0, 1), got {}", self.p)
+        if !(0.0..=1.0).contains(&self.p) {
+            candle_core::bail!("dropout probability has to be in [0, 1], got {}", self.p)
         }
         if !train || self.p <= 0.0 {
             return Ok(x.clone());
+        }
+        if self.p >= 1.0 {
+            // Everything dropped, as PyTorch's p = 1 (`input * 0`: a NaN stays NaN) with a zero
+            // gradient; the scale 1 / (1 - p) would be inf.
+            let none = candle_core::Tensor::zeros(x.shape(), candle_core::DType::U8, x.device())?;
+            return crate::kernels::masked_scale(x, &none, 0.0);
         }
         let draw = candle_core::Tensor::rand(0f32, 1f32, x.shape(), x.device())?;
         let keep = draw.ge(f64::from(self.p))?;

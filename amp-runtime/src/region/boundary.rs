@@ -141,11 +141,26 @@ pub trait GradsLike<Inputs> {
         Self: Sized;
 }
 
+/// A returned gradient checked against its input's shape (candle would report a mismatch in
+/// its `add`, naming neither the op nor the input) and cast to its dtype. `None` for an input
+/// computed by another op becomes zeros: candle's backward panics on a node it expected a
+/// gradient for ("grad not populated"), where PyTorch treats `None` as no contribution. A
+/// variable's `None` stays `None` (no gradient, as PyTorch's).
 fn grad_as(
     g: Option<candle_core::Tensor>,
     input: &candle_core::Tensor,
 ) -> Result<Option<candle_core::Tensor>> {
-    g.map(|g| convert(&g, input.dtype())).transpose()
+    match g {
+        Some(g) if g.dims() != input.dims() => candle_core::bail!(
+            "#[custom_bwd]: a returned gradient has shape {:?}, its input {:?}: each gradient \
+             has its input's shape",
+            g.dims(),
+            input.dims()
+        ),
+        Some(g) => convert(&g, input.dtype()).map(Some),
+        None if input.track_op() && !input.is_variable() => input.zeros_like().map(Some),
+        None => Ok(None),
+    }
 }
 
 impl GradsLike<(&candle_core::Tensor,)> for Option<candle_core::Tensor> {

@@ -60,6 +60,10 @@ pub struct GradScaler {
     last_nonfinite: Vec<candle_core::TensorId>,
     /// The data-parallel group whose ranks skip or step together.
     collective: Option<Arc<dyn Collective>>,
+    /// The optimizers (by address) stepped since the last `update()`: a second step of one
+    /// of them in the same iteration is an error, as PyTorch's "step() has already been called
+    /// since the last update()".
+    stepped: Vec<usize>,
 }
 
 impl Default for GradScaler {
@@ -262,7 +266,21 @@ impl GradScaler {
         opt: &mut O,
         grads: G,
     ) -> Result<StepOutcome> {
+        let id = std::ptr::from_mut(opt).cast::<()>() as usize;
+        // A disabled scaler steps as the optimizer alone would, as PyTorch's.
+        if self.enabled && self.stepped.contains(&id) {
+            return Err(ScalerError::Mismatch(
+                "this optimizer has already stepped since the last update() (PyTorch: \
+                 \"step() has already been called since the last update()\"): call update() \
+                 once per iteration, after every optimizer's step"
+                    .to_string(),
+            )
+            .into());
+        }
         let grads = grads.into_unscaled(self)?;
+        if self.enabled {
+            self.stepped.push(id);
+        }
         if grads.found_inf() {
             self.last_nonfinite = grads.nonfinite_ids();
             self.state.skipped_steps = self.state.skipped_steps.saturating_add(1);
@@ -306,6 +324,7 @@ impl GradScaler {
     /// steps as taken; here the run stops with an error that says the gradients are non-finite
     /// at any scale. A `tracing` error event carries the same.
     pub fn update(&mut self) -> Result<()> {
+        self.stepped.clear();
         if !self.enabled {
             return Ok(());
         }
@@ -468,6 +487,7 @@ impl GradScalerBuilder {
             found_inf: None,
             consecutive_skips: 0,
             last_nonfinite: Vec::new(),
+            stepped: Vec::new(),
             collective: self.collective,
         })
     }
