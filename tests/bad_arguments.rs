@@ -1036,3 +1036,38 @@ fn the_scaler_steps_each_optimizer_once_per_update() -> Result<()> {
     );
     Ok(())
 }
+
+// ---- The fifth sweep's findings. ----
+
+#[autocast(fp16)]
+fn divided_in_region(x: &Tensor<F32>, s: f64) -> Result<Tensor<F32>> {
+    Ok((x / s)?)
+}
+
+/// `x / s` multiplied by `1 / s`, which overflows f32 for |s| below about 2.9e-39: `1e-39 /
+/// 1e-39` was inf, `0 / 1e-39` NaN (PyTorch: 1 and 0); it is a quotient now, exact as PyTorch's
+/// CPU division (`x / 3` was an ulp off for a third of the values). `x + 0.0` turns -0.0 into
+/// +0.0 and `0.0 - x` of 0 is +0.0, as IEEE sums and PyTorch give; `x * s` keeps a zero's sign.
+#[test]
+fn scalar_division_is_a_quotient_and_zero_signs_follow_ieee() -> Result<()> {
+    let tiny = 1e-39;
+    let x = Tensor::<F32>::new(&[0f32, 1e-39, 1.0], &dev())?;
+    assert_eq!((&x / tiny)?.to_vec1::<f32>()?, [0.0, 1.0, f32::INFINITY]);
+    let in_region = divided_in_region(&x, tiny)?.to_vec1::<f32>()?;
+    assert_eq!(in_region, [0.0, 1.0, f32::INFINITY]);
+    let thirds: Vec<f32> = (1..2000).map(|i| i as f32 * 0.37).collect();
+    let got = (&Tensor::<F32>::new(thirds.as_slice(), &dev())? / 3.0)?.to_vec1::<f32>()?;
+    let want: Vec<f32> = thirds.iter().map(|v| v / 3.0).collect();
+    assert_eq!(got, want);
+    let bits = |t: Tensor<F32>| -> Result<Vec<u32>> {
+        Ok(t.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+    };
+    let negative_zero = Tensor::<F32>::new(&[-0f32], &dev())?;
+    assert_eq!(bits((&negative_zero + 0.0)?)?, [0f32.to_bits()]);
+    assert_eq!(
+        bits((0.0 - &Tensor::<F32>::new(&[0f32], &dev())?)?)?,
+        [0f32.to_bits()]
+    );
+    assert_eq!(bits((&negative_zero * 2.0)?)?, [(-0f32).to_bits()]);
+    Ok(())
+}

@@ -327,6 +327,21 @@ fn a_rank_that_leaves_is_an_error_for_the_others_not_a_hang() -> Result<()> {
     Ok(())
 }
 
+/// Integer variables arrive exactly too: 2^53 + 1 (which the `ThreadGroup`'s f64 sum rounded
+/// to 2^53) and a negative value.
+#[test]
+fn broadcast_copies_integers_exactly() -> Result<()> {
+    let big = (1i64 << 53) + 1;
+    let got = on_ranks(3, |c| {
+        let mine = if c.rank() == 0 { [big, -7] } else { [1, 2] };
+        let var = Var::from_tensor(&candle_core::Tensor::new(&mine, &Device::Cpu)?)?;
+        DataParallel::new(Arc::new(c)).broadcast(std::slice::from_ref(&var))?;
+        var.as_tensor().to_vec1::<i64>()
+    })?;
+    assert_eq!(got, vec![vec![big, -7]; 3]);
+    Ok(())
+}
+
 #[test]
 fn broadcast_starts_every_replica_from_rank_0s_weights() -> Result<()> {
     let got = on_ranks(3, |c| {

@@ -153,18 +153,44 @@ impl DataParallel {
         let values: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
         self.check_same_gradients(&values)?;
         for v in vars {
+            if !v.dtype().is_float() {
+                v.set(&self.broadcast_integers(v.as_tensor())?)?;
+                continue;
+            }
             let mine = if self.collective.rank() == 0 {
                 v.as_tensor().clone()
-            } else if v.dtype().is_float() {
+            } else {
                 // -0.0, so that the sum is rank 0's value to the bit (x + -0.0 is x for every
                 // x, -0.0 included; + 0.0 would turn rank 0's -0.0 into 0.0).
                 v.as_tensor().zeros_like()?.neg()?
-            } else {
-                v.as_tensor().zeros_like()?
             };
             v.set(&self.collective.all_reduce(&mine, ReduceOp::Sum)?)?;
         }
         Ok(())
+    }
+
+    /// Rank 0's integer tensor on every rank, exactly: sent as two sums of 32-bit halves, each
+    /// exact in the f64 a collective may reduce in (`ThreadGroup` does; 2^53 + 1 became 2^53).
+    fn broadcast_integers(&self, t: &Tensor) -> Result<Tensor> {
+        let values: Vec<i64> = if self.collective.rank() == 0 {
+            t.flatten_all()?.to_dtype(DType::I64)?.to_vec1()?
+        } else {
+            vec![0; t.elem_count()]
+        };
+        let (hi, lo): (Vec<f64>, Vec<f64>) = values
+            .iter()
+            .map(|&x| ((x >> 32) as f64, (x & 0xffff_ffff) as f64))
+            .unzip();
+        let sum = |half: Vec<f64>| -> Result<Vec<f64>> {
+            let half = Tensor::from_vec(half, t.elem_count(), t.device())?;
+            self.collective.all_reduce(&half, ReduceOp::Sum)?.to_vec1()
+        };
+        let joined: Vec<i64> = sum(hi)?
+            .iter()
+            .zip(sum(lo)?)
+            .map(|(&hi, lo)| ((hi as i64) << 32) | lo as i64)
+            .collect();
+        Tensor::from_vec(joined, t.shape(), t.device())?.to_dtype(t.dtype())
     }
 
     /// The end of the bucket that starts at `start`: gradients of one dtype, at most

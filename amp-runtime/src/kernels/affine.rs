@@ -8,7 +8,9 @@
 //! bf16 GPT block 256 wide, that scaling (forward, and the same map in its backward) was an
 //! eighth of the training step. PyTorch keeps the scalar in f32 and rounds once, as here. An
 //! f32 tensor gets candle's arithmetic to the bit (`x * mul + add` in f32, not fused), except
-//! that a pure scaling (`add` 0) keeps the sign of a zero product, as PyTorch's `x * s` does.
+//! that a pure scaling (`add` -0.0) keeps the sign of a zero product, as PyTorch's `x * s` does.
+//! A division by a scalar is a quotient of its own ([`div_scalar`]), not a product by the
+//! reciprocal.
 
 use crate::kernels::elem::with_floats;
 use candle_core::backend::BackendStorage;
@@ -36,11 +38,55 @@ struct Affine {
 impl Affine {
     fn values<T: Real + Send + Sync>(self, x: &[T]) -> Vec<T> {
         let (mul, add) = (self.mul as f32, self.add as f32);
-        if add == 0.0 {
+        // A pure scaling is written with `add` -0.0, the sum's neutral element: `x * mul`
+        // keeps a zero product's sign, as PyTorch's `x * s`; `x + 0.0` (add +0.0) turns -0.0
+        // into +0.0, as PyTorch's does.
+        if add == 0.0 && add.is_sign_negative() {
             zip_map(x, x, |x, _| x * mul)
         } else {
             zip_map(x, x, |x, _| x * mul + add)
         }
+    }
+}
+
+/// `x / divisor`, the quotient itself rather than the product by the reciprocal: `1 / 1e-39`
+/// is inf in f32, so `1e-39 / 1e-39` became inf (PyTorch: 1), and `x / 3` was off by an ulp
+/// for a third of the values. On CPU one op, in f32 and rounded once; elsewhere candle's
+/// division by an f32 scalar tensor, on an f32 copy of a half `x`. Its backward is
+/// `grad / divisor`, the same map.
+pub(crate) fn div_scalar(x: &Tensor, divisor: f64) -> Result<Tensor> {
+    if crate::kernels::elem::cpu_float(x) {
+        x.contiguous()?.apply_op1(Quotient(divisor))
+    } else {
+        let wide = crate::kernels::elem::wide(x.dtype());
+        let d = Tensor::new(divisor, x.device())?.to_dtype(wide)?;
+        x.to_dtype(wide)?.broadcast_div(&d)?.to_dtype(x.dtype())
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Quotient(f64);
+
+impl CustomOp1 for Quotient {
+    fn name(&self) -> &'static str {
+        "amp-div-scalar"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let d = self.0 as f32;
+        let out = with_floats!("div_scalar", s, l, |x| WithDType::to_cpu_storage_owned(
+            zip_map(x, x, |x, _| x / d)
+        ));
+        Ok((out, l.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let grad = if crate::kernels::elem::cpu_float(grad) {
+            grad.contiguous()?.apply_op1_no_bwd(self)?
+        } else {
+            div_scalar(&grad.detach(), self.0)?
+        };
+        Ok(Some(grad))
     }
 }
 
@@ -61,12 +107,12 @@ impl CustomOp1 for Affine {
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let scale = Self {
             mul: self.mul,
-            add: 0.0,
+            add: -0.0,
         };
         let grad = if crate::kernels::elem::cpu_float(grad) {
             grad.contiguous()?.apply_op1_no_bwd(&scale)?
         } else {
-            grad.affine(self.mul, 0.0)?
+            grad.affine(self.mul, -0.0)?
         };
         Ok(Some(grad))
     }
@@ -189,7 +235,7 @@ mod tests {
                 DType::F16 => 11,
                 _ => 8,
             };
-            for add in [0.0, 0.75] {
+            for add in [-0.0, 0.0, 0.75] {
                 let x = Tensor::new(inputs(), &dev)?.to_dtype(dtype)?;
                 let got = affine(&x, mul, add)?;
                 assert_eq!(got.dtype(), dtype);
@@ -208,9 +254,11 @@ mod tests {
                     );
                 }
                 if add == 0.0 {
-                    // -0.0 * mul keeps its sign.
+                    // -0.0 * mul keeps its sign (a pure scaling, `add` -0.0); -0.0 * mul + 0.0
+                    // is +0.0, as IEEE's sum.
                     let last_zero = ys[xs.len() - 4];
-                    assert!(last_zero == 0.0 && last_zero.is_sign_negative());
+                    assert!(last_zero == 0.0);
+                    assert_eq!(last_zero.is_sign_negative(), add.is_sign_negative());
                 }
                 let var = Var::from_tensor(&x)?;
                 let grads = affine(var.as_tensor(), mul, add)?

@@ -272,7 +272,7 @@ impl CustomOp2 for Sum {
             let g = summed_to(grad, b.shape())?;
             match self {
                 Self::Add => Ok(g),
-                Self::Sub => crate::kernels::affine(&g, -1.0, 0.0),
+                Self::Sub => crate::kernels::affine(&g, -1.0, -0.0),
             }
         })?;
         Ok((grad_a, grad_b))
@@ -369,7 +369,7 @@ impl CustomOp2 for Widening {
         let grad_b = wanted(b, || {
             let g = match self.0 {
                 Sum::Add => grad.clone(),
-                Sum::Sub => crate::kernels::affine(grad, -1.0, 0.0)?,
+                Sum::Sub => crate::kernels::affine(grad, -1.0, -0.0)?,
             };
             crate::kernels::convert::to_dtype(&g, b.dtype())
         })?;

@@ -70,7 +70,7 @@ mod softmax;
 pub mod unscale;
 
 pub(crate) use activation::{gelu, gelu_erf, relu, silu};
-pub(crate) use affine::{affine, masked_scale};
+pub(crate) use affine::{affine, div_scalar, masked_scale};
 pub(crate) use attention::scaled_dot_product_attention;
 pub(crate) use bias::add_bias;
 pub(crate) use binary::{

@@ -19,7 +19,7 @@ use crate::op;
 
 /// `s / x`: PyTorch's fp32-class `rdiv`, computed in f32.
 fn rdiv(s: f64, x: &AmpTensor) -> Result<AmpTensor> {
-    affine(&convert(x, DType::F32)?.recip()?, s, 0.0)
+    affine(&convert(x, DType::F32)?.recip()?, s, -0.0)
 }
 
 /// An operator's two operands in a region, on their way to it: the rewrite turns `a + b` into
@@ -163,11 +163,11 @@ impl<Pol: Policy, L: OperatorSide> ScalarRight for &&Operands<Pol, L, f64> {
     }
     fn __amp_mul(self) -> Result<AmpTensor> {
         let (x, s) = self.take();
-        affine_op::<Pol>(x.side()?, s, 0.0)
+        affine_op::<Pol>(x.side()?, s, -0.0)
     }
     fn __amp_div(self) -> Result<AmpTensor> {
         let (x, s) = self.take();
-        affine_op::<Pol>(x.side()?, 1.0 / s, 0.0)
+        unary::<Pol, op::affine>(&x.side()?, |x| crate::kernels::div_scalar(x, s))
     }
 }
 
@@ -194,7 +194,7 @@ impl<Pol: Policy, R: OperatorSide> ScalarLeft for &&Operands<Pol, f64, R> {
     }
     fn __amp_mul(self) -> Result<AmpTensor> {
         let (s, x) = self.take();
-        affine_op::<Pol>(x.side()?, s, 0.0)
+        affine_op::<Pol>(x.side()?, s, -0.0)
     }
     fn __amp_div(self) -> Result<AmpTensor> {
         let (s, x) = self.take();

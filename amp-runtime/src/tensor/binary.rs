@@ -224,7 +224,7 @@ impl<P: Precision> Tensor<P> {
 // Operators on references: `&a + &b` (one precision) and `&a * 2.0` (or `a * 2.0`), returning
 // `Result` as candle's operators do.
 macro_rules! operator {
-    ($trait:ident, $fn:ident, $op:ident, $mul:expr, $add:expr) => {
+    ($trait:ident, $fn:ident, $op:ident, |$x:ident, $s:ident| $scalar:expr) => {
         impl<'a, P: Precision, Q> std::ops::$trait<&'a Tensor<Q>> for &'a Tensor<P>
         where
             Q: SamePrecision<P, op::$op>,
@@ -238,8 +238,8 @@ macro_rules! operator {
         impl<P: Precision> std::ops::$trait<f64> for &Tensor<P> {
             type Output = Result<Tensor<P>>;
             fn $fn(self, rhs: f64) -> Result<Tensor<P>> {
-                let (mul, add): (fn(f64) -> f64, fn(f64) -> f64) = ($mul, $add);
-                self.affine(mul(rhs), add(rhs))
+                let ($x, $s) = (self, rhs);
+                $scalar
             }
         }
 
@@ -272,9 +272,12 @@ macro_rules! scalar_lhs {
 }
 scalar_lhs!(Add, add, |x, s| x.affine(1.0, s));
 scalar_lhs!(Sub, sub, |x, s| x.affine(-1.0, s));
-scalar_lhs!(Mul, mul, |x, s| x.affine(s, 0.0));
+scalar_lhs!(Mul, mul, |x, s| x.affine(s, -0.0));
 
-operator!(Add, add, add, |_| 1.0, |s| s);
-operator!(Sub, sub, sub, |_| 1.0, |s| -s);
-operator!(Mul, mul, mul, |s| s, |_| 0.0);
-operator!(Div, div, div, |s| 1.0 / s, |_| 0.0);
+// A scaling's `add` is -0.0, the sum's neutral element (see `kernels::affine`); a division is
+// a quotient (`kernels::div_scalar`), not a product by the reciprocal.
+operator!(Add, add, add, |x, s| x.affine(1.0, s));
+operator!(Sub, sub, sub, |x, s| x.affine(1.0, -s));
+operator!(Mul, mul, mul, |x, s| x.affine(s, -0.0));
+operator!(Div, div, div, |x, s| x
+    .unary_op::<op::affine, P>(|t| crate::kernels::div_scalar(t, s)));
