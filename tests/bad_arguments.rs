@@ -1071,3 +1071,52 @@ fn scalar_division_is_a_quotient_and_zero_signs_follow_ieee() -> Result<()> {
     assert_eq!(bits((&negative_zero * 2.0)?)?, [(-0f32).to_bits()]);
     Ok(())
 }
+
+// ---- The sixth sweep's findings. ----
+
+#[autocast(fp16)]
+fn rdiv_in_region(x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    Ok((1e-39 / x)?)
+}
+
+#[autocast(fp16)]
+fn int_pow_in_region(x: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+    x.pow(x)
+}
+
+/// `pow`'s gradient at a zero base was NaN (`relu(h)^2` made every gradient NaN), its values
+/// off at signed zeros, `(-1)^inf` and `(-2)^31`, and integer operands in a region panicked
+/// (candle's `todo!`); `s / x` was `s * (1 / x)` (`1e-39 / 1e-39` was inf).
+#[test]
+fn pow_and_scalar_quotients_as_pytorch() -> Result<()> {
+    let base = Var::new(&[0f32, 3.0, 0.0, -2.0], &dev())?;
+    let exponent = Tensor::<F32>::new(&[2f32, 2.0, 0.5, 3.0], &dev())?;
+    let x = Tensor::<F32>::from_candle(base.as_tensor().clone())?;
+    let grads = candle_amp::fp32::pow(&x, &exponent)?
+        .into_candle()
+        .sum_all()?
+        .backward()?;
+    let dx = grads.get(&base).expect("a gradient").to_vec1::<f32>()?;
+    // 2 * 0, 2 * 3, 0.5 * 0^-0.5 = inf, 3 * (-2)^2 = 12: PyTorch's.
+    assert_eq!(dx, [0.0, 6.0, f32::INFINITY, 12.0]);
+    let signed = Tensor::<F32>::new(&[-0f32, -0.0, -1.0, -2.0], &dev())?;
+    let powers = Tensor::<F32>::new(&[-1f32, 3.0, f32::INFINITY, 31.0], &dev())?;
+    let got = candle_amp::fp32::pow(&signed, &powers)?.to_vec1::<f32>()?;
+    assert!(got[0].is_infinite() && got[0].is_sign_negative(), "{got:?}");
+    assert!(got[1] == 0.0 && got[1].is_sign_negative(), "{got:?}");
+    assert_eq!(got[2..], [1.0, -2_147_483_648.0]);
+    let ints = candle_core::Tensor::new(&[2u32, 3], &dev())?;
+    assert_err(
+        "pow of u32 in a region",
+        int_pow_in_region(&ints),
+        "float tensors only",
+    );
+    let tiny = Tensor::<F32>::new(&[1e-39f32, 2e-39], &dev())?;
+    assert_eq!((1e-39 / &tiny)?.to_vec1::<f32>()?, [1.0, 0.5]);
+    assert_eq!(rdiv_in_region(&tiny)?.to_vec1::<f32>()?, [1.0, 0.5]);
+    let values: Vec<f32> = (1..2000).map(|i| i as f32 * 0.37).collect();
+    let got = (3.0 / &Tensor::<F32>::new(values.as_slice(), &dev())?)?.to_vec1::<f32>()?;
+    let want: Vec<f32> = values.iter().map(|v| 3.0 / v).collect();
+    assert_eq!(got, want);
+    Ok(())
+}

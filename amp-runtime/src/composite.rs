@@ -76,7 +76,8 @@ pub(crate) fn check_class_ids(op: &str, x: &Tensor, target: &Tensor) -> Result<(
 }
 
 /// `x ^ y` elementwise (same shapes) with the values of PyTorch's (IEEE) `pow` where candle's
-/// `exp(y * ln x)` gives NaN: a negative base with an integer exponent (`(-2)^3 = -8`), `x^0 = 1`
+/// `exp(y * ln x)` gives NaN (off the CPU; on it `kernels::pow`, exact and with PyTorch's
+/// gradients): a negative base with an integer exponent (`(-2)^3 = -8`), `x^0 = 1`
 /// for every `x` (0, inf and NaN included) and `1^y = 1`. A negative base with a non-integer
 /// exponent stays NaN. The magnitude is candle's composition on `|x|`, so the gradients are
 /// its, signed by the base for odd exponents.
@@ -88,6 +89,19 @@ pub(crate) fn pow(x: &Tensor, y: &Tensor) -> Result<Tensor> {
             x.dims(),
             y.dims()
         )
+    }
+    if !(x.dtype().is_float() && y.dtype().is_float()) {
+        // candle's `log` of an integer tensor is a `todo!` (a panic).
+        candle_core::bail!(
+            "pow: float tensors only, got {:?} and {:?} (cast them first)",
+            x.dtype(),
+            y.dtype()
+        )
+    }
+    // On CPU one op with PyTorch's values and gradients (`kernels::pow`); elsewhere the
+    // composition below, whose gradient at a zero base is NaN.
+    if let Some(z) = crate::kernels::pow(x, y)? {
+        return Ok(z);
     }
     let magnitude = (y * x.abs()?.log()?)?.exp()?;
     let negative = x.lt(0.0)?;

@@ -276,6 +276,6 @@ impl<P: Precision> Tensor<P> {
 impl std::ops::Div<&Tensor<F32>> for f64 {
     type Output = Result<Tensor<F32>>;
     fn div(self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
-        x.recip()?.affine(self, -0.0)
+        x.unary_op::<op::recip, F32>(|t| crate::kernels::rdiv_scalar(self, t))
     }
 }

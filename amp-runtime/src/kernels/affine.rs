@@ -64,6 +64,14 @@ pub(crate) fn div_scalar(x: &Tensor, divisor: f64) -> Result<Tensor> {
     }
 }
 
+/// `numerator / x` in f32 (an f32 result, PyTorch's fp32-class `rdiv`), the quotient itself:
+/// `numerator * (1 / x)` made `1e-39 / 1e-39` inf and was an ulp off for a third of the values.
+/// candle's division of the numerator (a scalar) by `x`'s f32 values, with candle's gradient.
+pub(crate) fn rdiv_scalar(numerator: f64, x: &Tensor) -> Result<Tensor> {
+    let x = crate::kernels::convert::to_dtype(x, candle_core::DType::F32)?;
+    Tensor::new(numerator as f32, x.device())?.broadcast_div(&x)
+}
+
 #[derive(Clone, Copy)]
 struct Quotient(f64);
 

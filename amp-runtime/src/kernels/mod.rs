@@ -28,6 +28,7 @@
 //! - `activation`, `affine`, `binary`: element-wise ops computed in f32 with one-pass backwards.
 //! - `extrema`: maxima, minima and `argmax` that propagate NaN as PyTorch's (candle's skip it).
 //! - `softmax`, `layer_norm`, `mse`: fp32-class ops reading half inputs as they are.
+//! - `pow`: `x ^ y` with PyTorch's values and gradients (candle's is `exp(y ln x)`).
 //! - `pool`: max and average pooling and their backward.
 //! - `attention`: scaled dot-product attention as one op, its score blocks on the GEMM.
 //! - `rope`: rotary position embeddings (candle-nn's three layouts) with a backward.
@@ -65,12 +66,13 @@ mod matmul;
 mod mse;
 pub(crate) mod optim;
 mod pool;
+mod pow;
 pub(crate) mod rope;
 mod softmax;
 pub mod unscale;
 
 pub(crate) use activation::{gelu, gelu_erf, relu, silu};
-pub(crate) use affine::{affine, div_scalar, masked_scale};
+pub(crate) use affine::{affine, div_scalar, masked_scale, rdiv_scalar};
 pub(crate) use attention::scaled_dot_product_attention;
 pub(crate) use bias::add_bias;
 pub(crate) use binary::{
@@ -88,4 +90,5 @@ pub(crate) use layer_norm::layer_norm;
 pub(crate) use matmul::{broadcast_matmul, linear, linear_act, matmul};
 pub(crate) use mse::mse;
 pub(crate) use pool::{avg_pool2d, max_pool2d, Pool2d};
+pub(crate) use pow::pow;
 pub(crate) use softmax::{log_softmax_last_dim, softmax_last_dim};

@@ -13,13 +13,12 @@ use candle_core::{DType, Result};
 use super::policy::Policy;
 use super::route::{at, binary, routed, unary};
 use super::value::{AmpTensor, AsAmp};
-use crate::cast::convert;
 use crate::kernels::affine;
 use crate::op;
 
-/// `s / x`: PyTorch's fp32-class `rdiv`, computed in f32.
+/// `s / x`: PyTorch's fp32-class `rdiv`, computed in f32 (a quotient: `kernels::rdiv_scalar`).
 fn rdiv(s: f64, x: &AmpTensor) -> Result<AmpTensor> {
-    affine(&convert(x, DType::F32)?.recip()?, s, -0.0)
+    crate::kernels::rdiv_scalar(s, x)
 }
 
 /// An operator's two operands in a region, on their way to it: the rewrite turns `a + b` into
