@@ -47,7 +47,7 @@ use candle_amp::{autocast, Bf16Policy, Fp16Policy, GradScaler, Policy, Tensor, F
 use candle_core::{DType, Device, Result};
 use candle_nn::{VarBuilder, VarMap};
 use clap::Parser;
-use common::modes::HostMs;
+use common::modes::{self, HostMs};
 use common::AmpPrecision;
 use resnet::{Depth, ResNet};
 
@@ -282,19 +282,9 @@ fn train<Pol: Policy>(
             let x = Tensor::<F32>::from_candle(data.train_x.as_candle().index_select(&idx, 0)?)?;
             let y = data.train_y.index_select(&idx, 0)?;
             let start = Instant::now();
-            // This step's host time per phase, kept once the untimed steps are over.
-            let mut phases = HostMs::default();
-            let l = HostMs::time(&mut phases.forward, || {
+            let (value, phases) = modes::train_step(&mut opt, &mut scaler, |_| {
                 loss::cross_entropy(&logits::<Pol>(&model, &x, true, args.frozen, amp)?, &y)
             })?;
-            let grads = HostMs::time(&mut phases.backward, || {
-                scaler.scale(l.as_candle())?.backward()
-            })?;
-            HostMs::time(&mut phases.step, || -> Result<()> {
-                let _ = scaler.step(&mut opt, grads)?;
-                scaler.update()
-            })?;
-            let value = HostMs::time(&mut phases.loss_read, || l.to_scalar::<f32>())?;
             if losses.len() >= UNTIMED_STEPS {
                 timed += start.elapsed();
                 timed_steps += 1;

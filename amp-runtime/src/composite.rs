@@ -56,6 +56,18 @@ pub(crate) fn nll(logp: &Tensor, target: &Tensor) -> Result<Tensor> {
 /// ids are on the CPU; on a GPU that read would stop the step, and there they go to the
 /// gather as they are.
 pub(crate) fn check_class_ids(op: &str, x: &Tensor, target: &Tensor) -> Result<()> {
+    let (_, classes) = class_id_shapes(op, x, target)?;
+    if target.device().is_cpu() {
+        let ids = target.to_dtype(DType::I64)?.to_vec1::<i64>()?;
+        if let Some(bad) = ids.iter().find(|&&id| id < 0 || id >= classes as i64) {
+            candle_core::bail!("{op}: class ids must be in 0..{classes}, got {bad}")
+        }
+    }
+    Ok(())
+}
+
+/// `x` is `(batch, classes)` and the target one integer id per row: `(batch, classes)`.
+fn class_id_shapes(op: &str, x: &Tensor, target: &Tensor) -> Result<(usize, usize)> {
     let (n, classes) = x.dims2().map_err(|_| {
         candle_core::Error::Msg(format!("{op} expects (batch, classes), got {:?}", x.dims()))
     })?;
@@ -66,13 +78,7 @@ pub(crate) fn check_class_ids(op: &str, x: &Tensor, target: &Tensor) -> Result<(
             target.dims()
         )
     }
-    if target.device().is_cpu() {
-        let ids = target.to_dtype(DType::I64)?.to_vec1::<i64>()?;
-        if let Some(bad) = ids.iter().find(|&&id| id < 0 || id >= classes as i64) {
-            candle_core::bail!("{op}: class ids must be in 0..{classes}, got {bad}")
-        }
-    }
-    Ok(())
+    Ok((n, classes))
 }
 
 /// `x ^ y` elementwise (same shapes) with the values of PyTorch's (IEEE) `pow` where candle's
@@ -174,19 +180,7 @@ pub(crate) fn cross_entropy_with_f32(
     target: &Tensor,
     o: &CrossEntropy,
 ) -> Result<Tensor> {
-    let (n, classes) = x.dims2().map_err(|_| {
-        candle_core::Error::Msg(format!(
-            "cross_entropy expects logits (batch, classes), got {:?}",
-            x.dims()
-        ))
-    })?;
-    if target.dims() != [n] || target.dtype().is_float() {
-        candle_core::bail!(
-            "cross_entropy: the target is {n} integer class ids, got {:?} {:?}",
-            target.dtype(),
-            target.dims()
-        )
-    }
+    let (n, classes) = class_id_shapes("cross_entropy", x, target)?;
     if n == 0 {
         candle_core::bail!(
             "cross_entropy: an empty batch has no row to average: its mean is undefined, where \

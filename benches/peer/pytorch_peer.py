@@ -260,6 +260,20 @@ def peak_ratio(ours, amp_key):
         return None
 
 
+def ours_figures(ours, amp_key):
+    """Our row's fields from an example's `--json`: the f32 and AMP steps, the peak ratio, and
+    where the steps' host time goes when the example reports it (forward, backward, scaler and
+    optimizer, loss read)."""
+    figures = {
+        "ours_f32": ours["f32"]["ms_per_step"],
+        "ours_amp": ours[amp_key]["ms_per_step"],
+        "ours_peak_amp_vs_f32": peak_ratio(ours, amp_key),
+    }
+    if "host_ms" in ours[amp_key]:
+        figures["ours_host_ms"] = {"f32": ours["f32"]["host_ms"], "amp": ours[amp_key]["host_ms"]}
+    return figures
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON line")
@@ -287,9 +301,7 @@ def main():
         return {
             "torch_f32": quantized_sine_torch(torch, dev, amp=False, **sine),
             "torch_amp": quantized_sine_torch(torch, dev, amp=True, **sine),
-            "ours_f32": ours["f32"]["ms_per_step"],
-            "ours_amp": ours["amp"]["ms_per_step"],
-            "ours_peak_amp_vs_f32": peak_ratio(ours, "amp"),
+            **ours_figures(ours, "amp"),
         }
 
     def recipe():
@@ -301,9 +313,7 @@ def main():
         return {
             "torch_f32": amp_recipe_torch(torch, dev, amp=False, **recipe),
             "torch_amp": amp_recipe_torch(torch, dev, amp=True, **recipe),
-            "ours_f32": ours["f32"]["ms_per_step"],
-            "ours_amp": ours["amp"]["ms_per_step"],
-            "ours_peak_amp_vs_f32": peak_ratio(ours, "amp"),
+            **ours_figures(ours, "amp"),
         }
 
     def gpt():
@@ -317,12 +327,7 @@ def main():
             "torch_f32": gpt_torch(torch, dev, amp=False, **gpt),
             "torch_amp": gpt_torch(torch, dev, amp=True, **gpt),
             "torch_amp_eager_attention": gpt_torch(torch, dev, amp=True, attention="eager", **gpt),
-            "ours_f32": ours["f32"]["ms_per_step"],
-            "ours_amp": ours[dev.precision]["ms_per_step"],
-            "ours_peak_amp_vs_f32": peak_ratio(ours, dev.precision),
-            # Where our step's host time goes (forward, backward, scaler and optimizer).
-            "ours_host_ms": {mode: ours[key]["host_ms"] for mode, key in
-                             (("f32", "f32"), ("amp", dev.precision))},
+            **ours_figures(ours, dev.precision),
         }
 
     def resnet(res):
@@ -336,10 +341,7 @@ def main():
         return {
             "torch_f32": resnet_torch(torch, dev, amp=False, **res),
             "torch_amp": resnet_torch(torch, dev, amp=True, **res),
-            "ours_f32": ours["f32"]["ms_per_step"],
-            "ours_amp": ours["amp"]["ms_per_step"],
-            "ours_peak_amp_vs_f32": peak_ratio(ours, "amp"),
-            "ours_host_ms": {mode: ours[mode]["host_ms"] for mode in ("f32", "amp")},
+            **ours_figures(ours, "amp"),
         }
 
     workloads = [("quantized_sine", sine), ("amp_recipe", recipe), ("gpt", gpt)] + [

@@ -90,6 +90,24 @@ pub fn scaler(mode: Mode) -> Result<GradScaler> {
     GradScaler::builder().enabled(mode == Mode::Fp16).build()
 }
 
+/// One training step with the GradScaler loop, `loss(opt)` its forward: the loss's value and
+/// where the step's host time went.
+pub fn train_step<O: Optimizer>(
+    opt: &mut O,
+    scaler: &mut GradScaler,
+    loss: impl FnOnce(&mut O) -> Result<Tensor<F32>>,
+) -> Result<(f32, HostMs)> {
+    let mut host = HostMs::default();
+    let l = HostMs::time(&mut host.forward, || loss(opt))?;
+    let grads = HostMs::time(&mut host.backward, || scaler.scale(&l)?.backward())?;
+    HostMs::time(&mut host.step, || -> Result<()> {
+        let _ = scaler.step(opt, grads)?;
+        scaler.update()
+    })?;
+    let value = HostMs::time(&mut host.loss_read, || l.to_scalar::<f32>())?;
+    Ok((value, host))
+}
+
 /// Steps `steps` (`0..n` for a fresh run, `k..k + n` after resuming from step `k`) of
 /// `loss(opt, step)` in `mode`, with the GradScaler loop; `loss` may set the optimizer's rate
 /// first. The first step is the untimed warm-up; the peak counts from `peak`'s start (read
@@ -114,13 +132,8 @@ pub fn run_steps<O: Optimizer>(
             start = Instant::now(); // the first step is the untimed warm-up
             host = HostMs::default();
         }
-        let l = HostMs::time(&mut host.forward, || loss(opt, step))?;
-        let grads = HostMs::time(&mut host.backward, || scaler.scale(&l)?.backward())?;
-        HostMs::time(&mut host.step, || -> Result<()> {
-            let _ = scaler.step(opt, grads)?;
-            scaler.update()
-        })?;
-        let value = HostMs::time(&mut host.loss_read, || l.to_scalar::<f32>())?;
+        let (value, phases) = train_step(opt, scaler, |opt| loss(opt, step))?;
+        host.add(phases);
         losses.push(value);
         bar.set_message(format!("loss {value:.4}"));
         bar.inc(1);

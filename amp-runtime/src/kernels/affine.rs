@@ -88,13 +88,9 @@ impl CustomOp1 for Quotient {
         Ok((out, l.shape().clone()))
     }
 
+    /// `grad / divisor` (the op runs on CPU only, and its gradient is on CPU too).
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let grad = if crate::kernels::elem::cpu_float(grad) {
-            grad.contiguous()?.apply_op1_no_bwd(self)?
-        } else {
-            div_scalar(&grad.detach(), self.0)?
-        };
-        Ok(Some(grad))
+        grad.contiguous()?.apply_op1_no_bwd(self).map(Some)
     }
 }
 
