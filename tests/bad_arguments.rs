@@ -967,6 +967,39 @@ fn ops_and_layers_reject_empty_heads_integers_and_scalars() -> Result<()> {
         candle_amp::checkpoint::save(&nowhere, &vars, &opt, &scaler, 1),
         "does not exist",
     );
+    // A directory, with or without a trailing separator or `.`: the error names the path given
+    // (the message named the temporary file `dir.tmp`, or `dir/.tmp` was written).
+    let dir = std::env::temp_dir().join(format!("candle-amp-ckpt-dir-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let shown = dir.display().to_string();
+    for (given, says) in [
+        (shown.clone(), "is a directory"),
+        (format!("{shown}/"), "names no file"),
+        (format!("{shown}/."), "names no file"),
+    ] {
+        let r = candle_amp::checkpoint::save(&given, &vars, &opt, &scaler, 1);
+        let err = r.expect_err(&given).to_string();
+        assert!(err.contains(says) && err.contains(&shown), "{given}: {err}");
+        assert!(!err.contains(".tmp"), "{given}: {err}");
+    }
+    assert_eq!(
+        std::fs::read_dir(&dir)?.count(),
+        0,
+        "nothing left in the directory"
+    );
+    // A symbolic link stays one: the checkpoint is written to the file it names.
+    #[cfg(unix)]
+    {
+        let (file, link) = (dir.join("real.safetensors"), dir.join("link.safetensors"));
+        std::os::unix::fs::symlink("real.safetensors", &link)?;
+        candle_amp::checkpoint::save(&link, &vars, &opt, &scaler, 1)?;
+        assert!(std::fs::symlink_metadata(&link)?.file_type().is_symlink());
+        assert!(
+            std::fs::metadata(&file)?.len() > 0,
+            "the link's file is written"
+        );
+    }
+    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 

@@ -655,6 +655,40 @@ fn layer_norm_matches_cpu<P: Precision>() -> Result<()> {
     Ok(())
 }
 
+/// Reduced maxima and minima (the op sharing the gradient among ties, NaN through a slice
+/// holding one) against the CPU: values and the input's gradient, bit for bit, on integer
+/// values with many ties and one NaN.
+fn extrema_match_cpu<P: Precision>() -> Result<()> {
+    let cuda = Device::new_cuda(0)?;
+    let run = |dev: &Device| -> Result<Vec<Vec<f32>>> {
+        let mut v: Vec<f32> = common::values(6 * 50, 9)
+            .iter()
+            .map(|v| v.round())
+            .collect();
+        v[7] = f32::NAN;
+        let x = candle_core::Tensor::from_vec(v, (6, 50), dev)?.to_dtype(P::DTYPE)?;
+        let x = Var::from_tensor(&x)?;
+        let typed = Tensor::<P>::from_candle(x.as_tensor().clone())?;
+        let max = typed.max(1)?.into_candle();
+        let min = typed.min_keepdim(0)?.into_candle().flatten_all()?;
+        let grads = (max.sum_all()? + min.sum_all()?)?.backward()?;
+        let g = grads.get(&x).cloned().expect("a gradient for x");
+        [max, min, g.flatten_all()?]
+            .iter()
+            .map(|t| t.to_dtype(DType::F32)?.to_vec1::<f32>())
+            .collect()
+    };
+    let (want, got) = (run(&Device::Cpu)?, run(&cuda)?);
+    for (what, (g, w)) in ["max", "min", "grad"].iter().zip(got.iter().zip(&want)) {
+        let same = g
+            .iter()
+            .zip(w)
+            .all(|(g, w)| g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()));
+        assert!(same, "extrema {:?} {what}: {g:?} vs {w:?}", P::DTYPE);
+    }
+    Ok(())
+}
+
 /// `y` with its `-inf` values as 0 (a log-softmax of a hidden column), for comparing.
 fn finite_or_zero(y: &candle_core::Tensor) -> Result<candle_core::Tensor> {
     y.ne(f32::NEG_INFINITY)?.where_cond(y, &y.zeros_like()?)
@@ -692,6 +726,7 @@ per_precision!(
 );
 per_precision!(conv1d_matches_cpu: conv1d_f32_cuda, conv1d_f16_cuda, conv1d_bf16_cuda);
 per_precision!(softmax_matches_cpu: softmax_f32_cuda, softmax_f16_cuda, softmax_bf16_cuda);
+per_precision!(extrema_match_cpu: extrema_f32_cuda, extrema_f16_cuda, extrema_bf16_cuda);
 per_precision!(
     layer_norm_matches_cpu: layer_norm_f32_cuda,
     layer_norm_f16_cuda,

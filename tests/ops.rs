@@ -802,6 +802,95 @@ fn extrema_propagate_nan_as_pytorch() -> Result<()> {
     Ok(())
 }
 
+/// The gradient of an extremum is PyTorch's: tied elements share it evenly (`torch.amax`;
+/// candle gave each tie the whole gradient, `k` times it in all), a slice holding a NaN gets NaN
+/// throughout (`torch.amax`; candle gave none), and an elementwise maximum passes it to both
+/// operands where either is NaN (`torch.maximum`). Reference: torch 2.15 on the same inputs.
+#[test]
+fn extrema_share_their_gradient_as_pytorch() -> Result<()> {
+    type Loss = fn(&Tensor<F32>) -> Result<candle_core::Tensor>;
+    let nan = f32::NAN;
+    let rows = [[1f32, 3., 3.], [2., nan, nan], [-0.0, 0.0, -1.0]];
+    let same = |got: &[f32], want: &[f32]| {
+        got.len() == want.len()
+            && got
+                .iter()
+                .zip(want)
+                .all(|(g, w)| (g.is_nan() && w.is_nan()) || g == w)
+    };
+    // (what, the loss of the typed tensor, then in a bf16 region, PyTorch's gradient)
+    let cases: [(&str, Loss, Loss, [f32; 9]); 4] = [
+        (
+            "max over dim 1",
+            |x| x.max(1)?.into_candle().sum_all(),
+            |x| region_extremum(x, 0),
+            [0., 0.5, 0.5, nan, nan, nan, 0.5, 0.5, 0.],
+        ),
+        (
+            "min over dim 1, kept",
+            |x| x.min_keepdim(1)?.into_candle().sum_all(),
+            |x| region_extremum(x, 1),
+            [1., 0., 0., nan, nan, nan, 0., 0., 1.],
+        ),
+        (
+            "max of all",
+            |x| Ok(x.max_all()?.into_candle()),
+            |x| region_extremum(x, 2),
+            [nan; 9],
+        ),
+        (
+            "min over dim 0",
+            |x| x.min(0)?.into_candle().sum_all(),
+            |x| region_extremum(x, 3),
+            [0., nan, nan, 0., nan, nan, 1., nan, nan],
+        ),
+    ];
+    for (what, typed, region, want) in cases {
+        for (how, loss) in [("typed", typed), ("region", region)] {
+            let x = candle_core::Var::new(&rows, &dev())?;
+            let grads = loss(&Tensor::from_candle(x.as_tensor().clone())?)?.backward()?;
+            let got = grads.get(&x).expect("a gradient").flatten_all()?;
+            let got = got.to_vec1::<f32>()?;
+            assert!(same(&got, &want), "{what}, {how}: {got:?} vs {want:?}");
+        }
+    }
+    // Without a NaN, the maximum of all shares among its ties; fp16 operands alike (each share
+    // 1/3 rounded to fp16 once).
+    let x = candle_core::Var::new(&[1f32, 3., 3., 3.], &dev())?;
+    let x16 = Tensor::<F16>::from_candle(x.as_tensor().to_dtype(DType::F16)?)?;
+    let grads = x16.max_all()?.into_candle().backward()?;
+    let got = grads.get(&x).expect("a gradient").to_vec1::<f32>()?;
+    let third = half::f16::from_f32(1.0 / 3.0).to_f32();
+    assert_eq!(got, [0.0, third, third, third]);
+    // Elementwise: a tie splits in halves; a NaN passes the gradient to both operands.
+    let a = candle_core::Var::new(&[1f32, nan, 2.0], &dev())?;
+    let b = candle_core::Var::new(&[1f32, 0.0, nan], &dev())?;
+    let (ta, tb) = (
+        Tensor::<F32>::from_candle(a.as_tensor().clone())?,
+        Tensor::<F32>::from_candle(b.as_tensor().clone())?,
+    );
+    for (how, y) in [("maximum", ta.maximum(&tb)?), ("minimum", ta.minimum(&tb)?)] {
+        let grads = y.into_candle().sum_all()?.backward()?;
+        for v in [&a, &b] {
+            let got = grads.get(v).expect("a gradient").to_vec1::<f32>()?;
+            assert_eq!(got, [0.5, 1.0, 1.0], "{how}");
+        }
+    }
+    Ok(())
+}
+
+/// Case `which` of [`extrema_share_their_gradient_as_pytorch`], written in a region.
+#[candle_amp::autocast(bf16)]
+fn region_extremum(x: &Tensor<F32>, which: usize) -> Result<candle_core::Tensor> {
+    let y = match which {
+        0 => x.max(1)?.sum_all()?,
+        1 => x.min_keepdim(1)?.sum_all()?,
+        2 => x.max_all()?,
+        _ => x.min(0)?.sum_all()?,
+    };
+    Ok(y)
+}
+
 /// candle's shape and index methods, `clamp`, and scalars on the left, on typed tensors.
 #[test]
 fn scalars_on_the_left_shapes_and_indexing_as_candle() -> Result<()> {

@@ -81,25 +81,8 @@ pub fn save(
     scaler: &GradScaler,
     step: u64,
 ) -> Result<()> {
-    let path = path.as_ref();
-    if path.file_name().is_none() {
-        // "" or a path ending in `..`: the temporary file would land beside it, then fail to
-        // move into place.
-        candle_core::bail!(
-            "checkpoint::save: {:?} names no file",
-            path.display().to_string()
-        )
-    }
-    if let Some(dir) = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty() && !d.is_dir())
-    {
-        candle_core::bail!(
-            "checkpoint::save: the directory {:?} of {:?} does not exist",
-            dir.display().to_string(),
-            path.display().to_string()
-        )
-    }
+    let path = target(path.as_ref())?;
+    let path = path.as_path();
     let named = named(vars);
     let cpu = &Device::Cpu;
     let mut tensors: HashMap<String, Tensor> = scaler.state().to_tensors("scaler.")?;
@@ -127,10 +110,55 @@ pub fn save(
         // Not left behind beside the target.
         let _ = std::fs::remove_file(&tmp);
         candle_core::Error::Msg(format!(
-            "checkpoint: cannot move {} into place: {e}",
-            Path::new(&tmp).display()
+            "checkpoint::save: cannot write {:?}: {e}",
+            path.display().to_string()
         ))
     })
+}
+
+/// The file [`save`] writes for `path`: `path` itself, or the file a symbolic link names (so
+/// that the link stays a link, as `torch.save` writes through it); an error naming `path` where
+/// it cannot be a file: empty, a directory, or ending in a separator, `.` or `..`, or in a
+/// directory that does not exist.
+fn target(path: &Path) -> Result<std::path::PathBuf> {
+    let shown = || path.display().to_string();
+    // `Path` drops a trailing separator and `/.`: `"dir/"` and `"dir/."` have the file name
+    // `dir`.
+    let text = path.as_os_str().to_string_lossy();
+    let trailing = text.ends_with(std::path::is_separator) || text.ends_with("/.");
+    if path.file_name().is_none() || trailing {
+        candle_core::bail!("checkpoint::save: {:?} names no file", shown())
+    }
+    if path.is_dir() {
+        candle_core::bail!(
+            "checkpoint::save: {:?} is a directory; name a file in it",
+            shown()
+        )
+    }
+    let path = if path.is_symlink() {
+        // The file at the end of the links, or (a dangling link) the one the link names,
+        // relative to the link's directory.
+        std::fs::canonicalize(path).or_else(|_| {
+            Ok::<_, std::io::Error>(
+                path.parent()
+                    .unwrap_or(Path::new(""))
+                    .join(std::fs::read_link(path)?),
+            )
+        })?
+    } else {
+        path.to_path_buf()
+    };
+    if let Some(dir) = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty() && !d.is_dir())
+    {
+        candle_core::bail!(
+            "checkpoint::save: the directory {:?} of {:?} does not exist",
+            dir.display().to_string(),
+            shown()
+        )
+    }
+    Ok(path)
 }
 
 /// Restores what [`save`] wrote into `vars`, `optimizer` and `scaler`, and returns the step.

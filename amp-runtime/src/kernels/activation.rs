@@ -49,9 +49,9 @@ pub(crate) fn relu(x: &Tensor) -> Result<Tensor> {
     apply(x, Form::Relu)
 }
 
-/// `grad` where `y = relu(x)` is positive, 0 elsewhere: ReLU's backward from its output
-/// (`y > 0` exactly where `x > 0`, NaN included), for an op that ends in a ReLU and keeps only
-/// its output. CPU or CUDA, f32, f16 or bf16, `y` contiguous.
+/// `grad` where `y = relu(x)` is positive or NaN, 0 elsewhere: ReLU's backward from its output
+/// (`y` is positive or NaN exactly where `x` is), as PyTorch's `threshold_backward`, for an op
+/// that ends in a ReLU and keeps only its output. CPU or CUDA, f32, f16 or bf16, `y` contiguous.
 pub(crate) fn relu_grad_from_output(y: &Tensor, grad: &Tensor) -> Result<Tensor> {
     y.apply_op2_no_bwd(&grad.contiguous()?, &ActivationGrad(Form::Relu))
 }
@@ -132,7 +132,8 @@ impl Form {
                 let one_minus_s = 1.0 / (1.0 + exp(x));
                 g * s * (1.0 + x * one_minus_s)
             }),
-            Self::Relu => zip_map(x, grad, |x, g| if x > 0.0 { g } else { 0.0 }),
+            // PyTorch's: the gradient passes where the output (NaN here) is not <= 0.
+            Self::Relu => zip_map(x, grad, |x, g| if x <= 0.0 { 0.0 } else { g }),
         }
     }
 }
@@ -146,9 +147,11 @@ fn gelu_arg(x: f32) -> f32 {
 /// `e^x` without a branch or a library call, so that element loops vectorise: `2^n * p(r)`
 /// with `n` the nearest integer to `x / ln 2`, `r = x - n ln 2` (in two parts, |r| <= ln2 / 2)
 /// and `p` the degree-7 Taylor polynomial (truncation below 5e-9 relative), within a few ulp
-/// of the exact value. `x` is clamped to [-87, 88], where `2^n` is a normal f32 (the result is
-/// then at least 1.6e-38 and at most 1.6e38, which the callers treat as 0 and infinity); NaN
-/// stays NaN.
+/// of the exact value, for `x` in [-87, 88], where `2^n` is a normal f32. Outside it, as the
+/// library's `expf` (and CUDA's, which the GPU kernels use): 0 below -87 (the exact value is
+/// below 1.7e-38, subnormal from -87.34), `e^88` up to 88.72 and infinity above, where f32
+/// overflows. So `silu(-inf)` is `-inf / inf`, NaN, as PyTorch's, and not `-inf / 1.6e38`.
+/// NaN stays NaN.
 #[inline]
 pub(crate) fn exp(x: f32) -> f32 {
     /// 1.5 * 2^23: adding and subtracting it rounds an f32 below 2^22 to the nearest integer.
@@ -157,6 +160,9 @@ pub(crate) fn exp(x: f32) -> f32 {
     const LN2_LO: f32 = 1.428_606_8e-6;
     /// `ROUND`'s bits: an f32 `ROUND + n` has the bits `ROUND_BITS + n` for |n| < 2^22.
     const ROUND_BITS: u32 = 0x4B40_0000;
+    /// `ln(f32::MAX)`: `e^x` overflows above it.
+    const OVERFLOW: f32 = 88.722_84;
+    let given = x;
     let x = x.clamp(-87.0, 88.0);
     let shifted = x * std::f32::consts::LOG2_E + ROUND;
     let n = shifted - ROUND;
@@ -171,7 +177,14 @@ pub(crate) fn exp(x: f32) -> f32 {
     // saturating `as i32` does not vectorise: it cost a scalar conversion and an insert per
     // element). For NaN the bits are garbage and `p` is NaN, so the product is NaN.
     let biased = shifted.to_bits().wrapping_sub(ROUND_BITS).wrapping_add(127);
-    p * f32::from_bits(biased << 23)
+    let value = p * f32::from_bits(biased << 23);
+    // Selects, not branches: the loops still vectorise.
+    let value = if given < -87.0 { 0.0 } else { value };
+    if given > OVERFLOW {
+        f32::INFINITY
+    } else {
+        value
+    }
 }
 
 /// `(1 + tanh u, 1 - tanh u)`, each without cancellation: with `e = exp(-2|u|)` they are
@@ -398,7 +411,6 @@ mod tests {
         Ok(())
     }
 
-    /// ReLU against candle's in every dtype, gradients exactly; NaN stays NaN (candle's gives 0).
     /// The branch-free `exp` over its whole range (every 1/1024 from -87 to 88): within 4 ulp
     /// of the exact value; NaN stays NaN, the clamped ends give the normal extremes.
     #[test]
@@ -413,10 +425,49 @@ mod tests {
             );
         }
         assert!(exp(f32::NAN).is_nan());
-        assert!(exp(-1000.0) > 0.0 && exp(-1000.0) < 1e-37);
-        assert!(exp(1000.0).is_finite() && exp(1000.0) > 1e38);
+        // Beyond f32's normal range, `expf`'s values: 0 and infinity.
+        for (x, want) in [
+            (-1000.0, 0.0),
+            (-87.5, 0.0),
+            (f32::NEG_INFINITY, 0.0),
+            (88.8, f32::INFINITY),
+            (f32::INFINITY, f32::INFINITY),
+        ] {
+            assert_eq!(exp(x).to_bits(), want.to_bits(), "exp({x})");
+        }
+        assert!(exp(88.5) > 1e38 && exp(88.5).is_finite());
     }
 
+    /// At the ends of f32, PyTorch's values and gradients (torch 2.15, f32) at `-inf`, `inf`,
+    /// -100 and NaN, with one exception: GELU (erf) of `inf` is `inf`, where PyTorch's is NaN.
+    #[test]
+    fn activations_at_infinities_are_pytorch_s() -> Result<()> {
+        let nan = f32::NAN;
+        let inf = f32::INFINITY;
+        let x = [-inf, inf, -100.0, nan];
+        let cases = [
+            (Form::Silu, [nan, inf, -0.0, nan], [nan, nan, -0.0, nan]),
+            (Form::Erf, [nan, inf, -0.0, nan], [nan, nan, 0.0, nan]),
+            (Form::Tanh, [nan, inf, -0.0, nan], [nan, nan, 0.0, nan]),
+            (Form::Relu, [0.0, inf, 0.0, nan], [0.0, 1.0, 0.0, 1.0]),
+        ];
+        let same = |got: &[f32], want: &[f32]| {
+            got.iter().zip(want).all(|(g, w)| {
+                (g.is_nan() && w.is_nan()) || g.total_cmp(w).is_eq() || g.abs() + w.abs() == 0.0
+            })
+        };
+        for (form, value, grad) in cases {
+            let v = Var::new(&x, &Device::Cpu)?;
+            let y = apply(&v, form)?;
+            let g = y.sum_all()?.backward()?.get(&v).unwrap().to_vec1::<f32>()?;
+            let y = y.to_vec1::<f32>()?;
+            assert!(same(&y, &value), "{form:?}: {y:?} vs {value:?}");
+            assert!(same(&g, &grad), "{form:?} gradient: {g:?} vs {grad:?}");
+        }
+        Ok(())
+    }
+
+    /// ReLU against candle's in every dtype, gradients exactly; NaN stays NaN (candle's gives 0).
     #[test]
     fn relu_matches_candle_and_keeps_nan() -> Result<()> {
         for dtype in [DType::F32, DType::F16, DType::BF16] {

@@ -6,51 +6,136 @@
 //! scaler or the user never sees, so every maximum and minimum of the typed API and of
 //! regions goes through these: candle's result, with NaN where the reduced slice (or either
 //! operand) held one. Integer tensors hold no NaN and take candle's op alone.
+//!
+//! Their gradients are PyTorch's too. candle's backward of a reduced maximum gives the whole
+//! gradient to every element equal to it, so a tie of `k` elements passed `k` times the
+//! gradient, and a slice holding a NaN passed none. Here a reduced extremum shares its gradient
+//! evenly among the elements that attain it, as `torch.amax` and `torch.amin` do
+//! (`torch.max(x, dim)`, which also returns indices, gives it all to one of them: another
+//! subgradient of the same function). A slice holding a NaN has no derivative and gets NaN
+//! gradients throughout, as with `torch.amax`, so that the gradient scaler skips the step
+//! (`torch.max()` without a dim shares a finite gradient among the NaNs instead, which a
+//! scaler steps on). An elementwise maximum splits a tie in halves (candle's rule and
+//! PyTorch's) and, where either operand is NaN, passes the gradient to both, as PyTorch does.
 
-use candle_core::{Result, Tensor};
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
-/// `reduced` (candle's extremum of `x`) with NaN wherever `nan_in`, the same reduction of
-/// `x`'s NaN mask, is set.
-fn with_nan(
-    x: &Tensor,
-    reduced: Tensor,
-    nan_in: impl FnOnce(&Tensor) -> Result<Tensor>,
-) -> Result<Tensor> {
-    if !x.dtype().is_float() {
-        return Ok(reduced);
+/// Which extremum a reduction takes.
+#[derive(Clone, Copy)]
+enum Extremum {
+    Max,
+    Min,
+}
+
+impl Extremum {
+    /// candle's extremum of `x` over `dim`, kept as a size-1 dimension.
+    fn candle(self, x: &Tensor, dim: usize) -> Result<Tensor> {
+        match self {
+            Self::Max => x.max_keepdim(dim),
+            Self::Min => x.min_keepdim(dim),
+        }
     }
-    let any = nan_in(&x.ne(x)?)?;
-    any.where_cond(&reduced.affine(0.0, f64::NAN)?, &reduced)
+}
+
+/// The extremum of `x` over `dim`, kept as a size-1 dimension: candle's value with NaN where
+/// the slice holds one, and the gradient shared among the elements that attain it.
+fn reduce(x: &Tensor, dim: usize, which: Extremum) -> Result<Tensor> {
+    let value = which.candle(x, dim)?;
+    if !x.dtype().is_float() {
+        return Ok(value);
+    }
+    let any_nan = x.ne(x)?.max_keepdim(dim)?;
+    let value = any_nan
+        .where_cond(&value.affine(0.0, f64::NAN)?, &value)?
+        .detach();
+    if !x.track_op() {
+        return Ok(value);
+    }
+    // `value - 0`, the zero carrying the shared gradient: exact for every value, -0.0 and NaN
+    // included.
+    value.sub(&x.apply_op1(Share {
+        value: value.clone(),
+        dim,
+    })?)
+}
+
+/// The zero whose backward is an extremum's: `value` (kept over `dim`) is the extremum of the
+/// op's argument, and each element attaining it takes an equal share of the gradient (NaN
+/// throughout a slice whose extremum is NaN). The caller subtracts the zero, so the backward hands back the share
+/// negated.
+#[derive(Clone)]
+struct Share {
+    value: Tensor,
+    dim: usize,
+}
+
+impl Share {
+    /// The op's value: zeros of `value`'s shape on the argument's device.
+    fn zeros<D: BackendDevice>(&self, device: &D) -> Result<D::Storage> {
+        device.zeros_impl(self.value.shape(), self.value.dtype())
+    }
+}
+
+impl CustomOp1 for Share {
+    fn name(&self) -> &'static str {
+        "extremum-share"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        Ok((self.zeros(s.device())?, self.value.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((self.zeros(s.device())?, self.value.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let nan = self.value.ne(&self.value)?;
+        let attains = arg.broadcast_eq(&self.value)?.broadcast_maximum(&nan)?;
+        let count = attains.to_dtype(DType::F32)?.sum_keepdim(self.dim)?;
+        let share = grad.to_dtype(DType::F32)?.div(&count)?.neg()?;
+        let share = nan
+            .where_cond(&share.affine(0.0, f64::NAN)?, &share)?
+            .broadcast_as(arg.shape())?;
+        let grad = attains.where_cond(&share, &share.zeros_like()?)?;
+        Ok(Some(grad.to_dtype(arg.dtype())?))
+    }
 }
 
 /// The maximum over `dim`, kept as a size-1 dimension with `keepdim`.
 pub(crate) fn max<D: candle_core::shape::Dim>(x: &Tensor, dim: D, keepdim: bool) -> Result<Tensor> {
     let dim = dim.to_index(x.shape(), "max")?;
-    if keepdim {
-        with_nan(x, x.max_keepdim(dim)?, |m| m.max_keepdim(dim))
-    } else {
-        with_nan(x, x.max(dim)?, |m| m.max(dim))
-    }
+    kept(reduce(x, dim, Extremum::Max)?, dim, keepdim)
 }
 
 /// The minimum over `dim`, kept as a size-1 dimension with `keepdim`.
 pub(crate) fn min<D: candle_core::shape::Dim>(x: &Tensor, dim: D, keepdim: bool) -> Result<Tensor> {
     let dim = dim.to_index(x.shape(), "min")?;
+    kept(reduce(x, dim, Extremum::Min)?, dim, keepdim)
+}
+
+fn kept(reduced: Tensor, dim: usize, keepdim: bool) -> Result<Tensor> {
     if keepdim {
-        with_nan(x, x.min_keepdim(dim)?, |m| m.max_keepdim(dim))
+        Ok(reduced)
     } else {
-        with_nan(x, x.min(dim)?, |m| m.max(dim))
+        reduced.squeeze(dim)
     }
 }
 
 /// The maximum of every element (rank 0).
 pub(crate) fn max_all(x: &Tensor) -> Result<Tensor> {
-    with_nan(x, x.max_all()?, Tensor::max_all)
+    reduce(&x.flatten_all()?, 0, Extremum::Max)?.reshape(())
 }
 
 /// The minimum of every element (rank 0).
 pub(crate) fn min_all(x: &Tensor) -> Result<Tensor> {
-    with_nan(x, x.min_all()?, Tensor::max_all)
+    reduce(&x.flatten_all()?, 0, Extremum::Min)?.reshape(())
 }
 
 /// The index of the maximum over `dim` (u32), the first NaN's where the slice holds one.
@@ -75,10 +160,12 @@ pub(crate) fn minimum(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     either_nan(a, b, a.minimum(b)?)
 }
 
+/// `r` (candle's extremum of `a` and `b`) with `a + b` where either is NaN: a NaN whose
+/// gradient reaches both operands.
 fn either_nan(a: &Tensor, b: &Tensor, r: Tensor) -> Result<Tensor> {
     if !r.dtype().is_float() {
         return Ok(r);
     }
     let nan = a.ne(a)?.maximum(&b.ne(b)?)?;
-    nan.where_cond(&r.affine(0.0, f64::NAN)?, &r)
+    nan.where_cond(&(a + b)?, &r)
 }

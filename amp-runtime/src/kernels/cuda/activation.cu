@@ -52,7 +52,7 @@ __device__ __forceinline__ float amp_act_grad(float x, float g, int form) {
         const float one_minus_s = 1.0f / (1.0f + expf(x));
         return g * s * (1.0f + x * one_minus_s);
     }
-    return x > 0.0f ? g : 0.0f;
+    return x <= 0.0f ? 0.0f : g; // NaN passes the gradient, as PyTorch's
 }
 
 // out[i] = f(x[i]), or, with dy, out[i] = dy[i] * f'(x[i]); one thread per value in a
