@@ -15,6 +15,7 @@
 //! any reduction across tasks.
 
 use std::mem::MaybeUninit;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
@@ -43,6 +44,10 @@ pub(super) struct Fused {
     g: Geometry,
     /// The output is `(b, t_q, h, d_v)` (the packed entry's) rather than `(b, h, t_q, d_v)`.
     tokens_major: bool,
+    /// Each query row's log-sum-exp of its scores, `(b, h, t_q)`, kept by the forward so that
+    /// the backward recomputes the probabilities in one pass, `exp(s - lse)` (flash
+    /// attention's statistic), rather than a softmax's four.
+    lse: Arc<OnceLock<Vec<f32>>>,
 }
 
 /// A rank-4 operand as the kernels read it: its elements, start offset and strides.
@@ -152,6 +157,7 @@ impl Fused {
             dropout,
             g,
             tokens_major,
+            lse: Arc::default(),
         })
     }
 
@@ -189,10 +195,10 @@ impl Fused {
         )
     }
 
-    /// The probabilities of query rows `from..to` of head `(b, h)`, f32 and row-major over the
-    /// keys the block's last row sees (the later keys are hidden from every row of the block),
-    /// with how many keys that is.
-    fn probabilities<T: GemmElem>(
+    /// The scaled and masked scores of query rows `from..to` of head `(b, h)`, f32 and
+    /// row-major over the keys the block's last row sees (the later keys are hidden from every
+    /// row of the block), `-inf` where a row's key is hidden, with how many keys that is.
+    fn scores<T: GemmElem>(
         &self,
         (b, h): (usize, usize),
         (from, to): (usize, usize),
@@ -205,12 +211,12 @@ impl Fused {
             return (Vec::new(), 0);
         }
         let kv_head = h / g.group();
-        let mut p = product(
+        let mut s = product(
             (rows, keys, g.d),
             q.rows(b, h, from),
             k.transposed(b, kv_head),
         );
-        for (r, row) in p.chunks_exact_mut(keys).enumerate() {
+        for (r, row) in s.chunks_exact_mut(keys).enumerate() {
             let i = from + r;
             let seen = self.visible(i);
             match &self.mask {
@@ -223,7 +229,45 @@ impl Fused {
                 None => row[..seen].iter_mut().for_each(|s| *s *= self.scale),
             }
             row[seen..].fill(f32::NEG_INFINITY);
-            softmax_in_place(row);
+        }
+        (s, keys)
+    }
+
+    /// The probabilities of query rows `from..to` of head `(b, h)` (see [`Self::scores`]), each
+    /// row's log-sum-exp written to `lse`.
+    fn probabilities<T: GemmElem>(
+        &self,
+        (b, h): (usize, usize),
+        (from, to): (usize, usize),
+        [q, k]: [Operand<T>; 2],
+        lse: &mut [MaybeUninit<f32>],
+    ) -> (Vec<f32>, usize) {
+        let (mut p, keys) = self.scores((b, h), (from, to), q, k);
+        if keys == 0 {
+            lse.fill(MaybeUninit::new(f32::INFINITY));
+            return (p, keys);
+        }
+        for (row, lse) in p.chunks_exact_mut(keys).zip(lse) {
+            lse.write(softmax_in_place(row));
+        }
+        (p, keys)
+    }
+
+    /// The probabilities again from the forward's log-sum-exp of each row: `exp(s - lse)`.
+    fn probabilities_again<T: GemmElem>(
+        &self,
+        (b, h): (usize, usize),
+        (from, to): (usize, usize),
+        [q, k]: [Operand<T>; 2],
+        lse: &[f32],
+    ) -> (Vec<f32>, usize) {
+        let (mut p, keys) = self.scores((b, h), (from, to), q, k);
+        if keys > 0 {
+            for (row, &lse) in p.chunks_exact_mut(keys).zip(lse) {
+                for s in row.iter_mut() {
+                    *s = crate::kernels::activation::exp(*s - lse);
+                }
+            }
         }
         (p, keys)
     }
@@ -238,12 +282,17 @@ impl Fused {
         }
         let mut out: Vec<T> = Vec::with_capacity(len);
         let dst = Disjoint::new(&mut out.spare_capacity_mut()[..len]);
+        let rows = g.b * g.h * g.tq;
+        let mut lse: Vec<f32> = Vec::with_capacity(rows);
+        let lse_rows = Disjoint::new(&mut lse.spare_capacity_mut()[..rows]);
         parallel::for_each_index(g.b * g.h * blocks, |task| {
             let (bh, block) = (task / blocks, task % blocks);
             let (b, h) = (bh / g.h, bh % g.h);
             let from = block * BLOCK;
             let to = (from + BLOCK).min(g.tq);
-            let (mut p, keys) = self.probabilities((b, h), (from, to), q, k);
+            // SAFETY: task `(b, h, block)` alone handles rows `from..to` of head `(b, h)`.
+            let lse = unsafe { lse_rows.part(bh * g.tq + from, to - from) };
+            let (mut p, keys) = self.probabilities((b, h), (from, to), [q, k], lse);
             if let Some(z) = self.dropout_factors((b, h), (from, to - from), keys) {
                 p.iter_mut().zip(&z).for_each(|(p, z)| *p *= z);
             }
@@ -264,8 +313,14 @@ impl Fused {
                 write_rounded(&o, rows);
             }
         });
-        // SAFETY: the tasks' rows cover every head's `t_q` rows, and each was written.
-        unsafe { out.set_len(len) };
+        // SAFETY: the tasks' rows cover every head's `t_q` rows, and each was written (output
+        // and log-sum-exp).
+        unsafe {
+            out.set_len(len);
+            lse.set_len(rows);
+        }
+        // A second forward of the same op (none is made) would keep the first's statistics.
+        let _ = self.lse.set(lse);
         out
     }
 
@@ -339,7 +394,14 @@ impl Fused {
     ) -> Vec<f32> {
         let g = self.g;
         let rows = to - from;
-        let (p, keys) = self.probabilities((b, h), (from, to), q, k);
+        let (p, keys) = if let Some(lse) = self.lse.get() {
+            let at = (b * g.h + h) * g.tq;
+            self.probabilities_again((b, h), (from, to), [q, k], &lse[at + from..at + to])
+        } else {
+            // No forward values (an empty output, `d_v` = 0): the softmax again.
+            let mut lse = vec![MaybeUninit::uninit(); rows];
+            self.probabilities((b, h), (from, to), [q, k], &mut lse)
+        };
         if keys == 0 {
             return vec![0.0; rows * g.d];
         }
@@ -395,15 +457,17 @@ impl Fused {
     }
 }
 
-/// Softmax of one row in place, in f32: `exp(s - max) / sum`. A row with a NaN becomes NaN
-/// (the gradient scaler must see it); a row whose scores are all `-inf` (no key visible)
-/// becomes 0; a `-inf` score (a hidden key) gets exactly 0. Each pass is a plain loop over the
-/// row with the branch-free `exp` of the activations (a few ulp), so that it vectorises: the
-/// library's `expf` and a loop with branches took a third of the op's time.
-fn softmax_in_place(row: &mut [f32]) {
+/// Softmax of one row in place, in f32: `exp(s - max) / sum`; returns the row's log-sum-exp,
+/// `max + ln(sum)`. A row with a NaN becomes NaN (the gradient scaler must see it; its
+/// log-sum-exp is NaN); a row whose scores are all `-inf` (no key visible) becomes 0 (its
+/// log-sum-exp `+inf`, so that `exp(s - lse)` gives the same 0); a `-inf` score (a hidden key)
+/// gets exactly 0. Each pass is a plain loop over the row with the branch-free `exp` of the
+/// activations (a few ulp), so that it vectorises: the library's `expf` and a loop with
+/// branches took a third of the op's time.
+fn softmax_in_place(row: &mut [f32]) -> f32 {
     if row.iter().any(|s| s.is_nan()) {
         row.fill(f32::NAN);
-        return;
+        return f32::NAN;
     }
     let mut lanes = [f32::NEG_INFINITY; LANES];
     for chunk in row.chunks(LANES) {
@@ -414,7 +478,7 @@ fn softmax_in_place(row: &mut [f32]) {
     let max = lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if max == f32::NEG_INFINITY {
         row.fill(0.0);
-        return;
+        return f32::INFINITY;
     }
     for s in row.iter_mut() {
         let e = crate::kernels::activation::exp(*s - max);
@@ -424,6 +488,7 @@ fn softmax_in_place(row: &mut [f32]) {
     for s in row.iter_mut() {
         *s /= sum;
     }
+    max + sum.ln()
 }
 
 /// Lanes of the row maximum's partial maxima (one AVX-512 vector).
