@@ -1153,3 +1153,278 @@ fn pow_and_scalar_quotients_as_pytorch() -> Result<()> {
     assert_eq!(got, want);
     Ok(())
 }
+
+// ---- The seventh sweep's findings: gradients and values at edge inputs. ----
+
+/// `(value, gradient)` of `f` at `x`, summed if not a scalar, as f32 vectors.
+fn value_and_grad(
+    x: &[f32],
+    f: impl Fn(&Tensor<F32>) -> Result<Tensor<F32>>,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let v = Var::new(x, &dev())?;
+    let y = f(&Tensor::<F32>::from_candle(v.as_tensor().clone())?)?.into_candle();
+    let grads = y.sum_all()?.backward()?;
+    let g = grads.get(&v).expect("a gradient").flatten_all()?;
+    Ok((y.flatten_all()?.to_vec1()?, g.to_vec1()?))
+}
+
+/// Equal, NaN matching NaN (and -0.0 matching 0.0).
+fn same(got: &[f32], want: &[f32]) -> bool {
+    got.len() == want.len()
+        && got.iter().zip(want).all(|(g, w)| {
+            (g.is_nan() && w.is_nan()) || g.to_bits() == w.to_bits() || g.abs() + w.abs() == 0.0
+        })
+}
+
+/// A kink case: what, input, the typed op, its region case, PyTorch's values and gradient.
+type Kink<'a> = (
+    &'a str,
+    &'a [f32],
+    fn(&Tensor<F32>) -> Result<Tensor<F32>>,
+    usize,
+    &'a [f32],
+    &'a [f32],
+);
+
+/// A cross-entropy case: what, logits, their shape, targets, options, PyTorch's loss and
+/// gradient.
+type CrossEntropyCase<'a> = (
+    &'a str,
+    &'a [f32],
+    (usize, usize),
+    Vec<i64>,
+    candle_amp::loss::CrossEntropy,
+    f32,
+    &'a [f32],
+);
+
+/// Equal within f32 rounding of PyTorch's printed values, NaN matching NaN.
+fn close(got: &[f32], want: &[f32]) -> bool {
+    got.len() == want.len()
+        && got.iter().zip(want).all(|(g, w)| {
+            (g.is_nan() && w.is_nan())
+                || g.to_bits() == w.to_bits()
+                || (g - w).abs() <= 1e-6 * w.abs().max(1.0)
+        })
+}
+
+#[autocast(bf16)]
+fn kinks_in_region(x: &Tensor<F32>, which: usize) -> Result<Tensor<F32>> {
+    match which {
+        0 => x.abs(),
+        1 => x.clamp(-1.0, 1.0),
+        2 => x.powf(0.0),
+        _ => x.cumsum(0),
+    }
+}
+
+/// PyTorch's gradients at kinks (torch 2.15, f32), typed and in a region: `abs` is 0 at 0,
+/// -0.0 and NaN (candle's gives ±1); `clamp` passes nothing at its bounds (candle halves it
+/// there) and keeps NaN; `powf(0)` has gradient 0 (candle's `0 * x^-1` is NaN at 0 and NaN);
+/// `cumsum` lets an infinity or NaN reach only the sums after it (candle's made the earlier
+/// ones NaN).
+#[test]
+fn kinks_have_pytorch_s_gradients() -> Result<()> {
+    let (inf, nan) = (f32::INFINITY, f32::NAN);
+    let cases: [Kink; 4] = [
+        (
+            "abs",
+            &[0.0, -0.0, nan, -1.0, 2.0],
+            |x| x.abs(),
+            0,
+            &[0.0, 0.0, nan, 1.0, 2.0],
+            &[0.0, 0.0, 0.0, -1.0, 1.0],
+        ),
+        (
+            "clamp(-1, 1)",
+            &[-1.0, 1.0, 0.0, -2.0, 2.0, nan],
+            |x| x.clamp(-1.0, 1.0),
+            1,
+            &[-1.0, 1.0, 0.0, -1.0, 1.0, nan],
+            &[0.0, 0.0, 1.0, 0.0, 0.0, 0.0],
+        ),
+        (
+            "powf(0)",
+            &[0.0, -0.0, 1e-40, nan, 2.0],
+            |x| x.powf(0.0),
+            2,
+            &[1.0; 5],
+            &[0.0; 5],
+        ),
+        (
+            "cumsum",
+            &[1.0, inf, 2.0, nan, 3.0],
+            |x| x.cumsum(0),
+            3,
+            &[1.0, inf, inf, nan, nan],
+            &[5.0, 4.0, 3.0, 2.0, 1.0],
+        ),
+    ];
+    for (what, x, typed, which, value, grad) in cases {
+        for (how, (y, g)) in [
+            ("typed", value_and_grad(x, typed)?),
+            ("region", value_and_grad(x, |x| kinks_in_region(x, which))?),
+        ] {
+            assert!(same(&y, value), "{what} {how}: {y:?} vs {value:?}");
+            assert!(same(&g, grad), "{what} {how} gradient: {g:?} vs {grad:?}");
+        }
+    }
+    // `min > max` gives `max` everywhere and no gradient, as PyTorch's.
+    let (y, g) = value_and_grad(&[-1.0, 1.0, 0.0, 3.0], |x| x.clamp(2.0, 1.0))?;
+    assert!(same(&y, &[1.0; 4]) && same(&g, &[0.0; 4]), "{y:?} {g:?}");
+    Ok(())
+}
+
+/// `cross_entropy_with` at `-inf` logits, against PyTorch's values and gradients (torch 2.15):
+/// it was NaN wherever a logit was `-inf` (its zero weights and zero smoothing multiplied the
+/// `-inf`), and an ignored row of `-inf` logits gave NaN gradients.
+#[test]
+fn cross_entropy_at_infinite_logits_is_pytorch_s() -> Result<()> {
+    use candle_amp::loss::{self, CrossEntropy};
+    let inf = f32::INFINITY;
+    let logits = [-inf, 0.0, 1.0, 0.0, -inf, 1.0, 1.0, 2.0, 3.0];
+    let padded = [
+        0.0, 1.0, 2.0, -inf, 0.0, 1.0, -inf, -inf, -inf, 1.0, 2.0, 3.0,
+    ];
+    let weighted = [0.0, -inf, 2.0, 1.0, 0.0, 1.0];
+    let cases: [CrossEntropyCase; 3] = [
+        (
+            "default",
+            &logits,
+            (3, 3),
+            vec![2, 2, 0],
+            CrossEntropy::default(),
+            1.011_376_5,
+            &[
+                0.0,
+                0.089_647_14,
+                -0.089_647_14,
+                0.089_647_14,
+                0.0,
+                -0.089_647_14,
+                -0.303_323_15,
+                0.081_576_17,
+                0.221_747,
+            ],
+        ),
+        (
+            "ignored rows holding -inf",
+            &padded,
+            (4, 3),
+            vec![2, -100, -100, 1],
+            CrossEntropy {
+                ignore_index: Some(-100),
+                ..Default::default()
+            },
+            0.907_605_9,
+            &[
+                0.045_015_29,
+                0.122_364_25,
+                -0.167_379_5,
+                0.0,
+                0.0,
+                0.0,
+                0.0,
+                0.0,
+                0.0,
+                0.045_015_29,
+                -0.377_635_75,
+                0.332_620_5,
+            ],
+        ),
+        (
+            "a class of weight 0 at -inf",
+            &weighted,
+            (2, 3),
+            vec![2, 0],
+            CrossEntropy {
+                weight: Some(candle_core::Tensor::new(&[1f32, 0.0, 2.0], &dev())?),
+                ..Default::default()
+            },
+            0.371_950_3,
+            &[
+                0.079_468_61,
+                0.0,
+                -0.079_468_65,
+                -0.192_560_4,
+                0.051_787_47,
+                0.140_772_94,
+            ],
+        ),
+    ];
+    for (what, x, shape, target, options, loss_want, grad_want) in cases {
+        let target = candle_core::Tensor::new(target.as_slice(), &dev())?;
+        let (y, g) = value_and_grad(x, |x| {
+            loss::cross_entropy_with(&x.reshape(shape)?, &target, &options)
+        })?;
+        assert!(close(&y, &[loss_want]), "cross_entropy {what}: {y:?}");
+        assert!(close(&g, grad_want), "cross_entropy {what} gradient: {g:?}");
+    }
+    // With label smoothing a -inf logit makes the loss inf, as PyTorch's.
+    let smoothing = CrossEntropy {
+        label_smoothing: 0.1,
+        ..Default::default()
+    };
+    let target = candle_core::Tensor::new(&[2i64, 2, 0], &dev())?;
+    let (y, _) = value_and_grad(&logits, |x| {
+        loss::cross_entropy_with(&x.reshape((3, 3))?, &target, &smoothing)
+    })?;
+    assert!(close(&y, &[inf]), "{y:?}");
+    Ok(())
+}
+
+/// The loss and the input's and target's gradients of `loss(x, t)`, one element each.
+fn loss_and_grads(
+    x: f32,
+    t: f32,
+    loss: impl Fn(&Tensor<F32>, &Tensor<F32>) -> Result<Tensor<F32>>,
+) -> Result<[f32; 3]> {
+    let (vx, vt) = (Var::new(&[x], &dev())?, Var::new(&[t], &dev())?);
+    let typed = |v: &Var| Tensor::<F32>::from_candle(v.as_tensor().clone());
+    let y = loss(&typed(&vx)?, &typed(&vt)?)?.into_candle();
+    let grads = y.backward()?;
+    let grad = |v: &Var| -> Result<f32> { Ok(grads.get(v).expect("a gradient").to_vec1()?[0]) };
+    Ok([y.to_scalar::<f32>()?, grad(&vx)?, grad(&vt)?])
+}
+
+/// `smooth_l1` at an infinite difference: inf, and PyTorch's gradients `±1/n` (they were NaN:
+/// the quadratic branch's zero gradient met `2 * inf`); `binary_cross_entropy_with_logits` at
+/// infinite logits: the loss's limits (it was NaN at `(inf, 0)`, `(inf, 1)` and `(-inf, 0)`),
+/// PyTorch's values and gradients elsewhere (torch 2.15, which is NaN at three of the four
+/// infinite cases).
+#[test]
+fn smooth_l1_and_bce_at_infinities() -> Result<()> {
+    use candle_amp::loss;
+    let inf = f32::INFINITY;
+    let x = Var::new(&[inf, 0.5], &dev())?;
+    let t = Var::new(&[0f32, 0.0], &dev())?;
+    let typed = |v: &Var| Tensor::<F32>::from_candle(v.as_tensor().clone());
+    let y = loss::smooth_l1(&typed(&x)?, &typed(&t)?, 1.0)?.into_candle();
+    let grads = y.backward()?;
+    assert!(close(&[y.to_scalar::<f32>()?], &[inf]));
+    assert!(close(
+        &grads.get(&x).unwrap().to_vec1::<f32>()?,
+        &[0.5, 0.25]
+    ));
+    assert!(close(
+        &grads.get(&t).unwrap().to_vec1::<f32>()?,
+        &[-0.5, -0.25]
+    ));
+    // (logit, target, loss, d logit, d target)
+    let cases: [[f32; 5]; 9] = [
+        [inf, 0.0, inf, 1.0, -inf],
+        [inf, 1.0, 0.0, 0.0, -inf],
+        [-inf, 1.0, inf, -1.0, inf],
+        [-inf, 0.0, 0.0, 0.0, inf],
+        [0.0, 0.0, std::f32::consts::LN_2, 0.5, 0.0],
+        [0.0, 1.0, std::f32::consts::LN_2, -0.5, 0.0],
+        [0.0, 0.3, std::f32::consts::LN_2, 0.2, 0.0],
+        [2.0, 0.7, 0.726_928_06, 0.180_797_04, -2.0],
+        [-3.0, 0.2, 0.648_587_2, -0.152_574_12, 3.0],
+    ];
+    for [x, t, want @ ..] in cases {
+        let got = loss_and_grads(x, t, loss::binary_cross_entropy_with_logits)?;
+        assert!(close(&got, &want), "bce({x}, {t}): {got:?} vs {want:?}");
+    }
+    Ok(())
+}

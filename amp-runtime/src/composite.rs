@@ -5,6 +5,7 @@
 use candle_core::{DType, Result, Tensor, D};
 
 use crate::cast::convert;
+use crate::kernels::custom_grad::with_gradient;
 
 /// Softmax along `dim`, in f32 from an f32, f16 or bf16 input: over the last dimension one
 /// fused op (`kernels::softmax_last_dim`, which reads half inputs as they are), otherwise
@@ -105,10 +106,39 @@ pub(crate) fn pow(x: &Tensor, y: &Tensor) -> Result<Tensor> {
         )
     }
     // On CPU one op with PyTorch's values and gradients (`kernels::pow`); elsewhere the
-    // composition below, whose gradient at a zero base is NaN.
-    if let Some(z) = crate::kernels::pow(x, y)? {
-        return Ok(z);
+    // composition below, with PyTorch's gradient formulas attached (the composition's own is
+    // NaN at a zero base: `0 * inf`).
+    match crate::kernels::pow(x, y)? {
+        Some(z) => Ok(z),
+        None => pow_with_gradients(x, y),
     }
+}
+
+/// [`pow_composed`]'s values with PyTorch's gradients of `pow` attached.
+fn pow_with_gradients(x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let (base, exponent) = (x.detach(), y.detach());
+    let value = pow_composed(&base, &exponent)?;
+    let y_value = value.clone();
+    // d/dx = y * x^(y - 1), 0 where y is 0.
+    let exponent_x = exponent.clone();
+    let z = with_gradient(x, value, move |x, grad| {
+        let x = x.detach();
+        let slope = (&exponent_x * pow_composed(&x, &(&exponent_x - 1.0)?)?)?;
+        let slope = exponent_x
+            .eq(0.0)?
+            .where_cond(&slope.zeros_like()?, &slope)?;
+        grad.mul(&slope)
+    })?;
+    // d/dy = x^y * ln x, 0 where x is 0 and y >= 0.
+    with_gradient(y, z, move |y, grad| {
+        let slope = (&y_value * base.log()?)?;
+        let flat = base.eq(0.0)?.minimum(&y.detach().ge(0.0)?)?;
+        grad.mul(&flat.where_cond(&slope.zeros_like()?, &slope)?)
+    })
+}
+
+/// The values of [`pow`] composed of candle's ops (any device), `x` and `y` of one float shape.
+pub(crate) fn pow_composed(x: &Tensor, y: &Tensor) -> Result<Tensor> {
     let magnitude = (y * x.abs()?.log()?)?.exp()?;
     let negative = x.lt(0.0)?;
     let integer = y.eq(&y.round()?)?;
@@ -208,7 +238,15 @@ pub(crate) fn cross_entropy_with_f32(
             "cross_entropy: class ids must be in 0..{classes}, got {min_id}..={max_id}"
         )
     }
-    let logp = log_softmax_f32(x, 1)?;
+    // Ignored rows take no part, not even through the log-softmax's backward: a padded row of
+    // `-inf` logits has NaN log-probabilities, whose backward is NaN even under a zero gradient.
+    let logp = match o.ignore_index {
+        Some(_) => {
+            let rows = kept.unsqueeze(1)?.broadcast_as(x.shape())?;
+            log_softmax_f32(&rows.where_cond(x, &x.zeros_like()?)?, 1)?
+        }
+        None => log_softmax_f32(x, 1)?,
+    };
     let weight = match &o.weight {
         Some(w) if w.dims() == [classes] => {
             let w = convert(w, DType::F32)?;
@@ -226,9 +264,23 @@ pub(crate) fn cross_entropy_with_f32(
     let safe = safe.to_dtype(DType::U32)?;
     let w_y = (weight.index_select(&safe, 0)? * &valid)?;
     let picked = logp.gather(&safe.unsqueeze(1)?, 1)?.squeeze(1)?;
-    let nll = (picked.neg()? * &w_y)?.sum_all()?;
-    let smooth = (logp.broadcast_mul(&weight.unsqueeze(0)?)?.sum(1)?.neg()? * &valid)?.sum_all()?;
+    // A term whose weight is 0 (an ignored row, a class weighted 0) is 0, not `0 * -inf` = NaN
+    // where its log-probability is `-inf`; and a part whose coefficient is 0 is left out.
+    let weighted = |w: &Tensor, logp: &Tensor| -> Result<Tensor> {
+        let w = w.broadcast_as(logp.shape())?;
+        w.ne(0.0)?.where_cond(&(logp * &w)?, &w.zeros_like()?)
+    };
+    let nll = weighted(&w_y, &picked)?.sum_all()?.neg()?;
     let s = o.label_smoothing;
+    let smooth = || -> Result<Tensor> {
+        let w = weight.unsqueeze(0)?.broadcast_mul(&valid.unsqueeze(1)?)?;
+        weighted(&w, &logp)?.sum_all()?.neg()
+    };
+    let loss = match s {
+        0.0 => nll,
+        1.0 => (smooth()? * (1.0 / classes as f64))?,
+        s => ((nll * (1.0 - s))? + (smooth()? * (s / classes as f64))?)?,
+    };
     let total = w_y.sum_all()?;
     if total.to_scalar::<f32>()? == 0.0 {
         candle_core::bail!(
@@ -237,7 +289,7 @@ pub(crate) fn cross_entropy_with_f32(
              undefined, where PyTorch returns NaN and training on it makes every weight NaN"
         );
     }
-    ((nll * (1.0 - s))? + (smooth * (s / classes as f64))?)?.broadcast_div(&total)
+    loss.broadcast_div(&total)
 }
 
 /// `(x - mean) / sqrt(var + eps) * alpha + beta` over the last dimension (biased variance): in
@@ -445,21 +497,81 @@ pub(crate) fn smooth_l1(inp: &Tensor, target: &Tensor, beta: f64) -> Result<Tens
     if beta == 0.0 {
         return l1(inp, target);
     }
-    let d = diff("smooth_l1", inp, target)?.abs()?;
-    let quadratic = (d.sqr()? * (0.5 / beta))?;
+    let d = crate::kernels::extrema::abs(&diff("smooth_l1", inp, target)?)?;
+    // The quadratic part reads |d| capped at beta: where it is not taken (an infinite |d|
+    // among them) its zero gradient meets a finite slope, not `2 * inf * 0` = NaN.
+    let quadratic = (d.minimum(beta)?.sqr()? * (0.5 / beta))?;
     let linear = (&d - 0.5 * beta)?;
     d.lt(beta)?.where_cond(&quadratic, &linear)?.mean_all()
 }
 
-/// `max(x, 0) - x * t + log(1 + exp(-|x|))`, averaged: PyTorch's stable form.
+/// `t * max(-x, 0) + (1 - t) * max(x, 0) + log(1 + exp(-|x|))`, averaged: PyTorch's loss,
+/// each part left out where its coefficient is 0, so that an infinite logit gives the loss's
+/// limit (`x = inf, t = 0` is inf and `x = inf, t = 1` is 0, where `max(x, 0) - x * t` is NaN).
+/// The gradients are PyTorch's formulas, `sigmoid(x) - t` for the logit and `-x` for the
+/// target, not the composition's (whose parts meet at kinks, and `0 * inf` at infinities).
 pub(crate) fn binary_cross_entropy_with_logits(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
     check_same_shape("binary_cross_entropy_with_logits", inp, target)?;
-    let t = convert(target, inp.dtype())?;
+    let target = convert(target, inp.dtype())?;
+    let (x, t) = (inp.detach(), target.detach());
     // log(1 + e) with e = exp(-|x|) <= 1, as log1p: where e < 1e-4, `1 + e` would lose e's
     // digits (a loss of 0 at x = 30, PyTorch's 9.4e-14), and `e - e^2 / 2` is exact to f32.
-    let e = inp.abs()?.neg()?.exp()?;
+    let e = x.abs()?.neg()?.exp()?;
     let series = (&e - (e.sqr()? * 0.5)?)?;
     let log = crate::kernels::affine(&e, 1.0, 1.0)?.log()?;
     let softplus_neg_abs = e.lt(1e-4)?.where_cond(&series, &log)?;
-    ((inp.relu()? - (inp * &t)?)? + softplus_neg_abs)?.mean_all()
+    let zeros = x.zeros_like()?;
+    let part = |coefficient: &Tensor, hinge: &Tensor| -> Result<Tensor> {
+        let term = (coefficient * crate::kernels::relu(hinge)?)?;
+        coefficient.ne(0.0)?.where_cond(&term, &zeros)
+    };
+    let one_minus_t = crate::kernels::affine(&t, -1.0, 1.0)?;
+    let value = ((part(&t, &x.neg()?)? + part(&one_minus_t, &x)?)? + softplus_neg_abs)?;
+    let kept_t = t.clone();
+    let loss = with_gradient(inp, value, move |x, grad| {
+        let sigmoid = crate::kernels::affine(&x.neg()?.exp()?, 1.0, 1.0)?.recip()?;
+        grad.mul(&(sigmoid - &kept_t)?)
+    })?;
+    let loss = with_gradient(&target, loss, move |_, grad| grad.mul(&x.neg()?))?;
+    loss.mean_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// The composition off the CPU (run here on CPU) against the CPU op (`kernels::pow`,
+    /// PyTorch's values and gradients): the same values and both gradients, at zero and
+    /// negative bases, integer, fractional, zero and negative exponents.
+    #[test]
+    fn the_composed_pow_has_the_cpu_op_s_gradients() -> Result<()> {
+        let bases = [0f32, -0.0, 2.0, -2.0, 0.5, 3.0, 0.0, -1.5, 1.0];
+        let exponents = [2f32, 0.0, 3.0, 3.0, -1.0, 0.5, -2.0, 2.0, 7.5];
+        let run = |composed: bool| -> Result<Vec<Vec<f32>>> {
+            let x = Var::new(&bases, &Device::Cpu)?;
+            let y = Var::new(&exponents, &Device::Cpu)?;
+            let z = if composed {
+                pow_with_gradients(x.as_tensor(), y.as_tensor())?
+            } else {
+                pow(x.as_tensor(), y.as_tensor())?
+            };
+            let grads = z.sum_all()?.backward()?;
+            Ok(vec![
+                z.to_vec1()?,
+                grads.get(&x).expect("dx").to_vec1()?,
+                grads.get(&y).expect("dy").to_vec1()?,
+            ])
+        };
+        let (got, want) = (run(true)?, run(false)?);
+        for (what, (g, w)) in ["value", "dx", "dy"].iter().zip(got.iter().zip(&want)) {
+            let close = g.iter().zip(w).all(|(g, w)| {
+                (g.is_nan() && w.is_nan())
+                    || g.to_bits() == w.to_bits()
+                    || (g - w).abs() <= 1e-5 * w.abs().max(1.0)
+            });
+            assert!(close, "{what}: {g:?} vs {w:?}");
+        }
+        Ok(())
+    }
 }

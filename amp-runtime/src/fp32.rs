@@ -74,9 +74,9 @@ pub fn log<P: Precision>(x: &Tensor<P>) -> Result<Tensor<F32>> {
     up(x)?.log().map(out)
 }
 
-/// `x ^ e`.
+/// `x ^ e`; at `e = 0` the gradient is 0 everywhere, as PyTorch's (candle's is NaN at 0).
 pub fn powf<P: Precision>(x: &Tensor<P>, e: f64) -> Result<Tensor<F32>> {
-    up(x)?.powf(e).map(out)
+    crate::kernels::powf(&up(x)?, e).map(out)
 }
 
 /// `x ^ rhs` elementwise.
@@ -108,9 +108,10 @@ pub fn log_sum_exp<P: Precision, D: Dims>(x: &Tensor<P>, dims: D) -> Result<Tens
     composite::log_sum_exp(&up(x)?, dims).map(out)
 }
 
-/// Cumulative sum along `dim`.
+/// Cumulative sum along `dim`, accumulated in f64; an infinity or NaN reaches only the sums
+/// from its place on (candle's, a product with a triangle of ones, made every sum NaN).
 pub fn cumsum<P: Precision, D: Dim>(x: &Tensor<P>, dim: D) -> Result<Tensor<F32>> {
-    up(x)?.cumsum(dim).map(out)
+    crate::kernels::cumsum(&up(x)?, dim).map(out)
 }
 
 /// Softmax along `dim` (differentiable; over the last dimension one fused op that reads a half
@@ -243,6 +244,22 @@ impl<P: Precision> Tensor<P> {
         self.unary_op::<op::log_sum_exp, F32>(|x| composite::log_sum_exp(x, dims))
     }
 
+    /// `x ^ e` for a scalar exponent (see [`crate::fp32::powf`]).
+    pub fn powf(&self, e: f64) -> Result<Tensor<F32>>
+    where
+        P: Fp32Input<op::powf>,
+    {
+        self.unary_op::<op::powf, F32>(|x| crate::kernels::powf(x, e))
+    }
+
+    /// Cumulative sum along `dim` (see [`crate::fp32::cumsum`]).
+    pub fn cumsum<D: candle_core::shape::Dim>(&self, dim: D) -> Result<Tensor<F32>>
+    where
+        P: Fp32Input<op::cumsum>,
+    {
+        self.unary_op::<op::cumsum, F32>(|x| crate::kernels::cumsum(x, dim))
+    }
+
     fp32_methods! {
         /// Sum over `dims`, kept as size-1 dimensions.
         sum_keepdim<D: candle_core::shape::Dims>(dims: D);
@@ -260,14 +277,10 @@ impl<P: Precision> Tensor<P> {
         exp();
         /// Natural logarithm.
         log();
-        /// `x ^ e` for a scalar exponent.
-        powf(e: f64);
         /// `x * x` (PyTorch's `square`, `pow(x, 2)`).
         sqr();
         /// `1 / x`.
         recip();
-        /// Cumulative sum along `dim`.
-        cumsum<D: candle_core::shape::Dim>(dim: D);
     }
 }
 

@@ -18,8 +18,9 @@
 //! scaler steps on). An elementwise maximum splits a tie in halves (candle's rule and
 //! PyTorch's) and, where either operand is NaN, passes the gradient to both, as PyTorch does.
 
-use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{DType, Result, Tensor};
+
+use crate::kernels::custom_grad::with_gradient;
 
 /// Which extremum a reduction takes.
 #[derive(Clone, Copy)]
@@ -39,7 +40,8 @@ impl Extremum {
 }
 
 /// The extremum of `x` over `dim`, kept as a size-1 dimension: candle's value with NaN where
-/// the slice holds one, and the gradient shared among the elements that attain it.
+/// the slice holds one, and the gradient shared among the elements that attain it (NaN
+/// throughout a slice whose extremum is NaN).
 fn reduce(x: &Tensor, dim: usize, which: Extremum) -> Result<Tensor> {
     let value = which.candle(x, dim)?;
     if !x.dtype().is_float() {
@@ -49,63 +51,46 @@ fn reduce(x: &Tensor, dim: usize, which: Extremum) -> Result<Tensor> {
     let value = any_nan
         .where_cond(&value.affine(0.0, f64::NAN)?, &value)?
         .detach();
-    if !x.track_op() {
-        return Ok(value);
-    }
-    // `value - 0`, the zero carrying the shared gradient: exact for every value, -0.0 and NaN
-    // included.
-    value.sub(&x.apply_op1(Share {
-        value: value.clone(),
-        dim,
-    })?)
-}
-
-/// The zero whose backward is an extremum's: `value` (kept over `dim`) is the extremum of the
-/// op's argument, and each element attaining it takes an equal share of the gradient (NaN
-/// throughout a slice whose extremum is NaN). The caller subtracts the zero, so the backward hands back the share
-/// negated.
-#[derive(Clone)]
-struct Share {
-    value: Tensor,
-    dim: usize,
-}
-
-impl Share {
-    /// The op's value: zeros of `value`'s shape on the argument's device.
-    fn zeros<D: BackendDevice>(&self, device: &D) -> Result<D::Storage> {
-        device.zeros_impl(self.value.shape(), self.value.dtype())
-    }
-}
-
-impl CustomOp1 for Share {
-    fn name(&self) -> &'static str {
-        "extremum-share"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        Ok((self.zeros(s.device())?, self.value.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((self.zeros(s.device())?, self.value.shape().clone()))
-    }
-
-    fn bwd(&self, arg: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let nan = self.value.ne(&self.value)?;
-        let attains = arg.broadcast_eq(&self.value)?.broadcast_maximum(&nan)?;
-        let count = attains.to_dtype(DType::F32)?.sum_keepdim(self.dim)?;
-        let share = grad.to_dtype(DType::F32)?.div(&count)?.neg()?;
+    let kept = value.clone();
+    with_gradient(x, value, move |x, grad| {
+        let nan = kept.ne(&kept)?;
+        let attains = x.broadcast_eq(&kept)?.broadcast_maximum(&nan)?;
+        let count = attains.to_dtype(DType::F32)?.sum_keepdim(dim)?;
+        let share = grad.to_dtype(DType::F32)?.div(&count)?;
         let share = nan
             .where_cond(&share.affine(0.0, f64::NAN)?, &share)?
-            .broadcast_as(arg.shape())?;
-        let grad = attains.where_cond(&share, &share.zeros_like()?)?;
-        Ok(Some(grad.to_dtype(arg.dtype())?))
+            .broadcast_as(x.shape())?;
+        attains.where_cond(&share, &share.zeros_like()?)
+    })
+}
+
+/// `|x|`, its gradient PyTorch's `sign(x) * grad`: 0 at 0, -0.0 and NaN, where candle's is 1
+/// or -1 (`x >= 0`).
+pub(crate) fn abs(x: &Tensor) -> Result<Tensor> {
+    let value = x.detach().abs()?;
+    if !x.dtype().is_float() {
+        return Ok(value);
     }
+    with_gradient(x, value, |x, grad| {
+        let side = |m: Tensor| m.to_dtype(grad.dtype());
+        grad.mul(&(side(x.gt(0.0)?)? - side(x.lt(0.0)?)?)?)
+    })
+}
+
+/// `x` clamped to `[min, max]` (every value `max` where `min > max`, as PyTorch's), NaN kept;
+/// the gradient passes where `min < x < max` only, as PyTorch's `clamp` with scalar bounds
+/// (candle's `maximum(min).minimum(max)` halves it at a bound, a tie with the constant).
+pub(crate) fn clamp(x: &Tensor, min: f64, max: f64) -> Result<Tensor> {
+    let plain = x.detach();
+    let value = plain.clamp(min, max)?;
+    if !x.dtype().is_float() {
+        return Ok(value);
+    }
+    let value = plain.ne(&plain)?.where_cond(&plain, &value)?;
+    with_gradient(x, value, move |x, grad| {
+        let inside = x.gt(min)?.minimum(&x.lt(max)?)?;
+        inside.where_cond(grad, &grad.zeros_like()?)
+    })
 }
 
 /// The maximum over `dim`, kept as a size-1 dimension with `keepdim`.

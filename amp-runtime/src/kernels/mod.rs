@@ -14,6 +14,7 @@
 //! - `widen`: half values widened to f32 a block at a time (`map_widened`, `zip_map`, sums).
 //! - `testing` (tests only): the error measures the kernels' tests use.
 //! - `leaf_grads`: the variables' gradients ops hand to the scaler directly.
+//! - `custom_grad`: a value computed by candle's ops with a gradient rule of its own.
 //! - `borrow`: many storages borrowed at once for one pass.
 //! - `channels`: per-channel geometry, affine pass and sums (batch norm, bias add).
 //! - `cuda` (feature `cuda`): each op's CUDA launches beside its `.cu` source, and what they
@@ -26,7 +27,9 @@
 //! - `conv`: convolutions on CPU as GEMMs (im2col/col2im), forward and both gradients.
 //! - `batch_norm`: batch norm as one op with its own backward, and conv + batch norm fused.
 //! - `activation`, `affine`, `binary`: element-wise ops computed in f32 with one-pass backwards.
-//! - `extrema`: maxima, minima and `argmax` that propagate NaN as PyTorch's (candle's skip it).
+//! - `extrema`: maxima, minima, `argmax`, `clamp` and `abs` with PyTorch's values and gradients
+//!   at ties, bounds and NaN (candle's skip NaN and double ties).
+//! - `scan`: cumulative sums as a log-step scan, infinities reaching only the sums after them.
 //! - `softmax`, `layer_norm`, `mse`: fp32-class ops reading half inputs as they are.
 //! - `pow`: `x ^ y` with PyTorch's values and gradients (candle's is `exp(y ln x)`).
 //! - `pool`: max and average pooling and their backward.
@@ -41,6 +44,7 @@ mod channels;
 mod convert;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub(crate) mod custom_grad;
 pub(crate) mod elem;
 pub(crate) mod extrema;
 pub(crate) mod layout;
@@ -68,6 +72,7 @@ pub(crate) mod optim;
 mod pool;
 mod pow;
 pub(crate) mod rope;
+mod scan;
 mod softmax;
 pub mod unscale;
 
@@ -90,5 +95,6 @@ pub(crate) use layer_norm::layer_norm;
 pub(crate) use matmul::{broadcast_matmul, linear, linear_act, matmul};
 pub(crate) use mse::mse;
 pub(crate) use pool::{avg_pool2d, max_pool2d, Pool2d};
-pub(crate) use pow::pow;
+pub(crate) use pow::{pow, powf};
+pub(crate) use scan::cumsum;
 pub(crate) use softmax::{log_softmax_last_dim, softmax_last_dim};

@@ -25,6 +25,17 @@ pub(crate) fn pow(x: &Tensor, y: &Tensor) -> Result<Option<Tensor>> {
     x.contiguous()?.apply_op2(&y.contiguous()?, Pow).map(Some)
 }
 
+/// `x ^ e` for a scalar exponent (candle's `powf`, on any device), its gradient PyTorch's at
+/// `e = 0`: 0 everywhere, where candle's `e * x^(e - 1)` is `0 * inf` (NaN) at a zero,
+/// subnormal or NaN base. Other exponents keep candle's gradient, which is PyTorch's there.
+pub(crate) fn powf(x: &Tensor, e: f64) -> Result<Tensor> {
+    if e != 0.0 || !x.dtype().is_float() {
+        return x.powf(e);
+    }
+    let value = x.detach().powf(e)?;
+    crate::kernels::custom_grad::with_gradient(x, value, |x, _| x.zeros_like())
+}
+
 struct Pow;
 
 impl CustomOp2 for Pow {

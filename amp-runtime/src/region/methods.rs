@@ -34,6 +34,18 @@ macro_rules! routed {
             self.unary::<op::$name>(|x| crate::kernels::extrema::$f(x, dim, $keep))
         }
     };
+    (@unary abs) => {
+        /// Routed `abs` (gradient `sign(x)`: 0 at 0 and NaN, as PyTorch's).
+        pub fn abs(&self) -> Result<AmpTensor> {
+            self.unary::<op::abs>(crate::kernels::extrema::abs)
+        }
+    };
+    (@dim cumsum) => {
+        /// Routed `cumsum` (an infinity or NaN reaches only the sums after it).
+        pub fn cumsum<D: candle_core::shape::Dim>(&self, dim: D) -> Result<AmpTensor> {
+            self.unary::<op::cumsum>(|x| crate::kernels::cumsum(x, dim))
+        }
+    };
     (@unary max_all) => {
         /// Routed `max_all` (NaN if any element is).
         pub fn max_all(&self) -> Result<AmpTensor> {
@@ -132,9 +144,9 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     pub fn affine(&self, mul: f64, add: f64) -> Result<AmpTensor> {
         self.unary::<op::affine>(|x| crate::kernels::affine(x, mul, add))
     }
-    /// Routed `powf`.
+    /// Routed `powf` (gradient 0 at `e = 0`, as PyTorch's).
     pub fn powf(&self, e: f64) -> Result<AmpTensor> {
-        self.unary::<op::powf>(|x| x.powf(e))
+        self.unary::<op::powf>(|x| crate::kernels::powf(x, e))
     }
     /// Routed `reshape`.
     pub fn reshape<S: candle_core::shape::ShapeWithOneHole>(&self, s: S) -> Result<AmpTensor> {
@@ -325,7 +337,7 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     }
     /// Routed `clamp`, to `[min, max]`, in the receiver's dtype.
     pub fn clamp(&self, min: f64, max: f64) -> Result<AmpTensor> {
-        self.unary::<op::clamp>(|x| x.clamp(min, max))
+        self.unary::<op::clamp>(|x| crate::kernels::extrema::clamp(x, min, max))
     }
 }
 

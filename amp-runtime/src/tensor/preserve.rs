@@ -54,8 +54,6 @@ impl<P: Precision> Tensor<P> {
         neg,
         /// Square root.
         sqrt,
-        /// Absolute value.
-        abs,
         /// A contiguous copy (or the same tensor when already contiguous).
         contiguous,
         /// Transpose of the last two dimensions.
@@ -240,9 +238,14 @@ impl<P: Precision> Tensor<P> {
         self.closure_op::<op::preserve_op, P>(f)
     }
 
-    /// Clamps to `[min, max]`.
+    /// Absolute value; its gradient is PyTorch's, `sign(x)`: 0 at 0, -0.0 and NaN.
+    pub fn abs(&self) -> Result<Self> {
+        self.unary_op::<op::abs, P>(crate::kernels::extrema::abs)
+    }
+
+    /// Clamps to `[min, max]` (NaN kept); the gradient passes strictly inside, as PyTorch's.
     pub fn clamp(&self, min: f64, max: f64) -> Result<Self> {
-        self.unary_op::<op::clamp, P>(|x| x.clamp(min, max))
+        self.unary_op::<op::clamp, P>(|x| crate::kernels::extrema::clamp(x, min, max))
     }
 
     /// Maximum of all elements (rank 0), NaN if any is.
