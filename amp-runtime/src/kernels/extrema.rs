@@ -1,4 +1,5 @@
-//! Maxima, minima and the argmax with PyTorch's NaN semantics over candle's ops.
+//! Maxima, minima, the argmax, `clamp` and `abs` with PyTorch's values and gradients over
+//! candle's ops.
 //!
 //! candle's reductions and elementwise extrema compare with `>`/`<`, which a NaN never wins:
 //! `max_all([1, NaN, 0])` is 1 and `maximum([1], [NaN])` is 1, where PyTorch's answer is NaN
@@ -17,6 +18,8 @@
 //! (`torch.max()` without a dim shares a finite gradient among the NaNs instead, which a
 //! scaler steps on). An elementwise maximum splits a tie in halves (candle's rule and
 //! PyTorch's) and, where either operand is NaN, passes the gradient to both, as PyTorch does.
+//! `clamp` (a maximum and a minimum with constants) passes no gradient at its bounds and `abs`
+//! none at 0, as PyTorch's; candle's halve it there and give ±1.
 
 use candle_core::{DType, Result, Tensor};
 
