@@ -847,6 +847,34 @@ fn the_scaler_refuses_losses_without_gradients_and_f16_gradients() -> Result<()>
     Ok(())
 }
 
+/// An optimizer stepped with the gradients of a loss over other parameters reported `Stepped`
+/// and updated nothing; PyTorch raises "No inf checks were recorded for this optimizer". The
+/// optimizer whose parameters the loss reaches steps as before.
+#[test]
+fn the_scaler_refuses_an_optimizer_without_gradients() -> Result<()> {
+    let (a, b) = (
+        Var::ones(2, DType::F32, &dev())?,
+        Var::ones(2, DType::F32, &dev())?,
+    );
+    let mut opt_a = SGD::new(vec![a.clone()], 0.5)?;
+    let mut opt_b = AdamW::new(vec![b.clone()], ParamsAdamW::default())?;
+    let mut scaler = candle_amp::GradScaler::new();
+    let loss = a.as_tensor().sum_all()?;
+    assert_err(
+        "AdamW over b, stepped with a's gradients",
+        scaler.step(&mut opt_b, scaler.scale(&loss)?.backward()?),
+        "No inf checks were recorded for this optimizer",
+    );
+    assert_eq!(b.as_tensor().to_vec1::<f32>()?, [1.0, 1.0]);
+    assert_eq!(
+        scaler.step(&mut opt_a, scaler.scale(&loss)?.backward()?)?,
+        candle_amp::StepOutcome::Stepped
+    );
+    assert_eq!(a.as_tensor().to_vec1::<f32>()?, [0.5, 0.5]);
+    scaler.update()?;
+    Ok(())
+}
+
 /// Shapes whose size overflows reached candle's unchecked multiplications (a panic in a debug
 /// build); `chunk(0)` divided by zero; `flatten(1, 0)` did nothing, `full(70000)` in f16 gave
 /// inf, `randn` took a negative deviation (PyTorch raises on each).
@@ -1425,6 +1453,87 @@ fn smooth_l1_and_bce_at_infinities() -> Result<()> {
     for [x, t, want @ ..] in cases {
         let got = loss_and_grads(x, t, loss::binary_cross_entropy_with_logits)?;
         assert!(close(&got, &want), "bce({x}, {t}): {got:?} vs {want:?}");
+    }
+    Ok(())
+}
+
+// ---- The eighth sweep's findings: layers and attention against PyTorch. ----
+
+/// A transposed convolution whose output padding is at least its stride (allowed with a larger
+/// dilation) trained nowhere: candle's backward maps the output's gradient onto a larger input
+/// (`shape mismatch in add`). Values and both gradients of `sum(y * r)`, `r` the output's
+/// index / 10, against PyTorch's (torch 2.15), typed and through the layer.
+#[test]
+fn transposed_convs_with_output_padding_past_the_stride_train() -> Result<()> {
+    // (padding, output_padding, stride, dilation, y, dx, dw)
+    type Case<'a> = (usize, usize, usize, usize, &'a [f32], [f32; 4], [f32; 4]);
+    let cases: [Case; 3] = [
+        (
+            0,
+            1,
+            1,
+            2,
+            &[
+                1., 2., 2., 4., 0., 3., 4., 6., 8., 0., 3., 6., 4., 8., 0., 9., 12., 12., 16., 0.,
+                0., 0., 0., 0., 0.,
+            ],
+            [8.2, 9.2, 13.2, 14.2],
+            [4.1, 6.1, 14.1, 16.1],
+        ),
+        (
+            1,
+            2,
+            1,
+            3,
+            &[
+                4., 0., 6., 8., 0., 0., 0., 0., 0., 0., 6., 0., 4., 8., 0., 12., 0., 12., 16., 0.,
+                0., 0., 0., 0., 0.,
+            ],
+            [4.8, 8.2, 7.2, 12.3],
+            [0.0, 1.8, 8.0, 16.1],
+        ),
+        (2, 1, 1, 2, &[4.0], [0.0; 4], [0.0; 4]),
+    ];
+    for (padding, output_padding, stride, dilation, y_want, dx_want, dw_want) in cases {
+        let what = format!("p {padding} op {output_padding} s {stride} d {dilation}");
+        for layer in [false, true] {
+            let x = Var::new(&[[[[1f32, 2.0], [3.0, 4.0]]]], &dev())?;
+            let w = Var::new(&[[[[1f32, 2.0], [3.0, 4.0]]]], &dev())?;
+            let typed = Tensor::<F32>::from_candle(x.as_tensor().clone())?;
+            let y = if layer {
+                let config = nn::ConvTranspose2dConfig {
+                    padding,
+                    output_padding,
+                    stride,
+                    dilation,
+                };
+                nn::ConvTranspose2d::new(w.clone(), None, config)?.forward(&typed)?
+            } else {
+                let k = Tensor::<F32>::from_candle(w.as_tensor().clone())?;
+                typed.conv_transpose2d(&k, padding, output_padding, stride, dilation)?
+            };
+            let y = y.into_candle();
+            let r = (candle_core::Tensor::arange(0f32, y.elem_count() as f32, &dev())?
+                .reshape(y.shape())?
+                / 10.0)?;
+            let grads = (&y * r)?.sum_all()?.backward()?;
+            let flat = |t: &candle_core::Tensor| -> Result<Vec<f32>> { t.flatten_all()?.to_vec1() };
+            let near = |got: &[f32], want: &[f32]| {
+                got.len() == want.len()
+                    && got
+                        .iter()
+                        .zip(want)
+                        .all(|(g, w)| (g - w).abs() <= 1e-5 * w.abs().max(1.0))
+            };
+            let (gy, gx, gw) = (
+                flat(&y)?,
+                flat(grads.get(&x).expect("dx"))?,
+                flat(grads.get(&w).expect("dw"))?,
+            );
+            assert!(near(&gy, y_want), "{what} layer {layer}: y {gy:?}");
+            assert!(near(&gx, &dx_want), "{what} layer {layer}: dx {gx:?}");
+            assert!(near(&gw, &dw_want), "{what} layer {layer}: dw {gw:?}");
+        }
     }
     Ok(())
 }

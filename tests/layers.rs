@@ -1875,7 +1875,8 @@ fn conv_transpose2d_rejects_what_pytorch_rejects() -> Result<()> {
 // ---- Upsample ----
 
 /// PyTorch's `F.interpolate` by hand in f64 (`align_corners=False`): for each output, the
-/// input positions and weights of each axis (nearest: `min(floor(i * r), n - 1)`; bilinear: at
+/// input positions and weights of each axis (nearest: PyTorch's `nearest_idx`, `i` at the same
+/// size, `i / 2` at twice it, else `min(floor(i * r), n - 1)` in f32; bilinear: at
 /// `max((i + 0.5) * r - 0.5, 0)` between its floor and the next input), their products summed.
 /// Checked against PyTorch 2.15's `F.interpolate` on these cases when written (to 1e-15).
 fn interpolate_f64(
@@ -1889,7 +1890,14 @@ fn interpolate_f64(
         (0..out)
             .map(|i| match mode {
                 nn::UpsampleMode::Nearest => {
-                    vec![(((i as f64 * r).floor() as usize).min(len - 1), 1.0)]
+                    let src = if out == len {
+                        i
+                    } else if out == 2 * len {
+                        i / 2
+                    } else {
+                        ((i as f32 * r as f32).floor() as usize).min(len - 1)
+                    };
+                    vec![(src, 1.0)]
                 }
                 nn::UpsampleMode::Bilinear => {
                     let src = ((i as f64 + 0.5) * r - 0.5).max(0.0);
@@ -1949,6 +1957,19 @@ fn upsample_matches_pytorchs_interpolate_and_its_gradient() -> Result<()> {
                 nn::Upsample::with_scale(1.5, mode)?,
                 (4, 7),
                 (1.0 / 1.5, 1.0 / 1.5),
+            ),
+            // Nearest at the input's size (3 rows) and at twice it (6 rows) by a scale that is
+            // neither 1 nor 2: PyTorch copies and halves there (the ratio dropped row 2 at 1.2
+            // and took rows [0, 0, 0, 1, 1, 2] at 2.3).
+            (
+                nn::Upsample::with_scale(1.2, mode)?,
+                (3, 6),
+                (1.0 / 1.2, 1.0 / 1.2),
+            ),
+            (
+                nn::Upsample::with_scale(2.3, mode)?,
+                (6, 11),
+                (1.0 / 2.3, 1.0 / 2.3),
             ),
         ];
         for (up, out, ratio) in cases {

@@ -72,6 +72,43 @@ fn update(
     )
 }
 
+thread_local! {
+    /// Set while a [`GradScaler`](crate::GradScaler) steps an optimizer ([`for_scaler`]).
+    static FOR_SCALER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `step` as the scaler's step of an optimizer: candle-amp's optimizers then refuse
+/// gradients that hold none of their variables' (the gradients of a loss over other
+/// parameters), as PyTorch's scaler raises "No inf checks were recorded for this optimizer",
+/// before changing anything. Outside the scaler they step over them, as PyTorch's optimizers
+/// do. candle's own optimizers do not show their variables and are not checked.
+pub(crate) fn for_scaler<R>(step: impl FnOnce() -> R) -> R {
+    /// Restores the flag however `step` ends, a panic included.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FOR_SCALER.with(|f| f.set(self.0));
+        }
+    }
+    let _restore = Restore(FOR_SCALER.with(|f| f.replace(true)));
+    step()
+}
+
+/// The error [`for_scaler`] describes, where `vars` (an optimizer's) have no gradient in
+/// `grads`.
+fn check_scaler_gradients(optimizer: &str, vars: &[Var], grads: &GradStore) -> Result<()> {
+    let scaled = FOR_SCALER.with(std::cell::Cell::get);
+    if !scaled || vars.is_empty() || vars.iter().any(|v| grads.get(v).is_some()) {
+        return Ok(());
+    }
+    candle_core::bail!(
+        "GradScaler: none of this {optimizer}'s {} variables has a gradient in these gradients \
+         (PyTorch: \"No inf checks were recorded for this optimizer\"): step each optimizer \
+         with the gradients of a loss computed from its parameters",
+        vars.len()
+    )
+}
+
 fn float_vars(vars: Vec<Var>) -> Vec<Var> {
     vars.into_iter().filter(|v| v.dtype().is_float()).collect()
 }
@@ -113,6 +150,7 @@ impl Optimizer for SGD {
         let lr = self.learning_rate;
         check_lr("SGD", lr)?;
         check_grad_shapes("SGD", &self.vars, grads)?;
+        check_scaler_gradients("SGD", &self.vars, grads)?;
         for var in &self.vars {
             let Some(grad) = grads.get(var).filter(|_| var.elem_count() > 0) else {
                 continue;
@@ -243,6 +281,7 @@ impl Optimizer for AdamW {
         check_adamw(&self.config)?;
         let vars: Vec<Var> = self.params.iter().map(|p| p.var.clone()).collect();
         check_grad_shapes("AdamW", &vars, grads)?;
+        check_scaler_gradients("AdamW", &vars, grads)?;
         for i in 0..self.params.len() {
             let var = &self.params[i].var;
             let Some(grad) = grads.get(var).filter(|_| var.elem_count() > 0) else {

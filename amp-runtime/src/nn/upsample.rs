@@ -35,7 +35,8 @@ use crate::tensor::Tensor;
 /// How [`Upsample`] computes an output from the input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UpsampleMode {
-    /// The input value at `floor(i * ratio)` (PyTorch's `"nearest"`).
+    /// The input value at `floor(i * ratio)`, and at `i` and `i / 2` where the output is the
+    /// input's size or twice it (PyTorch's `"nearest"`).
     Nearest,
     /// Linear in each direction between the two nearest inputs, at `(i + 0.5) * ratio - 0.5`
     /// (PyTorch's `"bilinear"` with `align_corners=False`).
@@ -127,7 +128,22 @@ impl Upsample {
         // non-negative positions below `n`
         match self.mode {
             UpsampleMode::Nearest => {
-                let src = (0..out).map(|i| ((i as f64 * ratio).floor() as usize).min(n - 1));
+                // PyTorch's `nearest_idx`: the identity at the same size and `i / 2` at twice
+                // it, whatever the scale that gave the size; otherwise `floor(i * ratio)` in
+                // f32, the ratio rounded to f32 as there.
+                let ratio = match self.size {
+                    Size::To(..) => n as f32 / out as f32,
+                    Size::Scale(s) => (1.0 / s) as f32,
+                };
+                let src = (0..out).map(|i| {
+                    if out == n {
+                        i
+                    } else if out == 2 * n {
+                        i / 2
+                    } else {
+                        ((i as f32 * ratio).floor() as usize).min(n - 1)
+                    }
+                });
                 x.index_select(&index(src.map(|s| s as u32).collect())?, dim)
             }
             UpsampleMode::Bilinear => {

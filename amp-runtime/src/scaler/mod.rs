@@ -301,7 +301,11 @@ impl GradScaler {
             }
             .into());
         }
-        opt.step(grads.grad_store())?;
+        if self.enabled {
+            crate::optim::for_scaler(|| opt.step(grads.grad_store()))?;
+        } else {
+            opt.step(grads.grad_store())?;
+        }
         // The masters changed in place: no cast of their old values may be reused.
         crate::cast::clear_autocast_cache();
         Ok(StepOutcome::Stepped)

@@ -44,10 +44,19 @@ pub(super) struct Fused {
     g: Geometry,
     /// The output is `(b, t_q, h, d_v)` (the packed entry's) rather than `(b, h, t_q, d_v)`.
     tokens_major: bool,
-    /// Each query row's log-sum-exp of its scores, `(b, h, t_q)`, kept by the forward so that
-    /// the backward recomputes the probabilities in one pass, `exp(s - lse)` (flash
-    /// attention's statistic), rather than a softmax's four.
-    lse: Arc<OnceLock<Vec<f32>>>,
+    /// Each query row's softmax maximum and sum, `(b, h, t_q)`, kept by the forward so that
+    /// the backward recomputes the probabilities in one pass, `exp(s - max) / sum`, the
+    /// forward's values to the bit, rather than a softmax's four. (Flash attention keeps the
+    /// log-sum-exp, `max + ln(sum)`; in f32 it rounds to the maximum where the maximum is
+    /// large, as under a mask of -1e9, and `exp(s - lse)` then gives 1 for every key.)
+    stats: Arc<OnceLock<Vec<RowStats>>>,
+}
+
+/// A row's softmax maximum and sum (see [`softmax_in_place`]).
+#[derive(Clone, Copy, Debug)]
+struct RowStats {
+    max: f32,
+    sum: f32,
 }
 
 /// A rank-4 operand as the kernels read it: its elements, start offset and strides.
@@ -157,7 +166,7 @@ impl Fused {
             dropout,
             g,
             tokens_major,
-            lse: Arc::default(),
+            stats: Arc::default(),
         })
     }
 
@@ -234,38 +243,40 @@ impl Fused {
     }
 
     /// The probabilities of query rows `from..to` of head `(b, h)` (see [`Self::scores`]), each
-    /// row's log-sum-exp written to `lse`.
+    /// row's softmax statistics written to `stats`.
     fn probabilities<T: GemmElem>(
         &self,
         (b, h): (usize, usize),
         (from, to): (usize, usize),
         [q, k]: [Operand<T>; 2],
-        lse: &mut [MaybeUninit<f32>],
+        stats: &mut [MaybeUninit<RowStats>],
     ) -> (Vec<f32>, usize) {
         let (mut p, keys) = self.scores((b, h), (from, to), q, k);
         if keys == 0 {
-            lse.fill(MaybeUninit::new(f32::INFINITY));
+            stats.fill(MaybeUninit::new(NO_KEY));
             return (p, keys);
         }
-        for (row, lse) in p.chunks_exact_mut(keys).zip(lse) {
-            lse.write(softmax_in_place(row));
+        for (row, stats) in p.chunks_exact_mut(keys).zip(stats) {
+            stats.write(softmax_in_place(row));
         }
         (p, keys)
     }
 
-    /// The probabilities again from the forward's log-sum-exp of each row: `exp(s - lse)`.
+    /// The probabilities again from the forward's statistics of each row: the forward's own
+    /// `exp(s - max) / sum`, so the same values to the bit.
     fn probabilities_again<T: GemmElem>(
         &self,
         (b, h): (usize, usize),
         (from, to): (usize, usize),
         [q, k]: [Operand<T>; 2],
-        lse: &[f32],
+        stats: &[RowStats],
     ) -> (Vec<f32>, usize) {
         let (mut p, keys) = self.scores((b, h), (from, to), q, k);
         if keys > 0 {
-            for (row, &lse) in p.chunks_exact_mut(keys).zip(lse) {
+            for (row, stats) in p.chunks_exact_mut(keys).zip(stats) {
+                exponentials(row, stats.max);
                 for s in row.iter_mut() {
-                    *s = crate::kernels::activation::exp(*s - lse);
+                    *s /= stats.sum;
                 }
             }
         }
@@ -283,16 +294,16 @@ impl Fused {
         let mut out: Vec<T> = Vec::with_capacity(len);
         let dst = Disjoint::new(&mut out.spare_capacity_mut()[..len]);
         let rows = g.b * g.h * g.tq;
-        let mut lse: Vec<f32> = Vec::with_capacity(rows);
-        let lse_rows = Disjoint::new(&mut lse.spare_capacity_mut()[..rows]);
+        let mut stats: Vec<RowStats> = Vec::with_capacity(rows);
+        let stats_rows = Disjoint::new(&mut stats.spare_capacity_mut()[..rows]);
         parallel::for_each_index(g.b * g.h * blocks, |task| {
             let (bh, block) = (task / blocks, task % blocks);
             let (b, h) = (bh / g.h, bh % g.h);
             let from = block * BLOCK;
             let to = (from + BLOCK).min(g.tq);
             // SAFETY: task `(b, h, block)` alone handles rows `from..to` of head `(b, h)`.
-            let lse = unsafe { lse_rows.part(bh * g.tq + from, to - from) };
-            let (mut p, keys) = self.probabilities((b, h), (from, to), [q, k], lse);
+            let stats = unsafe { stats_rows.part(bh * g.tq + from, to - from) };
+            let (mut p, keys) = self.probabilities((b, h), (from, to), [q, k], stats);
             if let Some(z) = self.dropout_factors((b, h), (from, to - from), keys) {
                 p.iter_mut().zip(&z).for_each(|(p, z)| *p *= z);
             }
@@ -314,13 +325,13 @@ impl Fused {
             }
         });
         // SAFETY: the tasks' rows cover every head's `t_q` rows, and each was written (output
-        // and log-sum-exp).
+        // and statistics).
         unsafe {
             out.set_len(len);
-            lse.set_len(rows);
+            stats.set_len(rows);
         }
         // A second forward of the same op (none is made) would keep the first's statistics.
-        let _ = self.lse.set(lse);
+        let _ = self.stats.set(stats);
         out
     }
 
@@ -394,13 +405,13 @@ impl Fused {
     ) -> Vec<f32> {
         let g = self.g;
         let rows = to - from;
-        let (p, keys) = if let Some(lse) = self.lse.get() {
+        let (p, keys) = if let Some(stats) = self.stats.get() {
             let at = (b * g.h + h) * g.tq;
-            self.probabilities_again((b, h), (from, to), [q, k], &lse[at + from..at + to])
+            self.probabilities_again((b, h), (from, to), [q, k], &stats[at + from..at + to])
         } else {
             // No forward values (an empty output, `d_v` = 0): the softmax again.
-            let mut lse = vec![MaybeUninit::uninit(); rows];
-            self.probabilities((b, h), (from, to), [q, k], &mut lse)
+            let mut stats = vec![MaybeUninit::uninit(); rows];
+            self.probabilities((b, h), (from, to), [q, k], &mut stats)
         };
         if keys == 0 {
             return vec![0.0; rows * g.d];
@@ -457,17 +468,26 @@ impl Fused {
     }
 }
 
-/// Softmax of one row in place, in f32: `exp(s - max) / sum`; returns the row's log-sum-exp,
-/// `max + ln(sum)`. A row with a NaN becomes NaN (the gradient scaler must see it; its
-/// log-sum-exp is NaN); a row whose scores are all `-inf` (no key visible) becomes 0 (its
-/// log-sum-exp `+inf`, so that `exp(s - lse)` gives the same 0); a `-inf` score (a hidden key)
-/// gets exactly 0. Each pass is a plain loop over the row with the branch-free `exp` of the
-/// activations (a few ulp), so that it vectorises: the library's `expf` and a loop with
-/// branches took a third of the op's time.
-fn softmax_in_place(row: &mut [f32]) -> f32 {
+/// The statistics of a row that sees no key: its probabilities are 0 (each `-inf` score gives
+/// 0, divided by 1).
+const NO_KEY: RowStats = RowStats {
+    max: f32::NEG_INFINITY,
+    sum: 1.0,
+};
+
+/// Softmax of one row in place, in f32: `exp(s - max) / sum`; returns the row's maximum and
+/// sum. A row with a NaN becomes NaN (the gradient scaler must see it; its statistics are NaN,
+/// so the backward's recomputation is NaN too); a row whose scores are all `-inf` (no key
+/// visible) becomes 0 ([`NO_KEY`]); a `-inf` score (a hidden key) gets exactly 0. Each pass is
+/// a plain loop over the row with the branch-free `exp` of the activations (a few ulp), so that
+/// it vectorises: the library's `expf` and a loop with branches took a third of the op's time.
+fn softmax_in_place(row: &mut [f32]) -> RowStats {
     if row.iter().any(|s| s.is_nan()) {
         row.fill(f32::NAN);
-        return f32::NAN;
+        return RowStats {
+            max: f32::NAN,
+            sum: f32::NAN,
+        };
     }
     let mut lanes = [f32::NEG_INFINITY; LANES];
     for chunk in row.chunks(LANES) {
@@ -478,17 +498,22 @@ fn softmax_in_place(row: &mut [f32]) -> f32 {
     let max = lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if max == f32::NEG_INFINITY {
         row.fill(0.0);
-        return f32::INFINITY;
+        return NO_KEY;
     }
-    for s in row.iter_mut() {
-        let e = crate::kernels::activation::exp(*s - max);
-        *s = if *s == f32::NEG_INFINITY { 0.0 } else { e };
-    }
+    exponentials(row, max);
     let sum = lane_sums2(row, row, |e, _| (e, 0.0)).0 as f32;
     for s in row.iter_mut() {
         *s /= sum;
     }
-    max + sum.ln()
+    RowStats { max, sum }
+}
+
+/// `exp(s - max)` of each score in place, exactly 0 for a `-inf` score.
+fn exponentials(row: &mut [f32], max: f32) {
+    for s in row.iter_mut() {
+        let e = crate::kernels::activation::exp(*s - max);
+        *s = if *s == f32::NEG_INFINITY { 0.0 } else { e };
+    }
 }
 
 /// Lanes of the row maximum's partial maxima (one AVX-512 vector).

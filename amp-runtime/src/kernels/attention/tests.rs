@@ -499,3 +499,25 @@ fn input5(shape: (usize, usize, usize, usize, usize), seed: u64, dtype: DType) -
     let n = shape.0 * shape.1 * shape.2 * shape.3 * shape.4;
     Tensor::from_vec(values(n, seed), shape, &Device::Cpu)?.to_dtype(dtype)
 }
+
+/// Under a mask of -1e9 (a padding convention), f32 rounds both scores to the mask and the row's
+/// probabilities are uniform; the backward's recomputed probabilities must be the same ones. A
+/// kept log-sum-exp, `-1e9 + ln 2`, rounds to -1e9 and gave 1 for every key (gradients
+/// `dq = -5`, `dk = [-3, -1]`, `dv = [1, 1]`). By hand: `p = [0.5, 0.5]`, `y = 2`,
+/// `dv = p = [0.5, 0.5]`, `dS = p * (v - y) = [-0.5, 0.5]`, `dq = dS k = 0.5`, `dk = dS q`.
+#[test]
+fn a_huge_finite_mask_gives_the_forward_s_probabilities_in_the_backward() -> Result<()> {
+    let dev = Device::Cpu;
+    let q = Var::new(&[[[[1f32]]]], &dev)?;
+    let k = Var::new(&[[[[1f32], [2.0]]]], &dev)?;
+    let v = Var::new(&[[[[1f32], [3.0]]]], &dev)?;
+    let mask = Tensor::new(&[[-1e9f32, -1e9]], &dev)?;
+    let y = attend(&q, &k, &v, Some(&mask), Some(1.0), false)?;
+    let grads = y.sum_all()?.backward()?;
+    let flat = |t: &Tensor| -> Result<Vec<f32>> { t.flatten_all()?.to_vec1() };
+    assert_eq!(flat(&y)?, [2.0]);
+    assert_eq!(flat(grads.get(&q).expect("dq"))?, [0.5]);
+    assert_eq!(flat(grads.get(&k).expect("dk"))?, [-0.5, 0.5]);
+    assert_eq!(flat(grads.get(&v).expect("dv"))?, [0.5, 0.5]);
+    Ok(())
+}

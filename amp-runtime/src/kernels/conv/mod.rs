@@ -239,6 +239,8 @@ pub(crate) fn conv_transpose(x: &Tensor, k: &Tensor, t: TransposeParams) -> Resu
                 t.dilation,
                 t.groups,
             )
+        } else if t.output_padding >= t.stride {
+            uncropped_transpose2d(x, k, t)
         } else {
             x.conv_transpose2d(k, t.padding, t.output_padding, t.stride, t.dilation)
         }
@@ -251,6 +253,30 @@ pub(crate) fn conv_transpose(x: &Tensor, k: &Tensor, t: TransposeParams) -> Resu
         &crate::kernels::convert::to_dtype(k, DType::F32)?,
     )?;
     crate::kernels::convert::to_dtype(&y, x.dtype())
+}
+
+/// A 2-D transposed convolution whose output padding is at least its stride (possible with a
+/// larger dilation), composed so that it trains: candle's backward takes the input's gradient
+/// as a convolution of the output's, which maps an output padded by `stride` or more onto a
+/// larger input than `x` (an `add` shape mismatch). Here the convolution runs without padding,
+/// and the output is its rows and columns from `padding` on, `output_padding - padding` zero
+/// rows and columns added where the output padding reaches past them: the same values, and
+/// gradients through candle's `narrow` and `pad`.
+fn uncropped_transpose2d(x: &Tensor, k: &Tensor, t: TransposeParams) -> Result<Tensor> {
+    let full = x.conv_transpose2d(k, 0, 0, t.stride, t.dilation)?;
+    let mut y = full;
+    for dim in [2, 3] {
+        let whole = y.dim(dim)?;
+        let wanted = whole + t.output_padding - 2 * t.padding;
+        let kept = wanted.min(whole.saturating_sub(t.padding));
+        y = if kept == 0 {
+            y.narrow(dim, 0, 0)?.pad_with_zeros(dim, 0, wanted)?
+        } else {
+            y.narrow(dim, t.padding, kept)?
+                .pad_with_zeros(dim, 0, wanted - kept)?
+        };
+    }
+    Ok(y)
 }
 
 /// The output sizes of a 2-D transposed convolution of `x` by `k` (checked by
