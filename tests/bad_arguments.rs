@@ -1537,3 +1537,123 @@ fn transposed_convs_with_output_padding_past_the_stride_train() -> Result<()> {
     }
     Ok(())
 }
+
+// ---- The tenth sweep's findings: the API's edges. ----
+
+/// The scaler told optimizers apart by their address: a fresh SGD per parameter group in a loop
+/// (the same stack slot each time) was refused as "already stepped", and one moved into a `Box`
+/// between two steps stepped twice. candle-amp's optimizers now carry an identity of their own.
+#[test]
+fn the_scaler_tells_optimizers_apart_wherever_they_live() -> Result<()> {
+    let (a, b) = (
+        Var::ones(2, DType::F32, &dev())?,
+        Var::ones(2, DType::F32, &dev())?,
+    );
+    let mut scaler = candle_amp::GradScaler::new();
+    let loss = (a.as_tensor().sum_all()? + b.as_tensor().sum_all()?)?;
+    for var in [&a, &b] {
+        let mut opt = SGD::new(vec![var.clone()], 0.5)?;
+        let outcome = scaler.step(&mut opt, scaler.scale(&loss)?.backward()?)?;
+        assert_eq!(outcome, candle_amp::StepOutcome::Stepped);
+    }
+    assert_eq!(a.as_tensor().to_vec1::<f32>()?, [0.5, 0.5]);
+    assert_eq!(b.as_tensor().to_vec1::<f32>()?, [0.5, 0.5]);
+    scaler.update()?;
+    let mut opt = SGD::new(vec![a.clone()], 0.5)?;
+    let outcome = scaler.step(&mut opt, scaler.scale(&loss)?.backward()?)?;
+    assert_eq!(outcome, candle_amp::StepOutcome::Stepped);
+    let mut moved = Box::new(opt);
+    assert_err(
+        "the same optimizer, moved",
+        scaler.step(moved.as_mut(), scaler.scale(&loss)?.backward()?),
+        "already stepped",
+    );
+    assert_eq!(a.as_tensor().to_vec1::<f32>()?, [0.0, 0.0]);
+    Ok(())
+}
+
+/// Edges of the typed API and of state, each against PyTorch: an inclusive index range to
+/// `usize::MAX` panicked in candle; `chunk` of an empty dimension gave no chunk (PyTorch: as
+/// many empty ones as asked); `clamp` skipped a NaN bound (PyTorch: all NaN); `rand(1, 1)`
+/// failed in candle's generator (PyTorch's `uniform_(1, 1)`: ones); an optimizer given a
+/// variable twice saved a checkpoint it could not load (now an error at once; `push` of a
+/// held variable adds nothing); an unknown `scaler.*` entry in a checkpoint was accepted; the
+/// builder's errors named `scale` for `init_scale` and `inf` for `max_scale(1e39)`.
+#[test]
+fn edges_of_tensors_optimizers_and_state() -> Result<()> {
+    let x = Tensor::<F32>::new(&[[1f32, 2., 3.], [4., 5., 6.]], &dev())?;
+    assert_err(
+        "i(.., 0..=usize::MAX)",
+        x.i((.., 0..=usize::MAX)),
+        "index range past the end",
+    );
+    let empty = Tensor::<F32>::zeros((0, 3), &dev())?;
+    let chunks = empty.chunk(2, 0)?;
+    assert_eq!(chunks.len(), 2);
+    assert!(chunks.iter().all(|c| c.dims() == [0, 3]));
+    let y = Tensor::<F32>::new(&[1f32, 2., 3.], &dev())?;
+    for (lo, hi) in [(f64::NAN, 2.0), (1.0, f64::NAN)] {
+        let v = y.clamp(lo, hi)?.to_vec1::<f32>()?;
+        assert!(v.iter().all(|v| v.is_nan()), "clamp({lo}, {hi}): {v:?}");
+    }
+    assert_eq!(
+        Tensor::<F32>::rand(1.0, 1.0, 3, &dev())?.to_vec1::<f32>()?,
+        [1.0; 3]
+    );
+    let w = Var::ones(2, DType::F32, &dev())?;
+    assert_err(
+        "AdamW given w twice",
+        AdamW::new(vec![w.clone(), w.clone()], ParamsAdamW::default()),
+        "given twice",
+    );
+    assert_err(
+        "SGD given w twice",
+        SGD::new(vec![w.clone(), w.clone()], 0.1),
+        "given twice",
+    );
+    let mut sgd = SGD::new(vec![w.clone()], 0.1)?;
+    sgd.push(&w);
+    assert_eq!(sgd.into_inner().len(), 1);
+
+    let vars = VarMap::new();
+    let _ = nn::linear(
+        2,
+        1,
+        VarBuilder::from_varmap(&vars, DType::F32, &dev()).pp("l"),
+    )?;
+    let mut opt = SGD::new(vars.all_vars(), 0.1)?;
+    let mut scaler = candle_amp::GradScaler::new();
+    let path = std::env::temp_dir().join(format!("candle-amp-extra-{}.st", std::process::id()));
+    candle_amp::checkpoint::save(&path, &vars, &opt, &scaler, 3)?;
+    let mut tensors = candle_core::safetensors::load(&path, &dev())?;
+    tensors.insert(
+        "scaler.unknown".into(),
+        candle_core::Tensor::new(1f32, &dev())?,
+    );
+    candle_core::safetensors::save(&tensors, &path)?;
+    assert_err(
+        "an unknown scaler entry",
+        candle_amp::checkpoint::load(&path, &vars, &mut opt, &mut scaler),
+        "unexpected entry `scaler.unknown`",
+    );
+    std::fs::remove_file(&path)?;
+
+    assert_err(
+        "init_scale above max_scale",
+        candle_amp::GradScaler::builder()
+            .init_scale(1e6)
+            .max_scale(1e3)
+            .build(),
+        "`init_scale`: must lie within",
+    );
+    let said = message(
+        "max_scale(1e39)",
+        candle_amp::GradScaler::builder().max_scale(1e39).build(),
+    );
+    assert!(
+        said.contains("`max_scale`")
+            && said.contains("got 1000000000000000000000000000000000000000"),
+        "{said}"
+    );
+    Ok(())
+}

@@ -298,6 +298,41 @@ fn ranks_with_different_gradients_all_get_an_error() -> Result<()> {
     Ok(())
 }
 
+/// Ranks under different `DataParallel` settings (the wire dtype, the bucket size) reduced as
+/// if they agreed: with `reduce_dtype` on one rank only the replicas drifted apart (1.5 and
+/// 1.5000501), and different buckets made one rank's collective fail while the other was told
+/// its peer had left. Now every rank gets an error naming the settings; a huge world size is an
+/// error, not an abort.
+#[test]
+fn ranks_with_different_settings_all_get_an_error() -> Result<()> {
+    type Setup = fn(DataParallel) -> Result<DataParallel>;
+    let settings: [[Setup; 2]; 2] = [
+        [Ok, |dp| dp.reduce_dtype(DType::BF16)],
+        [|dp| dp.bucket_bytes(4), |dp| dp.bucket_bytes(1 << 20)],
+    ];
+    for setup in settings {
+        let results = on_ranks(2, |c| {
+            let rank = c.rank();
+            let dp = setup[rank](DataParallel::new(Arc::new(c)))?;
+            let third = candle_core::Tensor::new(&[1.0f32 / 3.0, 2.0, 3.0], &Device::Cpu)?;
+            let mut grads = vec![third.clone(), third];
+            Ok(dp.all_reduce(&mut grads).map_err(|e| e.to_string()))
+        })?;
+        for (rank, r) in results.iter().enumerate() {
+            let e = r.as_ref().expect_err("different settings are an error");
+            assert!(
+                e.contains("reduce different gradients") && e.contains("settings"),
+                "rank {rank}: {e}"
+            );
+        }
+    }
+    for huge in [usize::MAX, 1 << 40] {
+        let e = ThreadGroup::ranks(huge).expect_err("a huge world size");
+        assert!(e.to_string().contains("world size of"), "{e}");
+    }
+    Ok(())
+}
+
 /// f16 gradients of 40000 on two ranks: their mean fits f16, their sum (80000) does not. Each
 /// share is divided before the sum (DDP's default hook), so the mean is 40000, not inf.
 #[test]

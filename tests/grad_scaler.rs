@@ -262,7 +262,8 @@ fn builder_defaults_and_rejections() {
             GradScaler::builder().min_scale(8.0).max_scale(4.0),
             "min_scale",
         ),
-        (GradScaler::builder().max_scale(1024.0), "scale"),
+        // The default init_scale, 65536, above the ceiling: the builder's name for it.
+        (GradScaler::builder().max_scale(1024.0), "init_scale"),
     ];
     for (builder, field) in cases {
         let err = builder.build().unwrap_err().to_string();

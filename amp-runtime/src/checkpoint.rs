@@ -221,20 +221,16 @@ pub fn load(
             state.insert((var.as_tensor().id(), entry.to_string()), take(&key)?);
         }
     }
-    let scaler_keys: Vec<String> = tensors
-        .keys()
-        .filter(|k| k.starts_with("scaler."))
-        .cloned()
-        .collect();
     let scaler_state = ScalerState::from_tensors(&tensors, "scaler.")?;
     scaler_state.validate()?;
-    for key in &scaler_keys {
+    // The scaler's own entries only: one it does not write is as unexpected as any other.
+    for key in scaler_state.to_tensors("scaler.")?.keys() {
         tensors.remove(key);
     }
     if let Some(unexpected) = tensors.keys().min() {
         candle_core::bail!(
             "checkpoint {}: unexpected entry `{unexpected}` (a variable this VarMap does not \
-             have, or another optimizer's state)",
+             have, another optimizer's state, or a scaler field the GradScaler does not have)",
             path.display()
         )
     }

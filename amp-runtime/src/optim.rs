@@ -94,6 +94,45 @@ pub(crate) fn for_scaler<R>(step: impl FnOnce() -> R) -> R {
     step()
 }
 
+/// An optimizer's identity for the scaler's "already stepped since the last update" check:
+/// a number of its own, the same wherever the optimizer moves and different for every
+/// optimizer made (an address is neither: a moved optimizer has a new one, and a new optimizer
+/// may take a dropped one's).
+#[derive(Debug)]
+struct Identity(u64);
+
+impl Identity {
+    fn new() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        Self(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Hands the identity to [`identify`], when it asks.
+    fn report(&self) {
+        if ASKING.with(std::cell::Cell::get) {
+            ANSWER.with(|answer| answer.set(Some(self.0)));
+        }
+    }
+}
+
+thread_local! {
+    /// Whether [`identify`] is asking.
+    static ASKING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// What an optimizer of this module answered.
+    static ANSWER: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+/// The identity of `optimizer` if it is one of this module's, `None` for any other (candle's
+/// `Optimizer` trait shows nothing of the kind). It asks `learning_rate`, a getter every
+/// optimizer has and none changes anything in, and this module's optimizers answer there.
+pub(crate) fn identify<O: Optimizer>(optimizer: &O) -> Option<u64> {
+    ANSWER.with(|answer| answer.set(None));
+    ASKING.with(|asking| asking.set(true));
+    let _ = optimizer.learning_rate();
+    ASKING.with(|asking| asking.set(false));
+    ANSWER.with(std::cell::Cell::take)
+}
+
 /// The error [`for_scaler`] describes, where `vars` (an optimizer's) have no gradient in
 /// `grads`.
 fn check_scaler_gradients(optimizer: &str, vars: &[Var], grads: &GradStore) -> Result<()> {
@@ -109,8 +148,20 @@ fn check_scaler_gradients(optimizer: &str, vars: &[Var], grads: &GradStore) -> R
     )
 }
 
-fn float_vars(vars: Vec<Var>) -> Vec<Var> {
-    vars.into_iter().filter(|v| v.dtype().is_float()).collect()
+/// The float variables of `vars`; an error naming `optimizer` where one is given twice (it
+/// would be stepped twice per step, and its state saved under one name twice; PyTorch warns
+/// "optimizer contains a parameter group with duplicate parameters").
+fn float_vars(optimizer: &str, vars: Vec<Var>) -> Result<Vec<Var>> {
+    let mut seen = std::collections::HashSet::new();
+    for (i, v) in vars.iter().enumerate() {
+        if !seen.insert(v.as_tensor().id()) {
+            candle_core::bail!(
+                "{optimizer}: parameter {i} (shape {:?}) is given twice; pass each variable once",
+                v.dims()
+            )
+        }
+    }
+    Ok(vars.into_iter().filter(|v| v.dtype().is_float()).collect())
 }
 
 /// Stochastic gradient descent, `w -= lr * g`, in place: candle-nn's [`SGD`](candle_nn::SGD)
@@ -119,6 +170,7 @@ fn float_vars(vars: Vec<Var>) -> Vec<Var> {
 pub struct SGD {
     vars: Vec<Var>,
     learning_rate: f64,
+    id: Identity,
 }
 
 impl SGD {
@@ -127,9 +179,12 @@ impl SGD {
         self.vars
     }
 
-    /// Adds a variable to update.
+    /// Adds a variable to update (one it already updates is not added twice).
     pub fn push(&mut self, var: &Var) {
-        self.vars.push(var.clone());
+        let id = var.as_tensor().id();
+        if !self.vars.iter().any(|v| v.as_tensor().id() == id) {
+            self.vars.push(var.clone());
+        }
     }
 }
 
@@ -139,8 +194,9 @@ impl Optimizer for SGD {
     fn new(vars: Vec<Var>, learning_rate: f64) -> Result<Self> {
         check_lr("SGD", learning_rate)?;
         Ok(Self {
-            vars: float_vars(vars),
+            vars: float_vars("SGD", vars)?,
             learning_rate,
+            id: Identity::new(),
         })
     }
 
@@ -172,6 +228,7 @@ impl Optimizer for SGD {
     }
 
     fn learning_rate(&self) -> f64 {
+        self.id.report();
         self.learning_rate
     }
 
@@ -205,6 +262,7 @@ struct AdamWParam {
 pub struct AdamW {
     params: Vec<AdamWParam>,
     config: ParamsAdamW,
+    id: Identity,
 }
 
 impl AdamW {
@@ -247,7 +305,7 @@ impl Optimizer for AdamW {
 
     fn new(vars: Vec<Var>, config: ParamsAdamW) -> Result<Self> {
         check_adamw(&config)?;
-        let params = float_vars(vars)
+        let params = float_vars("AdamW", vars)?
             .into_iter()
             .map(|var| {
                 let n = var.elem_count();
@@ -272,7 +330,11 @@ impl Optimizer for AdamW {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(Self { params, config })
+        Ok(Self {
+            params,
+            config,
+            id: Identity::new(),
+        })
     }
 
     /// Fails, updating nothing, when a hyper-parameter is out of range (one set by
@@ -309,6 +371,7 @@ impl Optimizer for AdamW {
     }
 
     fn learning_rate(&self) -> f64 {
+        self.id.report();
         self.config.lr
     }
 
@@ -385,7 +448,14 @@ impl OptimizerState for AdamW {
                         v.to_device(&candle_core::Device::Cpu)?,
                     ),
                 };
-                let steps = i64::try_from(p.steps).map_err(candle_core::Error::wrap)?;
+                let steps = i64::try_from(p.steps).map_err(|_| {
+                    candle_core::Error::Msg(format!(
+                        "AdamW state: the step count {} of a parameter of shape {:?} does not \
+                         fit the checkpoint's i64",
+                        p.steps,
+                        p.var.dims()
+                    ))
+                })?;
                 let step = Tensor::new(steps, &candle_core::Device::Cpu)?;
                 let entries = ADAMW_ENTRIES.iter().copied().zip([step, m, v]).collect();
                 Ok((p.var.clone(), entries))

@@ -218,8 +218,12 @@ impl DataParallel {
     /// parameters' shapes across ranks.
     fn check_same_gradients(&self, grads: &[Tensor]) -> Result<()> {
         let count = grads.len() as f64;
-        let values = grads.iter().map(|g| g.elem_count() as f64).sum::<f64>();
-        let print = fingerprint(grads);
+        // `+ 0.0`: the empty sum of f64 is -0.0, which a message would print as "-0".
+        let values = grads.iter().map(|g| g.elem_count() as f64).sum::<f64>() + 0.0;
+        // The reduction's settings too: ranks that bucket or send differently would reduce
+        // different bytes (replicas drifting apart) or call different collectives.
+        let settings = format!("{} {:?}", self.bucket_bytes, self.reduce_dtype);
+        let print = fingerprint(grads, &settings);
         let (lo, hi) = (f64::from(print as u32), f64::from((print >> 32) as u32));
         let mine = Tensor::new(
             &[count, values, lo, hi, -count, -values, -lo, -hi],
@@ -234,13 +238,19 @@ impl DataParallel {
         #[allow(clippy::float_cmp)]
         let differ = max.iter().zip(min).any(|(a, b)| *a != -b);
         if differ {
-            let dims: Vec<_> = grads.iter().map(|g| g.dims().to_vec()).collect();
+            let dims: Vec<_> = grads
+                .iter()
+                .map(|g| format!("{:?} {:?}", g.dims(), g.dtype()))
+                .collect();
             candle_core::bail!(
                 "rank {}: the ranks reduce different gradients ({count} tensors of {values} \
-                 values here, of shapes {dims:?}; between {} and {} tensors, {} and {} values \
-                 across ranks, or other shapes): every rank must compute gradients of the same \
-                 parameters, in the same order",
+                 values here, of shapes and dtypes {dims:?}, with bucket_bytes {} and \
+                 reduce_dtype {:?}; between {} and {} tensors, {} and {} values across ranks, \
+                 or other shapes, dtypes or settings): every rank must compute gradients of \
+                 the same parameters, in the same order, under the same DataParallel settings",
                 self.collective.rank(),
+                self.bucket_bytes,
+                self.reduce_dtype,
                 -min[0],
                 max[0],
                 -min[1],
@@ -251,8 +261,8 @@ impl DataParallel {
     }
 }
 
-/// FNV-1a over each tensor's rank, dims and dtype, in order.
-fn fingerprint(tensors: &[Tensor]) -> u64 {
+/// FNV-1a over each tensor's rank, dims and dtype, in order, then `settings`.
+fn fingerprint(tensors: &[Tensor], settings: &str) -> u64 {
     let mut hash = 0xcbf2_9ce4_8422_2325u64;
     let mut eat = |v: u64| {
         for byte in v.to_le_bytes() {
@@ -264,6 +274,7 @@ fn fingerprint(tensors: &[Tensor]) -> u64 {
         t.dims().iter().for_each(|&d| eat(d as u64));
         t.dtype().as_str().bytes().for_each(|b| eat(u64::from(b)));
     }
+    settings.bytes().for_each(|b| eat(u64::from(b)));
     hash
 }
 

@@ -12,6 +12,10 @@ use super::{Collective, ReduceOp};
 #[derive(Debug)]
 pub struct ThreadGroup;
 
+/// The most ranks a [`ThreadGroup`] makes: each is a thread of this process, and a world size
+/// beyond this is a mistake (a mis-parsed `WORLD_SIZE`), not a machine.
+const MAX_RANKS: usize = 1 << 16;
+
 impl ThreadGroup {
     /// `world_size` handles, rank 0 first, one for each thread that trains a replica. A rank
     /// whose handle is dropped leaves the group: a collective another rank is waiting in, or
@@ -20,6 +24,12 @@ impl ThreadGroup {
         if world_size == 0 {
             candle_core::bail!("ThreadGroup::ranks: the world size must be at least 1");
         }
+        if world_size > MAX_RANKS {
+            candle_core::bail!(
+                "ThreadGroup::ranks: a world size of {world_size}: each rank is a thread of this \
+                 process, at most {MAX_RANKS} (a group across processes or machines is NCCL's)"
+            );
+        }
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 deposits: vec![None; world_size],
@@ -27,6 +37,7 @@ impl ThreadGroup {
                 generation: 0,
                 result: Arc::new(Vec::new()),
                 left: None,
+                failed: None,
             }),
             done: Condvar::new(),
         });
@@ -65,6 +76,8 @@ struct State {
     result: Arc<Vec<f64>>,
     /// A rank that left the group.
     left: Option<usize>,
+    /// Why a collective failed (the ranks called different ones): every rank gets it.
+    failed: Option<String>,
 }
 
 impl ThreadCollective {
@@ -82,11 +95,22 @@ impl ThreadCollective {
         ))
     }
 
+    /// Why this rank cannot go on: a failed collective, or a rank that left.
+    fn ended(&self, state: &State) -> Option<candle_core::Error> {
+        if let Some(why) = &state.failed {
+            return Some(candle_core::Error::Msg(format!(
+                "rank {}: {why}",
+                self.rank
+            )));
+        }
+        state.left.map(|left| Self::gone(self.rank, left))
+    }
+
     /// The combined values of every rank's `values`.
     fn combine(&self, values: Vec<f64>, op: ReduceOp) -> Result<Arc<Vec<f64>>> {
         let mut state = self.lock();
-        if let Some(left) = state.left {
-            return Err(Self::gone(self.rank, left));
+        if let Some(e) = self.ended(&state) {
+            return Err(e);
         }
         state.deposits[self.rank] = Some((values, op));
         state.arrived += 1;
@@ -98,7 +122,7 @@ impl ThreadCollective {
                 Ok(r) => r,
                 Err(e) => {
                     // Every waiting rank wakes to the same error.
-                    state.left = Some(self.rank);
+                    state.failed = Some(e.to_string());
                     self.shared.done.notify_all();
                     return Err(e);
                 }
@@ -110,8 +134,8 @@ impl ThreadCollective {
         }
         let generation = state.generation;
         while state.generation == generation {
-            if let Some(left) = state.left {
-                return Err(Self::gone(self.rank, left));
+            if let Some(e) = self.ended(&state) {
+                return Err(e);
             }
             state = self
                 .shared

@@ -80,16 +80,28 @@ pub(crate) fn abs(x: &Tensor) -> Result<Tensor> {
     })
 }
 
-/// `x` clamped to `[min, max]` (every value `max` where `min > max`, as PyTorch's), NaN kept;
+/// `x` clamped to `[min, max]` (every value `max` where `min > max`, and NaN for a NaN bound, as
+/// PyTorch's), NaN kept;
 /// the gradient passes where `min < x < max` only, as PyTorch's `clamp` with scalar bounds
 /// (candle's `maximum(min).minimum(max)` halves it at a bound, a tie with the constant).
 pub(crate) fn clamp(x: &Tensor, min: f64, max: f64) -> Result<Tensor> {
     let plain = x.detach();
-    let value = plain.clamp(min, max)?;
     if !x.dtype().is_float() {
-        return Ok(value);
+        if min.is_nan() || max.is_nan() {
+            candle_core::bail!(
+                "clamp: a NaN bound ([{min}, {max}]) for {:?} values",
+                x.dtype()
+            )
+        }
+        return plain.clamp(min, max);
     }
-    let value = plain.ne(&plain)?.where_cond(&plain, &value)?;
+    // A NaN bound makes every value NaN, as PyTorch's (candle's comparisons skip it).
+    let value = if min.is_nan() || max.is_nan() {
+        plain.affine(0.0, f64::NAN)?
+    } else {
+        let value = plain.clamp(min, max)?;
+        plain.ne(&plain)?.where_cond(&plain, &value)?
+    };
     with_gradient(x, value, move |x, grad| {
         let inside = x.gt(min)?.minimum(&x.lt(max)?)?;
         inside.where_cond(grad, &grad.zeros_like()?)

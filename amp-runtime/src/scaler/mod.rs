@@ -32,7 +32,7 @@ use candle_nn::Optimizer;
 pub use grads::{Gradients, ScaledGrads, UnscaledGrads};
 pub use state::{ScalerError, ScalerState};
 
-use state::{invalid_scale, is_valid_scale};
+use state::{invalid, invalid_scale, is_valid_scale};
 
 use crate::distributed::Collective;
 use crate::precision::Precision;
@@ -60,16 +60,24 @@ pub struct GradScaler {
     last_nonfinite: Vec<candle_core::TensorId>,
     /// The data-parallel group whose ranks skip or step together.
     collective: Option<Arc<dyn Collective>>,
-    /// The optimizers (by address) stepped since the last `update()`: a second step of one
-    /// of them in the same iteration is an error, as PyTorch's "step() has already been called
-    /// since the last update()".
-    stepped: Vec<usize>,
+    /// The optimizers stepped since the last `update()`: a second step of one before it is
+    /// an error, as PyTorch's. candle-amp's optimizers are told apart by an identity of their
+    /// own ([`crate::optim::identify`]); others by their address, which a move changes and a
+    /// new optimizer in a dropped one's place may share.
+    stepped: Vec<Stepped>,
 }
 
 impl Default for GradScaler {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// An optimizer [`GradScaler::step`] has stepped (see `GradScaler::stepped`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stepped {
+    Own(u64),
+    Address(usize),
 }
 
 /// Whether [`GradScaler::step`] ran the optimizer.
@@ -266,7 +274,10 @@ impl GradScaler {
         opt: &mut O,
         grads: G,
     ) -> Result<StepOutcome> {
-        let id = std::ptr::from_mut(opt).cast::<()>() as usize;
+        let id = match crate::optim::identify(opt) {
+            Some(id) => Stepped::Own(id),
+            None => Stepped::Address(std::ptr::from_mut(opt).cast::<()>() as usize),
+        };
         // A disabled scaler steps as the optimizer alone would, as PyTorch's.
         if self.enabled && self.stepped.contains(&id) {
             return Err(ScalerError::Mismatch(
@@ -473,6 +484,26 @@ impl GradScalerBuilder {
         let scale = self.init_scale as f32;
         if !is_valid_scale(scale) {
             return Err(invalid_scale("init_scale", self.init_scale));
+        }
+        // The builder's own names and the values given (an f64 beyond f32's range would be
+        // reported as the inf it becomes), before the state checks the rest.
+        for (field, bound) in [("min_scale", self.min_scale), ("max_scale", self.max_scale)] {
+            if let Some(b) = bound.filter(|&b| !is_valid_scale(b as f32)) {
+                return Err(invalid_scale(field, b));
+            }
+        }
+        let below = self.min_scale.is_some_and(|lo| scale < lo as f32);
+        let above = self.max_scale.is_some_and(|hi| scale > hi as f32);
+        // Bounds the wrong way round are the state's to report (`min_scale`).
+        let ordered = !matches!((self.min_scale, self.max_scale), (Some(lo), Some(hi)) if lo > hi);
+        if ordered && (below || above) {
+            return Err(invalid(
+                "init_scale",
+                format!(
+                    "must lie within min_scale/max_scale ({:?}/{:?}), got {}",
+                    self.min_scale, self.max_scale, self.init_scale
+                ),
+            ));
         }
         let state = ScalerState {
             scale,

@@ -104,7 +104,7 @@ impl From<ScalerError> for candle_core::Error {
     }
 }
 
-fn invalid(field: &'static str, reason: String) -> candle_core::Error {
+pub(crate) fn invalid(field: &'static str, reason: String) -> candle_core::Error {
     ScalerError::Invalid { field, reason }.into()
 }
 

@@ -163,11 +163,22 @@ macro_rules! shape_accessors {
             dims5 -> (usize, usize, usize, usize, usize));
 
         /// Indexing as candle's `IndexOp::i`: `x.i((.., 0))`, `x.i(1..3)`; the same precision.
+        /// An inclusive range ending at `usize::MAX` is an error (candle adds 1 to its end
+        /// unchecked: a debug build panics there).
         pub fn i<I>(&self, index: I) -> candle_core::Result<Self>
         where
             candle_core::Tensor: candle_core::IndexOp<I>,
         {
-            Ok(Self::wrap(candle_core::IndexOp::i(&self.inner, index)?))
+            let inner = &self.inner;
+            let index = std::panic::AssertUnwindSafe(move || candle_core::IndexOp::i(inner, index));
+            let indexed = std::panic::catch_unwind(index).map_err(|_| {
+                candle_core::Error::Msg(format!(
+                    "i: an index range past the end of the dimensions {:?} (an inclusive range \
+                     ending at usize::MAX overflows)",
+                    self.inner.dims()
+                ))
+            })??;
+            Ok(Self::wrap(indexed))
         }
     };
     (@ $($name:ident -> $out:ty),*) => {$(
@@ -377,6 +388,11 @@ impl<P: Precision> Tensor<P> {
             candle_core::bail!("rand: the range must be finite with lo <= up, got [{lo}, {up})")
         }
         let shape = allocatable("rand", shape)?;
+        if lo as f32 >= up as f32 {
+            // An empty range, which candle's generator refuses: every value is `lo`, as
+            // PyTorch's `uniform_(lo, lo)`.
+            return Self::full(lo, shape, device);
+        }
         let t = candle_core::Tensor::rand(lo as f32, up as f32, shape, device)?;
         Ok(Self::wrap(t.to_dtype(P::DTYPE)?))
     }

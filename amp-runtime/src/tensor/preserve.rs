@@ -117,6 +117,12 @@ impl<P: Precision> Tensor<P> {
         if chunks == 0 {
             candle_core::bail!("chunk: the number of chunks must be positive, got 0")
         }
+        let dim = dim.to_index(self.inner.shape(), "chunk")?;
+        if self.inner.dim(dim)? == 0 {
+            // candle returns no chunk of an empty dimension; PyTorch `chunks` empty ones, so
+            // that `let [a, b] = ..` holds.
+            return Ok(vec![self.clone(); chunks]);
+        }
         Ok(self
             .inner
             .chunk(chunks, dim)?
