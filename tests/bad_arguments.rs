@@ -1657,3 +1657,41 @@ fn edges_of_tensors_optimizers_and_state() -> Result<()> {
     );
     Ok(())
 }
+
+/// The eleventh sweep's: `smooth_l1` with a beta whose `0.5 / beta` overflows f32 gave NaN
+/// gradients (it is L1 there, as at beta = 0; PyTorch: `[1/3, -1/3, 1/3]`), and a class
+/// weight that is a strided view was refused with candle's `index-select only supports
+/// contiguous tensors` (PyTorch takes it: the loss of the same weight, contiguous).
+#[test]
+fn smooth_l1_at_a_tiny_beta_and_a_strided_class_weight() -> Result<()> {
+    use candle_amp::loss::{self, CrossEntropy};
+    use candle_core::IndexOp;
+    let p = Var::new(&[0.5f32, -2.0, 3.0], &dev())?;
+    let zeros = Tensor::<F32>::zeros(3, &dev())?;
+    let typed = Tensor::<F32>::from_candle(p.as_tensor().clone())?;
+    let y = loss::smooth_l1(&typed, &zeros, 1e-300)?.into_candle();
+    let g = y
+        .backward()?
+        .get(&p)
+        .expect("a gradient")
+        .to_vec1::<f32>()?;
+    let third = 1.0f32 / 3.0;
+    assert_eq!(g, [third, -third, third]);
+    let x = Tensor::<F32>::new(&[[1f32, 2.0, 0.5], [0.1, 0.2, 3.0]], &dev())?;
+    let t = candle_core::Tensor::new(&[0u32, 2], &dev())?;
+    let strided = candle_core::Tensor::new(&[1f32, 9., 2., 9., 3., 9.], &dev())?
+        .reshape((3, 2))?
+        .i((.., 0))?;
+    let contiguous = candle_core::Tensor::new(&[1f32, 2.0, 3.0], &dev())?;
+    let with = |w: candle_core::Tensor| -> Result<f32> {
+        let options = CrossEntropy {
+            weight: Some(w),
+            ..Default::default()
+        };
+        loss::cross_entropy_with(&x, &t, &options)?
+            .into_candle()
+            .to_scalar::<f32>()
+    };
+    assert_eq!(with(strided)?.to_bits(), with(contiguous)?.to_bits());
+    Ok(())
+}

@@ -249,7 +249,8 @@ pub(crate) fn cross_entropy_with_f32(
     };
     let weight = match &o.weight {
         Some(w) if w.dims() == [classes] => {
-            let w = convert(w, DType::F32)?;
+            // `index_select` below reads it contiguous (a view of another tensor is fine).
+            let w = convert(w, DType::F32)?.contiguous()?;
             if w.to_vec1::<f32>()?.iter().any(|v| !v.is_finite()) {
                 candle_core::bail!("cross_entropy: the class weights must be finite, got {w}");
             }
@@ -494,7 +495,9 @@ pub(crate) fn smooth_l1(inp: &Tensor, target: &Tensor, beta: f64) -> Result<Tens
     if beta < 0.0 || !beta.is_finite() {
         candle_core::bail!("smooth_l1: beta must be finite and >= 0, got {beta}")
     }
-    if beta == 0.0 {
+    // L1 at beta = 0, and wherever the quadratic part's `0.5 / beta` overflows f32 (beta below
+    // about 2.9e-39: the part is then 0 for every |d| below beta, and its gradient 0 * inf).
+    if !((0.5 / beta) as f32).is_finite() {
         return l1(inp, target);
     }
     let d = crate::kernels::extrema::abs(&diff("smooth_l1", inp, target)?)?;

@@ -29,7 +29,7 @@
 //! - `activation`, `affine`, `binary`: element-wise ops computed in f32 with one-pass backwards.
 //! - `extrema`: maxima, minima, `argmax`, `clamp` and `abs` with PyTorch's values and gradients
 //!   at ties, bounds and NaN (candle's skip NaN and double ties).
-//! - `scan`: cumulative sums as a log-step scan, infinities reaching only the sums after them.
+//! - `scan`: cumulative sums in f64, infinities reaching only the sums after them.
 //! - `softmax`, `layer_norm`, `mse`: fp32-class ops reading half inputs as they are.
 //! - `pow`: `x ^ y` with PyTorch's values and gradients (candle's is `exp(y ln x)`).
 //! - `pool`: max and average pooling and their backward.
