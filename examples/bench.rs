@@ -393,7 +393,7 @@ fn measure_gemm(args: &Args, dev: &Device) -> Result<Gemm> {
     let t = interleaved(
         dev,
         args.warmup,
-        args.forward_samples / 10,
+        (args.forward_samples / 10).max(1),
         &mut [&mut ours, &mut candle],
     )?;
     Ok(Gemm(t))

@@ -226,6 +226,13 @@ fn main() -> Result<()> {
         max_position_embeddings: args.seq.max(16),
         ..Config::small(data.vocab_size())
     };
+    if cfg.hidden_size == 0 || !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads) {
+        candle_core::bail!(
+            "--width must be a positive multiple of the {} heads, got {}",
+            cfg.num_attention_heads,
+            args.width
+        );
+    }
     // One set of initial weights from the seed, copied into each mode's fresh model.
     let init = common::seeded_init(args.seed, &args.device, |vb| {
         BertForMaskedLM::load(vb.clone(), &cfg).map(|_| ())

@@ -43,7 +43,7 @@ struct Args {
     /// Tokens per training sequence.
     #[arg(long, default_value_t = 32, value_parser = common::positive)]
     seq: usize,
-    /// Vocabulary size (letters a, b, c, ...; at most 26).
+    /// Vocabulary size (letters a, b, c, ...; 5 to 26).
     #[arg(long, default_value_t = 16, value_parser = common::positive)]
     vocab: usize,
     /// Width of the model.
@@ -138,14 +138,25 @@ fn letters(tokens: &[u32]) -> String {
 fn main() -> Result<()> {
     common::keep_freed_memory();
     let args = Args::parse();
-    if args.vocab > 26 {
-        candle_core::bail!("--vocab is at most 26 (the tokens print as letters)");
+    if !(5..=26).contains(&args.vocab) {
+        candle_core::bail!(
+            "--vocab must be 5 to 26, got {} (the tokens print as letters, and the generation's \
+             prompt is tokens 0, 2 and 4)",
+            args.vocab
+        );
     }
     let cfg = Config {
         n_embd: args.width,
         n_positions: args.seq.max(32) + 32,
         ..Config::small(args.vocab)
     };
+    if cfg.n_embd == 0 || !cfg.n_embd.is_multiple_of(cfg.n_head) {
+        candle_core::bail!(
+            "--width must be a positive multiple of the {} heads, got {}",
+            cfg.n_head,
+            args.width
+        );
+    }
     // One set of initial weights from the seed, copied into each mode's fresh model.
     let init = common::seeded_init(args.seed, &args.device, |vb| {
         Gpt::new(&cfg, vb.clone()).map(|_| ())

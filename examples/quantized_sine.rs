@@ -178,7 +178,7 @@ fn run<Pol: Policy>(
     let mut scaler = GradScaler::builder().enabled(amp && fp16).build()?;
     let label = if amp { Pol::NAME } else { "f32" };
     let bar = common::progress(args.epochs as u64, label, args.json);
-    let mut losses = Vec::with_capacity(args.epochs);
+    let mut losses = Vec::new();
     let mut step = |opt: &mut AdamW| -> Result<f32> {
         let l = loss::mse(&model.forward::<Pol>(x, true, amp)?, target)?;
         let grads = scaler.scale(&l)?.backward()?;

@@ -415,6 +415,13 @@ fn max_batch<Pol: Policy>(
         (good, good_peak) = (bad, peak);
         bad *= 2;
     }
+    if good_peak == 0 {
+        // Batch 2, the smallest that trains, is already over the budget: no batch was found.
+        candle_core::bail!(
+            "--budget-mb {}: no training batch fits ({label}: batch 2 already needs more)",
+            args.budget_mb
+        )
+    }
     while bad - good > 1 {
         let mid = usize::midpoint(good, bad);
         let peak = probe(mid)?;
@@ -459,7 +466,12 @@ fn main() -> Result<()> {
 
 fn run<Pol: Policy>(args: &Args, precision: AmpPrecision, init: &common::Init) -> Result<()> {
     if args.max_batch {
-        let budget = args.budget_mb << 20;
+        let budget = args.budget_mb.checked_mul(1 << 20).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "--budget-mb {} does not fit in bytes (usize)",
+                args.budget_mb
+            ))
+        })?;
         if !args.json {
             eprintln!(
                 "{}: the largest training batch within {} MiB",

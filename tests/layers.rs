@@ -2119,3 +2119,52 @@ fn linear_act_runs_in_the_regions_lower_precision() -> Result<()> {
     assert_eq!(layer.forward(&x)?.dtype(), DType::F32);
     Ok(())
 }
+
+/// A candle-nn conv block as upstream writes it, `bn.forward_t(&conv.forward(&x)?, train)`, in a
+/// bf16 region: candle-nn's `BatchNorm` met the conv's bf16 output with its f32 statistics
+/// (`dtype mismatch in sub`). It runs as `BatchNorm2d`'s class (the input's precision out, f32
+/// inside): the output and the running statistics it updates match the same code in f32 within
+/// bf16's rounding of the conv.
+#[candle_amp::autocast(bf16)]
+fn conv_bn_block(
+    conv: &candle_nn::Conv2d,
+    bn: &candle_nn::BatchNorm,
+    x: &Tensor<F32>,
+    train: bool,
+) -> Result<Tensor<F32>> {
+    let h = conv.forward(x)?;
+    bn.forward_t(&h, train)
+}
+
+#[test]
+fn candle_nn_batch_norm_runs_in_a_region_as_written() -> Result<()> {
+    use candle_core::{Module, ModuleT};
+    let build = || -> Result<(VarMap, candle_nn::Conv2d, candle_nn::BatchNorm)> {
+        let vars = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev());
+        let conv = candle_nn::conv2d(3, 4, 3, candle_nn::Conv2dConfig::default(), vb.pp("conv"))?;
+        let bn = candle_nn::batch_norm(4, 1e-5, vb.pp("bn"))?;
+        Ok((vars, conv, bn))
+    };
+    let (vars_a, conv_a, bn_a) = build()?;
+    let (vars_b, conv_b, bn_b) = build()?;
+    for (name, var) in vars_a.data().lock().unwrap().iter() {
+        vars_b.data().lock().unwrap()[name].set(var.as_tensor())?;
+    }
+    let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 6, 6), &dev())?;
+    for train in [true, false] {
+        let got = conv_bn_block(&conv_a, &bn_a, &x, train)?.into_candle();
+        let want = bn_b.forward_t(&conv_b.forward(x.as_candle())?, train)?;
+        let err = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(err < 0.05, "train {train}: {err}");
+        let stats = |bn: &candle_nn::BatchNorm| -> Result<Vec<f32>> {
+            bn.running_mean().flatten_all()?.to_vec1()
+        };
+        let (a, b) = (stats(&bn_a)?, stats(&bn_b)?);
+        assert!(
+            a.iter().zip(&b).all(|(a, b)| (a - b).abs() < 0.01),
+            "{a:?} {b:?}"
+        );
+    }
+    Ok(())
+}

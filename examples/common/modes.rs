@@ -124,7 +124,8 @@ pub fn run_steps<O: Optimizer>(
     mut loss: impl FnMut(&mut O, usize) -> Result<Tensor<F32>>,
 ) -> Result<ModeResult> {
     let bar = super::progress(steps.len() as u64, mode.name(), quiet);
-    let (mut losses, mut start) = (Vec::with_capacity(steps.len()), Instant::now());
+    // Not `with_capacity(steps)`: `--steps` may be larger than memory, each loss is pushed.
+    let (mut losses, mut start) = (Vec::new(), Instant::now());
     let total = steps.end;
     let mut host = HostMs::default();
     for step in steps {

@@ -3,7 +3,8 @@
 //! `Linear` and the convolutions (`ConvTranspose2d` too) are lower-precision, `LayerNorm`/`RmsNorm` fp32-class (through
 //! the differentiable compositions: candle-nn's fused kernels have no backward), `Embedding`
 //! looks up its table as it is, `Dropout` (`forward(x, train)` and `forward_t`) drops in the
-//! value's precision, as candle-amp's does.
+//! value's precision, as candle-amp's does, and `BatchNorm` (`forward_t`, `forward_train`)
+//! returns the input's precision, computed in f32 as `BatchNorm2d`.
 
 use candle_core::{DType, Result, Tensor};
 use candle_nn::Module;
@@ -138,6 +139,27 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
             Activation::Sigmoid => unary::<Pol, op::sigmoid>(x, |x| self.forward(x)),
             _ => unary::<Pol, op::preserve_op>(x, |x| self.forward(x)),
         }
+    }
+}
+
+/// candle-nn's `BatchNorm`, `forward_t(&x, train)` and `forward_train(&x)`: routed as
+/// `op::batch_norm`, as `BatchNorm2d` (on no list: the input's precision out), candle-nn's own
+/// computation run in f32 inside, where its f32 statistics and parameters meet the input (in
+/// half, candle's `sub` of an f32 mean from a bf16 input was a dtype error).
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_t, (A, bool)> for candle_nn::BatchNorm {
+    type Output = AmpTensor;
+    fn region_call(&self, (x, train): (A, bool)) -> Result<AmpTensor> {
+        unary::<Pol, op::batch_norm>(&x.to_amp(), |x| {
+            let y = candle_nn::ModuleT::forward_t(self, &convert(x, DType::F32)?, train)?;
+            convert(&y, x.dtype())
+        })
+    }
+}
+
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward_train, (A,)> for candle_nn::BatchNorm {
+    type Output = AmpTensor;
+    fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
+        RegionCall::<Pol, calls::forward_t, (A, bool)>::region_call(self, (x, true))
     }
 }
 
