@@ -2123,8 +2123,8 @@ fn linear_act_runs_in_the_regions_lower_precision() -> Result<()> {
 /// A candle-nn conv block as upstream writes it, `bn.forward_t(&conv.forward(&x)?, train)`, in a
 /// bf16 region: candle-nn's `BatchNorm` met the conv's bf16 output with its f32 statistics
 /// (`dtype mismatch in sub`). It runs as `BatchNorm2d`'s class (the input's precision out, f32
-/// inside): the output and the running statistics it updates match the same code in f32 within
-/// bf16's rounding of the conv.
+/// inside): the output, the running statistics it updates and the conv weight's gradient match
+/// the same code in f32 within bf16's rounding of the conv.
 #[candle_amp::autocast(bf16)]
 fn conv_bn_block(
     conv: &candle_nn::Conv2d,
@@ -2152,11 +2152,34 @@ fn candle_nn_batch_norm_runs_in_a_region_as_written() -> Result<()> {
         vars_b.data().lock().unwrap()[name].set(var.as_tensor())?;
     }
     let x = Tensor::<F32>::randn(0.0, 1.0, (2, 3, 6, 6), &dev())?;
+    let r = candle_core::Tensor::randn(0f32, 1.0, (2, 4, 4, 4), &dev())?;
+    let conv_weight = |vars: &VarMap| vars.data().lock().unwrap()["conv.weight"].clone();
     for train in [true, false] {
         let got = conv_bn_block(&conv_a, &bn_a, &x, train)?.into_candle();
         let want = bn_b.forward_t(&conv_b.forward(x.as_candle())?, train)?;
         let err = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(err < 0.05, "train {train}: {err}");
+        // The conv weight's gradient through the batch norm: bf16's rounding of the conv apart.
+        let grad = |y: &candle_core::Tensor, vars: &VarMap| -> Result<Vec<f32>> {
+            let grads = (y * &r)?.sum_all()?.backward()?;
+            grads
+                .get(&conv_weight(vars))
+                .expect("a gradient")
+                .flatten_all()?
+                .to_vec1()
+        };
+        let (ga, gb) = (grad(&got, &vars_a)?, grad(&want, &vars_b)?);
+        let norm = gb.iter().map(|v| v * v).sum::<f32>().sqrt();
+        let diff = ga
+            .iter()
+            .zip(&gb)
+            .map(|(a, b)| (a - b) * (a - b))
+            .sum::<f32>()
+            .sqrt();
+        assert!(
+            diff <= 0.02 * norm,
+            "train {train}: gradient off by {diff} of {norm}"
+        );
         let stats = |bn: &candle_nn::BatchNorm| -> Result<Vec<f32>> {
             bn.running_mean().flatten_all()?.to_vec1()
         };
