@@ -32,7 +32,7 @@ use candle_nn::Optimizer;
 pub use grads::{Gradients, ScaledGrads, UnscaledGrads};
 pub use state::{ScalerError, ScalerState};
 
-use state::{invalid, invalid_scale, is_valid_scale};
+use state::{invalid_scale, is_valid_scale};
 
 use crate::distributed::Collective;
 use crate::precision::Precision;
@@ -312,10 +312,11 @@ impl GradScaler {
             }
             .into());
         }
+        let mut step = || opt.step(grads.grad_store());
         if self.enabled {
-            crate::optim::for_scaler(|| opt.step(grads.grad_store()))?;
+            crate::optim::for_scaler(step)?;
         } else {
-            opt.step(grads.grad_store())?;
+            step()?;
         }
         // The masters changed in place: no cast of their old values may be reused.
         crate::cast::clear_autocast_cache();
@@ -481,32 +482,14 @@ impl GradScalerBuilder {
     }
 
     pub fn build(self) -> Result<GradScaler> {
-        let scale = self.init_scale as f32;
-        if !is_valid_scale(scale) {
-            return Err(invalid_scale("init_scale", self.init_scale));
-        }
-        // The builder's own names and the values given (an f64 beyond f32's range would be
-        // reported as the inf it becomes), before the state checks the rest.
+        // The values given, before f32 makes an f64 beyond its range the inf it becomes.
         for (field, bound) in [("min_scale", self.min_scale), ("max_scale", self.max_scale)] {
             if let Some(b) = bound.filter(|&b| !is_valid_scale(b as f32)) {
                 return Err(invalid_scale(field, b));
             }
         }
-        let below = self.min_scale.is_some_and(|lo| scale < lo as f32);
-        let above = self.max_scale.is_some_and(|hi| scale > hi as f32);
-        // Bounds the wrong way round are the state's to report (`min_scale`).
-        let ordered = !matches!((self.min_scale, self.max_scale), (Some(lo), Some(hi)) if lo > hi);
-        if ordered && (below || above) {
-            return Err(invalid(
-                "init_scale",
-                format!(
-                    "must lie within min_scale/max_scale ({:?}/{:?}), got {}",
-                    self.min_scale, self.max_scale, self.init_scale
-                ),
-            ));
-        }
         let state = ScalerState {
-            scale,
+            scale: self.init_scale as f32,
             growth_factor: self.growth_factor,
             backoff_factor: self.backoff_factor,
             growth_interval: self.growth_interval,
@@ -515,7 +498,8 @@ impl GradScalerBuilder {
             min_scale: self.min_scale.map(|v| v as f32),
             max_scale: self.max_scale.map(|v| v as f32),
         };
-        state.validate()?;
+        // The builder's name for the scale, and the value given.
+        state.validate_naming("init_scale", &self.init_scale)?;
         Ok(GradScaler {
             state,
             enabled: self.enabled,

@@ -104,7 +104,7 @@ impl From<ScalerError> for candle_core::Error {
     }
 }
 
-pub(crate) fn invalid(field: &'static str, reason: String) -> candle_core::Error {
+fn invalid(field: &'static str, reason: String) -> candle_core::Error {
     ScalerError::Invalid { field, reason }.into()
 }
 
@@ -144,8 +144,18 @@ pub struct ScalerState {
 impl ScalerState {
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<()> {
+        self.validate_naming("scale", &self.scale)
+    }
+
+    /// [`validate`](Self::validate), an error about the scale naming `scale_field` and showing
+    /// `scale_given` (the builder's `init_scale`, as the f64 the user passed).
+    pub(crate) fn validate_naming(
+        &self,
+        scale_field: &'static str,
+        scale_given: &dyn std::fmt::Display,
+    ) -> Result<()> {
         if !is_valid_scale(self.scale) {
-            return Err(invalid_scale("scale", self.scale));
+            return Err(invalid_scale(scale_field, scale_given));
         }
         // PyTorch asks growth_factor > 1 and backoff_factor < 1. Closer to 1 than 2^-23, a
         // factor leaves some f32 scales where they are (65536 x 0.99999999 rounds back to
@@ -204,10 +214,10 @@ impl ScalerState {
         let above = self.max_scale.is_some_and(|hi| self.scale > hi);
         if below || above {
             return Err(invalid(
-                "scale",
+                scale_field,
                 format!(
-                    "must lie within min_scale/max_scale ({:?}/{:?}), got {}",
-                    self.min_scale, self.max_scale, self.scale
+                    "must lie within min_scale/max_scale ({:?}/{:?}), got {scale_given}",
+                    self.min_scale, self.max_scale
                 ),
             ));
         }
