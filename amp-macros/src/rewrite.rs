@@ -106,8 +106,13 @@ impl Exit {
             Self::Call(f) => quote_spanned!(span=> #f(#value)),
             Self::Leave(declared) => {
                 let (leaving, leave) = (Rt::Leaving.at(span), Self::leave_binding());
-                let ways =
-                    [Rt::LeaveConverted, Rt::LeaveAsIs, Rt::LeaveAsDeclared].map(|w| w.at(span));
+                let ways = [
+                    Rt::LeaveConverted,
+                    Rt::LeaveAsIs,
+                    Rt::LeaveAsDeclared,
+                    Rt::LeaveUnsupported,
+                ]
+                .map(|w| w.at(span));
                 let v = syn::Ident::new("__amp_value", proc_macro2::Span::mixed_site());
                 // The value is computed before the traits come into scope, in a block of its
                 // own (items after a statement would trip `items_after_statements`).

@@ -40,11 +40,12 @@ pub(crate) enum Rt {
     EnterCast,
     /// How a part's results leave it, decided at entry (`Leave::at_entry`).
     Leave,
-    /// A returned value on its way out, and the three traits of its ways out.
+    /// A returned value on its way out, the three traits of its ways out and the refusal.
     Leaving,
     LeaveConverted,
     LeaveAsIs,
     LeaveAsDeclared,
+    LeaveUnsupported,
     /// A tensor parameter's dtype, when floating.
     FloatingDtype,
     ExitToRegion,
@@ -98,7 +99,7 @@ pub(crate) enum Rt {
 impl Rt {
     /// Every name, for the test that pins the contract with the facade.
     #[cfg(test)]
-    pub(crate) const ALL: [Self; 57] = [
+    pub(crate) const ALL: [Self; 58] = [
         Self::Fp16Policy,
         Self::Bf16Policy,
         Self::Fp32Policy,
@@ -123,6 +124,7 @@ impl Rt {
         Self::LeaveConverted,
         Self::LeaveAsIs,
         Self::LeaveAsDeclared,
+        Self::LeaveUnsupported,
         Self::FloatingDtype,
         Self::ExitToRegion,
         Self::ExitToRegionAs,
@@ -184,6 +186,7 @@ impl Rt {
             Self::LeaveConverted => "LeaveConverted",
             Self::LeaveAsIs => "LeaveAsIs",
             Self::LeaveAsDeclared => "LeaveAsDeclared",
+            Self::LeaveUnsupported => "LeaveUnsupported",
             Self::FloatingDtype => "floating_dtype",
             Self::ExitToRegion => "exit_to_region",
             Self::ExitToRegionAs => "exit_to_region_as",

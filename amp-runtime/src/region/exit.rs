@@ -13,7 +13,9 @@
 //! 2. a value of the declared type that is not such a `Result` ([`LeaveAsIs`]): unchanged
 //!    (`Ok(Self { .. })`, a `String`);
 //! 3. a `Result` of another value that converts to the declared one ([`LeaveAsDeclared`]): a
-//!    region value as the declared `Tensor<Q>`, cast to `Q`.
+//!    region value as the declared `Tensor<Q>`, cast to `Q`;
+//! 4. none of these ([`LeaveUnsupported`]): a compile error naming the two types and the forms
+//!    that leave.
 
 use std::cell::Cell;
 use std::marker::PhantomData;
@@ -135,6 +137,40 @@ impl<D, A: ExitAs<D>, E: From<candle_core::Error>> LeaveAsDeclared<std::result::
             .and_then(|a| a.exit_as(self.leave).map_err(E::from))
     }
 }
+
+/// No way out: a value none of the three ways takes (a region value as `-> Option<Tensor<F32>>`
+/// without a `Result`, an array or a map of region values). Probed last, it is picked only then,
+/// and its bound fails with [`CannotLeave`]'s message, where rustc would otherwise say only that
+/// no method `__amp_leave` fits.
+pub trait LeaveUnsupported<D, V> {
+    /// Never compiles: `V: CannotLeave<D>` holds for no types.
+    fn __amp_leave(self) -> D
+    where
+        V: CannotLeave<D>;
+}
+
+impl<D, V> LeaveUnsupported<D, V> for Leaving<D, V> {
+    fn __amp_leave(self) -> D
+    where
+        V: CannotLeave<D>,
+    {
+        unreachable!("`CannotLeave` has no implementations")
+    }
+}
+
+/// The bound a value that cannot leave a region as its declared type fails; implemented by
+/// nothing.
+#[diagnostic::on_unimplemented(
+    message = "this region's value `{Self}` cannot leave it as the declared `{D}`",
+    label = "returned as `{D}`",
+    note = "tensors leave a region through a `Result` (`-> Result<Tensor<F32>>`, not \
+            `-> Tensor<F32>` or `-> Option<Tensor<F32>>`): as the `Tensor<P>` or candle `Tensor` \
+            declared, or in a tuple, `Option` or `Vec` of them",
+    note = "for an array, a map or another container of tensors, declare a `Vec` or a tuple, or \
+            convert each tensor before it goes in (`RegionValue::cast`: `y.cast::<F32>()?`): \
+            then the value is the declared type and leaves as it is"
+)]
+pub trait CannotLeave<D> {}
 
 /// A region's value leaving as declared type `D`.
 #[diagnostic::on_unimplemented(

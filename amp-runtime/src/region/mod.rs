@@ -51,7 +51,7 @@ pub mod __private {
     pub use super::call::{calls, module_call, RegionCall, RegionCallMut};
     pub use super::exit::{
         exit_to_region, exit_to_region_as, floating_dtype, Leave, LeaveAsDeclared, LeaveAsIs,
-        LeaveConverted, Leaving, RegionOutput,
+        LeaveConverted, LeaveUnsupported, Leaving, RegionOutput,
     };
     pub use super::foreign::{foreign_arg, AsWritten, CandleNnFn, CandleNnRouted};
     pub use super::free::{ForeignJoin, Unrouted};
