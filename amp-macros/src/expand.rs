@@ -263,8 +263,8 @@ fn region_body(
             &part.sig.ident.to_string(),
         );
         let run = match &exit {
-            Some(exit) => exit.wrap(Span::call_site(), &body),
-            None => body.into_token_stream(),
+            Some(exit) if !ends_diverging(part.block) => exit.wrap(Span::call_site(), &body),
+            _ => body.into_token_stream(),
         };
         quote!({
             let #scope = #policy_scope::enter::<#policy>();
@@ -586,4 +586,19 @@ fn region_call_impl(
         quote!({ #stmts })
     };
     header.to_impl(true, &body)
+}
+
+/// Whether a body ends in a macro that never returns (`todo!()`, `unimplemented!()`,
+/// `panic!(..)`, `unreachable!(..)`), a stub while the op is written: its value has no type for
+/// the way out to infer (a module's `exit_to_region` failed on it with "type annotations
+/// needed"), and needs none, so it is not wrapped.
+fn ends_diverging(block: &syn::Block) -> bool {
+    let mac = match block.stmts.last() {
+        Some(syn::Stmt::Macro(m)) => &m.mac,
+        Some(syn::Stmt::Expr(syn::Expr::Macro(m), _)) => &m.mac,
+        _ => return false,
+    };
+    mac.path.segments.last().is_some_and(|s| {
+        ["todo", "unimplemented", "panic", "unreachable"].contains(&s.ident.to_string().as_str())
+    })
 }
