@@ -216,6 +216,5 @@ fn main() -> Result<()> {
         e = args.epochs,
         dev = args.device,
     );
-    common::report(args.json, args.enabled, precision, &title, &f32, &amp);
-    Ok(())
+    common::report(args.json, args.enabled, precision, &title, &f32, &amp)
 }

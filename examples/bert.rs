@@ -262,9 +262,10 @@ fn main() -> Result<()> {
 
     if args.json {
         println!("{}", modes::json(&results, &[])?);
-        return Ok(());
+        return modes::check_finite(&results);
     }
     print_table(&args, &cfg, &results, &attention);
+    modes::check_finite(&results)?;
     let (masked, truth, guesses) = fill_in(&data, &f32_model.expect("f32 ran"))?;
     println!(
         "\ninput: {}\nmasked letters: {truth}\nf32 model's guesses: {guesses}",

@@ -192,13 +192,14 @@ fn main() -> Result<()> {
     if args.json {
         let kv = ("kv_cache_max_abs_diff", f64::from(kv_diff).into());
         println!("{}", modes::json(&results, &[kv])?);
-        return Ok(());
+        return modes::check_finite(&results);
     }
     println!(
         "GPT ({} layers, width {}, {} heads), {} steps of batch {} x {} tokens, AdamW lr {}",
         cfg.n_layer, cfg.n_embd, cfg.n_head, args.steps, args.batch, args.seq, args.lr
     );
     modes::print_table(&results);
+    modes::check_finite(&results)?;
     println!(
         "\nprompt: {}\ngenerated (f32 model, KV cache): {}\nKV-cached logits vs full recompute: \
          max |diff| {kv_diff:.2e}",

@@ -236,7 +236,7 @@ fn main() -> Result<()> {
             extra.push(("final_losses", losses.into()));
         }
         println!("{}", modes::json(&results, &extra)?);
-        return Ok(());
+        return modes::check_finite(&results);
     }
     println!(
         "Llama ({} layers, width {}, {} query / {} key-value heads, {} head), {} steps of batch \
@@ -261,6 +261,7 @@ fn main() -> Result<()> {
         println!("median final loss and step time over seeds {seeds:?}:");
     }
     modes::print_table(&results);
+    modes::check_finite(&results)?;
     for (mode, r) in &results[1..] {
         let ratio = r.final_loss / results[0].1.final_loss;
         println!("{} final loss / f32: {ratio:.4}", mode.name());

@@ -456,7 +456,10 @@ fn main() -> Result<()> {
         Ok(_) => {}
         Err(e) => eprintln!("plots not written: {e}"),
     }
-    Ok(())
+    common::check_finite([
+        ("f32", f32_run.result.final_loss),
+        ("amp", amp_run.result.final_loss),
+    ])
 }
 
 type PlotResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;

@@ -554,7 +554,7 @@ fn run<Pol: Policy>(args: &Args, precision: AmpPrecision, init: &common::Init) -
     if let Err(e) = plots(args, precision, &f32_run, &amp_run) {
         eprintln!("plots not written: {e}");
     }
-    Ok(())
+    common::check_finite([("f32", f32_run.final_loss), ("amp", amp_run.final_loss)])
 }
 
 fn plots(

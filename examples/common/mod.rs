@@ -276,8 +276,26 @@ pub fn amp_description(precision: AmpPrecision) -> String {
     )
 }
 
+/// An error naming every mode whose final loss is not finite: that run diverged (a learning
+/// rate too large, say). The examples print their figures first, then end with it, so that a
+/// diverged run exits non-zero instead of reporting NaN as its result.
+pub fn check_finite<'a>(final_losses: impl IntoIterator<Item = (&'a str, f32)>) -> Result<()> {
+    let diverged: Vec<String> = final_losses
+        .into_iter()
+        .filter(|(_, loss)| !loss.is_finite())
+        .map(|(mode, loss)| format!("{mode} ({loss})"))
+        .collect();
+    if diverged.is_empty() {
+        return Ok(());
+    }
+    candle_core::bail!(
+        "training diverged: the final loss of {} is not finite (a smaller --lr?)",
+        diverged.join(", ")
+    )
+}
+
 /// Prints the `--json` object, or the table under `title` and a line saying what the AMP row
-/// ran.
+/// ran; then [`check_finite`] on both rows.
 pub fn report(
     json: bool,
     amp_enabled: bool,
@@ -285,7 +303,7 @@ pub fn report(
     title: &str,
     f32: &ModeResult,
     amp: &ModeResult,
-) {
+) -> Result<()> {
     if json {
         println!("{}", self::json(precision, f32, amp));
     } else {
@@ -300,6 +318,7 @@ pub fn report(
         );
         print!("{}", table(&title, precision, f32, amp));
     }
+    check_finite([("f32", f32.final_loss), ("amp", amp.final_loss)])
 }
 
 /// The comparison table: one row per mode (the AMP row named by its precision, `AMP (bf16)`),

@@ -152,6 +152,11 @@ pub fn run_steps<O: Optimizer>(
     })
 }
 
+/// [`super::check_finite`] on every mode's final loss.
+pub fn check_finite(results: &[(Mode, ModeResult)]) -> Result<()> {
+    super::check_finite(results.iter().map(|(m, r)| (m.name(), r.final_loss)))
+}
+
 /// The comparison table, one row per mode.
 pub fn print_table(results: &[(Mode, ModeResult)]) {
     println!("| mode | ms per step | final loss | peak MiB | skipped steps |");
