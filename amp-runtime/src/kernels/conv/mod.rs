@@ -20,12 +20,12 @@
 //! On CUDA with the `cudnn` feature the same op's forward and gradients are cuDNN's
 //! (`kernels::cuda::conv`): one graph node per convolution, the f32 master kernel rounded to
 //! the input's dtype inside it, the kernel gradient handed back in f32 (cuDNN computes it in
-//! the input's dtype with f32 accumulation, then it is widened: PyTorch's result). Pointwise
-//! convolutions too: cuDNN takes their NCHW batch as it lies for the kernel gradient, and f32
-//! ones get TF32 as PyTorch's do (`torch.backends.cudnn.allow_tf32`). Without `cudnn` a
-//! pointwise convolution on CUDA is a cuBLAS product ([`pointwise_product`]), whose kernel
-//! gradient copies both operands into one matrix each (an H200 profile of ResNet-50 at batch
-//! 256 counted those copies at 15 ms a step).
+//! the input's dtype with f32 accumulation, then it is widened: PyTorch's result). f32
+//! convolutions get TF32 as PyTorch's do (`torch.backends.cudnn.allow_tf32`). A pointwise
+//! convolution in f16 or bf16 (and any pointwise one without `cudnn`) is a cuBLAS product per
+//! image instead ([`pointwise_product`]): it reads the NCHW batch in place, where cuDNN's half
+//! kernels transpose each operand to NHWC and back; its kernel gradient copies both operands
+//! into one matrix each (so that one product sums the batch in f32).
 
 mod geometry;
 mod ops;
@@ -136,7 +136,7 @@ pub(crate) fn conv2d(
     p: Conv2dParams,
 ) -> Result<Tensor> {
     check_geometry("conv2d", x.dims(), k.dims(), p)?;
-    if on_cudnn(x, k) {
+    if on_cudnn(x, k, p) {
         // The op's CUDA forward and gradients are cuDNN's; the bias is the bias op's (its
         // gradient summed in f32).
         let y = x.contiguous()?.apply_op2(&k.contiguous()?, Conv2dOp(p))?;
@@ -380,16 +380,23 @@ fn dtypes_fit(x: &Tensor, k: &Tensor) -> bool {
         && (x.dtype() == k.dtype() || masters)
 }
 
-/// Whether [`conv2d`] runs on cuDNN (feature `cudnn`): a CUDA `x` of rank 4 (pointwise
-/// convolutions included).
-fn on_cudnn(x: &Tensor, k: &Tensor) -> bool {
-    cfg!(feature = "cudnn") && x.device().is_cuda() && x.rank() == 4 && dtypes_fit(x, k)
+/// Whether [`conv2d`] runs on cuDNN (feature `cudnn`): a CUDA `x` of rank 4, except a half
+/// pointwise convolution. That one is a cuBLAS product per image ([`pointwise_product`]), which
+/// reads the NCHW batch in place; cuDNN's half kernels take NHWC and transpose every operand
+/// there and back (an H100 run: the sine net's fp16 step 4.65 ms on cuBLAS, 9.47 on cuDNN; the
+/// f32 one 9.54 and 6.78, cuDNN's TF32 paying where transposes are no extra cost).
+fn on_cudnn(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
+    cfg!(feature = "cudnn")
+        && x.device().is_cuda()
+        && x.rank() == 4
+        && dtypes_fit(x, k)
+        && (x.dtype() == DType::F32 || !pointwise(x, k, p))
 }
 
 /// Whether [`conv2d`] runs this convolution as one op of this crate on a CUDA `x`, whose
 /// gradients [`conv2d_grads`] computes: on cuDNN, or a pointwise product.
 pub(crate) fn one_op_on_cuda(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
-    x.device().is_cuda() && dtypes_fit(x, k) && (on_cudnn(x, k) || pointwise(x, k, p))
+    x.device().is_cuda() && dtypes_fit(x, k) && (on_cudnn(x, k, p) || pointwise(x, k, p))
 }
 
 /// The input and kernel gradients of `conv2d(x, k)` without a bias (`k` an f32 master of a half
@@ -402,7 +409,7 @@ pub(crate) fn conv2d_grads(
     p: Conv2dParams,
     dy: &Tensor,
 ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-    if !x.device().is_cpu() && !on_cudnn(x, k) && pointwise(x, k, p) {
+    if !x.device().is_cpu() && !on_cudnn(x, k, p) && pointwise(x, k, p) {
         pointwise::master_grads(x, k, dy)
     } else {
         input_and_kernel_grads(x, k, p, dy)

@@ -8,7 +8,8 @@
 //! convolutions (`torch.backends.cudnn.allow_tf32`), switched by
 //! `candle_amp::backends::cudnn::set_allow_tf32`. Algorithms
 //! are cuDNN's heuristic choice (`cudnnGet*Algorithm_v7`, what PyTorch uses without
-//! `cudnn.benchmark`), asked once per device, dtype, shape and pass and cached.
+//! `cudnn.benchmark`), asked once per device, dtype, math mode, shape and pass and cached with
+//! their workspace sizes (in cuDNN 9 each query is a heuristics call of its own on the host).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -56,12 +57,14 @@ enum Algo {
     Filter(sys::cudnnConvolutionBwdFilterAlgo_t),
 }
 
-type AlgoKey = (DeviceId, DType, ConvShape, Pass);
+/// What an algorithm is chosen for: the device, the data's dtype, whether f32 may use TF32 (the
+/// descriptor's math mode), the shape and the pass.
+type AlgoKey = (DeviceId, DType, bool, ConvShape, Pass);
 
 // cuDNN handles are neither Send nor Sync: one per thread and device, as candle keeps its own.
 thread_local! {
     static HANDLES: RefCell<HashMap<DeviceId, Arc<Cudnn>>> = RefCell::new(HashMap::new());
-    static ALGOS: RefCell<HashMap<AlgoKey, Algo>> = RefCell::new(HashMap::new());
+    static ALGOS: RefCell<HashMap<AlgoKey, (Algo, usize)>> = RefCell::new(HashMap::new());
 }
 
 /// This thread's cuDNN handle on `dev`, bound to the device's stream.
@@ -76,8 +79,8 @@ fn handle(dev: &CudaDevice) -> Result<Arc<Cudnn>> {
     })
 }
 
-/// The cached algorithm for `key`, or `pick`'s answer, cached.
-fn algorithm(key: AlgoKey, pick: impl FnOnce() -> Result<Algo>) -> Result<Algo> {
+/// The cached algorithm for `key` and its workspace bytes, or `pick`'s answer, cached.
+fn algorithm(key: AlgoKey, pick: impl FnOnce() -> Result<(Algo, usize)>) -> Result<(Algo, usize)> {
     if let Some(a) = ALGOS.with(|algos| algos.borrow().get(&key).copied()) {
         return Ok(a);
     }
@@ -106,7 +109,7 @@ struct Descriptors<T: CudnnDataType> {
 }
 
 impl<T: CudnnDataType> Descriptors<T> {
-    fn new(cudnn: &Arc<Cudnn>, s: &ConvShape, dtype: DType) -> Result<Self> {
+    fn new(cudnn: &Arc<Cudnn>, s: &ConvShape, dtype: DType, tf32: bool) -> Result<Self> {
         use sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW as NCHW;
         let (p, st, d) = (int(s.padding, s)?, int(s.stride, s)?, int(s.dilation, s)?);
         let mut conv = cudnn.create_conv2d::<f32>(
@@ -117,10 +120,8 @@ impl<T: CudnnDataType> Descriptors<T> {
         )?;
         conv.set_group_count(int(s.groups, s)?)?;
         let math = match dtype {
-            DType::F32 if !crate::backends::cudnn::allow_tf32() => {
-                sys::cudnnMathType_t::CUDNN_FMA_MATH
-            }
-            DType::F32 => sys::cudnnMathType_t::CUDNN_DEFAULT_MATH,
+            DType::F32 if tf32 => sys::cudnnMathType_t::CUDNN_DEFAULT_MATH,
+            DType::F32 => sys::cudnnMathType_t::CUDNN_FMA_MATH,
             _ => sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
         };
         conv.set_math_type(math)?;
@@ -171,10 +172,11 @@ where
 {
     let dev = &a.0.device;
     let cudnn = handle(dev)?;
-    let d = Descriptors::<T>::new(&cudnn, s, T::DTYPE)?;
     let count = |d: [usize; 4]| d.iter().product::<usize>();
     let (nx, nw, ny) = (count(s.x), count(s.w), count(s.y));
-    let key = (dev.id(), T::DTYPE, *s, pass);
+    let tf32 = T::DTYPE == DType::F32 && crate::backends::cudnn::allow_tf32();
+    let d = Descriptors::<T>::new(&cudnn, s, T::DTYPE, tf32)?;
+    let key = (dev.id(), T::DTYPE, tf32, *s, pass);
     let one_zero = (T::from_f64(1.0), T::from_f64(0.0));
     let (len_a, len_b, len_out) = match pass {
         Pass::Forward => (nx, nw, ny),
@@ -193,11 +195,14 @@ where
                 w: &d.w,
                 y: &d.y,
             };
-            let Algo::Forward(algo) = algorithm(key, || Ok(Algo::Forward(op.pick_algorithm()?)))?
+            let (Algo::Forward(algo), bytes) = algorithm(key, || {
+                let algo = op.pick_algorithm()?;
+                Ok((Algo::Forward(algo), op.get_workspace_size(algo)?))
+            })?
             else {
                 unreachable!("the forward pass caches forward algorithms")
             };
-            let mut ws = workspace(dev, op.get_workspace_size(algo)?)?;
+            let mut ws = workspace(dev, bytes)?;
             // SAFETY: the descriptors describe `va`, `vb` and `out` (dtype `T`, NCHW, the
             // lengths `view` checked and `out` was allocated with).
             unsafe { op.launch(algo, ws.as_mut(), one_zero, &va, &vb, &mut out) }?;
@@ -209,10 +214,14 @@ where
                 w: &d.w,
                 dy: &d.y,
             };
-            let Algo::Data(algo) = algorithm(key, || Ok(Algo::Data(op.pick_algorithm()?)))? else {
+            let (Algo::Data(algo), bytes) = algorithm(key, || {
+                let algo = op.pick_algorithm()?;
+                Ok((Algo::Data(algo), op.get_workspace_size(algo)?))
+            })?
+            else {
                 unreachable!("the data pass caches data algorithms")
             };
-            let mut ws = workspace(dev, op.get_workspace_size(algo)?)?;
+            let mut ws = workspace(dev, bytes)?;
             // SAFETY: as for the forward.
             unsafe { op.launch(algo, ws.as_mut(), one_zero, &mut out, &va, &vb) }?;
         }
@@ -223,11 +232,14 @@ where
                 dw: &d.w,
                 dy: &d.y,
             };
-            let Algo::Filter(algo) = algorithm(key, || Ok(Algo::Filter(op.pick_algorithm()?)))?
+            let (Algo::Filter(algo), bytes) = algorithm(key, || {
+                let algo = op.pick_algorithm()?;
+                Ok((Algo::Filter(algo), op.get_workspace_size(algo)?))
+            })?
             else {
                 unreachable!("the filter pass caches filter algorithms")
             };
-            let mut ws = workspace(dev, op.get_workspace_size(algo)?)?;
+            let mut ws = workspace(dev, bytes)?;
             // SAFETY: as for the forward.
             unsafe { op.launch(algo, ws.as_mut(), one_zero, &va, &mut out, &vb) }?;
         }
