@@ -40,6 +40,7 @@
 //!
 //! - `attention_vs_composed` (target <= 0.5) and `gpt_block_bf16_vs_f32` (target <= 0.35): see
 //!   `bench/transformer.rs`.
+//! - `untracked_vs_tracked_step` (CUDA only): see `bench/launches.rs`.
 //!
 //! `--device cpu` (default) or `cuda` (a `--features cuda` build). On a GPU the memcpy
 //! reference is a device-to-device copy, and every timed run ends with a device sync.
@@ -59,6 +60,9 @@ mod device;
 mod fixtures;
 #[path = "transformers/gpt_model.rs"]
 mod gpt_model;
+#[cfg(feature = "cuda")]
+#[path = "bench/launches.rs"]
+mod launches;
 #[path = "bench/transformer.rs"]
 mod transformer;
 
@@ -489,6 +493,9 @@ struct Report {
     adamw_step_vs_candle_nn: f64,
     attention_vs_composed: f64,
     gpt_block_bf16_vs_f32: f64,
+    untracked_vs_tracked_step: Option<f64>,
+    untracked_step_ms: Option<f64>,
+    tracked_step_ms: Option<f64>,
     attention_ms: f64,
     attention_composed_ms: f64,
     gpt_block_bf16_ms: f64,
@@ -558,6 +565,7 @@ struct Measured {
     adamw: AdamWStep,
     attention: Samples,
     gpt_block: Samples,
+    event_tracking: Option<Samples>,
 }
 
 fn report(args: &Args, m: &Measured) -> Report {
@@ -579,6 +587,9 @@ fn report(args: &Args, m: &Measured) -> Report {
         adamw_step_vs_candle_nn: round(m.adamw.0.ratio(0, 1), 3),
         attention_vs_composed: round(m.attention.ratio(0, 1), 3),
         gpt_block_bf16_vs_f32: round(m.gpt_block.ratio(0, 1), 3),
+        untracked_vs_tracked_step: m.event_tracking.as_ref().map(|t| round(t.ratio(0, 1), 3)),
+        untracked_step_ms: m.event_tracking.as_ref().map(|t| round(t.median(0), 2)),
+        tracked_step_ms: m.event_tracking.as_ref().map(|t| round(t.median(1), 2)),
         attention_ms: round(m.attention.median(0), 2),
         attention_composed_ms: round(m.attention.median(1), 2),
         gpt_block_bf16_ms: round(m.gpt_block.median(0), 2),
@@ -740,6 +751,17 @@ fn print_transformer_rows(r: &Report) {
         r.gpt_block_bf16_ms,
         r.gpt_block_f32_ms
     );
+    if let (Some(ratio), Some(off), Some(on)) = (
+        r.untracked_vs_tracked_step,
+        r.untracked_step_ms,
+        r.tracked_step_ms,
+    ) {
+        println!(
+            "{:<26} {:>8.3}  {:<10} {:<7} tracking off {off:.2} ms, on {on:.2} ms (fp16 step, \
+             width 1024, batch 256)",
+            "untracked_vs_tracked_step", ratio, "-", ""
+        );
+    }
 }
 
 fn main() -> Result<()> {
@@ -775,6 +797,15 @@ fn main() -> Result<()> {
     let attention = transformer::measure_attention(&args, &dev)?;
     progress("a GPT decoder block fwd+bwd: bf16 vs f32");
     let gpt_block = transformer::measure_gpt_block(&args, &dev)?;
+    #[cfg(feature = "cuda")]
+    let event_tracking = {
+        if dev.is_cuda() {
+            progress("an fp16 step bound by launches: event tracking off vs on");
+        }
+        launches::measure_event_tracking(&args, &dev)?
+    };
+    #[cfg(not(feature = "cuda"))]
+    let event_tracking = None;
     let r = report(
         &args,
         &Measured {
@@ -787,6 +818,7 @@ fn main() -> Result<()> {
             adamw,
             attention,
             gpt_block,
+            event_tracking,
         },
     );
     if args.json {

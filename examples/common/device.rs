@@ -20,5 +20,21 @@ pub fn parse_device(name: &str) -> std::result::Result<Device, String> {
              (README, section CUDA)"
         ));
     }
-    Device::new_cuda(ordinal).map_err(|e| format!("cannot open CUDA device {ordinal}: {e}"))
+    let dev =
+        Device::new_cuda(ordinal).map_err(|e| format!("cannot open CUDA device {ordinal}: {e}"))?;
+    #[cfg(feature = "cuda")]
+    untracked(&dev)?;
+    Ok(dev)
+}
+
+/// Turns off cudarc's event tracking on a CUDA `dev` (candle leaves it on): with it, every
+/// buffer carries two CUDA events and every launch waits on its arguments' ones, host work that
+/// only code using several streams needs (`bench`'s `untracked_vs_tracked_step` measures it).
+#[cfg(feature = "cuda")]
+fn untracked(dev: &Device) -> std::result::Result<(), String> {
+    let cuda = dev.as_cuda_device().map_err(|e| e.to_string())?;
+    // SAFETY: the examples run everything on the device's one stream (candle's kernels,
+    // cuBLAS, cuDNN and candle-amp's kernels all launch on it).
+    unsafe { cuda.disable_event_tracking() };
+    Ok(())
 }
