@@ -72,12 +72,19 @@ impl Drop for Collect {
 /// as PyTorch skips it for a tensor that does not require grad. Every backward of this crate's
 /// multi-operand ops goes through here (one-operand ops are recorded only when their operand
 /// tracks).
+///
+/// The gradient comes back detached. A backward computed with candle's ops (off the CPU: the
+/// cuBLAS pointwise conv's copies of its operands, casts, reshapes) records them as a graph,
+/// and candle detaches a node's gradient only when it reaches the node: a variable's is never
+/// reached, so its graph, with every buffer in it, lived in the gradient store until the
+/// optimizer's step (on an H100, 2.5 GB more fp16 peak on ResNet-50 at batch 256). Gradients of
+/// gradients are not supported (candle detaches the others too).
 pub(crate) fn wanted(
     operand: &Tensor,
     grad: impl FnOnce() -> Result<Tensor>,
 ) -> Result<Option<Tensor>> {
     if operand.track_op() {
-        grad().map(Some)
+        grad().map(|g| Some(g.detach()))
     } else {
         Ok(None)
     }
@@ -140,6 +147,19 @@ mod tests {
         drop(Collect::begin());
         assert!(offer(&w, g)?.is_none(), "the outer one collects again");
         assert_eq!(outer.finish().len(), 1);
+        Ok(())
+    }
+
+    /// A gradient computed with candle's ops comes back without their graph: nothing of its
+    /// computation is kept alive by the gradient store.
+    #[test]
+    fn gradients_come_back_detached() -> Result<()> {
+        let w = Var::new(&[1f32, 2.0], &Device::Cpu)?;
+        let computed = || w.as_tensor() * 2.0;
+        assert!(computed()?.track_op(), "the computation records a graph");
+        let g = wanted(&w, computed)?.expect("a variable wants its gradient");
+        assert!(!g.track_op(), "the gradient holds no graph");
+        assert_eq!(g.to_vec1::<f32>()?, [2.0, 4.0]);
         Ok(())
     }
 
