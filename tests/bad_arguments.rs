@@ -1695,3 +1695,204 @@ fn smooth_l1_at_a_tiny_beta_and_a_strided_class_weight() -> Result<()> {
     assert_eq!(with(strided)?.to_bits(), with(contiguous)?.to_bits());
     Ok(())
 }
+
+// ---- Degenerate shapes (sweep 13), each against PyTorch 2.15. ----
+
+#[autocast(fp16)]
+fn narrowed_in_region(x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    let column = x.narrow(1, 1, 1)?;
+    let halves = x.chunk(2, 1)?;
+    Ok((column.relu()?.sum_all()? + halves[1].sum_all()?)?)
+}
+
+/// An empty tensor narrowed at a non-zero offset (an empty last batch whose features are split)
+/// panicked when read: candle keeps the offset into a storage of no element. PyTorch reads an
+/// empty tensor, and the source gets a zero gradient.
+#[test]
+fn empty_views_at_an_offset_are_read_as_empty() -> Result<()> {
+    let w = Var::zeros((0, 3), DType::F32, &dev())?;
+    let x = Tensor::<F32>::from_candle(w.as_tensor().clone())?;
+    let column = x.narrow(1, 1, 1)?;
+    assert_eq!(column.dims(), [0, 1]);
+    assert_eq!(column.relu()?.sum_all()?.to_scalar::<f32>()?.to_bits(), 0);
+    assert_eq!(column.cast::<F16>()?.to_vec2::<half::f16>()?.len(), 0);
+    let grads = column.sum_all()?.as_candle().backward()?;
+    assert_eq!(grads.get(w.as_tensor()).expect("a gradient").dims(), [0, 3]);
+    assert_eq!(x.i((.., 2))?.to_vec1::<f32>()?, Vec::<f32>::new());
+    let chunks = Tensor::<F32>::zeros((0, 4), &dev())?.chunk(2, 1)?;
+    assert_eq!(chunks[1].dims(), [0, 2]);
+    assert_eq!(chunks[1].sum_all()?.to_scalar::<f32>()?.to_bits(), 0);
+    assert_eq!(narrowed_in_region(&x)?.to_scalar::<f32>()?.to_bits(), 0);
+    Ok(())
+}
+
+/// The typed `chunk` splits as PyTorch's: pieces of `ceil(n / chunks)`, fewer pieces when they
+/// run out (`torch.zeros(n).chunk(c)`'s sizes); candle spread the remainder over the first.
+#[test]
+fn typed_chunk_splits_as_pytorch() -> Result<()> {
+    for (n, chunks, sizes) in [
+        (7, 3, vec![3, 3, 1]),
+        (6, 4, vec![2, 2, 2]),
+        (5, 4, vec![2, 2, 1]),
+        (10, 4, vec![3, 3, 3, 1]),
+        (2, 5, vec![1, 1]),
+        (6, 3, vec![2, 2, 2]),
+    ] {
+        let values: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let x = Tensor::<F32>::new(values.as_slice(), &dev())?;
+        let pieces = x.chunk(chunks, 0)?;
+        let got: Vec<usize> = pieces.iter().map(|p| p.dims()[0]).collect();
+        assert_eq!(got, sizes, "{n} in {chunks}");
+        let joined: Vec<f32> = pieces
+            .iter()
+            .map(Tensor::to_vec1::<f32>)
+            .collect::<Result<Vec<_>>>()?
+            .concat();
+        assert_eq!(joined, x.to_vec1::<f32>()?, "{n} in {chunks}: in order");
+    }
+    Ok(())
+}
+
+/// Maxima, minima and argmax over a non-empty dimension of an empty batch are as empty, as
+/// PyTorch's (candle refused any empty tensor, "empty tensor for reduce"); over an empty
+/// dimension an error, as PyTorch's "Expected reduction dim 1 to have non-zero size".
+#[test]
+fn extrema_of_an_empty_batch_are_empty() -> Result<()> {
+    let x = Tensor::<F32>::zeros((0, 10), &dev())?;
+    assert_eq!(x.max(1)?.dims(), [0]);
+    assert_eq!(x.min_keepdim(1)?.dims(), [0, 1]);
+    assert_eq!(x.argmax(1)?.dims(), [0]);
+    assert_eq!(x.cast::<BF16>()?.max(1)?.dims(), [0]);
+    let column = Tensor::<F32>::zeros((3, 0), &dev())?;
+    assert_err(
+        "max over an empty dim",
+        column.max(1),
+        "reduced dimension 1",
+    );
+    assert_err("argmax over an empty dim", column.argmax(1), "is empty");
+    assert_err("max_all of nothing", column.max_all(), "is empty");
+    Ok(())
+}
+
+/// Batch norm training on an input of no value per channel (an empty batch, an empty image)
+/// returns it as it is and leaves the running statistics, as PyTorch's; it was an error saying
+/// "more than one value" is needed. One value per channel is still an error, as PyTorch's.
+/// `ConvBn2d` on an empty batch gives its conv's empty output.
+#[test]
+fn batch_norm_of_no_value_is_empty_and_leaves_the_statistics() -> Result<()> {
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev());
+    let bn = nn::batch_norm2d(2, 1e-5, vb.pp("bn"))?;
+    for dims in [(0, 2, 3, 3), (2, 2, 0, 3)] {
+        let x = Tensor::<F32>::zeros(dims, &dev())?;
+        assert_eq!(bn.forward_train(&x)?.dims(), x.dims());
+        assert_eq!(bn.forward_train(&x.cast::<F16>()?)?.dims(), x.dims());
+    }
+    assert_eq!(bn.running_mean().as_tensor().to_vec1::<f32>()?, [0.0, 0.0]);
+    assert_eq!(bn.running_var().as_tensor().to_vec1::<f32>()?, [1.0, 1.0]);
+    assert_err(
+        "one value per channel",
+        bn.forward_train(&Tensor::<F32>::zeros((1, 2, 1, 1), &dev())?),
+        "more than one value per channel",
+    );
+    let conv = nn::conv2d(3, 2, 3, Conv2dConfig::default(), vb.pp("conv"))?;
+    let cbn = nn::ConvBn2d::new(conv, nn::batch_norm2d(2, 1e-5, vb.pp("bn2"))?)?;
+    let y = cbn.forward_t(&Tensor::<F32>::zeros((0, 3, 5, 5), &dev())?, true)?;
+    assert_eq!(y.dims(), [0, 2, 3, 3]);
+    Ok(())
+}
+
+/// `GroupNorm` on one sample whose groups hold one value each is an error, as PyTorch's
+/// `F.group_norm` ("Expected more than 1 value per channel"); it returned the shift.
+#[test]
+fn group_norm_of_one_value_per_group_is_an_error() -> Result<()> {
+    let vars = VarMap::new();
+    let gn = nn::group_norm(
+        4,
+        4,
+        1e-5,
+        VarBuilder::from_varmap(&vars, DType::F32, &dev()),
+    )?;
+    let one = Tensor::<F32>::ones((1, 4, 1, 1), &dev())?;
+    assert_err(
+        "GroupNorm (1, 4, 1, 1)",
+        gn.forward(&one),
+        "one value per group",
+    );
+    // Two samples: PyTorch lets it through (each group's output is the shift), as here.
+    let two = Tensor::<F32>::ones((2, 4, 1, 1), &dev())?;
+    assert_eq!(gn.forward(&two)?.to_flat_vec::<f32>()?, [0.0; 8]);
+    Ok(())
+}
+
+/// `nll` and `cross_entropy` of a transposed or broadcast view read it as PyTorch's do (the
+/// values of the same data made contiguous, and a hand computation), where candle's gather
+/// refused the view, naming itself.
+#[test]
+fn losses_read_views_of_their_inputs() -> Result<()> {
+    let logp = Tensor::<F32>::new(&[[-0.1f32, -0.3], [-0.2, -0.4], [-0.5, -0.6]], &dev())?;
+    let ids = candle_core::Tensor::new(&[1u32, 0], &dev())?;
+    // logp.t() is (2, 3): rows [-0.1, -0.2, -0.5] and [-0.3, -0.4, -0.6]; nll = -(-0.2 - 0.3) / 2.
+    let got = candle_amp::loss::nll(&logp.t()?, &ids)?.to_scalar::<f32>()?;
+    assert!((got - 0.25).abs() < 1e-6, "{got}");
+    let logits = Tensor::<F32>::new(&[[1f32, 2., 3.], [1., 0., -1.]], &dev())?;
+    let one = candle_core::Tensor::new(&[2u32], &dev())?;
+    let broadcast = one.broadcast_as(2)?;
+    let want =
+        candle_amp::loss::cross_entropy(&logits, &candle_core::Tensor::new(&[2u32, 2], &dev())?)?;
+    let got = candle_amp::loss::cross_entropy(&logits, &broadcast)?;
+    assert_eq!(
+        got.to_scalar::<f32>()?.to_bits(),
+        want.to_scalar::<f32>()?.to_bits()
+    );
+    Ok(())
+}
+
+/// A loss with a custom gradient (`binary_cross_entropy_with_logits`, `smooth_l1`) over an
+/// empty batch gives the weight before it a zero gradient, as PyTorch's; candle's subtraction
+/// returned its left operand for an empty result and dropped the gradient (a weight decay then
+/// skipped the weight).
+#[test]
+fn an_empty_batch_still_reaches_the_weights() -> Result<()> {
+    let w = Var::ones((3, 2), DType::F32, &dev())?;
+    let wt = Tensor::<F32>::from_candle(w.as_tensor().clone())?;
+    let h = Tensor::<F32>::zeros((0, 3), &dev())?.matmul(&wt)?;
+    let target = Tensor::<F32>::zeros((0, 2), &dev())?;
+    for (what, l) in [
+        (
+            "bce",
+            candle_amp::loss::binary_cross_entropy_with_logits(&h, &target)?,
+        ),
+        ("smooth_l1", candle_amp::loss::smooth_l1(&h, &target, 1.0)?),
+    ] {
+        let grads = l.as_candle().backward()?;
+        let g = grads.get(w.as_tensor()).expect(what);
+        assert_eq!(g.to_vec2::<f32>()?, vec![vec![0.0; 2]; 3], "{what}");
+    }
+    Ok(())
+}
+
+/// Pools take one image `(c, h, w)` as PyTorch's do (an unbatched input: a batch of one); it
+/// was candle's "unexpected rank", naming no op. Another rank names the op.
+#[test]
+fn pools_take_an_unbatched_image() -> Result<()> {
+    let x = image::<F32>((1, 2, 4, 4))?;
+    let one = x.squeeze(0)?;
+    for (max, stride) in [(true, 2), (false, 2), (true, 1)] {
+        let pool = |t: &Tensor<F32>| {
+            if max {
+                nn::MaxPool2d::with_stride(2, stride).forward(t)
+            } else {
+                nn::AvgPool2d::with_stride(2, stride).forward(t)
+            }
+        };
+        let batched = pool(&x)?.squeeze(0)?.to_flat_vec::<f32>()?;
+        assert_eq!(pool(&one)?.to_flat_vec::<f32>()?, batched, "max {max}");
+    }
+    assert_err(
+        "max_pool2d of rank 2",
+        nn::MaxPool2d::new(2).forward(&Tensor::<F32>::zeros((4, 4), &dev())?),
+        "max_pool2d: the input is (batch, channels, h, w) or (channels, h, w)",
+    );
+    Ok(())
+}

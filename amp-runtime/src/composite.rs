@@ -41,14 +41,15 @@ pub(crate) fn log_softmax_f32<Di: candle_core::shape::Dim>(x: &Tensor, dim: Di) 
 /// `nll(log_softmax(x, 1))` with the fused log-softmax (reading half logits as they are).
 pub(crate) fn cross_entropy_f32(x: &Tensor, target: &Tensor) -> Result<Tensor> {
     check_class_ids("cross_entropy", x, target)?;
-    candle_nn::loss::nll(&log_softmax_f32(x, 1)?, target)
+    candle_nn::loss::nll(&log_softmax_f32(x, 1)?, &target.contiguous()?)
 }
 
 /// candle-nn's `nll` of log-probabilities `(batch, classes)` at class ids `(batch)`, the ids
-/// checked first ([`check_class_ids`]).
+/// checked first ([`check_class_ids`]); both contiguous for candle's gather, which refuses a
+/// view (a transposed or broadcast one) with an error naming an op the user did not call.
 pub(crate) fn nll(logp: &Tensor, target: &Tensor) -> Result<Tensor> {
     check_class_ids("nll", logp, target)?;
-    candle_nn::loss::nll(logp, target)
+    candle_nn::loss::nll(&logp.contiguous()?, &target.contiguous()?)
 }
 
 /// Class ids as PyTorch checks them: `x` is `(batch, classes)`, the target one integer id per
@@ -389,6 +390,14 @@ pub(crate) fn group_norm(
     if x.elem_count() == 0 {
         // An empty batch normalises to an empty output, as in PyTorch.
         return Ok(x.clone());
+    }
+    // PyTorch's check (`F.group_norm`): a batch of one sample whose groups hold one value each
+    // has no variance to take; every output would be the shift.
+    if x.elem_count() / groups == 1 {
+        candle_core::bail!(
+            "group_norm: input {dims:?} in {groups} groups holds one value per group (PyTorch: \
+             \"Expected more than 1 value per channel\"): fewer groups, or a larger input"
+        )
     }
     let grouped = x.reshape((dims[0], groups, ()))?;
     let mean = grouped.mean_keepdim(D::Minus1)?;

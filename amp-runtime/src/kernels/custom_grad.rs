@@ -30,6 +30,13 @@ pub(crate) fn with_gradient(
         dtype: value.dtype(),
         rule: Arc::new(rule),
     })?;
+    if value.elem_count() == 0 {
+        // candle's binary ops return their left operand for an empty result, which would drop
+        // `zero`, and with it every gradient upstream of `x` (a weight before an empty batch's
+        // loss got none; PyTorch's is zeros). The empty zero is the value itself: no element
+        // to differ, and `x`'s gradient, empty as `x` is, flows through it.
+        return Ok(zero);
+    }
     value.sub(&zero)
 }
 

@@ -33,6 +33,13 @@ enum Extremum {
 }
 
 impl Extremum {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Max => "max",
+            Self::Min => "min",
+        }
+    }
+
     /// candle's extremum of `x` over `dim`, kept as a size-1 dimension.
     fn candle(self, x: &Tensor, dim: usize) -> Result<Tensor> {
         match self {
@@ -46,6 +53,11 @@ impl Extremum {
 /// the slice holds one, and the gradient shared among the elements that attain it (NaN
 /// throughout a slice whose extremum is NaN).
 fn reduce(x: &Tensor, dim: usize, which: Extremum) -> Result<Tensor> {
+    if empty_elsewhere(x, dim, which.name())? {
+        // No slice to reduce: the keepdim result is as empty, and its view of `x` keeps the
+        // graph (`x` gets its zero gradient, as in PyTorch).
+        return x.narrow(dim, 0, 1);
+    }
     let value = which.candle(x, dim)?;
     if !x.dtype().is_float() {
         return Ok(value);
@@ -65,6 +77,19 @@ fn reduce(x: &Tensor, dim: usize, which: Extremum) -> Result<Tensor> {
             .broadcast_as(x.shape())?;
         attains.where_cond(&share, &share.zeros_like()?)
     })
+}
+
+/// Whether `x` holds no element though its dimension `dim` does (an empty batch: the result
+/// is as empty, where candle refuses any empty tensor); an error, as PyTorch's, when `dim`
+/// itself is empty: there is no extremum of no value.
+fn empty_elsewhere(x: &Tensor, dim: usize, op: &str) -> Result<bool> {
+    if x.dim(dim)? == 0 {
+        candle_core::bail!(
+            "{op}: the reduced dimension {dim} of {:?} is empty (an extremum of no value)",
+            x.dims()
+        )
+    }
+    Ok(x.elem_count() == 0)
 }
 
 /// `|x|`, its gradient PyTorch's `sign(x) * grad`: 0 at 0, -0.0 and NaN, where candle's is 1
@@ -141,6 +166,11 @@ pub(crate) fn min_all(x: &Tensor) -> Result<Tensor> {
 /// The index of the maximum over `dim` (u32), the first NaN's where the slice holds one.
 pub(crate) fn argmax<D: candle_core::shape::Dim>(x: &Tensor, dim: D) -> Result<Tensor> {
     let dim = dim.to_index(x.shape(), "argmax")?;
+    if empty_elsewhere(x, dim, "argmax")? {
+        let mut dims = x.dims().to_vec();
+        dims.remove(dim);
+        return Tensor::zeros(dims, DType::U32, x.device());
+    }
     let index = x.argmax(dim)?;
     if !x.dtype().is_float() {
         return Ok(index);

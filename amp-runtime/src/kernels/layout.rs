@@ -84,3 +84,19 @@ pub(crate) fn check_allocatable(op: &str, dims: &[usize]) -> candle_core::Result
         _ => candle_core::bail!("{op}: an output of shape {dims:?} is too large to allocate"),
     }
 }
+
+/// `view`, a narrowing of `source` (`narrow`, `chunk`, `i`), as it is unless it holds no element
+/// at a non-zero offset. candle keeps a narrowing's offset however empty the storage under it
+/// (`(0, 3)` narrowed to its second column: offset 1 into 0 elements) and still calls the view
+/// contiguous, and every kernel that then reads it slices past the storage's end and panics.
+/// Such a view is rebuilt as the empty view of `source` at its start, of the same dimensions:
+/// no element either way, and the graph kept (`source` gets its zero gradient).
+pub(crate) fn empty_at_start(
+    view: candle_core::Tensor,
+    source: &candle_core::Tensor,
+) -> candle_core::Result<candle_core::Tensor> {
+    if view.elem_count() > 0 || view.layout().start_offset() == 0 {
+        return Ok(view);
+    }
+    source.flatten_all()?.narrow(0, 0, 0)?.reshape(view.dims())
+}

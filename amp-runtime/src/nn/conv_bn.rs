@@ -116,6 +116,11 @@ impl ConvBn2d {
         {
             return y;
         }
+        if x.elem_count() == 0 {
+            // An empty batch: the conv's empty output, the batch norm's statistics left as
+            // they are (`BatchNorm2d` returns an empty input as it is).
+            return self.conv.forward(x);
+        }
         let (w, bias) = (self.conv.weight(), self.conv.bias());
         let params = Conv2dParams::from(self.conv.config());
         let x = x.as_candle();

@@ -399,6 +399,9 @@ impl BatchNorm2d {
             return y;
         }
         self.check_input(x.dims(), train)?;
+        if x.elem_count() == 0 {
+            return Ok(x.clone());
+        }
         if kernels::batch_norm::supports(x.as_candle()) {
             self.forward_fused(x.as_candle(), train, false)
         } else {
@@ -415,6 +418,9 @@ impl BatchNorm2d {
         train: bool,
     ) -> Result<Tensor<P>> {
         self.check_input(x.dims(), train)?;
+        if x.elem_count() == 0 {
+            return Ok(x.clone());
+        }
         if kernels::batch_norm::supports(x.as_candle()) {
             Tensor::<P>::from_candle(self.forward_fused(x.as_candle(), train, true)?)
         } else {
@@ -423,7 +429,9 @@ impl BatchNorm2d {
     }
 
     /// The checks of an input of dimensions `dims`: `(batch, channels, h, w)` with the layer's
-    /// channels, and more than one value per channel to train on.
+    /// channels, and not exactly one value per channel to train on (PyTorch's check: no
+    /// variance to take). An input of no value is no error: the layers return it as it is,
+    /// empty, and leave the running statistics, as PyTorch's.
     pub(crate) fn check_input(&self, dims: &[usize], train: bool) -> Result<()> {
         let &[n, c, h, w] = dims else {
             candle_core::bail!("BatchNorm2d expects (batch, channels, h, w), got {dims:?}")
@@ -434,8 +442,10 @@ impl BatchNorm2d {
                 self.channels()
             )
         }
-        if train && n * h * w < 2 {
-            candle_core::bail!("BatchNorm2d: training needs more than one value per channel")
+        if train && n * h * w == 1 {
+            candle_core::bail!(
+                "BatchNorm2d: training needs more than one value per channel, got {dims:?}"
+            )
         }
         Ok(())
     }

@@ -10,6 +10,7 @@ use candle_core::Result;
 use super::policy::Policy;
 use super::route::{at, binary, routed, Routed};
 use super::value::{AmpTensor, AsAmp, Operand};
+use crate::kernels::layout::empty_at_start;
 use crate::op;
 
 /// The routed method of each `method` row of the op table: generated for the common shapes
@@ -167,7 +168,7 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         start: usize,
         len: usize,
     ) -> Result<AmpTensor> {
-        self.unary::<op::narrow>(|x| x.narrow(dim, start, len))
+        self.unary::<op::narrow>(|x| empty_at_start(x.narrow(dim, start, len)?, x))
     }
     /// Routed `flatten`.
     pub fn flatten<D1: candle_core::shape::Dim, D2: candle_core::shape::Dim>(
@@ -224,8 +225,14 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         dim: D,
     ) -> Result<Vec<AmpTensor>> {
         let x = self.amp();
-        // Routed (and reported) as the cast of the whole; the chunks are views of it.
-        routed::<Pol, op::chunk>(&[&x], |t| at(&x, t))?.chunk(chunks, dim)
+        // Routed (and reported) as the cast of the whole; the chunks are views of it, split as
+        // candle splits (the typed `chunk` is PyTorch's, see there).
+        let whole = routed::<Pol, op::chunk>(&[&x], |t| at(&x, t))?;
+        whole
+            .chunk(chunks, dim)?
+            .into_iter()
+            .map(|c| empty_at_start(c, &whole))
+            .collect()
     }
     /// Routed `argmax`: integer ids, a plain candle tensor (a slice holding NaN: its first
     /// NaN's index).

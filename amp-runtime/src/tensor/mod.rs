@@ -178,7 +178,7 @@ macro_rules! shape_accessors {
                     self.inner.dims()
                 ))
             })??;
-            Ok(Self::wrap(indexed))
+            Ok(Self::wrap(crate::kernels::layout::empty_at_start(indexed, inner)?))
         }
     };
     (@ $($name:ident -> $out:ty),*) => {$(

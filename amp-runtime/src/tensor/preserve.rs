@@ -4,6 +4,7 @@
 use candle_core::{Result, Shape};
 
 use super::Tensor;
+use crate::kernels::layout::empty_at_start;
 use crate::op;
 use crate::precision::Precision;
 
@@ -109,26 +110,31 @@ impl<P: Precision> Tensor<P> {
         start: usize,
         len: usize,
     ) -> Result<Self> {
-        self.unary_op::<op::narrow, P>(|x| x.narrow(dim, start, len))
+        self.unary_op::<op::narrow, P>(|x| empty_at_start(x.narrow(dim, start, len)?, x))
     }
 
-    /// Splits into `chunks` pieces along `dim`.
+    /// Splits into `chunks` pieces along `dim`, as PyTorch's `chunk`: pieces of
+    /// `ceil(size / chunks)`, the last one shorter, fewer than `chunks` when they run out (`7`
+    /// in 3: `3, 3, 1`; `6` in 4: `2, 2, 2`), and `chunks` empty pieces of an empty dimension,
+    /// so that `let [a, b] = ..` holds. candle's `chunk`, which a region value's is, spreads the
+    /// remainder over the first pieces instead (`3, 2, 2`); an even split is the same in both.
     pub fn chunk<D: candle_core::shape::Dim>(&self, chunks: usize, dim: D) -> Result<Vec<Self>> {
         if chunks == 0 {
             candle_core::bail!("chunk: the number of chunks must be positive, got 0")
         }
         let dim = dim.to_index(self.inner.shape(), "chunk")?;
-        if self.inner.dim(dim)? == 0 {
-            // candle returns no chunk of an empty dimension; PyTorch `chunks` empty ones, so
-            // that `let [a, b] = ..` holds.
+        let size = self.inner.dim(dim)?;
+        if size == 0 {
             return Ok(vec![self.clone(); chunks]);
         }
-        Ok(self
-            .inner
-            .chunk(chunks, dim)?
-            .into_iter()
-            .map(Self::wrap)
-            .collect())
+        let piece = size.div_ceil(chunks);
+        (0..size)
+            .step_by(piece)
+            .map(|start| {
+                let view = self.inner.narrow(dim, start, piece.min(size - start))?;
+                Ok(Self::wrap(empty_at_start(view, &self.inner)?))
+            })
+            .collect()
     }
 
     /// Flattens dimensions `start..=end` into one.

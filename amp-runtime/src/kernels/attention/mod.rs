@@ -117,11 +117,17 @@ pub(crate) fn packed_attention(qkv: &Tensor, options: &Attention) -> Result<Tens
             qkv.dims()
         ))
     })?;
-    if three != 3 || !qkv.dtype().is_float() {
+    if three != 3 {
         candle_core::bail!(
-            "{name}: qkv must be a float (batch, length, 3, heads, head_dim) tensor, got {:?} {:?}",
-            qkv.dtype(),
+            "{name}: qkv must be (batch, length, 3, heads, head_dim), the query, key and value \
+             side by side in its dimension 2, got {:?} (dimension 2 is {three})",
             qkv.dims()
+        );
+    }
+    if !qkv.dtype().is_float() {
+        candle_core::bail!(
+            "{name}: qkv must be a float (batch, length, 3, heads, head_dim) tensor, got {:?}",
+            qkv.dtype()
         );
     }
     let seed = if options.dropout > 0.0 {
@@ -245,7 +251,13 @@ impl Geometry {
                 v.dims()
             );
         }
-        if hk == 0 || h % hk != 0 {
+        if hk == 0 {
+            candle_core::bail!(
+                "{name}: the key and value have no head (dimension 1 of {:?} is 0)",
+                k.dims()
+            );
+        }
+        if h % hk != 0 {
             candle_core::bail!(
                 "{name}: the query's {h} heads are not a multiple of the key's and value's {hk}"
             );

@@ -489,9 +489,14 @@ fn the_packed_entry_is_the_op_on_the_views_bit_for_bit() -> Result<()> {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("qkv must be a float (batch, length, 3, heads, head_dim)"),
+        e.contains("(dimension 2 is 2)") && !e.contains("float"),
         "{e}"
     );
+    let ids = input5((1, 4, 3, 2, 8), 1, DType::F32)?.to_dtype(DType::U32)?;
+    let e = super::packed_attention(&ids, &Attention::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("must be a float"), "{e}");
     Ok(())
 }
 

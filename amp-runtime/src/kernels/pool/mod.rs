@@ -230,6 +230,23 @@ fn check(op: &str, p: Pool2d, (h, w): (usize, usize)) -> Result<()> {
 /// Max pooling of `x`: this op on CPU and (feature `cuda`) CUDA, float dtypes;
 /// [`max_pool2d_composed`] elsewhere.
 pub(crate) fn max_pool2d(x: &Tensor, p: Pool2d) -> Result<Tensor> {
+    batched("max_pool2d", x, |x| max_pool2d_batch(x, p))
+}
+
+/// `pool` of a batch `(n, c, h, w)`, or of one image `(c, h, w)` as a batch of one, as
+/// PyTorch's pools take an unbatched input; another rank is an error naming the op.
+fn batched(op: &str, x: &Tensor, pool: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    match x.rank() {
+        4 => pool(x),
+        3 => pool(&x.unsqueeze(0)?)?.squeeze(0),
+        _ => candle_core::bail!(
+            "{op}: the input is (batch, channels, h, w) or (channels, h, w), got {:?}",
+            x.dims()
+        ),
+    }
+}
+
+fn max_pool2d_batch(x: &Tensor, p: Pool2d) -> Result<Tensor> {
     let (_, _, h, w) = x.dims4()?;
     check("max_pool2d", p, (h, w))?;
     if cpu_float(x) || cuda_float(x) {
@@ -241,6 +258,10 @@ pub(crate) fn max_pool2d(x: &Tensor, p: Pool2d) -> Result<Tensor> {
 
 /// Average pooling of `x`: this op on CPU (float dtypes), [`avg_pool2d_composed`] elsewhere.
 pub(crate) fn avg_pool2d(x: &Tensor, p: Pool2d) -> Result<Tensor> {
+    batched("avg_pool2d", x, |x| avg_pool2d_batch(x, p))
+}
+
+fn avg_pool2d_batch(x: &Tensor, p: Pool2d) -> Result<Tensor> {
     let (_, _, h, w) = x.dims4()?;
     check("avg_pool2d", p, (h, w))?;
     if cpu_float(x) {
