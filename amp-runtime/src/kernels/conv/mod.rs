@@ -383,8 +383,8 @@ fn dtypes_fit(x: &Tensor, k: &Tensor) -> bool {
 /// Whether [`conv2d`] runs on cuDNN (feature `cudnn`): a CUDA `x` of rank 4, except a half
 /// pointwise convolution. That one is a cuBLAS product per image ([`pointwise_product`]), which
 /// reads the NCHW batch in place; cuDNN's half kernels take NHWC and transpose every operand
-/// there and back (an H100 run: the sine net's fp16 step 4.65 ms on cuBLAS, 9.47 on cuDNN; the
-/// f32 one 9.54 and 6.78, cuDNN's TF32 paying where transposes are no extra cost).
+/// there and back (on an H100 the sine net's fp16 step took twice as long on cuDNN, while its
+/// f32 step was faster there, on TF32: `docs/performance-log.md`).
 fn on_cudnn(x: &Tensor, k: &Tensor, p: Conv2dParams) -> bool {
     cfg!(feature = "cudnn")
         && x.device().is_cuda()
