@@ -1896,3 +1896,154 @@ fn pools_take_an_unbatched_image() -> Result<()> {
     );
     Ok(())
 }
+
+#[autocast(bf16)]
+fn scaled_in_region(x: &Tensor<F32>, w: &Tensor<F32>) -> Result<Tensor<F32>> {
+    Ok(x.broadcast_mul(w)?.sum_all()?)
+}
+
+/// An empty product's right operand gets a zero gradient, as in PyTorch (`torch.zeros(0, 1) *
+/// w` with `w` of `(1, 3)`: `w.grad` is zeros); candle's binary ops returned their left
+/// operand for an empty result, and `w` got no gradient, typed and in a region.
+#[test]
+fn an_empty_product_still_reaches_both_operands() -> Result<()> {
+    let w = Var::ones((1, 3), DType::F32, &dev())?;
+    let wt = Tensor::<F32>::from_candle(w.as_tensor().clone())?;
+    let x = Tensor::<F32>::zeros((0, 1), &dev())?;
+    for (what, l) in [
+        ("typed", x.broadcast_mul(&wt)?.sum_all()?),
+        (
+            "typed operator",
+            (&x.broadcast_as((0, 3))? * &wt.broadcast_as((0, 3))?)?.sum_all()?,
+        ),
+        ("region", scaled_in_region(&x, &wt)?),
+    ] {
+        let grads = l.as_candle().backward()?;
+        let g = grads.get(w.as_tensor()).expect(what);
+        assert_eq!(g.to_vec2::<f32>()?, vec![vec![0.0; 3]], "{what}");
+    }
+    Ok(())
+}
+
+// ---- Indexing, broadcasting and joining (sweep 14), each against PyTorch 2.15. ----
+
+/// `index_select` checks its ids' range: candle read a dtype's largest value (`u8` 255,
+/// `u32::MAX`) as "no row" and gave zeros, so row 255 of a 256-row table was never selected
+/// nor trained. A rank-0 id is one id, and a transposed view is read, as PyTorch's.
+#[test]
+fn index_select_takes_every_id_in_range_and_refuses_the_others() -> Result<()> {
+    let values: Vec<f32> = (0..512).map(|i| i as f32).collect();
+    let x = Tensor::<F32>::from_candle(candle_core::Tensor::from_vec(values, (256, 2), &dev())?)?;
+    let row = |ids: candle_core::Tensor| x.index_select(&ids, 0);
+    assert_eq!(
+        row(candle_core::Tensor::new(&[255u8], &dev())?)?.to_vec2::<f32>()?,
+        [[510.0, 511.0]]
+    );
+    for (what, ids) in [
+        ("u32::MAX", candle_core::Tensor::new(&[u32::MAX], &dev())?),
+        ("-1", candle_core::Tensor::new(&[-1i64], &dev())?),
+        ("256", candle_core::Tensor::new(&[256u32], &dev())?),
+    ] {
+        assert_err(what, row(ids), "out of range for dimension 0 of size 256");
+    }
+    assert_eq!(row(candle_core::Tensor::new(3u32, &dev())?)?.dims(), [1, 2]);
+    let t = x
+        .t()?
+        .index_select(&candle_core::Tensor::new(&[1u32, 1], &dev())?, 0)?;
+    assert_eq!(t.dims(), [2, 256]);
+    assert_eq!(t.to_vec2::<f32>()?[1][255].to_bits(), 511f32.to_bits());
+    Ok(())
+}
+
+/// A half tensor's `index_select` sums the gradients of repeated ids in f32, as PyTorch's
+/// (1000 repeats of id 0 in bf16: PyTorch's gradient 1000; candle's `index_add` in bf16 stopped
+/// at 256).
+#[test]
+fn repeated_ids_sum_their_gradients_in_f32() -> Result<()> {
+    let w = Var::ones((2, 1), DType::F32, &dev())?;
+    let ids = candle_core::Tensor::new(vec![0u32; 1000].as_slice(), &dev())?;
+    let y = Tensor::<F32>::from_candle(w.as_tensor().clone())?
+        .cast::<BF16>()?
+        .index_select(&ids, 0)?;
+    let grads = candle_amp::fp32::sum_all(&y)?.as_candle().backward()?;
+    assert_eq!(
+        grads.get(w.as_tensor()).expect("w").to_vec2::<f32>()?,
+        [[1000.0], [0.0]]
+    );
+    Ok(())
+}
+
+#[autocast(fp16)]
+fn half_plus_scalar_tensor(
+    x: &Tensor<F32>,
+    w: &Tensor<F32>,
+    s: &Tensor<F32>,
+) -> Result<Tensor<F32>> {
+    let h = x.matmul(w)?;
+    let dtype = h.broadcast_add(s)?.dtype();
+    assert_eq!(
+        dtype,
+        DType::F16,
+        "a rank-0 f32 tensor does not promote a half one"
+    );
+    Ok(h.broadcast_add(s)?.sum_all()?)
+}
+
+/// In a region a rank-0 f32 tensor does not promote a dimensioned half one, as in PyTorch
+/// (`half_tensor + torch.tensor(0.5)` is half); two dimensioned ones still promote.
+#[test]
+fn a_zero_dimensional_tensor_does_not_promote() -> Result<()> {
+    let x = Tensor::<F32>::ones((2, 3), &dev())?;
+    let w = Tensor::<F32>::ones((3, 2), &dev())?;
+    let s = Tensor::<F32>::new(0.5f32, &dev())?;
+    assert_eq!(
+        half_plus_scalar_tensor(&x, &w, &s)?
+            .to_scalar::<f32>()?
+            .to_bits(),
+        14f32.to_bits()
+    );
+    Ok(())
+}
+
+/// `broadcast_matmul` with both operands broadcast (`(2, 1, 3, 4) x (5, 4, 2)`), as candle's
+/// and PyTorch's `matmul`: the typed f32 op failed on the two zero strides.
+#[test]
+fn broadcast_matmul_broadcasts_both_operands() -> Result<()> {
+    let a = Tensor::<F32>::randn(0.0, 1.0, (2, 1, 3, 4), &dev())?;
+    let b = Tensor::<F32>::randn(0.0, 1.0, (5, 4, 2), &dev())?;
+    let got = a.broadcast_matmul(&b)?;
+    let want = a.as_candle().broadcast_matmul(b.as_candle())?;
+    assert_eq!(got.dims(), [2, 5, 3, 2]);
+    assert_eq!(
+        got.to_flat_vec::<f32>()?,
+        want.flatten_all()?.to_vec1::<f32>()?
+    );
+    Ok(())
+}
+
+/// Joining and indexing errors name the op the user called: `stack` of two shapes named `cat`,
+/// `cat` of two ranks named no op, an index past the end named `narrow`.
+#[test]
+fn joining_and_indexing_errors_name_their_op() -> Result<()> {
+    let (a, b) = (
+        Tensor::<F32>::zeros(2, &dev())?,
+        Tensor::<F32>::zeros(3, &dev())?,
+    );
+    assert_err(
+        "stack",
+        Tensor::stack(&[&a, &b], 0),
+        "stack: the tensors must be of one shape: tensor 1 is [3], tensor 0 [2]",
+    );
+    let m = Tensor::<F32>::zeros((2, 3), &dev())?;
+    assert_err(
+        "cat",
+        Tensor::cat(&[&m, &b], 0),
+        "cat: the tensors must be of one rank",
+    );
+    assert_err(
+        "i",
+        m.i((.., 4)),
+        "i: an index out of range of the dimensions [2, 3]",
+    );
+    Ok(())
+}

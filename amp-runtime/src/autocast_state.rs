@@ -93,6 +93,19 @@ pub fn target(class: OpClass, lower: DType, op: &str, inputs: &[DType]) -> Resul
     })
 }
 
+/// The inputs whose dtypes decide a promotion, as PyTorch's: a zero-dimensional tensor does
+/// not promote a dimensioned one (a half tensor plus an f32 rank-0 tensor stays half), unless
+/// every input is zero-dimensional.
+pub fn promoting<'a>(
+    inputs: &'a [&'a candle_core::Tensor],
+) -> impl Iterator<Item = &'a candle_core::Tensor> + 'a {
+    let any_dimensioned = inputs.iter().any(|x| x.rank() > 0);
+    inputs
+        .iter()
+        .copied()
+        .filter(move |x| x.rank() > 0 || !any_dimensioned)
+}
+
 thread_local! {
     static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
 }

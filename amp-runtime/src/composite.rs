@@ -203,9 +203,9 @@ pub struct CrossEntropy {
 
 /// Cross-entropy of logits `(batch, classes)` at class ids `(batch)` with PyTorch's options,
 /// mean reduction, in f32: `((1 - s) * sum_i w[y_i] * -log p_i[y_i] + s / C * sum_i sum_c
-/// w[c] * -log p_i[c]) / sum_i w[y_i]` over the rows not ignored (`w` = 1 without weights).
-/// PyTorch divides the smoothing term of an unweighted loss by all rows, ignored ones included,
-/// which dilutes it by the padding; here both terms are over the same rows.
+/// w[c] * -log p_i[c]) / sum_i w[y_i]` over the rows not ignored (`w` = 1 without weights),
+/// PyTorch's loss: both terms over the same rows (PyTorch 2.15 agrees with and without
+/// ignored rows).
 pub(crate) fn cross_entropy_with_f32(
     x: &Tensor,
     target: &Tensor,

@@ -81,6 +81,76 @@ impl CustomOp1 for Zero {
     }
 }
 
+/// `result`, a binary op's of `a` and `b`, kept in the graph of both operands when it holds no
+/// element. candle's binary ops return their left operand for an empty result (`(0, 1) * (1,
+/// 3)` is the left's broadcast), so the right one, and whatever it was computed from, got no
+/// gradient at all where PyTorch's is zeros (an optimizer then skipped the weight, weight decay
+/// included). The empty result is then an op over both whose gradients are zeros.
+pub(crate) fn keep_operands(result: Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if result.elem_count() > 0 || !(a.track_op() || b.track_op()) {
+        return Ok(result);
+    }
+    a.apply_op2(
+        b,
+        EmptyOf {
+            shape: result.shape().clone(),
+            dtype: result.dtype(),
+        },
+    )
+}
+
+/// The empty result of [`keep_operands`]: no element, zero gradients for both operands.
+struct EmptyOf {
+    shape: Shape,
+    dtype: DType,
+}
+
+impl candle_core::CustomOp2 for EmptyOf {
+    fn name(&self) -> &'static str {
+        "empty-result"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Ok((
+            s.device().zeros_impl(&self.shape, self.dtype)?,
+            self.shape.clone(),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            s.device().zeros_impl(&self.shape, self.dtype)?,
+            self.shape.clone(),
+        ))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((
+            crate::kernels::leaf_grads::offer(a, || a.zeros_like())?,
+            crate::kernels::leaf_grads::offer(b, || b.zeros_like())?,
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,14 +12,14 @@ use candle_core::{
 };
 
 /// The rows `ids` (integers, flattened) of `table` `(vocab, hidden)`: this op for an f32 table
-/// on CPU, candle's `index_select` otherwise.
+/// on CPU, [`index_select`] otherwise.
 pub(crate) fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     check_ids("embedding", ids)?;
     let ids = ids.flatten_all()?;
     if table.device().is_cpu() && table.dtype() == DType::F32 && table.rank() == 2 {
         table.apply_op2(&ids, Lookup)
     } else {
-        table.index_select(&ids, 0)
+        index_select(table, &ids, 0)
     }
 }
 
@@ -34,6 +34,50 @@ pub(crate) fn check_ids(op: &str, ids: &Tensor) -> Result<()> {
              never cast",
             ids.dtype()
         )
+    }
+}
+
+/// `x.index_select(ids, dim)` as PyTorch's: the ids checked ([`check_ids`]; on the CPU each one
+/// in `0..size`: candle reads a dtype's largest value, `u8` 255 or `u32::MAX`, as "no row" and
+/// gives zeros, and a negative `i64` as a huge index), a rank-0 id taken as one, `x`
+/// made contiguous (candle's CPU kernel refuses a view), and a half `x` that tracks a gradient
+/// selected through f32, so that the gradients of repeated ids are summed in f32 (candle's
+/// `index_add` in bf16 stops counting at 256 ones), then rounded once.
+pub(crate) fn index_select(x: &Tensor, ids: &Tensor, dim: usize) -> Result<Tensor> {
+    check_ids("index_select", ids)?;
+    let size = x.dim(dim)?;
+    if ids.device().is_cpu() {
+        let bad = ids
+            .to_dtype(DType::I64)?
+            .flatten_all()?
+            .to_vec1::<i64>()?
+            .into_iter()
+            .find(|&id| usize::try_from(id).map_or(true, |id| id >= size));
+        if let Some(id) = bad {
+            candle_core::bail!(
+                "index_select: id {id} is out of range for dimension {dim} of size {size} of {:?}",
+                x.dims()
+            )
+        }
+    }
+    // `u8` ids as `u32`: candle's kernels take 255, a valid row, for their "no row" marker.
+    let ids = if ids.dtype() == DType::U8 {
+        ids.to_dtype(DType::U32)?
+    } else {
+        ids.clone()
+    };
+    let ids = if ids.rank() == 0 {
+        ids.unsqueeze(0)?
+    } else {
+        ids
+    };
+    let x = x.contiguous()?;
+    if matches!(x.dtype(), DType::F16 | DType::BF16) && x.track_op() {
+        x.to_dtype(DType::F32)?
+            .index_select(&ids, dim)?
+            .to_dtype(x.dtype())
+    } else {
+        x.index_select(&ids, dim)
     }
 }
 

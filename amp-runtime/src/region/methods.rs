@@ -205,8 +205,9 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
         ids: &candle_core::Tensor,
         dim: D,
     ) -> Result<AmpTensor> {
-        crate::kernels::check_ids("index_select", ids)?;
-        self.unary::<op::index_select>(|x| x.index_select(ids, dim))
+        self.unary::<op::index_select>(|x| {
+            crate::kernels::index_select(x, ids, dim.to_index(x.shape(), "index_select")?)
+        })
     }
     /// Routed `max_pool2d`.
     pub fn max_pool2d<K: candle_core::ToUsize2>(&self, k: K) -> Result<AmpTensor> {

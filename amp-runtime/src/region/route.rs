@@ -36,15 +36,20 @@ pub(crate) fn routed<Pol: Policy, O: Op>(
     inputs: &[&AmpTensor],
     run: impl FnOnce(Option<DType>) -> Result<candle_core::Tensor>,
 ) -> Result<candle_core::Tensor> {
-    let mut dtypes = [DType::F32; 4];
-    let n = inputs.len().min(dtypes.len());
-    for (d, x) in dtypes.iter_mut().zip(inputs) {
-        *d = x.dtype();
-    }
-    let t = if inputs.len() <= dtypes.len() {
+    let t = if inputs.len() <= 4 {
+        let mut dtypes = [DType::F32; 4];
+        let mut n = 0;
+        for x in autocast_state::promoting(inputs) {
+            dtypes[n] = x.dtype();
+            n += 1;
+        }
         target::<Pol, O>(&dtypes[..n])?
     } else {
-        target::<Pol, O>(&inputs.iter().map(|x| x.dtype()).collect::<Vec<_>>())?
+        target::<Pol, O>(
+            &autocast_state::promoting(inputs)
+                .map(candle_core::Tensor::dtype)
+                .collect::<Vec<_>>(),
+        )?
     };
     autocast_state::run_op(O::NAME, Pol::class::<O>(), || inputs.to_vec(), t, run)
 }
@@ -77,7 +82,10 @@ pub(crate) fn binary<Pol: Policy, O: Op>(
     b: &AmpTensor,
     f: impl FnOnce(&candle_core::Tensor, &candle_core::Tensor) -> Result<candle_core::Tensor>,
 ) -> Result<AmpTensor> {
-    routed::<Pol, O>(&[a, b], |t| f(&at(a, t)?, &at(b, t)?))
+    routed::<Pol, O>(&[a, b], |t| {
+        let (x, y) = (at(a, t)?, at(b, t)?);
+        crate::kernels::custom_grad::keep_operands(f(&x, &y)?, &x, &y)
+    })
 }
 
 /// Runs `body` with `$P` bound to the precision marker of `dtype`: how a region value, whose

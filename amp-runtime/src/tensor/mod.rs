@@ -177,7 +177,13 @@ macro_rules! shape_accessors {
                      ending at usize::MAX overflows)",
                     self.inner.dims()
                 ))
-            })??;
+            })?
+            .map_err(|e| {
+                candle_core::Error::Msg(format!(
+                    "i: an index out of range of the dimensions {:?} (candle: {e})",
+                    self.inner.dims()
+                ))
+            })?;
             Ok(Self::wrap(crate::kernels::layout::empty_at_start(indexed, inner)?))
         }
     };
@@ -215,7 +221,9 @@ pub(crate) fn follow<O: Op>(
     let Some(frame) = autocast_state::followed() else {
         return run(None);
     };
-    let dtypes: Vec<DType> = inputs.iter().map(|t| t.dtype()).collect();
+    let dtypes: Vec<DType> = autocast_state::promoting(inputs)
+        .map(candle_core::Tensor::dtype)
+        .collect();
     let target = frame.target::<O>(&dtypes)?;
     autocast_state::run_op(O::NAME, frame.class::<O>(), || inputs.to_vec(), target, run)
 }
@@ -241,7 +249,10 @@ impl<P: Precision> Tensor<P> {
         f: impl FnOnce(&candle_core::Tensor, &candle_core::Tensor) -> Result<candle_core::Tensor>,
     ) -> Result<Self> {
         let (a, b) = (&self.inner, &rhs.inner);
-        Self::typed(follow::<O>(&[a, b], |t| f(&at(a, t)?, &at(b, t)?))?)
+        Self::typed(follow::<O>(&[a, b], |t| {
+            let (x, y) = (at(a, t)?, at(b, t)?);
+            crate::kernels::custom_grad::keep_operands(f(&x, &y)?, &x, &y)
+        })?)
     }
 
     /// A user function `f` as typed op `O` (`lower_op`, `preserve_op`, `fp32_op`), with an `R`

@@ -193,8 +193,9 @@ impl<P: Precision> Tensor<P> {
         ids: &candle_core::Tensor,
         dim: D,
     ) -> Result<Self> {
-        crate::kernels::check_ids("index_select", ids)?;
-        self.unary_op::<op::index_select, P>(|x| x.index_select(ids, dim))
+        self.unary_op::<op::index_select, P>(|x| {
+            crate::kernels::index_select(x, ids, dim.to_index(x.shape(), "index_select")?)
+        })
     }
 
     preserve_along_dim!(
@@ -328,6 +329,7 @@ impl<P: Precision> Tensor<P> {
         dim: D,
     ) -> Result<Self> {
         let inner: Vec<&candle_core::Tensor> = tensors.iter().map(|t| &t.as_ref().inner).collect();
+        check_joined("cat", &inner, |a, b| a.len() == b.len(), "of one rank")?;
         Ok(Self::wrap(candle_core::Tensor::cat(&inner, dim)?))
     }
 
@@ -337,6 +339,33 @@ impl<P: Precision> Tensor<P> {
         dim: D,
     ) -> Result<Self> {
         let inner: Vec<&candle_core::Tensor> = tensors.iter().map(|t| &t.as_ref().inner).collect();
+        check_joined("stack", &inner, |a, b| a == b, "of one shape")?;
         Ok(Self::wrap(candle_core::Tensor::stack(&inner, dim)?))
     }
+}
+
+/// An error naming `op` and the first tensor whose dimensions do not `fit` the first one's
+/// (`cat`: one rank, candle's own check then naming the dimension that differs; `stack`: one
+/// shape, where candle's error named `cat` and the shapes with the new dimension in them).
+fn check_joined(
+    op: &str,
+    tensors: &[&candle_core::Tensor],
+    fit: impl Fn(&[usize], &[usize]) -> bool,
+    what: &str,
+) -> Result<()> {
+    let Some(first) = tensors.first() else {
+        return Ok(());
+    };
+    if let Some((i, t)) = tensors
+        .iter()
+        .enumerate()
+        .find(|(_, t)| !fit(first.dims(), t.dims()))
+    {
+        candle_core::bail!(
+            "{op}: the tensors must be {what}: tensor {i} is {:?}, tensor 0 {:?}",
+            t.dims(),
+            first.dims()
+        )
+    }
+    Ok(())
 }

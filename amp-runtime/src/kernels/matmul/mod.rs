@@ -67,18 +67,24 @@ pub(crate) fn broadcast_matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         )?;
         return y.reshape([batch.dims(), &[m, n]].concat());
     }
-    let with = |t: &Tensor, tail: &[usize]| -> Result<Tensor> {
+    let spread = |t: &Tensor, tail: &[usize]| -> Result<Option<Tensor>> {
         let dims = [batch.dims(), tail].concat();
         if dims == t.dims() {
-            Ok(t.clone())
+            Ok(None)
         } else {
-            super::spread(t, &Shape::from(dims))
+            super::spread(t, &Shape::from(dims)).map(Some)
         }
     };
-    matmul(
-        &with(a, &da[da.len() - 2..])?,
-        &with(b, &db[db.len() - 2..])?,
-    )
+    // As candle's `broadcast_matmul`: when both operands are spread, their zero strides may sit
+    // in different batch dimensions, which no single batch stride of the matmul describes, so
+    // both are made contiguous; one spread operand is read as it is.
+    match (
+        spread(a, &da[da.len() - 2..])?,
+        spread(b, &db[db.len() - 2..])?,
+    ) {
+        (Some(a), Some(b)) => matmul(&a.contiguous()?, &b.contiguous()?),
+        (a2, b2) => matmul(a2.as_ref().unwrap_or(a), b2.as_ref().unwrap_or(b)),
+    }
 }
 
 /// A linear layer: `x (..., in) * w (out, in)^T + b (out)` over the last dimension, with `w`
