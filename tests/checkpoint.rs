@@ -159,6 +159,57 @@ fn a_resumed_run_matches_the_uninterrupted_run_bit_for_bit() -> Result<()> {
     Ok(())
 }
 
+/// The optimizer's hyper-parameters resume as they were when the file was saved, as PyTorch's
+/// `load_state_dict` restores its `param_groups`: a learning rate and a weight decay changed
+/// mid-run (a schedule) came back as the program built them at start-up, and the resumed run
+/// drifted from the uninterrupted one (sweep 15: every weight differed after 6 more steps).
+#[test]
+fn a_changed_learning_rate_and_weight_decay_resume_as_saved() -> Result<()> {
+    let schedule = |opt: &mut AdamW, step: u64| {
+        if step == 3 {
+            opt.set_learning_rate(5e-2);
+            opt.set_params(ParamsAdamW {
+                weight_decay: 0.5,
+                ..*opt.params()
+            });
+        }
+    };
+    let run = |opt: &mut AdamW, m: &Mlp, scaler: &mut GradScaler, range: std::ops::Range<u64>| {
+        for step in range {
+            schedule(opt, step);
+            train(Mode::F32, (m, &mut *opt, &mut *scaler), step..step + 1)?;
+        }
+        Ok::<_, candle_core::Error>(())
+    };
+    let (vars, m, mut opt, mut scaler) = fresh(Mode::F32)?;
+    run(&mut opt, &m, &mut scaler, 0..10)?;
+
+    let file = path("hyper");
+    let (vars_a, m_a, mut opt_a, mut scaler_a) = fresh(Mode::F32)?;
+    run(&mut opt_a, &m_a, &mut scaler_a, 0..6)?;
+    checkpoint::save(&file, &vars_a, &opt_a, &scaler_a, 6)?;
+    let (vars_b, m_b, mut opt_b, mut scaler_b) = fresh(Mode::F32)?;
+    checkpoint::load(&file, &vars_b, &mut opt_b, &mut scaler_b)?;
+    assert_eq!(opt_b.learning_rate().to_bits(), 5e-2f64.to_bits());
+    assert_eq!(opt_b.params().weight_decay.to_bits(), 0.5f64.to_bits());
+    run(&mut opt_b, &m_b, &mut scaler_b, 6..10)?;
+    assert_eq!(bits(&vars_b)?, bits(&vars)?, "weights");
+
+    // A saved rate out of range is refused, naming it, before anything is written.
+    let mut tensors = candle_core::safetensors::load(&file, &dev())?;
+    tensors.insert("optimizer.lr".into(), Tensor::new(f64::NAN, &dev())?);
+    candle_core::safetensors::save(&tensors, &file)?;
+    let (vars_c, _m_c, mut opt_c, mut scaler_c) = fresh(Mode::F32)?;
+    let before = bits(&vars_c)?;
+    let err = checkpoint::load(&file, &vars_c, &mut opt_c, &mut scaler_c)
+        .expect_err("a NaN learning rate")
+        .to_string();
+    assert!(err.contains("invalid learning rate NaN"), "{err}");
+    assert_eq!(bits(&vars_c)?, before, "nothing written");
+    std::fs::remove_file(&file).ok();
+    Ok(())
+}
+
 #[test]
 fn a_bad_checkpoint_names_the_entry_and_writes_nothing() -> Result<()> {
     let (vars, m, mut opt, mut scaler) = fresh(Mode::F32)?;

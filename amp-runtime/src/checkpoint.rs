@@ -4,14 +4,16 @@
 //!
 //! The file's tensors: `model.{name}` for each variable of the `VarMap` (by its name there),
 //! `optim.{name}.{entry}` for the optimizer's state of that variable (AdamW: `step`, `m`, `v`),
-//! `scaler.*` ([`ScalerState::to_tensors`]), `step` (an i64 scalar) and `format` (the layout's
-//! version, 1). Saving writes a temporary file beside the target and renames it over the target,
+//! `optimizer.{name}` for its hyper-parameters (f64 scalars:
+//! [`OptimizerState::hyper_parameters`]), `scaler.*` ([`ScalerState::to_tensors`]), `step` (an
+//! i64 scalar) and `format` (the layout's version, 2). Saving writes a temporary file beside the target and renames it over the target,
 //! so a run killed while saving leaves the previous checkpoint whole. Loading checks every entry
 //! (present, shape, dtype, no entry it does not know) before it writes anything, and names the
 //! first one that is wrong.
 //!
 //! A run resumed from a checkpoint continues bit for bit as the uninterrupted run: the masters,
-//! the moments and step counts, the loss scale and its growth tracker are the ones that run had
+//! the moments and step counts, the optimizer's hyper-parameters (a learning rate a schedule
+//! changed), the loss scale and its growth tracker are the ones that run had
 //! (`tests/checkpoint.rs`).
 //!
 //! ```
@@ -44,7 +46,7 @@ use crate::optim::OptimizerState;
 use crate::scaler::{GradScaler, ScalerState};
 
 /// The layout's version, saved as `format`.
-const FORMAT: i64 = 1;
+const FORMAT: i64 = 2;
 
 /// The variables of `vars` by name, sorted, and each variable's name by its tensor's id.
 fn named(vars: &VarMap) -> Vec<(String, Var)> {
@@ -88,6 +90,9 @@ pub fn save(
     let mut tensors: HashMap<String, Tensor> = scaler.state().to_tensors("scaler.")?;
     for (name, var) in &named {
         tensors.insert(format!("model.{name}"), var.as_tensor().to_device(cpu)?);
+    }
+    for (name, value) in optimizer.hyper_parameters() {
+        tensors.insert(format!("optimizer.{name}"), Tensor::new(value, cpu)?);
     }
     for (var, entries) in optimizer.export_state()? {
         let name = name_of(&named, &var)?;
@@ -221,6 +226,19 @@ pub fn load(
             state.insert((var.as_tensor().id(), entry.to_string()), take(&key)?);
         }
     }
+    let mut hyper = HashMap::new();
+    for (name, _) in optimizer.hyper_parameters() {
+        let key = format!("optimizer.{name}");
+        let t = take(&key)?;
+        if t.dtype() != DType::F64 || t.rank() != 0 {
+            candle_core::bail!(
+                "checkpoint: `{key}` must be an f64 scalar, got {:?} {:?}",
+                t.dtype(),
+                t.dims()
+            )
+        }
+        hyper.insert(name, t.to_scalar::<f64>()?);
+    }
     let scaler_state = ScalerState::from_tensors(&tensors, "scaler.")?;
     scaler_state.validate()?;
     // The scaler's own entries only: one it does not write is as unexpected as any other.
@@ -234,7 +252,14 @@ pub fn load(
             path.display()
         )
     }
-    // All checked: write.
+    // All checked: write. The hyper-parameters first: their ranges are checked as they are
+    // set, before anything else is written.
+    optimizer.set_hyper_parameters(&mut |name| {
+        hyper
+            .get(name)
+            .copied()
+            .ok_or_else(|| candle_core::Error::Msg(format!("checkpoint: no `optimizer.{name}`")))
+    })?;
     optimizer.import_state(&mut |var, entry| {
         state
             .remove(&(var.as_tensor().id(), entry.to_string()))

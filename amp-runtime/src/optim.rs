@@ -398,9 +398,31 @@ pub trait OptimizerState {
     /// named tensor of a parameter (an error naming it when it is missing). Each tensor's shape
     /// and dtype are checked before anything is written.
     fn import_state(&mut self, get: &mut dyn FnMut(&Var, &str) -> Result<Tensor>) -> Result<()>;
+
+    /// The hyper-parameters by name (SGD: `lr`; AdamW: `lr`, `beta1`, `beta2`, `eps`,
+    /// `weight_decay`), what PyTorch's `state_dict()` keeps in its `param_groups`: a checkpoint
+    /// saves them, so that a rate a schedule changed (`set_learning_rate`, `set_params`)
+    /// resumes as it was, not as the program builds its optimizer at start-up.
+    fn hyper_parameters(&self) -> Vec<(&'static str, f64)>;
+
+    /// Sets what [`hyper_parameters`](Self::hyper_parameters) names: `get(name)` gives each one
+    /// (an error naming it when it is missing). All are checked, as the constructor checks
+    /// them, before any is set.
+    fn set_hyper_parameters(&mut self, get: &mut dyn FnMut(&str) -> Result<f64>) -> Result<()>;
 }
 
 impl OptimizerState for SGD {
+    fn hyper_parameters(&self) -> Vec<(&'static str, f64)> {
+        vec![("lr", self.learning_rate)]
+    }
+
+    fn set_hyper_parameters(&mut self, get: &mut dyn FnMut(&str) -> Result<f64>) -> Result<()> {
+        let lr = get("lr")?;
+        check_lr("SGD", lr)?;
+        self.learning_rate = lr;
+        Ok(())
+    }
+
     fn export_state(&self) -> Result<Vec<ParamState>> {
         Ok(Vec::new())
     }
@@ -418,6 +440,30 @@ impl OptimizerState for SGD {
 const ADAMW_ENTRIES: &[&str] = &["step", "m", "v"];
 
 impl OptimizerState for AdamW {
+    fn hyper_parameters(&self) -> Vec<(&'static str, f64)> {
+        let p = &self.config;
+        vec![
+            ("lr", p.lr),
+            ("beta1", p.beta1),
+            ("beta2", p.beta2),
+            ("eps", p.eps),
+            ("weight_decay", p.weight_decay),
+        ]
+    }
+
+    fn set_hyper_parameters(&mut self, get: &mut dyn FnMut(&str) -> Result<f64>) -> Result<()> {
+        let config = ParamsAdamW {
+            lr: get("lr")?,
+            beta1: get("beta1")?,
+            beta2: get("beta2")?,
+            eps: get("eps")?,
+            weight_decay: get("weight_decay")?,
+        };
+        check_adamw(&config)?;
+        self.config = config;
+        Ok(())
+    }
+
     fn state_entries(&self) -> Vec<(Var, &'static [&'static str])> {
         self.params
             .iter()
