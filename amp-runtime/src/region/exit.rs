@@ -140,7 +140,7 @@ impl<D, A: ExitAs<D>, E: From<candle_core::Error>> LeaveAsDeclared<std::result::
 
 /// No way out: a value none of the three ways takes (a region value as `-> Option<Tensor<F32>>`
 /// without a `Result`, an array or a map of region values). Probed last, it is picked only then,
-/// and its bound fails with [`CannotLeave`]'s message, where rustc would otherwise say only that
+/// and its bound fails with `CannotLeave`'s message, where rustc would otherwise say only that
 /// no method `__amp_leave` fits.
 pub trait LeaveUnsupported<D, V> {
     /// Never compiles: `V: CannotLeave<D>` holds for no types.
