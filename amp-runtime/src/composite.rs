@@ -54,16 +54,12 @@ pub(crate) fn nll(logp: &Tensor, target: &Tensor) -> Result<Tensor> {
 
 /// Class ids as PyTorch checks them: `x` is `(batch, classes)`, the target one integer id per
 /// row, each in `0..classes` (candle's gather reported a negative id as index
-/// 18446744073709551615, and f32 ids as a dtype its gather lacks). The range is read where the
-/// ids are on the CPU; on a GPU that read would stop the step, and there they go to the
-/// gather as they are.
+/// 18446744073709551615, and f32 ids as a dtype its gather lacks); the range read on the CPU
+/// only ([`crate::kernels::id_outside`]).
 pub(crate) fn check_class_ids(op: &str, x: &Tensor, target: &Tensor) -> Result<()> {
     let (_, classes) = class_id_shapes(op, x, target)?;
-    if target.device().is_cpu() {
-        let ids = target.to_dtype(DType::I64)?.to_vec1::<i64>()?;
-        if let Some(bad) = ids.iter().find(|&&id| id < 0 || id >= classes as i64) {
-            candle_core::bail!("{op}: class ids must be in 0..{classes}, got {bad}")
-        }
+    if let Some(bad) = crate::kernels::id_outside(target, classes)? {
+        candle_core::bail!("{op}: class ids must be in 0..{classes}, got {bad}")
     }
     Ok(())
 }

@@ -46,19 +46,11 @@ pub(crate) fn check_ids(op: &str, ids: &Tensor) -> Result<()> {
 pub(crate) fn index_select(x: &Tensor, ids: &Tensor, dim: usize) -> Result<Tensor> {
     check_ids("index_select", ids)?;
     let size = x.dim(dim)?;
-    if ids.device().is_cpu() {
-        let bad = ids
-            .to_dtype(DType::I64)?
-            .flatten_all()?
-            .to_vec1::<i64>()?
-            .into_iter()
-            .find(|&id| usize::try_from(id).map_or(true, |id| id >= size));
-        if let Some(id) = bad {
-            candle_core::bail!(
-                "index_select: id {id} is out of range for dimension {dim} of size {size} of {:?}",
-                x.dims()
-            )
-        }
+    if let Some(id) = id_outside(ids, size)? {
+        candle_core::bail!(
+            "index_select: id {id} is out of range for dimension {dim} of size {size} of {:?}",
+            x.dims()
+        )
     }
     // `u8` ids as `u32`: candle's kernels take 255, a valid row, for their "no row" marker.
     let ids = if ids.dtype() == DType::U8 {
@@ -79,6 +71,20 @@ pub(crate) fn index_select(x: &Tensor, ids: &Tensor, dim: usize) -> Result<Tenso
     } else {
         x.index_select(&ids, dim)
     }
+}
+
+/// The first of the integer `ids` outside `0..size`, read where the ids are on the CPU; on a
+/// GPU that read would stop the step, and there the ids go to the op as they are (`None`).
+pub(crate) fn id_outside(ids: &Tensor, size: usize) -> Result<Option<i64>> {
+    if !ids.device().is_cpu() {
+        return Ok(None);
+    }
+    Ok(ids
+        .to_dtype(DType::I64)?
+        .flatten_all()?
+        .to_vec1::<i64>()?
+        .into_iter()
+        .find(|&id| usize::try_from(id).map_or(true, |id| id >= size)))
 }
 
 struct Lookup;
