@@ -40,28 +40,30 @@ pub(crate) fn log_softmax_f32<Di: candle_core::shape::Dim>(x: &Tensor, dim: Di) 
 /// Cross-entropy of logits `(batch, classes)` at class ids `(batch)` in f32, candle-nn's
 /// `nll(log_softmax(x, 1))` with the fused log-softmax (reading half logits as they are).
 pub(crate) fn cross_entropy_f32(x: &Tensor, target: &Tensor) -> Result<Tensor> {
-    check_class_ids("cross_entropy", x, target)?;
-    candle_nn::loss::nll(&log_softmax_f32(x, 1)?, &target.contiguous()?)
+    let target = class_ids("cross_entropy", x, target)?;
+    candle_nn::loss::nll(&log_softmax_f32(x, 1)?, &target)
 }
 
 /// candle-nn's `nll` of log-probabilities `(batch, classes)` at class ids `(batch)`, the ids
-/// checked first ([`check_class_ids`]); both contiguous for candle's gather, which refuses a
-/// view (a transposed or broadcast one) with an error naming an op the user did not call.
+/// checked and widened first ([`class_ids`]); the log-probabilities contiguous for candle's
+/// gather, which refuses a view (a transposed or broadcast one) with an error naming an op the
+/// user did not call.
 pub(crate) fn nll(logp: &Tensor, target: &Tensor) -> Result<Tensor> {
-    check_class_ids("nll", logp, target)?;
-    candle_nn::loss::nll(&logp.contiguous()?, &target.contiguous()?)
+    let target = class_ids("nll", logp, target)?;
+    candle_nn::loss::nll(&logp.contiguous()?, &target)
 }
 
-/// Class ids as PyTorch checks them: `x` is `(batch, classes)`, the target one integer id per
-/// row, each in `0..classes` (candle's gather reported a negative id as index
-/// 18446744073709551615, and f32 ids as a dtype its gather lacks); the range read on the CPU
-/// only ([`crate::kernels::id_outside`]).
-pub(crate) fn check_class_ids(op: &str, x: &Tensor, target: &Tensor) -> Result<()> {
+/// Class ids as PyTorch checks them, ready for candle's gather: `x` is `(batch, classes)`, the
+/// target one integer id per row, each in `0..classes` (candle's gather reported a negative id
+/// as index 18446744073709551615, and f32 ids as a dtype its gather lacks), the range read on
+/// the CPU only ([`crate::kernels::id_outside`]); returned contiguous, `u8` ids as `u32`
+/// (candle's gather gives 0 for a `u8` 255, a valid class: [`crate::kernels::candle_ids`]).
+pub(crate) fn class_ids(op: &str, x: &Tensor, target: &Tensor) -> Result<Tensor> {
     let (_, classes) = class_id_shapes(op, x, target)?;
     if let Some(bad) = crate::kernels::id_outside(target, classes)? {
         candle_core::bail!("{op}: class ids must be in 0..{classes}, got {bad}")
     }
-    Ok(())
+    crate::kernels::candle_ids(&target.contiguous()?)
 }
 
 /// `x` is `(batch, classes)` and the target one integer id per row: `(batch, classes)`.

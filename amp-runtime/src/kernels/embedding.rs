@@ -52,12 +52,7 @@ pub(crate) fn index_select(x: &Tensor, ids: &Tensor, dim: usize) -> Result<Tenso
             x.dims()
         )
     }
-    // `u8` ids as `u32`: candle's kernels take 255, a valid row, for their "no row" marker.
-    let ids = if ids.dtype() == DType::U8 {
-        ids.to_dtype(DType::U32)?
-    } else {
-        ids.clone()
-    };
+    let ids = candle_ids(ids)?;
     let ids = if ids.rank() == 0 {
         ids.unsqueeze(0)?
     } else {
@@ -70,6 +65,18 @@ pub(crate) fn index_select(x: &Tensor, ids: &Tensor, dim: usize) -> Result<Tenso
             .to_dtype(x.dtype())
     } else {
         x.index_select(&ids, dim)
+    }
+}
+
+/// Integer ids as candle's gathering kernels (`index_select`, `gather`, `embedding`) read them
+/// right: `u8` ids widened to `u32`, since those kernels take a dtype's largest value for a
+/// "no row" marker and give zeros for it, and 255 is a valid `u8` id (a byte-level model's last
+/// class). `u32::MAX` and negative `i64` ids are never valid rows; [`id_outside`] finds them.
+pub(crate) fn candle_ids(ids: &Tensor) -> Result<Tensor> {
+    if ids.dtype() == DType::U8 {
+        ids.to_dtype(DType::U32)
+    } else {
+        Ok(ids.clone())
     }
 }
 

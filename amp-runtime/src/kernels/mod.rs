@@ -90,7 +90,7 @@ pub(crate) use conv::{
 };
 pub(crate) use convert::to_dtype;
 pub(crate) use elem::{cpu_float, wide};
-pub(crate) use embedding::{check_ids, embedding, id_outside, index_select};
+pub(crate) use embedding::{candle_ids, embedding, id_outside, index_select};
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use matmul::{broadcast_matmul, linear, linear_act, matmul};
 pub(crate) use mse::mse;

@@ -109,13 +109,17 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
     }
 }
 
-/// Ids are integers, never cast: the table's rows, in the table's dtype.
+/// Ids are integers, never cast: the table's rows, in the table's dtype, looked up as
+/// candle-amp's `Embedding` does (`kernels::embedding`: each id range-checked on the CPU, a
+/// `u8` 255 a row; candle's own lookup gave zeros for it and for `u32::MAX`).
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::Embedding {
     type Output = AmpTensor;
     fn region_call(&self, (ids,): (A,)) -> Result<AmpTensor> {
         let ids = ids.to_amp();
-        crate::kernels::check_ids("Embedding", &ids)?;
-        self.forward(&ids)
+        let table = self.embeddings();
+        let mut dims = ids.dims().to_vec();
+        dims.push(table.dim(1)?);
+        crate::kernels::embedding(table, &ids)?.reshape(dims)
     }
 }
 

@@ -362,8 +362,8 @@ pub fn cross_entropy<X: AsAmp>(inp: X, target: impl AsAmp) -> Call<op::cross_ent
         vec![inp.to_amp()],
         move |x| composite::cross_entropy_f32(&x[0], &target),
         move |x| {
-            composite::check_class_ids("cross_entropy", &x[0], &same)?;
-            candle_nn::loss::cross_entropy(&x[0], &same)
+            let ids = composite::class_ids("cross_entropy", &x[0], &same)?;
+            candle_nn::loss::cross_entropy(&x[0], &ids)
         },
     )
 }
