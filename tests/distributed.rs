@@ -377,6 +377,31 @@ fn broadcast_copies_integers_exactly() -> Result<()> {
     Ok(())
 }
 
+/// The thread group's reduction is exact on `i64` values beyond f64's 2^53 (as NCCL's and
+/// gloo's): a sum (2^53 + 1) + 0 + (-2^62) and a maximum over values that differ only in their
+/// last bit.
+#[test]
+fn thread_group_reduces_i64_exactly() -> Result<()> {
+    let big = (1i64 << 53) + 1;
+    let got = on_ranks(3, |c| {
+        let mine: [i64; 2] = match c.rank() {
+            0 => [big, big],
+            1 => [0, big - 1],
+            _ => [-(1 << 62), big - 2],
+        };
+        let t = candle_core::Tensor::new(&mine, &Device::Cpu)?;
+        let sum = c
+            .all_reduce(&t.narrow(0, 0, 1)?, ReduceOp::Sum)?
+            .to_vec1::<i64>()?;
+        let max = c
+            .all_reduce(&t.narrow(0, 1, 1)?, ReduceOp::Max)?
+            .to_vec1::<i64>()?;
+        Ok((sum, max))
+    })?;
+    assert_eq!(got, vec![(vec![big - (1 << 62)], vec![big]); 3]);
+    Ok(())
+}
+
 #[test]
 fn broadcast_starts_every_replica_from_rank_0s_weights() -> Result<()> {
     let got = on_ranks(3, |c| {
@@ -432,5 +457,94 @@ fn integer_gradients_are_an_error() -> Result<()> {
     assert!(DataParallel::new(dp.collective().clone())
         .reduce_dtype(DType::U32)
         .is_err());
+    Ok(())
+}
+
+/// Two parameters of one shape, used in opposite orders by the two ranks' forwards (rank 0
+/// `a * 1 + b * 2`, rank 1 `b * 4 + a * 3`): each is averaged with itself, as DDP pairs
+/// `model.parameters()`: a's gradient (1 + 3) / 2 = 2, b's (2 + 4) / 2 = 3 on both ranks
+/// (PyTorch 2.15, two gloo processes). Paired by the graph's order they were both 2.5. Then
+/// accumulation: rank 0's first micro-batch uses only a, rank 1's only b, then the other; the
+/// sums are paired by parameter too (a: (1 + 2) / 2 = 1.5, b: (4 + 3) / 2 = 3.5).
+#[test]
+fn gradients_are_paired_by_parameter_whatever_order_the_forward_used() -> Result<()> {
+    let grads = on_ranks(2, |c| {
+        let rank = c.rank();
+        let dp = DataParallel::new(Arc::new(c));
+        let a = Var::new(&[1f32, 1.0], &Device::Cpu)?;
+        let b = Var::new(&[1f32, 1.0], &Device::Cpu)?;
+        let sum = |t: &candle_core::Tensor, k: f64| (t * k)?.sum_all();
+        let scaler = GradScaler::builder().enabled(false).build()?;
+        let l = if rank == 0 {
+            (sum(a.as_tensor(), 1.0)? + sum(b.as_tensor(), 2.0)?)?
+        } else {
+            (sum(b.as_tensor(), 4.0)? + sum(a.as_tensor(), 3.0)?)?
+        };
+        let mut g = scaler.scale(&Tensor::<F32>::from_candle(l)?)?.backward()?;
+        g.all_reduce(&dp)?;
+        let once = [g.get(&a), g.get(&b)].map(|t| t.expect("a gradient").to_vec1::<f32>());
+        let (first, second) = if rank == 0 {
+            (sum(a.as_tensor(), 1.0)?, sum(b.as_tensor(), 3.0)?)
+        } else {
+            (sum(b.as_tensor(), 4.0)?, sum(a.as_tensor(), 2.0)?)
+        };
+        let mut acc = scaler
+            .scale(&Tensor::<F32>::from_candle(first)?)?
+            .backward()?;
+        acc.accumulate(
+            scaler
+                .scale(&Tensor::<F32>::from_candle(second)?)?
+                .backward()?,
+        )?;
+        acc.all_reduce(&dp)?;
+        let accumulated =
+            [acc.get(&a), acc.get(&b)].map(|t| t.expect("a gradient").to_vec1::<f32>());
+        Ok((once, accumulated))
+    })?;
+    for (rank, (once, accumulated)) in grads.into_iter().enumerate() {
+        let [ga, gb] = once;
+        assert_eq!((ga?, gb?), (vec![2.0; 2], vec![3.0; 2]), "rank {rank}");
+        let [ga, gb] = accumulated;
+        assert_eq!(
+            (ga?, gb?),
+            (vec![1.5; 2], vec![3.5; 2]),
+            "rank {rank}, accumulated"
+        );
+    }
+    Ok(())
+}
+
+/// Unscaled, then averaged, with a scaler that has no collective: rank 1's NaN gradient makes
+/// the mean NaN on both ranks, and both skip (PyTorch's DDP averages in the backward, before
+/// `unscale_`, so both scalers see the NaN). Before, rank 0 had found nothing in its own
+/// gradients and stepped with the NaN mean.
+#[test]
+fn a_non_finite_mean_skips_every_rank_without_a_scaler_collective() -> Result<()> {
+    let outcomes = on_ranks(2, |c| {
+        let rank = c.rank();
+        let dp = DataParallel::new(Arc::new(c));
+        let w = Var::new(&[1f32, 2.0], &Device::Cpu)?;
+        let mut opt = candle_amp::optim::SGD::new(vec![w.clone()], 0.1)?;
+        let mut scaler = GradScaler::new();
+        let k = if rank == 1 { f64::NAN } else { 1.0 };
+        let l = (w.as_tensor() * k)?.sum_all()?;
+        let scaled = scaler.scale(&Tensor::<F32>::from_candle(l)?)?.backward()?;
+        let mut grads = scaler.unscale(scaled)?;
+        grads.all_reduce(&dp)?;
+        let outcome = scaler.step(&mut opt, grads)?;
+        scaler.update()?;
+        Ok((
+            outcome,
+            w.as_tensor().to_vec1::<f32>()?,
+            scaler.scale_value(),
+        ))
+    })?;
+    for (rank, seen) in outcomes.into_iter().enumerate() {
+        assert_eq!(
+            seen,
+            (StepOutcome::Skipped, vec![1.0, 2.0], 32768.0),
+            "rank {rank}"
+        );
+    }
     Ok(())
 }

@@ -16,8 +16,10 @@
 //! - `NcclCollective` (feature `nccl`): NCCL through cudarc, one process per GPU as candle's
 //!   multi-process example runs it.
 //!
-//! Every rank must reduce the same gradients in the same order (the same model, the same
-//! parameters used): the reduction first compares each rank's count of tensors and values and
+//! Every rank must reduce the gradients of the same parameters: the same model, built by the
+//! same code (the gradients are listed in the order the model's constructor made its
+//! parameters, as DDP lists `model.parameters()`, whatever order each rank's forward used them
+//! in), the same parameters used. The reduction first compares each rank's count of tensors and values and
 //! a fingerprint of their shapes and dtypes, and a mismatch is an error on every rank rather
 //! than a wrong sum. Each gradient is divided by the world size before the sum (in f32, as
 //! DDP's default hook does), so half gradients whose mean fits their range do not overflow. Start the replicas from

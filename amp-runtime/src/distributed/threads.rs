@@ -145,6 +145,49 @@ impl ThreadCollective {
         }
         Ok(state.result.clone())
     }
+
+    /// `op` over every rank's `i64` values, exactly, through the f64 reduction: each value as
+    /// its signed upper and unsigned lower 32 bits, which f64 holds exactly. A sum adds the
+    /// halves apart and joins them, wrapping as an `i64` sum does (NCCL's and gloo's); a
+    /// maximum takes the largest upper half, then the largest lower half among the ranks that
+    /// hold it.
+    fn all_reduce_i64(&self, values: &[i64], op: ReduceOp) -> Result<Vec<i64>> {
+        let hi: Vec<f64> = values.iter().map(|&x| (x >> 32) as f64).collect();
+        let lo = |x: i64| (x & 0xffff_ffff) as f64;
+        let join = |hi: f64, lo: f64| ((hi as i64) << 32).wrapping_add(lo as i64);
+        match op {
+            ReduceOp::Sum => {
+                let hi = self.combine(hi, op)?;
+                let lo = self.combine(values.iter().map(|&x| lo(x)).collect(), op)?;
+                Ok(hi
+                    .iter()
+                    .zip(lo.iter())
+                    .map(|(&h, &l)| join(h, l))
+                    .collect())
+            }
+            ReduceOp::Max => {
+                let top = self.combine(hi.clone(), op)?;
+                // -1 (below every lower half) where this rank's upper half is not the top one.
+                let mine = values
+                    .iter()
+                    .zip(hi.iter().zip(top.iter()))
+                    .map(|(&x, (h, t))| {
+                        if h.to_bits() == t.to_bits() {
+                            lo(x)
+                        } else {
+                            -1.0
+                        }
+                    })
+                    .collect();
+                let low = self.combine(mine, op)?;
+                Ok(top
+                    .iter()
+                    .zip(low.iter())
+                    .map(|(&h, &l)| join(h, l))
+                    .collect())
+            }
+        }
+    }
 }
 
 /// Every rank's values combined by their op, in rank order, in f64.
@@ -187,7 +230,15 @@ impl Collective for ThreadCollective {
         self.world_size
     }
 
+    /// In f64, which holds every f32, f16, bf16, u8 and u32 value (and their sums over up to
+    /// 2^21 ranks) exactly; `i64` values, which f64 does not (2^53 + 1 summed as 2^53), are
+    /// combined exactly by [`Self::all_reduce_i64`].
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        if t.dtype() == DType::I64 {
+            let values = t.flatten_all()?.to_vec1::<i64>()?;
+            let result = self.all_reduce_i64(&values, op)?;
+            return Tensor::from_vec(result, t.shape(), t.device());
+        }
         let values = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
         let result = self.combine(values, op)?;
         Tensor::from_slice(result.as_slice(), t.shape(), t.device())?.to_dtype(t.dtype())

@@ -13,8 +13,11 @@ use crate::distributed::DataParallel;
 use crate::kernels::leaf_grads;
 use crate::kernels::unscale::unscale_in_place;
 
-/// The gradients of the `Var`s a loss depends on, in graph order (the order is fixed, so
-/// reductions over them are reproducible).
+/// The gradients of the `Var`s a loss depends on, in the variables' creation order
+/// ([`creation_order`]): the order a model's constructor made its parameters, PyTorch's
+/// `model.parameters()` order. It does not depend on the order the forward used them in, so
+/// replicas of one model list the same parameters in the same order (data parallelism pairs
+/// gradients by position), and reductions over them (a norm) are reproducible.
 #[derive(Debug)]
 struct GradSet {
     store: GradStore,
@@ -48,6 +51,7 @@ impl GradSet {
         if ids.is_empty() {
             return Err(ScalerError::NoGradients.into());
         }
+        ids.sort_by_key(|&id| creation_order(id));
         Ok(Self { store, ids })
     }
 
@@ -106,8 +110,24 @@ impl GradSet {
             };
             self.store.insert_id(id, sum);
         }
+        self.ids.sort_by_key(|&id| creation_order(id));
         Ok(())
     }
+}
+
+/// Where a variable stands in the order tensors were made: candle numbers every tensor from one
+/// process-wide counter as it makes it, and a replica built by the same code makes its
+/// parameters in the same order, whatever other tensors are made in between (other threads'
+/// replicas included). `TensorId` hides the number (no `Ord`) but prints it, `TensorId(17)`;
+/// should that ever change, the key is the same for every id and the order the one found
+/// (the test below fails first).
+fn creation_order(id: TensorId) -> u64 {
+    let printed = format!("{id:?}");
+    printed
+        .trim_start_matches("TensorId(")
+        .trim_end_matches(')')
+        .parse()
+        .unwrap_or(u64::MAX)
 }
 
 /// Gradients of a scaled loss: every value is multiplied by the scale that
@@ -208,6 +228,7 @@ impl ScaledGrads {
             set: self.set,
             nonfinite,
             elsewhere: false,
+            checked: self.scale.is_some(),
         })
     }
 }
@@ -222,6 +243,9 @@ pub struct UnscaledGrads {
     nonfinite: HashSet<TensorId>,
     /// Another rank of the scaler's collective found inf or NaN in its gradients.
     elsewhere: bool,
+    /// The gradients were checked (an enabled scaler's); a disabled scaler steps whatever
+    /// they hold, as PyTorch's.
+    checked: bool,
 }
 
 impl UnscaledGrads {
@@ -242,10 +266,25 @@ impl UnscaledGrads {
     }
 
     /// Replaces each gradient by its mean over the ranks of `dp`, as
-    /// [`ScaledGrads::all_reduce`]. The non-finite record of the unscale stays this rank's; a
-    /// scaler with a collective reduces it when it steps.
+    /// [`ScaledGrads::all_reduce`]. A gradient whose mean is not finite (inf or NaN on any
+    /// rank) joins the non-finite record, the same on every rank since every rank gets the
+    /// same mean: the ranks skip the step together even when the scaler has no collective
+    /// (PyTorch's DDP reduces before `unscale_`, where the check then sees every rank's
+    /// values). Before, a rank whose own gradients were finite stepped with the NaN mean.
     pub fn all_reduce(&mut self, dp: &DataParallel) -> Result<()> {
-        self.set.all_reduce(dp)
+        self.set.all_reduce(dp)?;
+        if !self.checked {
+            return Ok(());
+        }
+        let mut grads = self.set.tensors();
+        // A multiplication by 1 changes no value: the fused pass's check alone.
+        let found = unscale_in_place(&mut grads, 1.0)?;
+        for (&id, found) in self.set.ids.iter().zip(found) {
+            if found {
+                self.nonfinite.insert(id);
+            }
+        }
+        Ok(())
     }
 
     /// Whether there are gradients and every element of every one is exactly 0 (a reduction per
@@ -288,13 +327,14 @@ impl UnscaledGrads {
             set,
             nonfinite,
             elsewhere: self.elsewhere,
+            checked: self.checked,
         }
     }
 
     /// Scales all gradients so that their joint L2 norm is at most `max_norm`, like
     /// `torch.nn.utils.clip_grad_norm_`, and returns the norm before clipping.
     ///
-    /// The norm is accumulated in f64 over the gradients in graph order; the coefficient
+    /// The norm is accumulated in f64 over the gradients in their variables' creation order; the coefficient
     /// `max_norm / (norm + 1e-6)` is applied in place when below 1. With non-finite gradients
     /// the norm is inf or NaN, as in PyTorch; the step is skipped anyway. `max_norm = inf`
     /// clips nothing and returns the norm, as in PyTorch (a way to measure it).
@@ -369,4 +409,24 @@ mod sealed {
     pub trait Sealed {}
     impl Sealed for super::ScaledGrads {}
     impl Sealed for super::UnscaledGrads {}
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var};
+
+    use super::creation_order;
+
+    /// Tensors made later come later, whatever is made in between: what pairs replicas'
+    /// parameters (and what fails first should candle stop printing its ids as numbers).
+    #[test]
+    fn creation_order_follows_the_order_tensors_are_made() -> candle_core::Result<()> {
+        let a = Var::new(&[1f32], &Device::Cpu)?;
+        let between = (a.as_tensor() * 2.0)?;
+        let b = Var::new(&[1f32], &Device::Cpu)?;
+        let keys = [a.id(), between.id(), b.id()].map(creation_order);
+        assert!(keys[0] < keys[1] && keys[1] < keys[2], "{keys:?}");
+        assert_ne!(keys[2], u64::MAX);
+        Ok(())
+    }
 }

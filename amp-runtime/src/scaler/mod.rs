@@ -293,6 +293,9 @@ impl GradScaler {
             self.stepped.push(id);
         }
         if grads.found_inf() {
+            // Also found after the unscale (a mean over the ranks that is not finite): the
+            // update backs off for it too.
+            self.found_inf = Some(true);
             self.last_nonfinite = grads.nonfinite_ids();
             self.state.skipped_steps = self.state.skipped_steps.saturating_add(1);
             tracing::warn!(
