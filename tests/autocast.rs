@@ -599,6 +599,55 @@ fn attention(q: &Tensor<F32>, k: &Tensor<F32>) -> Result<(Vec<DType>, Tensor<F32
     Ok((dtypes, probs.cast::<F32>()?))
 }
 
+candle_amp::policy! {
+    /// The lookup's rows in bf16.
+    pub struct HalfRows: bf16 {
+        embedding: lower_precision,
+    }
+}
+
+#[autocast(policy = HalfRows)]
+fn rows_under_policy(
+    ours: &nn::Embedding,
+    theirs: &candle_nn::Embedding,
+    ids: &candle_core::Tensor,
+) -> Result<(DType, DType, candle_core::Tensor)> {
+    let a = ours.forward(ids)?;
+    let b = theirs.forward(ids)?;
+    Ok((a.dtype(), b.dtype(), a.to_dtype(DType::F32)?))
+}
+
+#[autocast(bf16)]
+fn rows_by_default(ours: &nn::Embedding, ids: &candle_core::Tensor) -> Result<DType> {
+    Ok(ours.forward(ids)?.dtype())
+}
+
+/// A `policy!` that moves `embedding` reaches the lookup of candle-amp's `Embedding` and of
+/// candle-nn's: their rows in the policy's dtype (they stayed f32, the entry accepted and
+/// ignored); the built-in policies keep the table's f32.
+#[test]
+fn a_policy_moves_the_embedding_lookup() -> Result<()> {
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev());
+    let ours = nn::embedding(4, 3, vb.pp("ours"))?;
+    let theirs = candle_nn::Embedding::new(ours.embeddings().as_tensor().clone(), 3);
+    let ids = candle_core::Tensor::new(&[[3u32, 0]], &dev())?;
+    let (a, b, rows) = rows_under_policy(&ours, &theirs, &ids)?;
+    assert_eq!((a, b), (DType::BF16, DType::BF16));
+    let want = ours
+        .embeddings()
+        .as_tensor()
+        .index_select(&ids.flatten_all()?, 0)?
+        .to_dtype(DType::BF16)?
+        .to_dtype(DType::F32)?;
+    assert_eq!(
+        rows.flatten_all()?.to_vec1::<f32>()?,
+        want.flatten_all()?.to_vec1::<f32>()?
+    );
+    assert_eq!(rows_by_default(&ours, &ids)?, DType::F32);
+    Ok(())
+}
+
 #[test]
 fn a_declared_policy_moves_ops_between_classes() -> Result<()> {
     let q = Tensor::<F32>::randn(0.0, 1.0, (3, 8), &dev())?;

@@ -111,3 +111,207 @@ fn candle_embedding_in_a_region_reads_every_id() -> Result<()> {
     }
     Ok(())
 }
+
+// ---- f64: autocast never casts it (PyTorch's `is_autocast_eligible`); ops run on it in f64. ----
+
+type Candle = candle_core::Tensor;
+
+fn f64s(values: &[f64]) -> Result<Candle> {
+    Candle::new(values, &dev())?.unsqueeze(0)
+}
+
+#[autocast(bf16)]
+fn softmax_in_region(a: &Candle) -> Result<Candle> {
+    candle_nn::ops::softmax_last_dim(a)
+}
+
+#[autocast(bf16)]
+fn log_softmax_in_region(a: &Candle) -> Result<Candle> {
+    candle_nn::ops::log_softmax(a, 1)
+}
+
+#[autocast(bf16)]
+fn layer_norm_in_region(a: &Candle, w: &Candle, b: &Candle) -> Result<Candle> {
+    candle_nn::ops::layer_norm(a, w, b, 1e-5)
+}
+
+#[autocast(bf16)]
+fn cross_entropy_f64_in_region(a: &Candle, t: &Candle) -> Result<Candle> {
+    candle_nn::loss::cross_entropy(a, t)
+}
+
+#[autocast(bf16)]
+fn mse_in_region(a: &Candle, t: &Candle) -> Result<Candle> {
+    candle_nn::loss::mse(a, t)
+}
+
+#[autocast(bf16)]
+fn add_in_region(a: &Candle, b: &Candle) -> Result<Candle> {
+    a.broadcast_add(b)
+}
+
+fn values(t: &Candle) -> Result<Vec<f64>> {
+    assert_eq!(t.dtype(), DType::F64, "an f64 input keeps its dtype");
+    t.flatten_all()?.to_vec1::<f64>()
+}
+
+fn close(what: &str, got: &[f64], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() <= tol, "{what}: {got:?}, PyTorch {want:?}");
+    }
+}
+
+/// The fp32-class ops on f64 values run in f64, as under `torch.autocast("cpu",
+/// dtype=torch.bfloat16)` (PyTorch 2.15's values below); before, their fused f32 kernels read
+/// the f64 input and answered in f32, where 1e-9 apart is no difference: a softmax of
+/// `[0, 1e-9]` gave exactly `[0.5, 0.5]` and an mse of 1e-10 apart gave 0.
+#[test]
+fn fp32_class_ops_keep_f64() -> Result<()> {
+    let x = f64s(&[0.0, 1e-9])?;
+    close(
+        "softmax",
+        &values(&softmax_in_region(&x)?)?,
+        &[0.499_999_999_750_000_03, 0.500_000_000_25],
+        1e-16,
+    );
+    close(
+        "log_softmax",
+        &values(&log_softmax_in_region(&x)?)?,
+        &[-0.693_147_181_059_945_2, -0.693_147_180_059_945_2],
+        1e-15,
+    );
+    let row = f64s(&[1.0, 1.0 + 1e-9, 1.0 - 1e-9, 1.0])?;
+    let (w, b) = (
+        Candle::ones(4, DType::F64, &dev())?,
+        Candle::zeros(4, DType::F64, &dev())?,
+    );
+    close(
+        "layer_norm",
+        &values(&layer_norm_in_region(&row, &w, &b)?)?,
+        // candle-nn's `layer_norm` takes its eps as an f32: PyTorch's with
+        // `eps=float(np.float32(1e-5))`.
+        &[
+            0.0,
+            3.162_277_961_759_257_4e-7,
+            -3.162_277_610_675_906_3e-7,
+            0.0,
+        ],
+        1e-15,
+    );
+    let target = Candle::new(&[1u32], &dev())?;
+    close(
+        "cross_entropy",
+        &values(&cross_entropy_f64_in_region(&x, &target)?)?,
+        &[0.693_147_180_059_945_2],
+        1e-15,
+    );
+    let (p, t) = (f64s(&[1.0])?, f64s(&[1.0 + 1e-10])?);
+    close(
+        "mse",
+        &values(&mse_in_region(&p, &t)?)?,
+        &[1.000_000_165_480_748_8e-20],
+        1e-30,
+    );
+    Ok(())
+}
+
+/// A promoting op with an f64 operand runs in f64: `f64 [1] + f32 [1e-12]` is
+/// 1.000000000001 (the f32 rounding of 1e-12 added in f64), where candle refused the mixed
+/// dtypes ("dtype mismatch in add").
+#[test]
+fn promotion_with_f64_gives_f64() -> Result<()> {
+    let sum = add_in_region(&f64s(&[1.0])?, &Candle::new(&[1e-12f32], &dev())?)?;
+    close(
+        "f64 + f32",
+        &values(&sum)?,
+        &[1.0 + f64::from(1e-12f32)],
+        0.0,
+    );
+    let sum = add_in_region(&f64s(&[1.0])?, &Candle::new(&[half::bf16::ONE], &dev())?)?;
+    close("f64 + bf16", &values(&sum)?, &[2.0], 0.0);
+    Ok(())
+}
+
+// ---- Integer tensors given to floating-point math, and integer sums. ----
+
+#[autocast(bf16)]
+fn exp_in_region(a: &Candle) -> Result<Candle> {
+    a.exp()
+}
+
+#[autocast(bf16)]
+fn sqrt_in_region(a: &Candle) -> Result<Candle> {
+    a.sqrt()
+}
+
+#[autocast(bf16)]
+fn gelu_in_region(a: &Candle) -> Result<Candle> {
+    a.gelu()
+}
+
+#[autocast(bf16)]
+fn silu_in_region(a: &Candle) -> Result<Candle> {
+    candle_nn::ops::silu(a)
+}
+
+#[autocast(bf16)]
+fn mean_in_region(a: &Candle) -> Result<Candle> {
+    a.mean_all()
+}
+
+#[autocast(bf16)]
+fn scale_in_region(a: &Candle) -> Result<Candle> {
+    (a * 0.5)? + 1.0
+}
+
+#[autocast(bf16)]
+fn sum_in_region(a: &Candle) -> Result<Candle> {
+    a.sum_all()
+}
+
+#[autocast(bf16)]
+fn cumsum_in_region(a: &Candle) -> Result<Candle> {
+    a.cumsum(0)
+}
+
+/// Floating-point math on an integer tensor is an error that names the op and the cast:
+/// candle's integer kernels panicked (`exp` of `u8`, `sqrt` of `u32`: a `todo!`) or gave
+/// integer nonsense (`gelu(1)` 0, `[1, 2] * 0.5 + 1` = `[1, 1]`, the mean of `[1, 2]` 0), where
+/// PyTorch promotes to float (or, for `mean`, refuses).
+#[test]
+fn floating_point_math_on_integers_is_an_error_naming_the_cast() -> Result<()> {
+    let bytes = Candle::new(&[1u8, 2], &dev())?;
+    let words = Candle::new(&[1u32, 2], &dev())?;
+    let longs = Candle::new(&[1i64, 2], &dev())?;
+    let cases: [(&str, Result<Candle>); 6] = [
+        ("exp", exp_in_region(&bytes)),
+        ("sqrt", sqrt_in_region(&words)),
+        ("gelu", gelu_in_region(&bytes)),
+        ("silu", silu_in_region(&longs)),
+        ("mean_all", mean_in_region(&words)),
+        ("affine", scale_in_region(&bytes)),
+    ];
+    for (op, r) in cases {
+        let err = r.map(|t| format!("{t}")).expect_err(op).to_string();
+        assert!(
+            err.contains(&format!("`{op}`")) && err.contains("to_dtype(DType::F32)"),
+            "{op}: {err}"
+        );
+    }
+    Ok(())
+}
+
+/// Integer sums as PyTorch's: in `i64`, so 300 `u8` ones sum to 300 (candle's `u8` sum wraps to
+/// 44, or panics in a debug build), and so does their running sum.
+#[test]
+fn integer_sums_are_taken_in_i64() -> Result<()> {
+    let ones = Candle::ones(300, DType::U8, &dev())?;
+    let sum = sum_in_region(&ones)?;
+    assert_eq!((sum.dtype(), sum.to_scalar::<i64>()?), (DType::I64, 300));
+    let running = cumsum_in_region(&ones)?.to_vec1::<i64>()?;
+    assert_eq!((running[0], running[299]), (1, 300));
+    let words = Candle::new(&[u32::MAX, 1], &dev())?;
+    assert_eq!(sum_in_region(&words)?.to_scalar::<i64>()?, 1 << 32);
+    Ok(())
+}

@@ -341,3 +341,37 @@ fn a_step_inside_a_region_body_drops_the_stale_weight_casts() -> Result<()> {
     );
     Ok(())
 }
+
+/// A step refused for a gradient of another dtype than its parameter (here `u32`) changes
+/// nothing: the next good step is a fresh optimizer's first (the refused one had counted a
+/// step, so AdamW's bias correction was one step ahead). PyTorch refuses such a gradient when
+/// it is assigned.
+#[test]
+fn a_refused_step_leaves_the_optimizer_as_it_was() -> Result<()> {
+    let run = |refused_first: bool| -> Result<Vec<f32>> {
+        let w = Var::new(&[1f32, 2.0], &Device::Cpu)?;
+        let mut opt = AdamW::new(vec![w.clone()], ParamsAdamW::default())?;
+        if refused_first {
+            let mut bad = candle_core::backprop::GradStore::default();
+            bad.insert(
+                w.as_tensor(),
+                candle_core::Tensor::new(&[1u32, 1], &Device::Cpu)?,
+            );
+            let err = opt.step(&bad).expect_err("a u32 gradient").to_string();
+            assert!(err.contains("a U32 gradient for a F32 parameter"), "{err}");
+            assert_eq!(w.as_tensor().to_vec1::<f32>()?, [1.0, 2.0]);
+        }
+        let g = (w.as_tensor() * 3.0)?.sum_all()?.backward()?;
+        opt.step(&g)?;
+        w.as_tensor().to_vec1::<f32>()
+    };
+    let (after_refusal, fresh) = (run(true)?, run(false)?);
+    assert_eq!(
+        after_refusal
+            .iter()
+            .map(|v| v.to_bits())
+            .collect::<Vec<_>>(),
+        fresh.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+    Ok(())
+}

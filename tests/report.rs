@@ -174,8 +174,8 @@ fn the_locator_reports_the_largest_finite_output_or_that_there_was_none() -> Res
         Some(line_of("// gram overflow"))
     );
     assert_eq!(
-        found[0].output_absmax.map(f32::to_bits),
-        Some(600f32.to_bits())
+        found[0].output_absmax.map(f64::to_bits),
+        Some(600f64.to_bits())
     );
     assert!(
         found[0].to_string().contains("largest finite output 6e2"),
@@ -188,7 +188,7 @@ fn the_locator_reports_the_largest_finite_output_or_that_there_was_none() -> Res
         "{}",
         found[1]
     );
-    assert_eq!(found[1].input_absmax.to_bits(), 300f32.to_bits());
+    assert_eq!(found[1].input_absmax.to_bits(), 300f64.to_bits());
     Ok(())
 }
 
@@ -301,5 +301,64 @@ fn operators_and_apply_are_reported_on_their_own_lines() -> Result<()> {
     let line = |op: &str| rep.op(op).next().and_then(|e| e.site).map(|s| s.line);
     assert_eq!(line("affine"), Some(line_of("// site: div")), "{rep}");
     assert_eq!(line("linear"), Some(line_of("// site: apply")), "{rep}");
+    Ok(())
+}
+
+/// A helper region without a policy of its own: it runs under its caller's.
+#[autocast]
+fn shared_product(x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    Ok(x.matmul(x)?) // shared site
+}
+
+#[autocast(fp16)]
+fn from_fp16(x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    shared_product(x)
+}
+
+#[autocast(bf16)]
+fn from_bf16(x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    shared_product(x)
+}
+
+/// One site that runs under an fp16 and then a bf16 region is two entries, each with its own
+/// dtypes and calls (it was one `(F16, calls: 2)` entry, the bf16 calls counted as f16).
+#[test]
+fn a_site_run_under_two_policies_is_two_entries() -> Result<()> {
+    let x = Tensor::<F32>::ones((2, 2), &dev())?;
+    let ((), rep) = report::record(|| {
+        from_fp16(&x).unwrap();
+        from_bf16(&x).unwrap();
+        from_bf16(&x).unwrap();
+    });
+    let mut seen: Vec<(DType, u64)> = rep
+        .op("matmul")
+        .filter(|e| e.site.is_some_and(|s| s.line == line_of("// shared site")))
+        .map(|e| (e.output, e.calls))
+        .collect();
+    seen.sort_by_key(|&(d, _)| d.as_str());
+    assert_eq!(seen, [(DType::BF16, 2), (DType::F16, 1)], "{rep}");
+    Ok(())
+}
+
+#[autocast(bf16)]
+fn f64_product(a: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+    a.matmul(a)
+}
+
+/// An f64 result past f32's range is finite: the locator reads values in f64 (it read them as
+/// f32, took 1e40 for an overflow and said "f64 tops out at 3.4e38").
+#[test]
+fn the_locator_takes_f64_values_as_f64() -> Result<()> {
+    let _check = CHECK_FINITE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let a = candle_core::Tensor::new(&[[1e20f64]], &dev())?;
+    report::set_check_finite(true);
+    report::take_first_nonfinite();
+    let y = f64_product(&a);
+    let found = report::take_first_nonfinite();
+    report::set_check_finite(false);
+    assert_eq!(y?.to_vec2::<f64>()?, [[1e40]]);
+    assert!(found.is_none(), "{found:?}");
     Ok(())
 }

@@ -69,14 +69,19 @@ impl Frame {
 
 /// The dtype an op of `class` runs in, `lower` being the policy's lower dtype, given its inputs'
 /// dtypes (`None`: as they are). Promotion picks the widest floating input (integer inputs,
-/// such as a mask, are never cast and take no part); f16 with bf16 is an error naming `op`.
+/// such as a mask, are never cast and take no part; an f64 one makes the others f64, as
+/// PyTorch's type promotion does after autocast, which casts no f64 tensor); f16 with bf16 is
+/// an error naming `op`. The casts themselves are the region's (`region::route::at`): f64
+/// inputs are never cast, so an fp32- or lower-class op runs on them in f64.
 pub fn target(class: OpClass, lower: DType, op: &str, inputs: &[DType]) -> Result<Option<DType>> {
     Ok(match class {
         OpClass::LowerPrecision => Some(lower),
         OpClass::Fp32 => Some(DType::F32),
         OpClass::Preserve => None,
         OpClass::Promote => {
-            if inputs.contains(&DType::F32) {
+            if inputs.contains(&DType::F64) {
+                Some(DType::F64)
+            } else if inputs.contains(&DType::F32) {
                 Some(DType::F32)
             } else if inputs.contains(&DType::F16) && inputs.contains(&DType::BF16) {
                 candle_core::bail!(

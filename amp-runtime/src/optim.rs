@@ -205,7 +205,7 @@ impl Optimizer for SGD {
     fn step(&mut self, grads: &GradStore) -> Result<()> {
         let lr = self.learning_rate;
         check_lr("SGD", lr)?;
-        check_grad_shapes("SGD", &self.vars, grads)?;
+        check_grads("SGD", &self.vars, grads)?;
         check_scaler_gradients("SGD", &self.vars, grads)?;
         for var in &self.vars {
             let Some(grad) = grads.get(var).filter(|_| var.elem_count() > 0) else {
@@ -342,7 +342,7 @@ impl Optimizer for AdamW {
     fn step(&mut self, grads: &GradStore) -> Result<()> {
         check_adamw(&self.config)?;
         let vars: Vec<Var> = self.params.iter().map(|p| p.var.clone()).collect();
-        check_grad_shapes("AdamW", &vars, grads)?;
+        check_grads("AdamW", &vars, grads)?;
         check_scaler_gradients("AdamW", &vars, grads)?;
         for i in 0..self.params.len() {
             let var = &self.params[i].var;
@@ -578,13 +578,22 @@ fn check_lr(optimizer: &str, lr: f64) -> Result<()> {
 /// Each gradient in `grads` has its parameter's shape, checked before any parameter is written
 /// (a failed step changes nothing): a gradient of another shape, even of as many values, would
 /// update the weights in another tensor's layout, where PyTorch's optimizers raise.
-fn check_grad_shapes(optimizer: &str, vars: &[Var], grads: &GradStore) -> Result<()> {
+fn check_grads(optimizer: &str, vars: &[Var], grads: &GradStore) -> Result<()> {
     for var in vars {
-        if let Some(grad) = grads.get(var).filter(|g| g.dims() != var.dims()) {
+        let Some(grad) = grads.get(var) else { continue };
+        if grad.dims() != var.dims() {
             candle_core::bail!(
                 "{optimizer}: a gradient of shape {:?} for a parameter of shape {:?}",
                 grad.dims(),
                 var.dims()
+            )
+        }
+        if grad.dtype() != var.dtype() {
+            candle_core::bail!(
+                "{optimizer}: a {:?} gradient for a {:?} parameter (PyTorch: \"assigned grad \
+                 has data of a different type\"); nothing was updated",
+                grad.dtype(),
+                var.dtype()
             )
         }
     }

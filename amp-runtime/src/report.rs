@@ -133,10 +133,10 @@ pub struct NonFinite {
     /// The dtype it ran in (its output's).
     pub dtype: DType,
     /// The largest |value| of its inputs, before the region's casts (finite).
-    pub input_absmax: f32,
+    pub input_absmax: f64,
     /// The largest finite |value| of its output (its inf/NaN aside); `None` when no value of
     /// the output is finite.
-    pub output_absmax: Option<f32>,
+    pub output_absmax: Option<f64>,
 }
 
 impl fmt::Display for NonFinite {
@@ -166,6 +166,7 @@ fn max_finite(dtype: DType) -> f64 {
     match dtype {
         DType::F16 => 65504.0,
         DType::BF16 => 3.389_531_4e38,
+        DType::F64 => f64::MAX,
         _ => f64::from(f32::MAX),
     }
 }
@@ -225,10 +226,14 @@ pub fn record<R>(f: impl FnOnce() -> R) -> (R, PrecisionReport) {
     (value, PrecisionReport { entries })
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+/// One entry per call site, op and dtypes: a site that runs under two policies (a helper called
+/// from an fp16 and a bf16 region) is two entries, each with its own calls.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct Key {
     site: Option<&'static Site>,
     op: &'static str,
+    inputs: Vec<&'static str>,
+    output: &'static str,
 }
 
 /// One op call site in a [`PrecisionReport`].
@@ -360,7 +365,13 @@ pub(crate) fn observe(
     STATE.with(|s| {
         let mut s = s.borrow_mut();
         if let Some(rec) = s.recorder.as_mut() {
-            let e = rec.entry(Key { site, op }).or_insert_with(|| Entry {
+            let key = Key {
+                site,
+                op,
+                inputs: inputs.iter().map(|t| t.dtype().as_str()).collect(),
+                output: output.dtype().as_str(),
+            };
+            let e = rec.entry(key).or_insert_with(|| Entry {
                 site,
                 op,
                 class,
@@ -380,7 +391,7 @@ pub(crate) fn observe(
     if check_finite() && STATE.with(|s| s.borrow().first_nonfinite.is_none()) {
         let (out_max, out_bad) = finite_stats(output)?;
         if out_bad {
-            let mut in_max = 0f32;
+            let mut in_max = 0f64;
             for t in inputs {
                 let (m, bad) = finite_stats(t)?;
                 if bad {
@@ -403,17 +414,18 @@ pub(crate) fn observe(
 }
 
 /// The largest finite |value| of `t` (`None` when none is finite, or for an integer tensor)
-/// and whether it holds inf or NaN.
-fn finite_stats(t: &Tensor) -> Result<(Option<f32>, bool)> {
+/// and whether it holds inf or NaN, read in f64, which holds every float dtype's values (an
+/// f64 1e40 read as f32 was reported as an overflow).
+fn finite_stats(t: &Tensor) -> Result<(Option<f64>, bool)> {
     if !t.dtype().is_float() {
         return Ok((None, false));
     }
-    let v = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    let v = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
     let mut max = None;
     let mut bad = false;
     for x in v {
         if x.is_finite() {
-            max = Some(max.map_or(x.abs(), |m: f32| m.max(x.abs())));
+            max = Some(max.map_or(x.abs(), |m: f64| m.max(x.abs())));
         } else {
             bad = true;
         }

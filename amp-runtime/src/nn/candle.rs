@@ -115,11 +115,7 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::Embedding {
     type Output = AmpTensor;
     fn region_call(&self, (ids,): (A,)) -> Result<AmpTensor> {
-        let ids = ids.to_amp();
-        let table = self.embeddings();
-        let mut dims = ids.dims().to_vec();
-        dims.push(table.dim(1)?);
-        crate::kernels::embedding(table, &ids)?.reshape(dims)
+        super::embedding::routed_lookup::<Pol>(self.embeddings(), &ids.to_amp())
     }
 }
 

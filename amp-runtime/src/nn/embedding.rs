@@ -83,12 +83,27 @@ impl AmpLayer for Embedding {
 }
 
 /// Ids are integers (a candle tensor, or a region value computed from one), never cast: the
-/// lookup returns the f32 table's rows.
+/// lookup returns the f32 table's rows, routed as `op::embedding` ([`routed_lookup`]).
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for Embedding {
     type Output = AmpTensor;
     fn region_call(&self, (ids,): (A,)) -> Result<AmpTensor> {
-        Ok(self.forward(&ids.to_amp())?.to_amp())
+        routed_lookup::<Pol>(self.embeddings.as_tensor(), &ids.to_amp())
     }
+}
+
+/// The rows `ids` of `table` in a region (candle-amp's `Embedding` and candle-nn's): looked up
+/// as [`Embedding::forward`] does (ids range-checked, a `u8` 255 a row), shaped
+/// `ids.dims() + [hidden]`, then routed as `op::embedding`, so that a `policy!` that moves
+/// `embedding` gets the rows in its dtype (the built-in policies keep the table's) and the
+/// precision report sees the lookup.
+pub(crate) fn routed_lookup<Pol: Policy>(
+    table: &candle_core::Tensor,
+    ids: &AmpTensor,
+) -> Result<AmpTensor> {
+    let mut dims = ids.dims().to_vec();
+    dims.push(table.dim(1)?);
+    let rows = crate::kernels::embedding(table, ids)?.reshape(dims)?;
+    crate::region::unary::<Pol, op::embedding>(&rows, |rows| Ok(rows.clone()))
 }
 
 /// An embedding with a standard-normal table, as candle-nn's `embedding`.

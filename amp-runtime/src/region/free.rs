@@ -56,7 +56,11 @@ impl<O: Op, F: FnOnce(&[Candle]) -> Result<Candle>> Deferred<O, F> {
     pub fn __amp_policy<Pol: Policy>(self) -> Result<AmpTensor> {
         let inputs: Vec<&AmpTensor> = self.inputs.iter().collect();
         let out = routed::<Pol, O>(&inputs, |t| {
-            if let (Some(candle_core::DType::F32), Some(widening)) = (t, self.widening) {
+            // Not for f64 inputs, which autocast never casts: the op runs on them in f64.
+            let f64_input = inputs.iter().any(|v| v.dtype() == candle_core::DType::F64);
+            if let (Some(candle_core::DType::F32), Some(widening), false) =
+                (t, self.widening, f64_input)
+            {
                 let uncast: Vec<Candle> = inputs.iter().map(|v| (*v).clone()).collect();
                 return widening(&uncast);
             }

@@ -36,6 +36,18 @@ pub(crate) fn routed<Pol: Policy, O: Op>(
     inputs: &[&AmpTensor],
     run: impl FnOnce(Option<DType>) -> Result<candle_core::Tensor>,
 ) -> Result<candle_core::Tensor> {
+    if FLOATING_POINT_MATH.contains(&O::NAME) {
+        if let Some(x) = inputs.iter().find(|x| !x.dtype().is_float()) {
+            candle_core::bail!(
+                "`{}` of a {:?} tensor: it computes in floating point, and candle's integer \
+                 kernels give 0s, wrapped values or a panic; cast it first \
+                 (`.to_dtype(DType::F32)`), as PyTorch promotes an integer input to float \
+                 (its `mean` of integers is an error)",
+                O::NAME,
+                x.dtype()
+            )
+        }
+    }
     let t = if inputs.len() <= 4 {
         let mut dtypes = [DType::F32; 4];
         let mut n = 0;
@@ -54,24 +66,63 @@ pub(crate) fn routed<Pol: Policy, O: Op>(
     autocast_state::run_op(O::NAME, Pol::class::<O>(), || inputs.to_vec(), t, run)
 }
 
+/// Ops whose value is a floating-point function of their input: an integer input is an error
+/// ([`routed`]), never candle's integer kernel (`exp` of `u8` panics, `gelu` of 1 gives 0,
+/// `0.5 * 3u8` gives 1, the `mean` of `[1u32, 2]` 0).
+const FLOATING_POINT_MATH: &[&str] = &[
+    "mean",
+    "mean_keepdim",
+    "mean_all",
+    "exp",
+    "log",
+    "powf",
+    "pow",
+    "broadcast_pow",
+    "recip",
+    "log_sum_exp",
+    "gelu",
+    "gelu_erf",
+    "silu",
+    "tanh",
+    "sigmoid",
+    "sqrt",
+    "affine",
+    "softmax",
+    "log_softmax",
+    "layer_norm",
+    "rms_norm",
+    "group_norm",
+    "dropout",
+];
+
+/// Sums, which PyTorch takes over integers in `i64` (300 `u8` ones sum to 300; candle's `u8`
+/// sum wraps to 44, or panics in a debug build).
+const SUMS: &[&str] = &["sum", "sum_keepdim", "sum_all", "cumsum"];
+
 /// Routes a one-input op: its input cast to the op's target, the op run, the result wrapped.
+/// A sum of `u8` or `u32` values runs on them as `i64`, as PyTorch's.
 pub(crate) fn unary<Pol: Policy, O: Op>(
     x: &AmpTensor,
     f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
 ) -> Result<AmpTensor> {
+    if SUMS.contains(&O::NAME) && matches!(x.dtype(), DType::U8 | DType::U32) {
+        let wide = x.to_dtype(DType::I64)?;
+        return routed::<Pol, O>(&[&wide], |t| f(&at(&wide, t)?));
+    }
     routed::<Pol, O>(&[x], |t| f(&at(x, t)?))
 }
 
 /// Routes a one-input fp32-class op with a fused kernel: under an f32 target (the op's class
 /// under every built-in policy) `widening` reads the input as it is, with no f32 copy; under
-/// another target (a `policy!` that moves the op) `f` runs on the cast input.
+/// another target (a `policy!` that moves the op), or on an f64 input (which autocast never
+/// casts: the op runs in f64, as PyTorch's), `f` runs on the input [`at`] the target.
 pub(crate) fn unary_widening<Pol: Policy, O: Op>(
     x: &AmpTensor,
     widening: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
     f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
 ) -> Result<AmpTensor> {
     routed::<Pol, O>(&[x], |t| match t {
-        Some(DType::F32) => widening(x),
+        Some(DType::F32) if x.dtype() != DType::F64 => widening(x),
         _ => f(&at(x, t)?),
     })
 }
