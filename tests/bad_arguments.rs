@@ -2047,3 +2047,40 @@ fn joining_and_indexing_errors_name_their_op() -> Result<()> {
     );
     Ok(())
 }
+
+// ---- Layer sizes no allocation can hold (sweep 17), as PyTorch's "can't allocate memory". ----
+
+/// A layer whose parameter's size overflows (`usize::MAX / 2` inputs: candle's element count
+/// panicked) or passes the address space is an error naming the parameter; so is one the
+/// machine cannot map (4 TiB: the allocation aborted the process), checked where the kernel
+/// refuses such a mapping (overcommit modes 0 and 2).
+#[test]
+fn layers_too_large_to_allocate_are_errors() {
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev());
+    let huge = usize::MAX / 2;
+    assert_err(
+        "linear(usize::MAX / 2, 4)",
+        nn::linear(huge, 4, vb.pp("a")),
+        "parameter `a.weight`: an output of shape",
+    );
+    assert_err(
+        "embedding(usize::MAX / 2, 4)",
+        nn::embedding(huge, 4, vb.pp("e")),
+        "too large to allocate",
+    );
+    assert_err(
+        "conv2d with 2^24 channels in and out",
+        nn::conv2d(1 << 24, 1 << 24, 3, Conv2dConfig::default(), vb.pp("c")),
+        "too large to allocate",
+    );
+    let refuses_overcommit = std::fs::read_to_string("/proc/sys/vm/overcommit_memory")
+        .is_ok_and(|mode| matches!(mode.trim(), "0" | "2"));
+    if refuses_overcommit {
+        assert_err(
+            "linear(1 << 20, 1 << 20)",
+            nn::linear(1 << 20, 1 << 20, vb.pp("big")),
+            "cannot allocate 4398046511104 bytes",
+        );
+    }
+}

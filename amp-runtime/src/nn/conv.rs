@@ -74,11 +74,11 @@ fn conv_params(
     crate::kernels::layout::check_allocatable("convolution's weight", &shape)?;
     let fan_in = kernel.iter().product::<usize>() * c_in_g;
     let (weight_init, bias_init) = super::fan_in_init(fan_in);
-    let w = vb.get_with_hints(shape, "weight", weight_init)?;
+    let w = super::parameter(vb, shape, "weight", weight_init)?;
     let bias = if with_bias {
-        Some(Var::from_tensor(
-            &vb.get_with_hints(c_out, "bias", bias_init)?,
-        )?)
+        Some(Var::from_tensor(&super::parameter(
+            vb, c_out, "bias", bias_init,
+        )?)?)
     } else {
         None
     };
@@ -386,7 +386,7 @@ pub fn conv_transpose2d(
     vb: VarBuilder,
 ) -> Result<ConvTranspose2d> {
     let (w, init) = transpose_weight(in_channels, out_channels, kernel_size, &vb)?;
-    let b = Var::from_tensor(&vb.get_with_hints(out_channels, "bias", init)?)?;
+    let b = Var::from_tensor(&super::parameter(&vb, out_channels, "bias", init)?)?;
     ConvTranspose2d::new(w, Some(b), config)
 }
 
@@ -419,6 +419,6 @@ fn transpose_weight(
         lo: -bound,
         up: bound,
     };
-    let w = vb.get_with_hints((c_in, c_out, k, k), "weight", init)?;
+    let w = super::parameter(vb, (c_in, c_out, k, k), "weight", init)?;
     Ok((Var::from_tensor(&w)?, init))
 }

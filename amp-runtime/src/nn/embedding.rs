@@ -112,7 +112,8 @@ pub fn embedding(vocab: usize, hidden: usize, vb: VarBuilder) -> Result<Embeddin
         mean: 0.,
         stdev: 1.,
     };
-    Embedding::new(Var::from_tensor(&vb.get_with_hints(
+    Embedding::new(Var::from_tensor(&super::parameter(
+        &vb,
         (vocab, hidden),
         "weight",
         init,

@@ -168,7 +168,7 @@ region_forward!(LinearAct);
 
 /// A linear layer with bias, initialised as candle-nn's `linear` (and PyTorch's `nn.Linear`).
 pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
-    let bias = vb.get_with_hints(out_dim, "bias", super::fan_in_init(in_dim).1)?;
+    let bias = super::parameter(&vb, out_dim, "bias", super::fan_in_init(in_dim).1)?;
     let weight = linear_weight(in_dim, out_dim, &vb)?;
     Linear::new(weight, Some(Var::from_tensor(&bias)?))
 }
@@ -188,6 +188,11 @@ pub fn linear_b(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Re
 }
 
 fn linear_weight(in_dim: usize, out_dim: usize, vb: &VarBuilder) -> Result<Var> {
-    let w = vb.get_with_hints((out_dim, in_dim), "weight", super::fan_in_init(in_dim).0)?;
+    let w = super::parameter(
+        vb,
+        (out_dim, in_dim),
+        "weight",
+        super::fan_in_init(in_dim).0,
+    )?;
     Var::from_tensor(&w)
 }

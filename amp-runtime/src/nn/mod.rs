@@ -217,6 +217,31 @@ fn fan_in_init(fan_in: usize) -> (candle_nn::Init, candle_nn::Init) {
     )
 }
 
+/// `vb.get_with_hints(shape, name, init)`, the size checked first: a shape whose element count
+/// overflows (`linear(usize::MAX / 2, 4)`: candle's arithmetic panicked) or whose f32 values no
+/// allocation can hold (`linear(1 << 20, 1 << 20)`, 4 TiB: the process aborted) is an error
+/// naming the parameter, as PyTorch's "can't allocate memory".
+fn parameter<S: Into<candle_core::Shape>>(
+    vb: &candle_nn::VarBuilder,
+    shape: S,
+    name: &str,
+    init: candle_nn::Init,
+) -> Result<candle_core::Tensor> {
+    let shape = shape.into();
+    let what = format!("parameter `{}`", vb.pp(name).prefix());
+    crate::kernels::layout::check_allocatable(&what, shape.dims())?;
+    let bytes = shape.elem_count() * 4;
+    // Past what the machine can map, the allocation inside the VarBuilder aborts the process:
+    // ask for the bytes first, where a refusal is an error.
+    if Vec::<u8>::new().try_reserve_exact(bytes).is_err() {
+        candle_core::bail!(
+            "{what}: cannot allocate {bytes} bytes for the shape {:?}",
+            shape.dims()
+        )
+    }
+    vb.get_with_hints(shape, name, init)
+}
+
 /// Checks that a master weight is an f32 `Var` (what optimizers need: candle-nn's AdamW keeps
 /// its moments in the Var's dtype, so f16 masters break training).
 fn master(var: Var, what: &str) -> Result<Var> {

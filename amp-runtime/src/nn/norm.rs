@@ -196,8 +196,8 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for GroupNorm 
 /// A group norm as candle-nn's `group_norm`: `groups` groups of `channels`, scale ones and
 /// shift zeros from `vb` (`weight`, `bias`).
 pub fn group_norm(groups: usize, channels: usize, eps: f64, vb: VarBuilder) -> Result<GroupNorm> {
-    let weight = vb.get_with_hints(channels, "weight", candle_nn::Init::Const(1.))?;
-    let bias = vb.get_with_hints(channels, "bias", candle_nn::Init::Const(0.))?;
+    let weight = super::parameter(&vb, channels, "weight", candle_nn::Init::Const(1.))?;
+    let bias = super::parameter(&vb, channels, "bias", candle_nn::Init::Const(0.))?;
     GroupNorm::new(
         Var::from_tensor(&weight)?,
         Var::from_tensor(&bias)?,
@@ -226,8 +226,8 @@ pub fn layer_norm<C: Into<candle_nn::LayerNormConfig>>(
         let ones = candle_core::Tensor::ones(size, DType::F32, vb.device())?;
         return LayerNorm::new(Var::from_tensor(&ones)?, None, config.eps);
     }
-    let weight = vb.get_with_hints(size, "weight", candle_nn::Init::Const(1.))?;
-    let bias = vb.get_with_hints(size, "bias", candle_nn::Init::Const(0.))?;
+    let weight = super::parameter(&vb, size, "weight", candle_nn::Init::Const(1.))?;
+    let bias = super::parameter(&vb, size, "bias", candle_nn::Init::Const(0.))?;
     LayerNorm::new(
         Var::from_tensor(&weight)?,
         Some(Var::from_tensor(&bias)?),
@@ -297,7 +297,7 @@ pub(crate) fn routed_rms_norm<Pol: Policy>(
 
 /// An RMS norm with scale initialised to ones.
 pub fn rms_norm(size: usize, eps: f64, vb: VarBuilder) -> Result<RmsNorm> {
-    let weight = vb.get_with_hints(size, "weight", candle_nn::Init::Const(1.))?;
+    let weight = super::parameter(&vb, size, "weight", candle_nn::Init::Const(1.))?;
     RmsNorm::new(Var::from_tensor(&weight)?, eps)
 }
 
@@ -608,7 +608,12 @@ pub fn batch_norm2d<C: Into<BatchNormConfig>>(
         candle_core::bail!("batch_norm2d: remove_mean = false is not a batch norm PyTorch has")
     }
     let get = |name: &str, value: f64| -> Result<Var> {
-        Var::from_tensor(&vb.get_with_hints(num_features, name, candle_nn::Init::Const(value))?)
+        Var::from_tensor(&super::parameter(
+            &vb,
+            num_features,
+            name,
+            candle_nn::Init::Const(value),
+        )?)
     };
     let affine = if config.affine {
         Some((get("weight", 1.0)?, get("bias", 0.0)?))
