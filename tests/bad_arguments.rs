@@ -952,7 +952,7 @@ fn ops_and_layers_reject_empty_heads_integers_and_scalars() -> Result<()> {
     assert_err(
         "layer norm of u32",
         candle_nn::Module::forward(&ln, &ints),
-        "must be a float tensor",
+        "`layer_norm` of a U32 tensor: it computes in floating point",
     );
     let scalar = Tensor::<F32>::new(1f32, &dev())?;
     assert_err(

@@ -246,3 +246,45 @@ fn custom_bwd_absent_and_misshapen_gradients() -> Result<()> {
     );
     Ok(())
 }
+
+/// `cast_inputs` casts floating tensors only, as PyTorch's `custom_fwd` (which leaves int64 ids
+/// alone): a parameter declared as candle's tensor (token ids) enters as it is, in the fn form
+/// and the impl form. It was retyped and cast like a typed input, and the body's
+/// `index_select(ids, 0)` failed to compile on a `Tensor<F32>`.
+#[custom_fwd(cast_inputs = f32)]
+fn pick_rows(x: &Tensor<F32>, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
+    x.index_select(ids, 0)
+}
+
+struct Picker;
+
+#[custom_fwd(cast_inputs = f32)]
+impl Picker {
+    fn forward(&self, x: &Tensor<F32>, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
+        assert_eq!(ids.dtype(), DType::U32, "the ids are not cast");
+        x.index_select(ids, 0)
+    }
+}
+
+#[autocast(bf16)]
+fn pick_in_region(
+    picker: &Picker,
+    x: &Tensor<F32>,
+    ids: &candle_core::Tensor,
+) -> Result<(Tensor<F32>, Tensor<F32>)> {
+    let h = x.matmul(&x.t()?)?;
+    assert_eq!(h.dtype(), DType::BF16);
+    Ok((pick_rows(&h, ids)?, picker.forward(&h, ids)?))
+}
+
+#[test]
+fn cast_inputs_leaves_candle_tensor_parameters_alone() -> Result<()> {
+    let x = Tensor::<F32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], (2, 2), &Device::Cpu)?;
+    let ids = candle_core::Tensor::new(&[1u32, 0], &Device::Cpu)?;
+    let (a, b) = pick_in_region(&Picker, &x, &ids)?;
+    // x x^T = [[5, 11], [11, 25]] (exact in bf16), rows 1 and 0.
+    let want = [[11.0, 25.0], [5.0, 11.0]];
+    assert_eq!(a.as_candle().to_vec2::<f32>()?, want);
+    assert_eq!(b.as_candle().to_vec2::<f32>()?, want);
+    Ok(())
+}

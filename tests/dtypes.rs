@@ -315,3 +315,33 @@ fn integer_sums_are_taken_in_i64() -> Result<()> {
     assert_eq!(sum_in_region(&words)?.to_scalar::<i64>()?, 1 << 32);
     Ok(())
 }
+
+#[autocast(bf16)]
+fn cat_in_region(a: &Candle, b: &Candle) -> Result<Candle> {
+    candle_core::Tensor::cat(&[a, b], 0)
+}
+
+#[autocast(bf16)]
+fn maximum_in_region(a: &Candle, b: &Candle) -> Result<Candle> {
+    a.broadcast_maximum(b)
+}
+
+/// A promoting op given an integer and a float tensor says what to cast, where candle's error
+/// ("dtype mismatch in cat, lhs: U8, rhs: F32") named neither the rule nor a fix (PyTorch
+/// promotes the integer tensor: `torch.cat([u8 1, f32 2])` is `[1., 2.]`).
+#[test]
+fn promotion_of_an_integer_tensor_names_the_cast() -> Result<()> {
+    let (bytes, floats) = (Candle::new(&[1u8], &dev())?, Candle::new(&[2f32], &dev())?);
+    for (op, r) in [
+        ("cat", cat_in_region(&bytes, &floats)),
+        ("broadcast_maximum", maximum_in_region(&bytes, &floats)),
+    ] {
+        let err = r.map(|t| format!("{t}")).expect_err(op).to_string();
+        assert!(
+            err.contains(&format!("`{op}` mixes a U8 tensor with a F32 one"))
+                && err.contains(".to_dtype(DType::F32)"),
+            "{op}: {err}"
+        );
+    }
+    Ok(())
+}

@@ -10,7 +10,7 @@ use syn::spanned::Spanned;
 use syn::{FnArg, Ident, ItemFn, Pat, Type};
 
 use crate::errors::Errors;
-use crate::model::is_tensor_type;
+use crate::model::{is_candle_tensor, is_tensor_type};
 use crate::runtime::Rt;
 use crate::syntax::verbatim_block;
 
@@ -30,7 +30,7 @@ pub(crate) fn cast_inputs_fn(item: &ItemFn, precision: &Ident) -> ItemFn {
         let Pat::Ident(pat) = &*typed.pat else {
             continue;
         };
-        if !is_tensor_type(&typed.ty) {
+        if !is_tensor_type(&typed.ty) || is_candle_tensor(&typed.ty) {
             continue;
         }
         let name = &pat.ident;

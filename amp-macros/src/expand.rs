@@ -549,16 +549,27 @@ fn region_call_impl(
         let params: Vec<_> = part
             .tensor_params
             .iter()
-            .filter(|p| p.kind == ParamKind::Tensor)
+            .filter(|p| p.kind == ParamKind::Tensor && !crate::model::is_candle_tensor(p.declared))
             .map(|p| p.name)
             .collect();
+        let enter_as = Rt::EnterAs;
         let call_args = part.sig.inputs.iter().skip(1).map(|input| match input {
             FnArg::Typed(t) if crate::model::tensor_param(input).is_some() => {
                 let pat = &t.pat;
-                if matches!(&*t.ty, Type::Reference(_)) {
-                    quote!(&#pat)
+                // A candle tensor parameter is not cast: the value it entered as, as itself.
+                let value = if crate::model::is_candle_tensor(&t.ty) {
+                    let declared = match &*t.ty {
+                        Type::Reference(r) => &*r.elem,
+                        other => other,
+                    };
+                    quote!(#enter_as::<#declared>::enter_as(&#pat))
                 } else {
                     quote!(#pat)
+                };
+                if matches!(&*t.ty, Type::Reference(_)) {
+                    quote!(&#value)
+                } else {
+                    quote!(#value)
                 }
             }
             FnArg::Typed(t) => t.pat.to_token_stream(),

@@ -432,6 +432,30 @@ pub(crate) fn tensor_param(arg: &FnArg) -> Option<&syn::Ident> {
     is_tensor_type(&typed.ty).then_some(&pat.ident)
 }
 
+/// Whether `ty` is candle's tensor by its path (`candle_core::Tensor`, `candle::Tensor`, by
+/// reference or not): a parameter `cast_inputs` leaves alone (token ids, masks), as PyTorch's
+/// `custom_fwd` casts floating tensors only. A bare `Tensor` may be either crate's; the
+/// compiler decides, and `cast_inputs` takes it for candle-amp's.
+pub(crate) fn is_candle_tensor(ty: &Type) -> bool {
+    match ty {
+        Type::Reference(r) => is_candle_tensor(&r.elem),
+        Type::Paren(p) => is_candle_tensor(&p.elem),
+        Type::Path(p) => {
+            let segments: Vec<_> = p
+                .path
+                .segments
+                .iter()
+                .map(|s| s.ident.to_string())
+                .collect();
+            matches!(
+                segments.iter().map(String::as_str).collect::<Vec<_>>()[..],
+                ["candle_core" | "candle", "Tensor"]
+            )
+        }
+        _ => false,
+    }
+}
+
 pub(crate) fn is_tensor_type(ty: &Type) -> bool {
     match ty {
         Type::Reference(r) => is_tensor_type(&r.elem),

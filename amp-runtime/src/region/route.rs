@@ -12,7 +12,7 @@ use super::policy::Policy;
 use super::value::{floating, AmpTensor, AsAmp};
 use crate::autocast_state;
 use crate::cast::convert;
-use crate::op::Op;
+use crate::op::{Op, OpClass};
 
 /// The dtype op `O` runs in under `Pol`, given its inputs' dtypes (`None`: no cast).
 pub(crate) fn target<Pol: Policy, O: Op>(inputs: &[DType]) -> Result<Option<DType>> {
@@ -45,6 +45,19 @@ pub(crate) fn routed<Pol: Policy, O: Op>(
                  (its `mean` of integers is an error)",
                 O::NAME,
                 x.dtype()
+            )
+        }
+    }
+    if Pol::class::<O>() == OpClass::Promote {
+        let kinds = |float: bool| inputs.iter().find(|x| x.dtype().is_float() == float);
+        if let (Some(int), Some(float)) = (kinds(false), kinds(true)) {
+            candle_core::bail!(
+                "`{}` mixes a {:?} tensor with a {:?} one: candle does not promote an integer \
+                 tensor; cast it first (`.to_dtype(DType::{:?})`), as PyTorch's promotion would",
+                O::NAME,
+                int.dtype(),
+                float.dtype(),
+                float.dtype()
             )
         }
     }
