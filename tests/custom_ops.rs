@@ -256,13 +256,15 @@ fn pick_rows(x: &Tensor<F32>, ids: &candle_core::Tensor) -> Result<Tensor<F32>> 
     x.index_select(ids, 0)
 }
 
-struct Picker;
+struct Picker {
+    dim: usize,
+}
 
 #[custom_fwd(cast_inputs = f32)]
 impl Picker {
     fn forward(&self, x: &Tensor<F32>, ids: &candle_core::Tensor) -> Result<Tensor<F32>> {
         assert_eq!(ids.dtype(), DType::U32, "the ids are not cast");
-        x.index_select(ids, 0)
+        x.index_select(ids, self.dim)
     }
 }
 
@@ -281,7 +283,7 @@ fn pick_in_region(
 fn cast_inputs_leaves_candle_tensor_parameters_alone() -> Result<()> {
     let x = Tensor::<F32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], (2, 2), &Device::Cpu)?;
     let ids = candle_core::Tensor::new(&[1u32, 0], &Device::Cpu)?;
-    let (a, b) = pick_in_region(&Picker, &x, &ids)?;
+    let (a, b) = pick_in_region(&Picker { dim: 0 }, &x, &ids)?;
     // x x^T = [[5, 11], [11, 25]] (exact in bf16), rows 1 and 0.
     let want = [[11.0, 25.0], [5.0, 11.0]];
     assert_eq!(a.as_candle().to_vec2::<f32>()?, want);
