@@ -2094,3 +2094,35 @@ fn attention_is_a_lower_precision_op() -> Result<()> {
     assert!(g.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0);
     Ok(())
 }
+
+// ---- Module calls by their trait's path (sweep 18). ----
+
+#[autocast(bf16)]
+fn module_calls_by_path(
+    theirs: &candle_nn::Linear,
+    ours: &nn::Linear,
+    x: &candle_core::Tensor,
+) -> Result<Vec<DType>> {
+    use candle_nn::Module;
+    Ok(vec![
+        candle_nn::Module::forward(theirs, x)?.dtype(),
+        Module::forward(theirs, x)?.dtype(),
+        <candle_nn::Linear as Module>::forward(theirs, x)?.dtype(),
+        Module::forward(ours, x)?.dtype(),
+        theirs.forward(x)?.dtype(),
+    ])
+}
+
+/// `Module::forward(&m, x)`, in any spelling of the trait's path, is the module call
+/// `m.forward(x)`: routed under the region's policy (a linear layer in bf16), where it ran as
+/// plain candle code in f32.
+#[test]
+fn module_calls_by_the_traits_path_are_routed() -> Result<()> {
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev());
+    let theirs = candle_nn::linear(4, 3, vb.pp("theirs"))?;
+    let ours = nn::linear(4, 3, vb.pp("ours"))?;
+    let x = candle_core::Tensor::ones((2, 4), DType::F32, &dev())?;
+    assert_eq!(module_calls_by_path(&theirs, &ours, &x)?, [DType::BF16; 5]);
+    Ok(())
+}

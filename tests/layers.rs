@@ -1929,6 +1929,24 @@ fn upsample_bf16(up: &nn::Upsample, x: &Tensor<F32>) -> Result<DType> {
     Ok(up.forward(&x.cast::<BF16>()?)?.dtype())
 }
 
+/// A view (a transposed image) upsamples as its contiguous copy does: candle's `index_select`
+/// refused it ("index-select only supports contiguous tensors"), where PyTorch reads it.
+#[test]
+fn upsample_reads_a_view() -> Result<()> {
+    let xs: Vec<f32> = (0..30).map(|i| (i as f32 * 0.37).sin()).collect();
+    let x = Tensor::<F32>::from_vec(xs, (1, 2, 5, 3), &Device::Cpu)?.transpose(2, 3)?;
+    for mode in [nn::UpsampleMode::Nearest, nn::UpsampleMode::Bilinear] {
+        let up = nn::Upsample::with_size((5, 7), mode)?;
+        let (view, copy) = (up.forward(&x)?, up.forward(&x.contiguous()?)?);
+        assert_eq!(
+            view.to_flat_vec::<f32>()?,
+            copy.to_flat_vec::<f32>()?,
+            "{mode:?}"
+        );
+    }
+    Ok(())
+}
+
 /// `nn::Upsample` against PyTorch's definition (nearest and bilinear, by size and by scale,
 /// integer and fractional), values and the input's gradient of `sum(y * r)` (each output's
 /// weights sent back to its inputs, in f64 by hand); precision-preserving in a region (a bf16

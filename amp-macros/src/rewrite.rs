@@ -575,8 +575,11 @@ impl VisitMut for Rewriter {
 }
 
 /// `Tensor::NAME(recv, args..)` (also `Tensor::<P>::NAME`, `<Tensor<P>>::NAME`) for a method
-/// row of the op table taking `args`, as the method call `(recv).NAME(args..)`; `None` for any
-/// other expression. The owner is recognised by its name: an alias of `Tensor` is not.
+/// row of the op table taking `args`, and a module call by its trait's path
+/// (`Module::forward(&m, x)`, `candle_nn::Module::forward(..)`, `<Linear as Module>::forward(..)`,
+/// `ModuleT::forward_t(..)`), as the method call `(recv).NAME(args..)`, routed as that call is;
+/// `None` for any other expression. The owner is recognised by its name: an alias of `Tensor`
+/// or `Module` is not.
 fn ufcs_as_method(expr: &Expr) -> Option<syn::ExprMethodCall> {
     let Expr::Call(call) = expr else {
         return None;
@@ -592,12 +595,20 @@ fn ufcs_as_method(expr: &Expr) -> Option<syn::ExprMethodCall> {
             syn::Type::Path(ty) if ty.qself.is_none() => &ty.path.segments.last()?.ident,
             _ => return None,
         },
+        // `<M as Module>::forward`: the owner is the trait.
+        Some(qself) if qself.position >= 1 => &segments.iter().nth(qself.position - 1)?.ident,
         Some(_) => return None,
         None => &segments.iter().rev().nth(1)?.ident,
     };
     let args = call.args.len().checked_sub(1)?;
     let method = name.ident.to_string();
-    if owner != "Tensor" || !name.arguments.is_none() || !optable::is_routed_method(&method, args) {
+    let routed = if owner == "Tensor" {
+        optable::is_routed_method(&method, args)
+    } else {
+        (owner == "Module" || owner == "ModuleT")
+            && optable::MODULE_CALLS.contains(&method.as_str())
+    };
+    if !routed || !name.arguments.is_none() {
         return None;
     }
     let mut rest = call.args.iter().cloned();

@@ -96,7 +96,8 @@ impl Upsample {
         }
         let (_, _, h, w) = x.dims4()?;
         let ((oh, rh), (ow, rw)) = (self.axis(h, 0)?, self.axis(w, 1)?);
-        let wide = crate::cast::convert(x.as_candle(), DType::F32)?;
+        // Contiguous: candle's `index_select` refuses a view (a transposed or narrowed image).
+        let wide = crate::cast::convert(x.as_candle(), DType::F32)?.contiguous()?;
         let y = self.resample(&self.resample(&wide, 2, h, oh, rh)?, 3, w, ow, rw)?;
         Tensor::from_candle(crate::cast::convert(&y, P::DTYPE)?)
     }
