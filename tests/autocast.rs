@@ -2126,3 +2126,44 @@ fn module_calls_by_the_traits_path_are_routed() -> Result<()> {
     assert_eq!(module_calls_by_path(&theirs, &ours, &x)?, [DType::BF16; 5]);
     Ok(())
 }
+
+/// A module of plain candle code, not autocast-aware.
+struct PlainProjection {
+    w: candle_core::Tensor,
+}
+
+impl candle_nn::Module for PlainProjection {
+    fn forward(&self, x: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+        x.matmul(&self.w.to_dtype(x.dtype())?)
+    }
+}
+
+#[autocast(bf16)]
+fn plain_module_with_its_class_stated(
+    p: &PlainProjection,
+    x: &candle_core::Tensor,
+) -> Result<(DType, DType, DType)> {
+    use candle_nn::Module;
+    let lower = x.lower_op(|t| p.forward(t))?;
+    let by_path = x.lower_op(|t| candle_nn::Module::forward(p, t))?;
+    // The closure's ops are candle's, on the f32 value: not routed to bf16 again.
+    let kept = x.fp32_op(|t| t.matmul(&p.w))?;
+    Ok((lower.dtype(), by_path.dtype(), kept.dtype()))
+}
+
+/// The compile error for a module that is not autocast-aware names `x.lower_op(|t|
+/// layer.forward(t))` as the fix; it compiles and runs the module on the value cast to the
+/// class stated, its closure as written (the module call in it was rewritten as a region module
+/// call, and failed with the same error; an op in an `fp32_op` closure was routed to bf16).
+#[test]
+fn a_plain_module_runs_with_its_class_stated() -> Result<()> {
+    let p = PlainProjection {
+        w: candle_core::Tensor::ones((4, 3), DType::F32, &dev())?,
+    };
+    let x = candle_core::Tensor::ones((2, 4), DType::F32, &dev())?;
+    assert_eq!(
+        plain_module_with_its_class_stated(&p, &x)?,
+        (DType::BF16, DType::BF16, DType::F32)
+    );
+    Ok(())
+}

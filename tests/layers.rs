@@ -2209,3 +2209,79 @@ fn candle_nn_batch_norm_runs_in_a_region_as_written() -> Result<()> {
     }
     Ok(())
 }
+
+/// A row of finite values whose variance overflows f32 (deviations near 3e38, reachable from
+/// bf16 activations) is normalised: the layer and RMS norms take such a row's moments in f64
+/// (the f32 variance was inf, every output the shift and every gradient 0, all finite, so
+/// that not even the gradient scaler saw it; PyTorch gives NaN). Against an f64 reference.
+#[test]
+fn norms_of_a_row_whose_variance_overflows_f32() -> Result<()> {
+    let row = [3e38f32, -3e38, 1e38, 1.0];
+    let x = Var::from_slice(&row, (1, 4), &Device::Cpu)?;
+    let typed = Tensor::<F32>::from_candle(x.as_tensor().clone())?;
+    let (ones, zeros) = (
+        Tensor::<F32>::ones(4, &Device::Cpu)?,
+        Tensor::<F32>::zeros(4, &Device::Cpu)?,
+    );
+    let wide: Vec<f64> = row.iter().map(|&v| f64::from(v)).collect();
+    let mean = wide.iter().sum::<f64>() / 4.0;
+    let var = wide.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 4.0;
+    let rms = (wide.iter().map(|v| v * v).sum::<f64>() / 4.0).sqrt();
+    for (what, y, want) in [
+        (
+            "layer_norm",
+            candle_amp::ops::layer_norm(&typed, &ones, &zeros, 1e-5)?,
+            wide.iter()
+                .map(|v| (v - mean) / var.sqrt())
+                .collect::<Vec<_>>(),
+        ),
+        (
+            "rms_norm",
+            candle_amp::ops::rms_norm(&typed, &ones, 1e-5)?,
+            wide.iter().map(|v| v / rms).collect(),
+        ),
+    ] {
+        let got = y.to_flat_vec::<f32>()?;
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (f64::from(*g) - w).abs() < 1e-5,
+                "{what}: {got:?}, f64 {want:?}"
+            );
+        }
+        let grads = (y.as_candle()
+            * &candle_core::Tensor::new(&[[1f32, 2.0, 3.0, 4.0]], &Device::Cpu)?)?
+            .sum_all()?
+            .backward()?;
+        let g = grads
+            .get(&x)
+            .expect("a gradient")
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        assert!(
+            g.iter().all(|v| v.is_finite()) && g.iter().any(|&v| v != 0.0),
+            "{what}: gradient {g:?}"
+        );
+    }
+    Ok(())
+}
+
+/// The global adaptive average (`(1, 1)`, a ResNet's head) sums each image's values in their
+/// order, as PyTorch: `[[3e38, -3e38], [1e38, 1]]` averages to 2.5e37, where the mean of the
+/// columns' sums overflowed (`3e38 + 1e38`) to inf. Its gradient is `1 / (h w)` everywhere.
+#[test]
+fn the_global_average_pool_sums_in_pytorchs_order() -> Result<()> {
+    let x = Var::from_slice(&[3e38f32, -3e38, 1e38, 1.0], (1, 1, 2, 2), &Device::Cpu)?;
+    let y = nn::AdaptiveAvgPool2d::new((1, 1))?
+        .forward(&Tensor::<F32>::from_candle(x.as_tensor().clone())?)?;
+    assert_eq!(y.dims(), [1, 1, 1, 1]);
+    let v = y.to_flat_vec::<f32>()?[0];
+    assert!((v - 2.5e37).abs() <= 2.5e37 * 1e-6, "{v}");
+    let g = y.as_candle().sum_all()?.backward()?;
+    let g = g
+        .get(&x)
+        .expect("a gradient")
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    assert_eq!(g, [0.25; 4]);
+    Ok(())
+}

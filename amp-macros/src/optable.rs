@@ -233,6 +233,13 @@ pub(crate) const OPS: &[Row] = rows! {
 /// Module calls that pass the region's policy on.
 pub(crate) const MODULE_CALLS: &[&str] = &["forward", "forward_t", "forward_train"];
 
+/// Whether `name` is a method row that runs a user's candle function under the row's class
+/// (`x.lower_op(|t| ..)`, `fp32_op`, `preserve_op`): its closure is plain candle code.
+pub(crate) fn is_closure_method(name: &str) -> bool {
+    OPS.iter()
+        .any(|r| r.name == name && r.method == Some(Method::Closure))
+}
+
 pub(crate) fn is_routed_method(name: &str, args: usize) -> bool {
     OPS.iter()
         .any(|r| r.name == name && r.method.is_some_and(|m| m.arity() == args))

@@ -534,8 +534,32 @@ impl VisitMut for Rewriter {
         }
         // Input:  `Tensor::matmul(&a, &b)` (a method of the op table called by its path)
         // Output: `(&a).matmul(&b)`, routed as the method call it stands for.
-        if let Some(method) = ufcs_as_method(expr) {
-            *expr = Expr::MethodCall(method);
+        if let Some((method, used)) = ufcs_as_method(expr) {
+            *expr = match used {
+                // The trait's path stays in use: the user's `use candle_nn::Module;` is not
+                // left unused by the rewrite.
+                Some(path) => Expr::Block(syn::parse_quote!({
+                    #[allow(unused_imports)]
+                    use #path as _;
+                    #method
+                })),
+                None => Expr::MethodCall(method),
+            };
+        }
+        // Input:  `x.lower_op(|t| layer.forward(t))` (also `fp32_op`, `preserve_op`)
+        // Output: the call routed, its closure as written: the closure is the user's candle
+        //         code, run on the value cast to the op's class (a module call or an op in it
+        //         is candle's, not routed again under the region's policy).
+        if let Expr::MethodCall(call) = expr {
+            if call.args.len() == 1 && optable::is_closure_method(&call.method.to_string()) {
+                self.visit_expr_mut(&mut call.receiver);
+                let policy = self.policy();
+                if let Some(routed) = Self::method_call(call, &policy) {
+                    let routed = self.at_site(call.method.span(), routed);
+                    *expr = Expr::Verbatim(routed);
+                }
+                return;
+            }
         }
         // Innermost first: a routed call's receiver and arguments are already rewritten.
         visit_mut::visit_expr_mut(self, expr);
@@ -578,9 +602,9 @@ impl VisitMut for Rewriter {
 /// row of the op table taking `args`, and a module call by its trait's path
 /// (`Module::forward(&m, x)`, `candle_nn::Module::forward(..)`, `<Linear as Module>::forward(..)`,
 /// `ModuleT::forward_t(..)`), as the method call `(recv).NAME(args..)`, routed as that call is;
-/// `None` for any other expression. The owner is recognised by its name: an alias of `Tensor`
-/// or `Module` is not.
-fn ufcs_as_method(expr: &Expr) -> Option<syn::ExprMethodCall> {
+/// `None` for any other expression; with a module call, the trait's path as written. The owner
+/// is recognised by its name: an alias of `Tensor` or `Module` is not.
+fn ufcs_as_method(expr: &Expr) -> Option<(syn::ExprMethodCall, Option<syn::Path>)> {
     let Expr::Call(call) = expr else {
         return None;
     };
@@ -611,21 +635,34 @@ fn ufcs_as_method(expr: &Expr) -> Option<syn::ExprMethodCall> {
     if !routed || !name.arguments.is_none() {
         return None;
     }
+    let trait_path = (owner != "Tensor").then(|| {
+        let len = path
+            .qself
+            .as_ref()
+            .map_or(segments.len() - 1, |q| q.position);
+        syn::Path {
+            leading_colon: path.path.leading_colon,
+            segments: segments.iter().take(len).cloned().collect(),
+        }
+    });
     let mut rest = call.args.iter().cloned();
     let receiver = rest.next()?;
-    Some(syn::ExprMethodCall {
-        attrs: call.attrs.clone(),
-        receiver: Box::new(Expr::Paren(syn::ExprParen {
-            attrs: Vec::new(),
-            paren_token: syn::token::Paren::default(),
-            expr: Box::new(receiver),
-        })),
-        dot_token: syn::token::Dot::default(),
-        method: name.ident.clone(),
-        turbofish: None,
-        paren_token: call.paren_token,
-        args: rest.collect(),
-    })
+    Some((
+        syn::ExprMethodCall {
+            attrs: call.attrs.clone(),
+            receiver: Box::new(Expr::Paren(syn::ExprParen {
+                attrs: Vec::new(),
+                paren_token: syn::token::Paren::default(),
+                expr: Box::new(receiver),
+            })),
+            dot_token: syn::token::Dot::default(),
+            method: name.ident.clone(),
+            turbofish: None,
+            paren_token: call.paren_token,
+            args: rest.collect(),
+        },
+        trait_path,
+    ))
 }
 
 /// A call of a free op, routed by what its path resolves to, not by how it is spelt: the

@@ -65,12 +65,33 @@ fn rows_per_task(n: usize) -> usize {
 }
 
 /// Mean (0 for RMS norm) and `1 / sqrt(var + eps)` of a row, eight partial sums per pass.
+/// A row of finite values whose sums overflow f32 (deviations past ~1.8e19, reachable from bf16
+/// activations) takes its moments in f64: in f32 the variance is inf, `1 / sqrt(inf)` is 0, and
+/// every output would be the shift with a zero gradient, finite, so that nothing downstream
+/// (the gradient scaler included) would see it. PyTorch gives NaN there; the f64 moments give
+/// the normalised values.
 fn moments(x: &[f32], eps: f32, rms: bool) -> (f32, f32) {
     #[allow(clippy::cast_precision_loss)] // a row length
     let n = x.len() as f32;
     let mean = if rms { 0.0 } else { lane_sum(x, |v| v) / n };
     let var = lane_sum(x, |v| (v - mean) * (v - mean)) / n;
-    (mean, 1.0 / (var + eps).sqrt())
+    if (mean.is_finite() && var.is_finite()) || x.iter().any(|v| !v.is_finite()) {
+        return (mean, 1.0 / (var + eps).sqrt());
+    }
+    #[allow(clippy::cast_precision_loss)] // a row length
+    let n = x.len() as f64;
+    let mean = if rms {
+        0.0
+    } else {
+        x.iter().map(|&v| f64::from(v)).sum::<f64>() / n
+    };
+    let var = x
+        .iter()
+        .map(|&v| (f64::from(v) - mean).powi(2))
+        .sum::<f64>()
+        / n;
+    #[allow(clippy::cast_possible_truncation)] // the mean of f32 values, the f32 reciprocal
+    (mean as f32, (1.0 / (var + f64::from(eps)).sqrt()) as f32)
 }
 
 /// The sum of `f(v)` over `x` in eight lanes (lane `l` adds the elements at `l` mod 8), the

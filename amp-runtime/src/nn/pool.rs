@@ -162,7 +162,14 @@ impl AdaptiveAvgPool2d {
             &[b, c, self.out.0, self.out.1],
         )?;
         let wide = crate::cast::convert(x.as_candle(), candle_core::DType::F32)?;
-        let pooled = adaptive_mean(&adaptive_mean(&wide, 2, h, self.out.0)?, 3, w, self.out.1)?;
+        let pooled = if self.out == (1, 1) && h * w > 0 {
+            // The global mean as one sum over each image's values, in their order, as PyTorch
+            // takes it: the mean of the rows' means summed a column's values first, and `3e38`
+            // over `1e38` overflowed where `3e38 - 3e38 + 1e38 + 1` did not.
+            wide.flatten_from(2)?.mean_keepdim(2)?.unsqueeze(3)?
+        } else {
+            adaptive_mean(&adaptive_mean(&wide, 2, h, self.out.0)?, 3, w, self.out.1)?
+        };
         Tensor::from_candle(crate::cast::convert(&pooled, P::DTYPE)?)
     }
 }
