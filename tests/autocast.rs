@@ -2167,3 +2167,31 @@ fn a_plain_module_runs_with_its_class_stated() -> Result<()> {
     );
     Ok(())
 }
+
+/// Layers shared through `Rc` or `Arc` (tied weights) are called as the layer itself, as a
+/// `Box` is: they were "not autocast-aware".
+struct SharedLayers {
+    rc: std::rc::Rc<nn::Linear>,
+    arc: std::sync::Arc<nn::Linear>,
+}
+
+#[autocast(bf16)]
+impl SharedLayers {
+    fn forward(&self, x: &Tensor<F32>) -> Result<(DType, DType)> {
+        Ok((self.rc.forward(x)?.dtype(), self.arc.forward(x)?.dtype()))
+    }
+}
+
+#[test]
+fn shared_layers_are_called_as_themselves() -> Result<()> {
+    let vars = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vars, DType::F32, &dev());
+    let layer = nn::linear(4, 3, vb.pp("l"))?;
+    let shared = SharedLayers {
+        rc: std::rc::Rc::new(layer.clone()),
+        arc: std::sync::Arc::new(layer),
+    };
+    let x = Tensor::<F32>::ones((2, 4), &dev())?;
+    assert_eq!(shared.forward(&x)?, (DType::BF16, DType::BF16));
+    Ok(())
+}

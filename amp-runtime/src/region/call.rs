@@ -63,14 +63,23 @@ impl<Pol: Policy, M, Args, T: RegionCall<Pol, M, Args> + ?Sized> RegionCall<Pol,
     }
 }
 
-impl<Pol: Policy, M, Args, T: RegionCall<Pol, M, Args> + ?Sized> RegionCall<Pol, M, Args>
-    for Box<T>
-{
-    type Output = T::Output;
-    fn region_call(&self, args: Args) -> Result<T::Output> {
-        (**self).region_call(args)
-    }
+/// Boxed and shared modules (`Box<dyn AmpModule>`, `Rc<Linear>`, `Arc<..>`: a layer tied in
+/// two places) are called as the module itself.
+macro_rules! shared_region_call {
+    ($($ptr:ident)::*) => {
+        impl<Pol: Policy, M, Args, T: RegionCall<Pol, M, Args> + ?Sized> RegionCall<Pol, M, Args>
+            for $($ptr)::*<T>
+        {
+            type Output = T::Output;
+            fn region_call(&self, args: Args) -> Result<T::Output> {
+                (**self).region_call(args)
+            }
+        }
+    };
 }
+shared_region_call!(Box);
+shared_region_call!(std::rc::Rc);
+shared_region_call!(std::sync::Arc);
 
 impl<Pol: Policy, M, Args, T: RegionCallMut<Pol, M, Args> + ?Sized> RegionCallMut<Pol, M, Args>
     for Box<T>
