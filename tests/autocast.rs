@@ -2195,3 +2195,31 @@ fn shared_layers_are_called_as_themselves() -> Result<()> {
     assert_eq!(shared.forward(&x)?, (DType::BF16, DType::BF16));
     Ok(())
 }
+
+#[autocast(bf16)]
+fn closure_from_a_kept_block(
+    x: &candle_core::Tensor,
+    w: &candle_core::Tensor,
+) -> Result<(DType, DType)> {
+    let g;
+    let inside;
+    #[keep_fp32]
+    {
+        g = move |t: &candle_core::Tensor| t.matmul(w);
+        inside = g(x)?.dtype();
+    }
+    Ok((inside, g(x)?.dtype()))
+}
+
+/// A closure runs under the statement that calls it, also one written in a `#[keep_fp32]`
+/// block: f32 when called there, bf16 when called after it (it ran in f32 everywhere; PyTorch's
+/// lambda defined under `autocast(enabled=False)` and called under bf16 autocast gives bf16).
+#[test]
+fn a_closure_from_a_kept_block_runs_where_it_is_called() -> Result<()> {
+    let x = candle_core::Tensor::ones((2, 2), DType::F32, &dev())?;
+    assert_eq!(
+        closure_from_a_kept_block(&x, &x)?,
+        (DType::F32, DType::BF16)
+    );
+    Ok(())
+}

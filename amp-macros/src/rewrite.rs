@@ -184,14 +184,18 @@ struct Rewriter {
 }
 
 impl Rewriter {
-    /// Inside a closure (not kept in f32 itself), the policy of the region part running where
-    /// the closure is called, as for a helper fn: a closure written in an fp16 region and
-    /// called from a `#[keep_fp32]` statement runs in f32, as the statement says.
+    /// Inside a closure, the policy of the region part running where the closure is called, as
+    /// for a helper fn: a closure written in an fp16 region and called from a `#[keep_fp32]`
+    /// statement runs in f32, as the statement says, and one written in a `#[keep_fp32]` block
+    /// and called after it runs in fp16 (a closure marked `#[keep_fp32]` itself pushes f32 in
+    /// its own body).
     fn policy(&self) -> TokenStream {
-        if self.kept_fp32 > 0 {
-            Rt::Fp32Policy.into_token_stream()
-        } else if self.closures > 0 {
+        if self.closures > 0 {
+            // Also a closure written in a `#[keep_fp32]` part: that part pushes f32 while it
+            // runs, so a call there runs in f32, and a call after it in the region's policy.
             Rt::CallerPolicy.into_token_stream()
+        } else if self.kept_fp32 > 0 {
+            Rt::Fp32Policy.into_token_stream()
         } else {
             self.policy.clone()
         }
