@@ -441,15 +441,11 @@ pub(crate) fn is_candle_tensor(ty: &Type) -> bool {
         Type::Reference(r) => is_candle_tensor(&r.elem),
         Type::Paren(p) => is_candle_tensor(&p.elem),
         Type::Path(p) => {
-            let segments: Vec<_> = p
-                .path
-                .segments
-                .iter()
-                .map(|s| s.ident.to_string())
-                .collect();
+            let mut names = p.path.segments.iter().map(|s| s.ident.to_string());
+            let (krate, name, more) = (names.next(), names.next(), names.next());
             matches!(
-                segments.iter().map(String::as_str).collect::<Vec<_>>()[..],
-                ["candle_core" | "candle", "Tensor"]
+                (krate.as_deref(), name.as_deref(), more),
+                (Some("candle_core" | "candle"), Some("Tensor"), None)
             )
         }
         _ => false,
