@@ -232,7 +232,7 @@ impl Collective for ThreadCollective {
 
     /// In f64, which holds every f32, f16, bf16, u8 and u32 value (and their sums over up to
     /// 2^21 ranks) exactly; `i64` values, which f64 does not (2^53 + 1 summed as 2^53), are
-    /// combined exactly by [`Self::all_reduce_i64`].
+    /// combined exactly through their 32-bit halves.
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         if t.dtype() == DType::I64 {
             let values = t.flatten_all()?.to_vec1::<i64>()?;

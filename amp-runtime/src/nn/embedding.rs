@@ -83,7 +83,7 @@ impl AmpLayer for Embedding {
 }
 
 /// Ids are integers (a candle tensor, or a region value computed from one), never cast: the
-/// lookup returns the f32 table's rows, routed as `op::embedding` ([`routed_lookup`]).
+/// lookup returns the f32 table's rows, routed as `op::embedding` (`routed_lookup`).
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for Embedding {
     type Output = AmpTensor;
     fn region_call(&self, (ids,): (A,)) -> Result<AmpTensor> {
