@@ -2285,3 +2285,30 @@ fn the_global_average_pool_sums_in_pytorchs_order() -> Result<()> {
     assert_eq!(g, [0.25; 4]);
     Ok(())
 }
+
+/// A group of finite values whose variance overflows f32 comes out NaN, as PyTorch's
+/// `F.group_norm` (it gave the shift, finite, with a zero gradient: nothing downstream, the
+/// gradient scaler included, could see it); the other group of the same input is normalised.
+#[test]
+fn group_norm_of_a_group_whose_variance_overflows_is_nan() -> Result<()> {
+    let vars = VarMap::new();
+    let gn = nn::group_norm(
+        2,
+        4,
+        1e-5,
+        VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu),
+    )?;
+    let x = candle_core::Tensor::new(&[3e38f32, -3e38, 1.0, 3.0], &Device::Cpu)?
+        .reshape((1, 4, 1, 1))?;
+    let y = candle_nn::Module::forward(&gn, &x)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    assert!(y[0].is_nan() && y[1].is_nan(), "{y:?}");
+    // (x - 2) / sqrt(1 + 1e-5) for the second group.
+    let want = 1.0 / (1.0f64 + 1e-5).sqrt();
+    assert!(
+        (f64::from(y[2]) + want).abs() < 1e-6 && (f64::from(y[3]) - want).abs() < 1e-6,
+        "{y:?}"
+    );
+    Ok(())
+}

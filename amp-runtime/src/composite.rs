@@ -401,9 +401,12 @@ pub(crate) fn group_norm(
     let mean = grouped.mean_keepdim(D::Minus1)?;
     let centred = grouped.broadcast_sub(&mean)?;
     let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
-    let normed = centred
-        .broadcast_div(&(var + eps)?.sqrt()?)?
-        .reshape(dims)?;
+    // A group of finite values whose variance overflows (deviations near 3e38, from bf16
+    // activations) has an infinite `var`: `x / sqrt(inf)` would be 0, every output the shift,
+    // finite, and unseen by the gradient scaler. `var * 0` is NaN there (0 otherwise, an exact
+    // no-op), so the group comes out NaN, as PyTorch's does; a pass over the statistics only.
+    let deviation = ((&var + eps)?.sqrt()? + (&var * 0.0)?)?;
+    let normed = centred.broadcast_div(&deviation)?.reshape(dims)?;
     let mut shape = vec![1; dims.len()];
     shape[1] = dims[1];
     normed
