@@ -24,7 +24,12 @@ __device__ __forceinline__ void amp_ln_moments(
         q += c * c;
     }
     *mean = m;
-    *rstd = 1.0f / sqrtf(amp_block_reduce(q, 0, slots) / (float)n + eps);
+    const float var = amp_block_reduce(q, 0, slots) / (float)n;
+    // A row of finite values whose variance overflows f32 (deviations near 3e38, from bf16
+    // activations): 1 / sqrt(inf) would be 0 and every output the shift, finite and unseen by
+    // the gradient scaler. NaN instead, as PyTorch gives (the CPU op takes such a row's moments
+    // in f64).
+    *rstd = var > 3.4028235e38f ? __int_as_float(0x7fc00000) : 1.0f / sqrtf(var + eps);
 }
 
 // y = (x - mean) * rstd * w + b per row.
