@@ -2223,3 +2223,20 @@ fn a_closure_from_a_kept_block_runs_where_it_is_called() -> Result<()> {
     );
     Ok(())
 }
+
+#[autocast(bf16)]
+fn through_a_borrowed_object(m: &dyn candle_amp::AmpModule, x: &Tensor<F32>) -> Result<DType> {
+    Ok(m.forward(x)?.dtype())
+}
+
+/// A module taken as `&dyn AmpModule` (a borrowed object, as plain Rust reads that type) is
+/// called under the region's policy; it needed `&(dyn AmpModule + 'static)` ("borrowed data
+/// escapes outside of function").
+#[test]
+fn a_borrowed_module_object_is_called_under_the_policy() -> Result<()> {
+    let vars = VarMap::new();
+    let layer = nn::linear(4, 3, VarBuilder::from_varmap(&vars, DType::F32, &dev()))?;
+    let x = Tensor::<F32>::ones((2, 4), &dev())?;
+    assert_eq!(through_a_borrowed_object(&layer, &x)?, DType::BF16);
+    Ok(())
+}
