@@ -168,7 +168,9 @@ impl<D, V> LeaveUnsupported<D, V> for Leaving<D, V> {
             declared, or in a tuple, `Option` or `Vec` of them",
     note = "for an array, a map or another container of tensors, declare a `Vec` or a tuple, or \
             convert each tensor before it goes in (`RegionValue::cast`: `y.cast::<F32>()?`): \
-            then the value is the declared type and leaves as it is"
+            then the value is the declared type and leaves as it is",
+    note = "a value the declared type needs coerced (a boxed closure returned as \
+            `Box<dyn Fn ..>`) is coerced where it is built: `Ok(Box::new(f) as Box<dyn Fn(..)>)`"
 )]
 pub trait CannotLeave<D> {}
 
