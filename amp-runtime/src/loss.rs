@@ -59,7 +59,8 @@ pub fn cross_entropy<P: Fp32Input<op::cross_entropy>>(
 /// Cross-entropy with PyTorch's options (class weights, `ignore_index`, label smoothing; see
 /// [`CrossEntropy`]), mean reduction, in f32. A batch with no row to average (every target
 /// `ignore_index`, or the kept rows' class weights adding up to 0) and non-finite class weights
-/// are errors, where PyTorch returns NaN.
+/// are errors, where PyTorch returns NaN. A term whose coefficient is 0 (a class weighted 0) is
+/// 0 even where its log-probability is `-inf`; PyTorch's `0 * -inf` makes the loss NaN there.
 pub fn cross_entropy_with<P: Fp32Input<op::cross_entropy>>(
     inp: &Tensor<P>,
     target: &candle_core::Tensor,
