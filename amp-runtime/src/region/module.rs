@@ -75,7 +75,7 @@ where
 /// A module behind `dyn` loses the static policy: the call pushes it for [`CallerPolicy`].
 /// For any lifetime of the object (`m: &dyn AmpModule` in a signature is a borrowed one, not
 /// `'static`).
-impl<'m, Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for dyn AmpModule + 'm {
+impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for dyn AmpModule + '_ {
     type Output = AmpTensor;
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         let _policy = PolicyScope::enter::<Pol>();
