@@ -109,16 +109,18 @@ const FLOATING_POINT_MATH: &[&str] = &[
 ];
 
 /// Sums, which PyTorch takes over integers in `i64` (300 `u8` ones sum to 300; candle's `u8`
-/// sum wraps to 44, or panics in a debug build).
+/// sum wraps to 44, or panics in a debug build). Only `u8` sums are widened: a `u32` sum (a
+/// mask's count of tokens) stays candle's `u32`, which ported candle code expects, and wraps
+/// only past 4e9.
 const SUMS: &[&str] = &["sum", "sum_keepdim", "sum_all", "cumsum"];
 
 /// Routes a one-input op: its input cast to the op's target, the op run, the result wrapped.
-/// A sum of `u8` or `u32` values runs on them as `i64`, as PyTorch's.
+/// A sum of `u8` values runs on them as `i64`, as PyTorch's ([`SUMS`]).
 pub(crate) fn unary<Pol: Policy, O: Op>(
     x: &AmpTensor,
     f: impl FnOnce(&candle_core::Tensor) -> Result<candle_core::Tensor>,
 ) -> Result<AmpTensor> {
-    if SUMS.contains(&O::NAME) && matches!(x.dtype(), DType::U8 | DType::U32) {
+    if SUMS.contains(&O::NAME) && x.dtype() == DType::U8 {
         let wide = x.to_dtype(DType::I64)?;
         return routed::<Pol, O>(&[&wide], |t| f(&at(&wide, t)?));
     }
