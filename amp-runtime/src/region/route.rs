@@ -36,8 +36,10 @@ pub(crate) fn routed<Pol: Policy, O: Op>(
     inputs: &[&AmpTensor],
     run: impl FnOnce(Option<DType>) -> Result<candle_core::Tensor>,
 ) -> Result<candle_core::Tensor> {
-    if FLOATING_POINT_MATH.contains(&O::NAME) {
-        if let Some(x) = inputs.iter().find(|x| !x.dtype().is_float()) {
+    // Integer inputs are rare (ids, masks): the dtype test first, the op's name and class only
+    // then, so that the common call pays one pass over its inputs' dtypes.
+    if let Some(x) = inputs.iter().find(|x| !x.dtype().is_float()) {
+        if FLOATING_POINT_MATH.contains(&O::NAME) {
             candle_core::bail!(
                 "`{}` of a {:?} tensor: it computes in floating point, and candle's integer \
                  kernels give 0s, wrapped values or a panic; cast it first \
@@ -47,15 +49,13 @@ pub(crate) fn routed<Pol: Policy, O: Op>(
                 x.dtype()
             )
         }
-    }
-    if Pol::class::<O>() == OpClass::Promote {
-        let kinds = |float: bool| inputs.iter().find(|x| x.dtype().is_float() == float);
-        if let (Some(int), Some(float)) = (kinds(false), kinds(true)) {
+        let float = inputs.iter().find(|x| x.dtype().is_float());
+        if let (OpClass::Promote, Some(float)) = (Pol::class::<O>(), float) {
             candle_core::bail!(
                 "`{}` mixes a {:?} tensor with a {:?} one: candle does not promote an integer \
                  tensor; cast it first (`.to_dtype(DType::{:?})`), as PyTorch's promotion would",
                 O::NAME,
-                int.dtype(),
+                x.dtype(),
                 float.dtype(),
                 float.dtype()
             )

@@ -51,7 +51,7 @@ impl GradSet {
         if ids.is_empty() {
             return Err(ScalerError::NoGradients.into());
         }
-        ids.sort_by_key(|&id| creation_order(id));
+        ids.sort_by_cached_key(|&id| creation_order(id));
         Ok(Self { store, ids })
     }
 
@@ -110,7 +110,7 @@ impl GradSet {
             };
             self.store.insert_id(id, sum);
         }
-        self.ids.sort_by_key(|&id| creation_order(id));
+        self.ids.sort_by_cached_key(|&id| creation_order(id));
         Ok(())
     }
 }
