@@ -19,10 +19,10 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
+use super::products::{resident, Gemm, Head, Panels, Products, Resident};
 use super::{Attention, Dropout, Geometry, Mask};
-use crate::kernels::convert::convert_slice;
 use crate::kernels::elem::Real;
-use crate::kernels::gemm::{gemm, gemm_append, GemmElem, MatRef};
+use crate::kernels::gemm::{Bf16Products, GemmElem, MatRef};
 use crate::kernels::leaf_grads::offer;
 use crate::kernels::parallel::{self, Disjoint};
 use crate::kernels::widen::lane_sums2;
@@ -50,6 +50,8 @@ pub(super) struct Fused {
     /// log-sum-exp, `max + ln(sum)`; in f32 it rounds to the maximum where the maximum is
     /// large, as under a mask of -1e9, and `exp(s - lse)` then gives 1 for every key.)
     stats: Arc<OnceLock<Vec<RowStats>>>,
+    /// Every product on the packed GEMM, never the resident products (tests only).
+    gemm_only: bool,
 }
 
 /// A row's softmax maximum and sum (see [`softmax_in_place`]).
@@ -61,10 +63,10 @@ struct RowStats {
 
 /// A rank-4 operand as the kernels read it: its elements, start offset and strides.
 #[derive(Clone, Copy)]
-struct Operand<'a, T> {
+pub(super) struct Operand<'a, T> {
     data: &'a [T],
     start: usize,
-    stride: [usize; 4],
+    pub stride: [usize; 4],
 }
 
 impl<'a, T> Operand<'a, T> {
@@ -103,7 +105,7 @@ impl<'a, T> Operand<'a, T> {
     }
 
     /// Rows `from..` of head `(b, h)` as a `(rows, cols)` matrix.
-    fn rows(&self, b: usize, h: usize, from: usize) -> MatRef<'a, T> {
+    pub fn rows(&self, b: usize, h: usize, from: usize) -> MatRef<'a, T> {
         let s = self.stride;
         MatRef {
             data: self.data,
@@ -114,7 +116,7 @@ impl<'a, T> Operand<'a, T> {
     }
 
     /// Head `(b, h)` transposed, `(cols, rows)`.
-    fn transposed(&self, b: usize, h: usize) -> MatRef<'a, T> {
+    pub fn transposed(&self, b: usize, h: usize) -> MatRef<'a, T> {
         let s = self.stride;
         MatRef {
             data: self.data,
@@ -122,23 +124,6 @@ impl<'a, T> Operand<'a, T> {
             rs: s[3],
             cs: s[2],
         }
-    }
-}
-
-/// `a * b`, `(m, n)` row-major in f32, into a fresh buffer the GEMM writes whole (no zero fill).
-fn product<T: GemmElem>((m, n, k): (usize, usize, usize), a: MatRef<T>, b: MatRef<T>) -> Vec<f32> {
-    let mut c = Vec::with_capacity(m * n);
-    gemm_append(&mut c, (m, n, k), a, b, false);
-    c
-}
-
-/// A row-major `(rows, cols)` buffer read transposed, `(cols, rows)`.
-fn transposed<T>(data: &[T], cols: usize) -> MatRef<'_, T> {
-    MatRef {
-        data,
-        offset: 0,
-        rs: 1,
-        cs: cols,
     }
 }
 
@@ -167,6 +152,7 @@ impl Fused {
             g,
             tokens_major,
             stats: Arc::default(),
+            gemm_only: false,
         })
     }
 
@@ -204,27 +190,21 @@ impl Fused {
         )
     }
 
-    /// The scaled and masked scores of query rows `from..to` of head `(b, h)`, f32 and
-    /// row-major over the keys the block's last row sees (the later keys are hidden from every
-    /// row of the block), `-inf` where a row's key is hidden, with how many keys that is.
-    fn scores<T: GemmElem>(
+    /// The scaled and masked scores of query rows `from..to` of head `(b, h)` (its products
+    /// `x`), f32 and row-major over the keys the block's last row sees (the later keys are
+    /// hidden from every row of the block), `-inf` where a row's key is hidden, with how many
+    /// keys that is.
+    fn scores<T>(
         &self,
         (b, h): (usize, usize),
         (from, to): (usize, usize),
-        q: Operand<T>,
-        k: Operand<T>,
+        x: &impl Products<T>,
     ) -> (Vec<f32>, usize) {
-        let g = self.g;
         let (rows, keys) = (to - from, self.visible(to - 1));
         if keys == 0 {
             return (Vec::new(), 0);
         }
-        let kv_head = h / g.group();
-        let mut s = product(
-            (rows, keys, g.d),
-            q.rows(b, h, from),
-            k.transposed(b, kv_head),
-        );
+        let mut s = x.scores((from, rows), keys);
         for (r, row) in s.chunks_exact_mut(keys).enumerate() {
             let i = from + r;
             let seen = self.visible(i);
@@ -244,14 +224,14 @@ impl Fused {
 
     /// The probabilities of query rows `from..to` of head `(b, h)` (see [`Self::scores`]), each
     /// row's softmax statistics written to `stats`.
-    fn probabilities<T: GemmElem>(
+    fn probabilities<T>(
         &self,
         (b, h): (usize, usize),
         (from, to): (usize, usize),
-        [q, k]: [Operand<T>; 2],
+        x: &impl Products<T>,
         stats: &mut [MaybeUninit<RowStats>],
     ) -> (Vec<f32>, usize) {
-        let (mut p, keys) = self.scores((b, h), (from, to), q, k);
+        let (mut p, keys) = self.scores((b, h), (from, to), x);
         if keys == 0 {
             stats.fill(MaybeUninit::new(NO_KEY));
             return (p, keys);
@@ -264,14 +244,14 @@ impl Fused {
 
     /// The probabilities again from the forward's statistics of each row: the forward's own
     /// `exp(s - max) / sum`, so the same values to the bit.
-    fn probabilities_again<T: GemmElem>(
+    fn probabilities_again<T>(
         &self,
         (b, h): (usize, usize),
         (from, to): (usize, usize),
-        [q, k]: [Operand<T>; 2],
+        x: &impl Products<T>,
         stats: &[RowStats],
     ) -> (Vec<f32>, usize) {
-        let (mut p, keys) = self.scores((b, h), (from, to), q, k);
+        let (mut p, keys) = self.scores((b, h), (from, to), x);
         if keys > 0 {
             for (row, stats) in p.chunks_exact_mut(keys).zip(stats) {
                 exponentials(row, stats.max);
@@ -283,6 +263,24 @@ impl Fused {
         (p, keys)
     }
 
+    /// The resident products, where the operands take them and [`Self::on_the_gemm`] did not
+    /// rule them out.
+    fn resident<T: GemmElem>(&self, operands: &[Operand<T>]) -> Option<Bf16Products> {
+        if self.gemm_only {
+            None
+        } else {
+            resident(self.g, operands)
+        }
+    }
+
+    /// The same op with every product on the packed GEMM (the reference the resident products
+    /// are tested against).
+    #[cfg(test)]
+    pub(super) fn on_the_gemm(mut self) -> Self {
+        self.gemm_only = true;
+        self
+    }
+
     fn forward<T: GemmElem>(&self, q: Operand<T>, k: Operand<T>, v: Operand<T>) -> Vec<T> {
         let g = self.g;
         let blocks = g.tq.div_ceil(BLOCK);
@@ -290,6 +288,15 @@ impl Fused {
         if len == 0 {
             // No output value (an empty batch or length, or values of size 0).
             return Vec::new();
+        }
+        // With the resident products, each key/value head packed once for all its blocks.
+        let resident = self.resident(&[q, k, v]);
+        let mut panels: Vec<Panels> = Vec::new();
+        if let Some(products) = resident {
+            panels.resize_with(g.b * g.hk, Panels::default);
+            parallel::for_each_chunk_mut(&mut panels, 1, |i, head| {
+                head[0] = Panels::forward(products, (g, i / g.hk, i % g.hk), k, v);
+            });
         }
         let mut out: Vec<T> = Vec::with_capacity(len);
         let dst = Disjoint::new(&mut out.spare_capacity_mut()[..len]);
@@ -303,15 +310,28 @@ impl Fused {
             let to = (from + BLOCK).min(g.tq);
             // SAFETY: task `(b, h, block)` alone handles rows `from..to` of head `(b, h)`.
             let stats = unsafe { stats_rows.part(bh * g.tq + from, to - from) };
-            let (mut p, keys) = self.probabilities((b, h), (from, to), [q, k], stats);
-            if let Some(z) = self.dropout_factors((b, h), (from, to - from), keys) {
-                p.iter_mut().zip(&z).for_each(|(p, z)| *p *= z);
-            }
-            let o = product(
-                (to - from, g.dv, keys),
-                MatRef::row_major(&convert_slice::<f32, T>(&p), 0, keys),
-                v.rows(b, h / g.group(), 0),
-            );
+            let head = Head {
+                g,
+                b,
+                h,
+                kv: h / g.group(),
+                q,
+                k,
+                v,
+            };
+            let o = match resident {
+                Some(products) => self.block_output(
+                    &Resident {
+                        products,
+                        head,
+                        panels: &panels[b * g.hk + head.kv],
+                    },
+                    (b, h),
+                    (from, to),
+                    stats,
+                ),
+                None => self.block_output(&Gemm(head), (b, h), (from, to), stats),
+            };
             if self.tokens_major {
                 for (i, row) in (from..to).zip(o.chunks_exact(g.dv)) {
                     // SAFETY: task `(b, h, block)` alone writes row `i` of head `h` at `(b, i)`.
@@ -335,6 +355,22 @@ impl Fused {
         out
     }
 
+    /// The output of query rows `from..to` of head `(b, h)`, f32 `(rows, d_v)`, from its
+    /// products `x`; the rows' softmax statistics written to `stats`.
+    fn block_output<T>(
+        &self,
+        x: &impl Products<T>,
+        (b, h): (usize, usize),
+        (from, to): (usize, usize),
+        stats: &mut [MaybeUninit<RowStats>],
+    ) -> Vec<f32> {
+        let (mut p, keys) = self.probabilities((b, h), (from, to), x, stats);
+        if let Some(z) = self.dropout_factors((b, h), (from, to - from), keys) {
+            p.iter_mut().zip(&z).for_each(|(p, z)| *p *= z);
+        }
+        x.outputs(&p, to - from, keys)
+    }
+
     /// `[dq | dk | dv]`, flattened in the operands' shapes (contiguous), from the output's
     /// gradient `dout`.
     fn backward<T: GemmElem>(
@@ -354,22 +390,38 @@ impl Fused {
         if len == 0 {
             return Vec::new();
         }
+        let resident = self.resident(&[q, k, v, dout]);
         let mut out: Vec<T> = Vec::with_capacity(len);
         let dst = Disjoint::new(&mut out.spare_capacity_mut()[..len]);
         parallel::for_each_index(g.b * g.hk, |task| {
-            let (b, kv_head) = (task / g.hk, task % g.hk);
+            let (b, kv) = (task / g.hk, task % g.hk);
+            let panels = resident.map(|p| (p, Panels::backward(p, (g, b, kv), k, v)));
             let mut dk = vec![0f32; g.tk * g.d];
             let mut dv = vec![0f32; g.tk * g.dv];
-            for h in kv_head * g.group()..(kv_head + 1) * g.group() {
+            for h in kv * g.group()..(kv + 1) * g.group() {
+                let head = Head {
+                    g,
+                    b,
+                    h,
+                    kv,
+                    q,
+                    k,
+                    v,
+                };
                 for from in (0..g.tq).step_by(BLOCK) {
-                    let to = (from + BLOCK).min(g.tq);
-                    let dq = self.block_grads(
-                        (b, h, kv_head),
-                        (from, to),
-                        [q, k, v, dout],
-                        &mut dk,
-                        &mut dv,
-                    );
+                    let rows = (from, (from + BLOCK).min(g.tq));
+                    let sums = (&mut dk[..], &mut dv[..]);
+                    let dq = match &panels {
+                        Some((products, panels)) => {
+                            let x = Resident {
+                                products: *products,
+                                head,
+                                panels,
+                            };
+                            self.block_grads(&x, dout, (b, h), rows, sums)
+                        }
+                        None => self.block_grads(&Gemm(head), dout, (b, h), rows, sums),
+                    };
                     // SAFETY: this task alone handles query head `(b, h)` (its key/value head's
                     // group), so it alone writes these rows of dq.
                     let rows =
@@ -377,8 +429,8 @@ impl Fused {
                     write_rounded(&dq, rows);
                 }
             }
-            let head = b * g.hk + kv_head;
-            // SAFETY: this task alone handles key/value head `(b, kv_head)`.
+            let head = b * g.hk + kv;
+            // SAFETY: this task alone handles key/value head `(b, kv)`.
             let (dk_rows, dv_rows) = unsafe {
                 (
                     dst.part(nq + head * g.tk * g.d, dk.len()),
@@ -393,51 +445,40 @@ impl Fused {
         out
     }
 
-    /// The gradients of query rows `from..to` of head `h` (returned, f32), and their
-    /// contributions to the key/value head's `dk` and `dv` (added).
+    /// The gradients of query rows `from..to` of head `(b, h)` (returned, f32), and their
+    /// contributions to the key/value head's `dk` and `dv` (added), from its products `x`.
     fn block_grads<T: GemmElem>(
         &self,
-        (b, h, kv_head): (usize, usize, usize),
+        x: &impl Products<T>,
+        dout: Operand<T>,
+        (b, h): (usize, usize),
         (from, to): (usize, usize),
-        [q, k, v, dout]: [Operand<T>; 4],
-        dk: &mut [f32],
-        dv: &mut [f32],
+        (dk, dv): (&mut [f32], &mut [f32]),
     ) -> Vec<f32> {
         let g = self.g;
         let rows = to - from;
         let (p, keys) = if let Some(stats) = self.stats.get() {
             let at = (b * g.h + h) * g.tq;
-            self.probabilities_again((b, h), (from, to), [q, k], &stats[at + from..at + to])
+            self.probabilities_again((b, h), (from, to), x, &stats[at + from..at + to])
         } else {
             // No forward values (an empty output, `d_v` = 0): the softmax again.
             let mut stats = vec![MaybeUninit::uninit(); rows];
-            self.probabilities((b, h), (from, to), [q, k], &mut stats)
+            self.probabilities((b, h), (from, to), x, &mut stats)
         };
         if keys == 0 {
             return vec![0.0; rows * g.d];
         }
-        let do_rows = dout.rows(b, h, from);
         // dV += (P Z)^T dO, with P Z rounded as the forward's product read it.
         let z = self.dropout_factors((b, h), (from, rows), keys);
-        let p_half: Vec<T> = match &z {
+        match &z {
             Some(z) => {
                 let dropped: Vec<f32> = p.iter().zip(z).map(|(p, z)| p * z).collect();
-                convert_slice(&dropped)
+                x.add_value_grads(&dropped, dout, (from, rows), keys, dv);
             }
-            None => convert_slice(&p),
-        };
-        gemm(
-            keys,
-            g.dv,
-            rows,
-            transposed(&p_half, keys),
-            do_rows,
-            &mut dv[..keys * g.dv],
-            true,
-            false,
-        );
+            None => x.add_value_grads(&p, dout, (from, rows), keys, dv),
+        }
         // dP = (dO V^T) Z, then dS = P * (dP - rowsum(P * dP)) * scale, in place.
-        let mut ds = product((rows, keys, g.dv), do_rows, v.transposed(b, kv_head));
+        let mut ds = x.prob_grads(dout, (from, rows), keys);
         if let Some(z) = &z {
             ds.iter_mut().zip(z).for_each(|(d, z)| *d *= z);
         }
@@ -447,24 +488,8 @@ impl Fused {
                 *dp = p * (*dp - dot) * self.scale;
             }
         }
-        let ds: Vec<T> = convert_slice(&ds);
         // dQ = dS K; dK += dS^T Q.
-        let dq = product(
-            (rows, g.d, keys),
-            MatRef::row_major(&ds, 0, keys),
-            k.rows(b, kv_head, 0),
-        );
-        gemm(
-            keys,
-            g.d,
-            rows,
-            transposed(&ds, keys),
-            q.rows(b, h, from),
-            &mut dk[..keys * g.d],
-            true,
-            false,
-        );
-        dq
+        x.score_grads(&ds, (from, rows), keys, dk)
     }
 }
 

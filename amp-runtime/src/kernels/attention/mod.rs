@@ -37,6 +37,7 @@ mod composed;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod fused;
+mod products;
 #[cfg(test)]
 mod tests;
 

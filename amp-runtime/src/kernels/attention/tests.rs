@@ -526,3 +526,111 @@ fn a_huge_finite_mask_gives_the_forward_s_probabilities_in_the_backward() -> Res
     assert_eq!(flat(grads.get(&v).expect("dv"))?, [0.5, 0.5]);
     Ok(())
 }
+
+/// The op as the public entry runs it, or with every product on the packed GEMM.
+fn attend_on(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    options: &Attention,
+    seed: u64,
+    gemm_only: bool,
+) -> Result<Tensor> {
+    let g = Geometry::check(q, k, v)?;
+    let (scale, dropout) = super::resolve(options, g, seed)?;
+    let op = super::fused::Fused::new(options, g, scale, dropout, false)?;
+    q.apply_op3(k, v, if gemm_only { op.on_the_gemm() } else { op })
+}
+
+/// On a CPU with AVX512-BF16, bf16 attention runs its products on key/value panels packed once
+/// per head with the query rows read in place (`gemm::Bf16Products`); the packed GEMM rounds
+/// the same operands and sums the same pairs in the same order, so the output and the three
+/// gradients must be its bits exactly. Cases: odd and even lengths (blocks that end inside and
+/// on 32 rows, odd key counts under the causal mask), a KV cache with grouped heads, value
+/// heads narrower than the keys', masks, dropout, transposed `(b, t, h, d)` views, 1000 keys.
+#[test]
+fn resident_bf16_products_give_the_gemm_s_bits() -> Result<()> {
+    if crate::kernels::gemm::Bf16Products::detect().is_none() {
+        eprintln!("no AVX512-BF16 on this CPU: the resident products do not run");
+        return Ok(());
+    }
+    // (b, h, h_kv, t_q, t_k, d, d_v), causal, mask, dropout, heads read transposed.
+    let cases = [
+        ((2, 2, 2, 7, 7, 16, 16), false, Mask::None, 0.0, false),
+        ((2, 2, 2, 7, 7, 16, 16), true, Mask::None, 0.0, false),
+        ((1, 2, 1, 64, 64, 16, 16), true, Mask::Additive, 0.0, false),
+        ((2, 1, 1, 100, 100, 8, 8), true, Mask::Padding, 0.0, false),
+        ((1, 4, 2, 5, 33, 16, 8), true, Mask::None, 0.0, false),
+        ((2, 2, 1, 33, 33, 16, 16), true, Mask::Additive, 0.2, false),
+        ((1, 1, 1, 1, 1, 2, 2), false, Mask::None, 0.0, false),
+        ((2, 3, 3, 9, 9, 8, 8), true, Mask::None, 0.0, true),
+        ((1, 1, 1, 40, 1000, 16, 16), false, Mask::None, 0.0, false),
+    ];
+    for ((b, h, hk, tq, tk, d, dv), causal, mask, dropout, transposed) in cases {
+        let heads = |(n, t, w): (usize, usize, usize), seed| -> Result<Tensor> {
+            if transposed {
+                input((b, t, n, w), seed, DType::BF16)?.transpose(1, 2)
+            } else {
+                input((b, n, t, w), seed, DType::BF16)
+            }
+        };
+        let (q, k, v) = (
+            heads((h, tq, d), 1)?,
+            heads((hk, tk, d), 2)?,
+            heads((hk, tk, dv), 3)?,
+        );
+        let case = Case {
+            b,
+            h,
+            hk,
+            tq,
+            tk,
+            d,
+            mask,
+            causal,
+        };
+        let mask = case.mask()?;
+        let options = Attention {
+            mask: mask.as_ref(),
+            scale: None,
+            causal,
+            dropout,
+        };
+        let w = input((b, h, tq, dv), 4, DType::F32)?;
+        let bits = |gemm_only: bool| -> Result<Vec<Vec<u16>>> {
+            let vars = [
+                Var::from_tensor(&q)?,
+                Var::from_tensor(&k)?,
+                Var::from_tensor(&v)?,
+            ];
+            let [vq, vk, vv] = &vars;
+            let out = attend_on((vq, vk, vv), &options, 0x5eed, gemm_only)?;
+            let grads = (out.to_dtype(DType::F32)? * &w)?.sum_all()?.backward()?;
+            let mut all = vec![out];
+            for var in &vars {
+                all.push(
+                    grads
+                        .get(var)
+                        .expect("a gradient for every operand")
+                        .clone(),
+                );
+            }
+            all.iter()
+                .map(|t| {
+                    let t = t.flatten_all()?.to_vec1::<half::bf16>()?;
+                    Ok(t.iter().map(|x| x.to_bits()).collect())
+                })
+                .collect()
+        };
+        let (resident, gemm) = (bits(false)?, bits(true)?);
+        for (what, (r, g)) in ["output", "dq", "dk", "dv"]
+            .iter()
+            .zip(resident.iter().zip(&gemm))
+        {
+            assert!(
+                r == g,
+                "{case:?} dropout {dropout} transposed {transposed}: {what} differs"
+            );
+        }
+        assert!(resident[0].iter().any(|&x| x != 0), "{case:?}: an output");
+    }
+    Ok(())
+}

@@ -28,6 +28,7 @@ mod pack;
 mod pack_bf16;
 mod params;
 mod portable;
+mod resident;
 mod scratch;
 #[cfg(test)]
 mod tests;
@@ -35,6 +36,7 @@ mod tests;
 mod x86;
 
 pub(crate) use params::{isa, Isa};
+pub(crate) use resident::{rows_as_units, Bf16Products, PackedB, UnitRows};
 
 use std::mem::MaybeUninit;
 

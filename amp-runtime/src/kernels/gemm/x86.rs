@@ -44,8 +44,8 @@ impl Avx512Bf16 {
 
 /// Rows and columns of a tile: 12 x 32 = 24 zmm accumulators, two B vectors and one A
 /// broadcast in flight, within the 32 registers of AVX-512.
-const MR: usize = 12;
-const NR: usize = 32;
+pub(super) const MR: usize = 12;
+pub(super) const NR: usize = 32;
 
 /// bf16 x bf16 -> f32 with `vdpbf16ps`; a unit is a pair of consecutive `k`.
 #[derive(Clone, Copy, Debug)]
@@ -222,6 +222,50 @@ unsafe fn bf16_tile<O: Real>(
             for (i, row) in acc.iter_mut().enumerate() {
                 let av: __m512bh =
                     std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*ar.add(i) as i32));
+                row[0] = _mm512_dpbf16_ps(row[0], av, b0);
+                row[1] = _mm512_dpbf16_ps(row[1], av, b1);
+            }
+        }
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { store(&acc, c, ldc, rows, cols, accumulate) };
+}
+
+/// The bf16 tile with A read in place (see [`super::resident`]): `a` is `(first row, row
+/// stride, unit step, rows)`, unit `u` of row `i` the 32 bits at element `i * rs + u * step`;
+/// rows past `rows` are never read (they repeat the last, and are not stored).
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX512-BF16; the `rows` rows hold `units` units each; `b` holds
+/// `units * NR` units; `c` addresses `rows` rows of `cols` writable f32 at stride `ldc`.
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(super) unsafe fn bf16_tile_in_place(
+    units: usize,
+    (a, rs, step, rows): (*const u16, usize, usize, usize),
+    b: *const u32,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    accumulate: bool,
+) {
+    let mut starts = [a; MR];
+    for (i, start) in starts.iter_mut().enumerate() {
+        // SAFETY: row `min(i, rows - 1)` is one of the caller's rows.
+        *start = unsafe { a.add(i.min(rows - 1) * rs) };
+    }
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for u in 0..units {
+        // SAFETY: the panel holds `units` units of NR lanes, and each row `units` units.
+        unsafe {
+            let b0: __m512bh =
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(b.add(u * NR).cast()));
+            let b1: __m512bh = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                b.add(u * NR + 16).cast(),
+            ));
+            for (row, start) in acc.iter_mut().zip(&starts) {
+                let pair = start.add(u * step).cast::<i32>().read_unaligned();
+                let av: __m512bh =
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair));
                 row[0] = _mm512_dpbf16_ps(row[0], av, b0);
                 row[1] = _mm512_dpbf16_ps(row[1], av, b1);
             }
