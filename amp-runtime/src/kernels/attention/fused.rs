@@ -1,7 +1,7 @@
 //! The attention op on CPU: one node over `(q, k, v)`, its own backward.
 //!
 //! Per head and per block of [`BLOCK`] query rows the forward computes the block's scores
-//! against every visible key with the packed GEMM, scales them and adds the mask in f32, takes
+//! against every visible key, scales them and adds the mask in f32, takes
 //! the softmax in f32 (dropout after it), rounds the probabilities to the operands' dtype for
 //! the second product and writes the block's output rounded once. Only one block of scores
 //! exists at a time per task: memory grows with `BLOCK * t_k`, not `t_q * t_k`.
@@ -9,8 +9,10 @@
 //! The backward recomputes each block's probabilities (the forward keeps nothing but its
 //! operands, as flash attention keeps nothing of the scores), then, with `Z` the dropout's
 //! factors (1 without dropout), `dV += (P Z)^T dO`, `dP = (dO V^T) Z`, `dS = P * (dP -
-//! rowsum(P * dP)) * scale` in f32, `dQ = dS K` and `dK += dS^T Q`, the products again on the
-//! GEMM in the operands' dtype with f32 accumulation. One task owns one key/value head of one
+//! rowsum(P * dP)) * scale` in f32, `dQ = dS K` and `dK += dS^T Q`, the products again in the
+//! operands' dtype with f32 accumulation. Every product runs on the packed GEMM, or for bf16 on
+//! a CPU with AVX512-BF16 on the key/value head's operands packed once for all its blocks, the
+//! same bits ([`super::products`]). One task owns one key/value head of one
 //! batch entry (and the query heads that share it), so `dK` and `dV` are summed in f32 without
 //! any reduction across tasks.
 
@@ -29,7 +31,7 @@ use crate::kernels::widen::lane_sums2;
 
 /// Query rows per block: the unit of work of a forward task and of the backward's loop. With
 /// the causal mask a block computes only the keys its last row sees, so smaller blocks skip
-/// more; each block packs its keys for the GEMM again, so smaller blocks pack more. 32 was
+/// more; on the packed GEMM each block packs its keys again, so smaller blocks pack more. 32 was
 /// faster than 64 and 16 for the GPT example's heads (`(16, 4, 64, 64)`: 2.28 ms fwd+bwd
 /// against 2.55 and 2.88) and than 64 at `(4, 4, 256, 64)`, causal, bf16, on a 2-core EPYC.
 const BLOCK: usize = 32;
@@ -263,7 +265,7 @@ impl Fused {
         (p, keys)
     }
 
-    /// The resident products, where the operands take them and [`Self::on_the_gemm`] did not
+    /// The resident products, where the operands take them and `on_the_gemm` (tests) did not
     /// rule them out.
     fn resident<T: GemmElem>(&self, operands: &[Operand<T>]) -> Option<Bf16Products> {
         if self.gemm_only {

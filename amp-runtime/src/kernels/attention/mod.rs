@@ -5,8 +5,8 @@
 //! the scale, the mask's add, five for the softmax, the casts around it, the second product),
 //! each a full `(b, h, t_q, t_k)` buffer in the forward and a zero tensor plus an add in
 //! candle's backward. On CPU it is one node ([`fused`]): per head and block of query rows, the
-//! block's scores against every visible key on the packed GEMM (half operands, f32
-//! accumulation), the scale, the mask and the softmax in f32, the probabilities rounded to the
+//! block's scores against every visible key (half operands, f32 accumulation; bf16 on keys and
+//! values packed once per head, [`products`]), the scale, the mask and the softmax in f32, the probabilities rounded to the
 //! operands' dtype for the second product (as autocast casts the softmax's output for the
 //! `matmul` after it), the output rounded once; the backward recomputes the block's
 //! probabilities. On CUDA it is one node too (`cuda.rs`, feature `cuda`): two cuBLAS products with the scale,
