@@ -2027,6 +2027,52 @@ fn regions_and_modules_return_options_and_vecs_of_tensors() -> Result<()> {
     Ok(())
 }
 
+// ---- Tensors beside text, shapes and other plain values leave as tensors do. ----
+
+type Ct = candle_core::Tensor;
+
+/// A bf16 product returned beside a label, a borrowed name, a shape, a character and a small
+/// integer; in an array and a box.
+#[autocast(bf16)]
+fn labelled(x: &Ct) -> Result<(Ct, String, candle_core::Shape)> {
+    let y = x.matmul(&x.t()?)?;
+    let shape = y.shape().clone();
+    Ok((y, "logits".to_string(), shape))
+}
+
+#[autocast(bf16)]
+fn named<'a>(x: &Ct, name: &'a str) -> Result<(Ct, &'a str, char, i32, u8)> {
+    Ok((x.matmul(&x.t()?)?, name, 'y', -1, 7))
+}
+
+#[autocast(bf16)]
+fn paired(x: &Ct) -> Result<([Ct; 2], Box<Ct>)> {
+    let y = x.matmul(&x.t()?)?;
+    Ok(([y.clone(), y.clone()], Box::new(y)))
+}
+
+/// Called from f32 code, a region's tensors leave in f32 whatever plain values sit beside them
+/// in a tuple, and in arrays and boxes too: a `String` or a `Shape` in the tuple left the
+/// product in bf16 (the whole tuple went out unchanged) where a `usize` gave f32.
+#[test]
+fn tensors_beside_plain_values_leave_in_the_callers_dtype() -> Result<()> {
+    let x = Ct::randn(0f32, 1.0, (3, 4), &dev())?;
+    let (y, label, shape) = labelled(&x)?;
+    assert_eq!(
+        (y.dtype(), label.as_str(), shape.dims()),
+        (DType::F32, "logits", &[3, 3][..])
+    );
+    let (y, name, c, i, u) = named(&x, "head")?;
+    assert_eq!((y.dtype(), name, c, i, u), (DType::F32, "head", 'y', -1, 7));
+    let ([a, b], boxed) = paired(&x)?;
+    assert_eq!([a.dtype(), b.dtype(), boxed.dtype()], [DType::F32; 3]);
+    // The values are the bf16 product's, widened.
+    let bf16 = x.to_dtype(DType::BF16)?;
+    let want = bf16.matmul(&bf16.t()?)?.to_dtype(DType::F32)?;
+    assert_eq!((a - &want)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+    Ok(())
+}
+
 // ---- Attention as one op: a lower-precision op, the mask never cast. ----
 
 /// `ops::scaled_dot_product_attention` in a region, on heads split as views of one projection

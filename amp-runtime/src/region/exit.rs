@@ -8,7 +8,7 @@
 //! order):
 //! 1. a `Result` of the declared type whose value [`ExitAs`] converts ([`LeaveConverted`]): a
 //!    candle tensor in the dtype [`Leave`] chose at entry, a typed tensor as it is, plain values
-//!    as they are, tuples, `Option`s and `Vec`s of them element by element (a value still to be
+//!    as they are, tuples, `Option`s, `Vec`s, arrays and `Box`es of them element by element (a value still to be
 //!    inferred, `Ok(iter.collect())`, takes the declared type here);
 //! 2. a value of the declared type that is not such a `Result` ([`LeaveAsIs`]): unchanged
 //!    (`Ok(Self { .. })`, a `String`);
@@ -139,7 +139,7 @@ impl<D, A: ExitAs<D>, E: From<candle_core::Error>> LeaveAsDeclared<std::result::
 }
 
 /// No way out: a value none of the three ways takes (a region value as `-> Option<Tensor<F32>>`
-/// without a `Result`, an array or a map of region values). Probed last, it is picked only then,
+/// without a `Result`, a map of region values). Probed last, it is picked only then,
 /// and its bound fails with `CannotLeave`'s message, where rustc would otherwise say only that
 /// no method `__amp_leave` fits.
 pub trait LeaveUnsupported<D, V> {
@@ -165,8 +165,8 @@ impl<D, V> LeaveUnsupported<D, V> for Leaving<D, V> {
     label = "returned as `{D}`",
     note = "tensors leave a region through a `Result` (`-> Result<Tensor<F32>>`, not \
             `-> Tensor<F32>` or `-> Option<Tensor<F32>>`): as the `Tensor<P>` or candle `Tensor` \
-            declared, or in a tuple, `Option` or `Vec` of them",
-    note = "for an array, a map or another container of tensors, declare a `Vec` or a tuple, or \
+            declared, or in a tuple, `Option`, `Vec`, array or `Box` of them",
+    note = "for a map or another container of tensors, declare a `Vec`, an array or a tuple, or \
             convert each tensor before it goes in (`RegionValue::cast`: `y.cast::<F32>()?`): \
             then the value is the declared type and leaves as it is",
     note = "a value the declared type needs coerced (a boxed closure returned as \
@@ -245,7 +245,12 @@ impl RegionResult for candle_core::Tensor {
     }
 }
 
-/// Plain values a module method returns beside (or instead of) tensors: passed back as they are.
+/// Plain values a region or a module method returns beside (or instead of) tensors: passed back
+/// as they are. Each one listed here lets a tuple, `Option`, `Vec`, array or `Box` holding it
+/// convert its tensors element by element (a value outside the list makes the whole container
+/// leave unchanged, its tensors too: `(logits, label)` with a `String` label left the logits in
+/// bf16 where `(logits, 1usize)` gave f32), so the list holds what models return beside
+/// tensors: numbers, text, dtypes, shapes and devices.
 macro_rules! plain_results {
     ($($t:ty),*) => {$(
         impl RegionResult for $t {
@@ -266,7 +271,49 @@ macro_rules! plain_results {
         }
     )*};
 }
-plain_results!((), bool, usize, u32, i64, f32, f64, DType);
+plain_results!(
+    (),
+    bool,
+    char,
+    u8,
+    u16,
+    u32,
+    u64,
+    usize,
+    i8,
+    i16,
+    i32,
+    i64,
+    isize,
+    f32,
+    f64,
+    half::f16,
+    half::bf16,
+    String,
+    DType,
+    candle_core::Shape,
+    candle_core::Device
+);
+
+/// A borrowed string beside tensors (a label, a name): as it is.
+impl<'a> RegionResult for &'a str {
+    type Region = &'a str;
+    fn cast_region(value: &'a str, _: DType) -> Result<&'a str> {
+        Ok(value)
+    }
+}
+
+impl<'a> IntoRegion<&'a str> for &'a str {
+    fn into_region(self) -> &'a str {
+        self
+    }
+}
+
+impl<'a> ExitAs<&'a str> for &'a str {
+    fn exit_as(self, _: Leave) -> Result<&'a str> {
+        Ok(self)
+    }
+}
 
 /// The `Ok` type of a module method's declared `Result`, whatever spells it (an alias too).
 pub trait RegionReturn {
@@ -340,6 +387,8 @@ tuple_results! {
     (A0 D0 0, A1 D1 1)
     (A0 D0 0, A1 D1 1, A2 D2 2)
     (A0 D0 0, A1 D1 1, A2 D2 2, A3 D3 3)
+    (A0 D0 0, A1 D1 1, A2 D2 2, A3 D3 3, A4 D4 4)
+    (A0 D0 0, A1 D1 1, A2 D2 2, A3 D3 3, A4 D4 4, A5 D5 5)
 }
 
 /// `Option`s and `Vec`s of results, element by element: a module returning an optional cache
@@ -382,6 +431,26 @@ impl<V: ExitAs<D>, D> ExitAs<Vec<D>> for Vec<V> {
 impl<V: IntoRegion<D>, D: RegionResult> IntoRegion<Vec<D>> for Vec<V> {
     fn into_region(self) -> Vec<D::Region> {
         self.into_iter().map(IntoRegion::into_region).collect()
+    }
+}
+
+/// Arrays and boxes of a region's results, element by element, as `Vec`s.
+impl<V: ExitAs<D>, D, const N: usize> ExitAs<[D; N]> for [V; N] {
+    fn exit_as(self, leave: Leave) -> Result<[D; N]> {
+        let items: Vec<D> = self
+            .into_iter()
+            .map(|v| v.exit_as(leave))
+            .collect::<Result<_>>()?;
+        match items.try_into() {
+            Ok(array) => Ok(array),
+            Err(_) => unreachable!("N values map to N values"),
+        }
+    }
+}
+
+impl<V: ExitAs<D>, D> ExitAs<Box<D>> for Box<V> {
+    fn exit_as(self, leave: Leave) -> Result<Box<D>> {
+        (*self).exit_as(leave).map(Box::new)
     }
 }
 
