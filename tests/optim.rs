@@ -281,6 +281,55 @@ fn a_skipped_scaler_step_leaves_weights_and_moments_untouched() -> Result<()> {
     Ok(())
 }
 
+/// An optimizer built before the model's layers, from a `VarMap` still empty, has nothing to
+/// update: PyTorch refuses it ("optimizer got an empty parameter list"). Here it may be built
+/// (candle-nn's `SGD` may be built empty and given variables by `push`), but a step, direct or
+/// through the scaler, is an error, where it stepped nothing and the scaler said `Stepped`; once
+/// pushed a variable, the SGD steps it.
+#[test]
+fn an_optimizer_without_variables_refuses_to_step() -> Result<()> {
+    let dev = Device::Cpu;
+    let map = candle_nn::VarMap::new();
+    let mut sgd = SGD::new(map.all_vars(), 0.1)?;
+    let mut adamw = AdamW::new(map.all_vars(), params())?;
+    let _ = candle_nn::linear(
+        3,
+        2,
+        candle_nn::VarBuilder::from_varmap(&map, DType::F32, &dev),
+    )?;
+    let w = map.all_vars()[0].clone();
+    let c = candle_core::Tensor::ones(w.dims(), DType::F32, &dev)?;
+    let mut scaler = GradScaler::new();
+    for (name, err) in [
+        (
+            "SGD",
+            scaler.step(&mut sgd, scaler.scale(&linear_loss(&w, &c)?)?.backward()?),
+        ),
+        (
+            "AdamW",
+            scaler.step(&mut adamw, scaler.scale(&linear_loss(&w, &c)?)?.backward()?),
+        ),
+    ] {
+        let e = err.expect_err("an optimizer without variables").to_string();
+        assert!(
+            e.contains(name) && e.contains("no variables to update"),
+            "{e}"
+        );
+    }
+    let grads = linear_loss(&w, &c)?.backward()?;
+    assert!(adamw.step(&grads).is_err() && sgd.step(&grads).is_err());
+    let ints = Var::new(&[1u32, 2], &dev)?;
+    assert!(SGD::new(vec![ints], 0.1)?.step(&grads).is_err());
+    let before = w.to_vec2::<f32>()?;
+    sgd.push(&w);
+    sgd.step(&grads)?;
+    assert!(
+        w.to_vec2::<f32>()? != before,
+        "a pushed variable is stepped"
+    );
+    Ok(())
+}
+
 // ---- A loop written in one region body sees each step's weights. ----
 
 /// An epoch whose forward is written in the region's own body, on a master weight used as it is

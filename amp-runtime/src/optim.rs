@@ -575,10 +575,22 @@ fn check_lr(optimizer: &str, lr: f64) -> Result<()> {
     }
 }
 
-/// Each gradient in `grads` has its parameter's shape, checked before any parameter is written
-/// (a failed step changes nothing): a gradient of another shape, even of as many values, would
-/// update the weights in another tensor's layout, where PyTorch's optimizers raise.
+/// The optimizer has variables, and each gradient in `grads` has its parameter's shape, checked
+/// before any parameter is written (a failed step changes nothing): a gradient of another shape,
+/// even of as many values, would update the weights in another tensor's layout, where PyTorch's
+/// optimizers raise. An optimizer without variables is accepted when built (candle-nn's `SGD`
+/// may be built empty and given its variables by `push`) but refused when stepped: built
+/// before the model's layers, from `VarMap::all_vars()` still empty, it stepped nothing, and a
+/// scaler reported every step taken.
 fn check_grads(optimizer: &str, vars: &[Var], grads: &GradStore) -> Result<()> {
+    if vars.is_empty() {
+        candle_core::bail!(
+            "{optimizer}: no variables to update (PyTorch: \"optimizer got an empty parameter \
+             list\"): it was built from an empty list, or from variables none of which is a \
+             float; build it after the model's layers (`VarMap::all_vars()` is empty before \
+             them)"
+        )
+    }
     for var in vars {
         let Some(grad) = grads.get(var) else { continue };
         if grad.dims() != var.dims() {
