@@ -1690,6 +1690,24 @@ fn adaptive_avg_pool_uses_pytorchs_windows_and_keeps_the_precision() -> Result<(
         want.flatten_all()?.to_vec1::<f32>()?
     );
     assert!(nn::AdaptiveAvgPool2d::new((0, 1)).is_err());
+    // One image `(c, h, w)`, as PyTorch's layer takes it: the batch of one's values, unbatched.
+    let image = x.as_candle().squeeze(0)?;
+    let y = pool.forward(&Tensor::<F32>::from_candle(image)?)?;
+    let batched = pool.forward(&x)?.into_candle().squeeze(0)?;
+    assert_eq!(y.dims(), &[2, 2, 3]);
+    assert_eq!(
+        y.into_candle().flatten_all()?.to_vec1::<f32>()?,
+        batched.flatten_all()?.to_vec1::<f32>()?
+    );
+    let flat = x.as_candle().flatten_from(1)?;
+    let e = pool
+        .forward(&Tensor::<F32>::from_candle(flat)?)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("AdaptiveAvgPool2d") && e.contains("(channels, h, w)"),
+        "{e}"
+    );
     Ok(())
 }
 
@@ -1944,6 +1962,25 @@ fn upsample_reads_a_view() -> Result<()> {
             "{mode:?}"
         );
     }
+    Ok(())
+}
+
+/// A 3-D input is `(batch, channels, length)` to PyTorch's `Upsample` (a 1-D resampling), not an
+/// image: an error naming the layout and the 4-D form that does it, where it was candle's bare
+/// "unexpected rank"; the named form resamples the length as PyTorch's 1-D nearest does
+/// (`[1, 2, 3]` to 6: each value twice).
+#[test]
+fn upsample_of_a_3d_input_names_the_layout() -> Result<()> {
+    let x = Tensor::<F32>::from_vec(vec![1f32, 2.0, 3.0], (1, 1, 3), &Device::Cpu)?;
+    let up = nn::Upsample::with_scale(2.0, nn::UpsampleMode::Nearest)?;
+    let e = up.forward(&x).unwrap_err().to_string();
+    assert!(
+        e.contains("(batch, channels, length)") && e.contains("unsqueeze(2)"),
+        "{e}"
+    );
+    let by_length = nn::Upsample::with_size((1, 6), nn::UpsampleMode::Nearest)?;
+    let y = by_length.forward(&x.unsqueeze(2)?)?.squeeze(2)?;
+    assert_eq!(y.to_flat_vec::<f32>()?, [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]);
     Ok(())
 }
 

@@ -94,7 +94,7 @@ pub(crate) use embedding::{candle_ids, embedding, id_outside, index_select};
 pub(crate) use layer_norm::layer_norm;
 pub(crate) use matmul::{broadcast_matmul, linear, linear_act, matmul};
 pub(crate) use mse::mse;
-pub(crate) use pool::{avg_pool2d, max_pool2d, Pool2d};
+pub(crate) use pool::{avg_pool2d, batched, max_pool2d, Pool2d};
 pub(crate) use pow::{pow, powf};
 pub(crate) use scan::cumsum;
 pub(crate) use softmax::{log_softmax_last_dim, softmax_last_dim};

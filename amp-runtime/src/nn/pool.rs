@@ -151,26 +151,33 @@ impl AdaptiveAvgPool2d {
         self.out
     }
 
-    /// Pools `x` `(batch, channels, h, w)` in f32, the result in `P`.
+    /// Pools `x` `(batch, channels, h, w)`, or one image `(channels, h, w)` as PyTorch's layer
+    /// takes it, in f32, the result in `P`.
     pub fn forward<P: Precision>(&self, x: &Tensor<P>) -> Result<Tensor<P>> {
         if let Some(y) = super::followed::<P, crate::region::calls::forward, _>(self, (x,)) {
             return y;
         }
+        let pooled =
+            crate::kernels::batched("AdaptiveAvgPool2d", x.as_candle(), |x| self.pool_batch(x))?;
+        Tensor::from_candle(crate::cast::convert(&pooled, P::DTYPE)?)
+    }
+
+    /// The pool of a batch, in f32.
+    fn pool_batch(&self, x: &candle_core::Tensor) -> Result<candle_core::Tensor> {
         let (b, c, h, w) = x.dims4()?;
         crate::kernels::layout::check_allocatable(
             "AdaptiveAvgPool2d",
             &[b, c, self.out.0, self.out.1],
         )?;
-        let wide = crate::cast::convert(x.as_candle(), candle_core::DType::F32)?;
-        let pooled = if self.out == (1, 1) && h * w > 0 {
+        let wide = crate::cast::convert(x, candle_core::DType::F32)?;
+        if self.out == (1, 1) && h * w > 0 {
             // The global mean as one sum over each image's values, in their order, as PyTorch
             // takes it: the mean of the rows' means summed a column's values first, and `3e38`
             // over `1e38` overflowed where `3e38 - 3e38 + 1e38 + 1` did not.
-            wide.flatten_from(2)?.mean_keepdim(2)?.unsqueeze(3)?
+            wide.flatten_from(2)?.mean_keepdim(2)?.unsqueeze(3)
         } else {
-            adaptive_mean(&adaptive_mean(&wide, 2, h, self.out.0)?, 3, w, self.out.1)?
-        };
-        Tensor::from_candle(crate::cast::convert(&pooled, P::DTYPE)?)
+            adaptive_mean(&adaptive_mean(&wide, 2, h, self.out.0)?, 3, w, self.out.1)
+        }
     }
 }
 

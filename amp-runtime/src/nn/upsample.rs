@@ -94,7 +94,20 @@ impl Upsample {
         if let Some(y) = super::followed::<P, crate::region::calls::forward, _>(self, (x,)) {
             return y;
         }
-        let (_, _, h, w) = x.dims4()?;
+        let Ok((_, _, h, w)) = x.dims4() else {
+            candle_core::bail!(
+                "Upsample: the input is (batch, channels, h, w), got {:?}{}",
+                x.dims(),
+                if x.rank() == 3 {
+                    ": PyTorch's Upsample reads a 3-D input as (batch, channels, length) and \
+                     resamples the length; this layer does that to a (batch, channels, 1, \
+                     length) input (`x.unsqueeze(2)`) with `Upsample::with_size((1, length_out), \
+                     mode)`"
+                } else {
+                    ""
+                }
+            )
+        };
         let ((oh, rh), (ow, rw)) = (self.axis(h, 0)?, self.axis(w, 1)?);
         // Contiguous: candle's `index_select` refuses a view (a transposed or narrowed image).
         let wide = crate::cast::convert(x.as_candle(), DType::F32)?.contiguous()?;

@@ -235,7 +235,11 @@ pub(crate) fn max_pool2d(x: &Tensor, p: Pool2d) -> Result<Tensor> {
 
 /// `pool` of a batch `(n, c, h, w)`, or of one image `(c, h, w)` as a batch of one, as
 /// PyTorch's pools take an unbatched input; another rank is an error naming the op.
-fn batched(op: &str, x: &Tensor, pool: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+pub(crate) fn batched(
+    op: &str,
+    x: &Tensor,
+    pool: impl Fn(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
     match x.rank() {
         4 => pool(x),
         3 => pool(&x.unsqueeze(0)?)?.squeeze(0),
