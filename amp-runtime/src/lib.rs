@@ -10,6 +10,7 @@ mod cast;
 pub mod checkpoint;
 mod composite;
 pub mod distributed;
+mod env;
 pub mod fp32;
 pub mod kernels;
 pub mod loss;

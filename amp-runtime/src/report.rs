@@ -77,33 +77,11 @@ pub(crate) fn active() -> bool {
 /// `false`, `no`, `off` or empty leave it off, and any other value says so on stderr).
 pub fn check_finite() -> bool {
     ENV_READ.get_or_init(|| {
-        let Ok(value) = std::env::var("CANDLE_AMP_CHECK_FINITE") else {
-            return;
-        };
-        if let Some(on) = env_flag(&value) {
+        if let Some(on) = crate::env::switch("CANDLE_AMP_CHECK_FINITE") {
             CHECK_FINITE.store(on, Ordering::Relaxed);
-        } else {
-            // A value that is neither on nor off is a typo the user would never learn of from
-            // the check staying off: said once, on stderr and as a tracing event.
-            let msg = format!(
-                "CANDLE_AMP_CHECK_FINITE={value:?} is not one of 1/true/yes/on or \
-                 0/false/no/off: the finite check stays off"
-            );
-            eprintln!("candle-amp: {msg}");
-            tracing::warn!(target: "candle_amp::report", "{msg}");
         }
     });
     CHECK_FINITE.load(Ordering::Relaxed)
-}
-
-/// An on/off environment value: `1`, `true`, `yes`, `on` are on, `0`, `false`, `no`, `off` and
-/// the empty string off, in any case and with surrounding spaces; anything else `None`.
-fn env_flag(value: &str) -> Option<bool> {
-    match value.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Some(true),
-        "" | "0" | "false" | "no" | "off" => Some(false),
-        _ => None,
-    }
 }
 
 /// Turns the finite check on or off for every thread.
@@ -431,24 +409,4 @@ fn finite_stats(t: &Tensor) -> Result<(Option<f64>, bool)> {
         }
     }
     Ok((max, bad))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::env_flag;
-
-    /// `yes`, `on` and `" 1"` were read as off without a word; now every common spelling is
-    /// understood and anything else is reported (`None`).
-    #[test]
-    fn env_flags_read_common_spellings_and_refuse_the_rest() {
-        for on in ["1", "true", "TRUE", "yes", "On", " 1", "1\n"] {
-            assert_eq!(env_flag(on), Some(true), "{on:?}");
-        }
-        for off in ["", "0", "false", "No", "OFF", " 0 "] {
-            assert_eq!(env_flag(off), Some(false), "{off:?}");
-        }
-        for unknown in ["2", "enable", "y es", "truthy"] {
-            assert_eq!(env_flag(unknown), None, "{unknown:?}");
-        }
-    }
 }

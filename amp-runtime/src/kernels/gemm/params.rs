@@ -40,9 +40,10 @@ pub(crate) enum Isa {
     Portable,
 }
 
-/// The kernels chosen for this process (detected once). `CANDLE_AMP_PORTABLE_GEMM` (any value)
-/// forces the portable kernel and `CANDLE_AMP_NO_AMX` the AVX-512 ones: how the paths a CPU
-/// without those features takes are tested on one that has them.
+/// The kernels chosen for this process (detected once). `CANDLE_AMP_PORTABLE_GEMM=1` forces the
+/// portable kernel and `CANDLE_AMP_NO_AMX=1` the AVX-512 ones (on/off values as
+/// `CANDLE_AMP_CHECK_FINITE`'s): how the paths a CPU without those features takes are tested
+/// on one that has them.
 pub(crate) fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(detect)
@@ -51,11 +52,11 @@ pub(crate) fn isa() -> Isa {
 fn detect() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::env::var_os("CANDLE_AMP_PORTABLE_GEMM").is_some() {
+        if crate::env::switch("CANDLE_AMP_PORTABLE_GEMM") == Some(true) {
             return Isa::Portable;
         }
         if let Some(cpu) = Avx512Bf16::detect() {
-            if std::env::var_os("CANDLE_AMP_NO_AMX").is_none() {
+            if crate::env::switch("CANDLE_AMP_NO_AMX") != Some(true) {
                 if let Some(tiles) = AmxBf16::detect(cpu) {
                     return Isa::Amx(tiles);
                 }

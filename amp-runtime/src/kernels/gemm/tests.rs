@@ -297,3 +297,39 @@ fn gemm_matches_f64_reference_in_every_type() {
     check::<f16>();
     check::<bf16>();
 }
+
+/// `CANDLE_AMP_PORTABLE_GEMM` is an on/off switch: `0`, `false` and the empty string leave the
+/// detected kernel, `1` forces the portable one (any value forced it before). Each value runs
+/// this test again in a child process, which prints the kernel it detected.
+#[test]
+fn the_portable_switch_reads_on_and_off() {
+    const CHILD: &str = "CANDLE_AMP_GEMM_SWITCH_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        println!("kernel: {:?}", isa());
+        return;
+    }
+    let kernel = |value: &str| -> String {
+        let out = std::process::Command::new(std::env::current_exe().expect("the test binary"))
+            .args([
+                "--exact",
+                "kernels::gemm::tests::the_portable_switch_reads_on_and_off",
+            ])
+            .args(["--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .env("CANDLE_AMP_PORTABLE_GEMM", value)
+            .output()
+            .expect("the child runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        // The harness prints the test's name on the same line, before it.
+        let line = stdout.lines().find_map(|l| l.split_once("kernel: "));
+        line.expect("the child prints its kernel").1.to_string()
+    };
+    let portable = kernel("1");
+    assert!(portable.contains("Portable"), "{portable}");
+    let detected = format!("{:?}", isa());
+    if std::env::var("CANDLE_AMP_PORTABLE_GEMM").is_err() {
+        for off in ["0", "false", "", " Off "] {
+            assert_eq!(kernel(off), detected, "CANDLE_AMP_PORTABLE_GEMM={off:?}");
+        }
+    }
+}
