@@ -2073,6 +2073,61 @@ fn tensors_beside_plain_values_leave_in_the_callers_dtype() -> Result<()> {
     Ok(())
 }
 
+// ---- Ops taken as values, not called, are routed as calls are. ----
+
+/// In a bf16 region: candle's `matmul` taken as a value, `exp` passed to `map`, candle-nn's
+/// softmax taken by its path; each result's dtype, and the product.
+#[autocast(bf16)]
+fn taken_ops(x: &Ct) -> Result<(Vec<DType>, Ct)> {
+    let mm = candle_core::Tensor::matmul;
+    let y = mm(x, &x.t()?)?;
+    let half = x.to_dtype(DType::BF16)?;
+    let e: Vec<Ct> = [&half, &half]
+        .into_iter()
+        .map(candle_core::Tensor::exp)
+        .collect::<Result<_>>()?;
+    let softmax = candle_nn::ops::softmax_last_dim;
+    let p = softmax(&half)?;
+    // Ops generic over their dimension argument take its type at the call.
+    let (sum, along) = (candle_core::Tensor::sum_keepdim, candle_nn::ops::softmax);
+    let (s, q) = (sum(&half, 1)?, along(&half, 0)?);
+    let dtypes = [
+        y.dtype(),
+        e[0].dtype(),
+        e[1].dtype(),
+        p.dtype(),
+        s.dtype(),
+        q.dtype(),
+    ];
+    Ok((dtypes.to_vec(), y))
+}
+
+/// An op taken as a value ran unrouted: candle's f32 `matmul` in a bf16 region, candle's bf16
+/// `exp` and softmax where autocast runs them in f32. Taken, each is now the routed op (the
+/// product in bf16, exp and softmax in f32), as PyTorch's `mm = torch.matmul` is under
+/// autocast; the product leaves to this f32 caller as the bf16 product's value in f32.
+#[test]
+fn ops_taken_as_values_are_routed() -> Result<()> {
+    let x = Ct::randn(0f32, 1.0, (3, 3), &dev())?;
+    let (dtypes, y) = taken_ops(&x)?;
+    assert_eq!(
+        dtypes,
+        [
+            DType::BF16,
+            DType::F32,
+            DType::F32,
+            DType::F32,
+            DType::F32,
+            DType::F32
+        ]
+    );
+    let half = x.to_dtype(DType::BF16)?;
+    let want = half.matmul(&half.t()?)?.to_dtype(DType::F32)?;
+    let diff = (y - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert_eq!(diff, 0.0);
+    Ok(())
+}
+
 // ---- Attention as one op: a lower-precision op, the mask never cast. ----
 
 /// `ops::scaled_dot_product_attention` in a region, on heads split as views of one projection

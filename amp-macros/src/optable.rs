@@ -240,6 +240,14 @@ pub(crate) fn is_closure_method(name: &str) -> bool {
         .any(|r| r.name == name && r.method == Some(Method::Closure))
 }
 
+/// The arguments of the op table's method `name` (its receiver not counted), if it is one that
+/// takes no closure.
+pub(crate) fn routed_method_arity(name: &str) -> Option<usize> {
+    OPS.iter()
+        .filter(|r| r.name == name && !is_closure_method(name))
+        .find_map(|r| r.method.map(Method::arity))
+}
+
 pub(crate) fn is_routed_method(name: &str, args: usize) -> bool {
     OPS.iter()
         .any(|r| r.name == name && r.method.is_some_and(|m| m.arity() == args))

@@ -430,6 +430,55 @@ pub(crate) fn take_marker(attrs: &mut Vec<Attribute>, name: &str) -> bool {
     attrs.len() != before
 }
 
+impl Rewriter {
+    /// An op of the table taken as a value, not called: `Tensor::NAME` of a method row (not
+    /// `Tensor::<P>::NAME`, which follows the thread's policy already), or `module::NAME` of a
+    /// candle-nn function the region routes (a path of two segments at least: a single name
+    /// may be the user's variable). The function as written fixes the closure's types.
+    fn taken_op(&mut self, path: &syn::ExprPath) -> Option<TokenStream> {
+        if path.qself.is_some() {
+            return None;
+        }
+        let segments = &path.path.segments;
+        let name = segments.last()?;
+        let owner = segments.iter().rev().nth(1)?;
+        if !name.arguments.is_none() || !owner.arguments.is_none() {
+            return None;
+        }
+        let written = name.ident.to_string();
+        let method = owner.ident == "Tensor";
+        let arity = if method {
+            optable::routed_method_arity(&written)? + 1
+        } else {
+            let module = owner.ident.to_string();
+            let &(_, _, arity, _) = optable::CANDLE_NN_FNS
+                .iter()
+                .find(|&&(n, m, _, _)| n == written && m == module)?;
+            arity
+        };
+        let span = name.ident.span();
+        let args: Vec<syn::Ident> = (0..arity)
+            .map(|i| {
+                let at = proc_macro2::Span::mixed_site().located_at(span);
+                format_ident!("__amp_v{}", i, span = at)
+            })
+            .collect();
+        let ident = &name.ident;
+        let call: Expr = if method {
+            let (receiver, rest) = args.split_first()?;
+            syn::parse_quote_spanned!(span=> (#receiver).#ident(#(#rest),*))
+        } else {
+            syn::parse_quote_spanned!(span=> #path(#(#args),*))
+        };
+        let taken = Rt::Taken.at(span);
+        let mut closure: Expr =
+            syn::parse_quote_spanned!(span=> |#(#args),*| #taken::returned(#call));
+        self.visit_expr_mut(&mut closure);
+        let of = format_ident!("of{}", arity, span = span);
+        Some(quote_spanned!(span=> #taken::#of(#path, #closure)))
+    }
+}
+
 impl VisitMut for Rewriter {
     fn visit_type_mut(&mut self, _: &mut syn::Type) {
         // Types hold no ops, and their array lengths are constant expressions, where a site
@@ -489,6 +538,17 @@ impl VisitMut for Rewriter {
         self.closures -= 1;
     }
 
+    /// A call's function, where it is a path, is not an op taken as a value (`Tensor::new(..)`,
+    /// and the routed calls' own paths): only the arguments are visited.
+    fn visit_expr_call_mut(&mut self, call: &mut syn::ExprCall) {
+        if !matches!(&*call.func, Expr::Path(_)) {
+            self.visit_expr_mut(&mut call.func);
+        }
+        for arg in &mut call.args {
+            self.visit_expr_mut(arg);
+        }
+    }
+
     fn visit_expr_mut(&mut self, expr: &mut Expr) {
         // Input:  `#[keep_fp32] |h| h.matmul(&w)`
         // Output: `|h| { let _p = PolicyScope::enter::<Fp32Policy>(); h.matmul(&w) }`, its ops
@@ -535,6 +595,15 @@ impl VisitMut for Rewriter {
                     return;
                 }
             }
+        }
+        // Input:  `Tensor::matmul` as a value (`let mm = Tensor::matmul;`, `.map(Tensor::exp)`)
+        // Output: `taken::of2(Tensor::matmul, |a, b| taken::returned(a.matmul(b)))`, the
+        //         closure's call routed (see `region/taken.rs`)
+        if let Expr::Path(path) = expr {
+            if let Some(taken) = self.taken_op(path) {
+                *expr = Expr::Verbatim(taken);
+            }
+            return;
         }
         // Input:  `Tensor::matmul(&a, &b)` (a method of the op table called by its path)
         // Output: `(&a).matmul(&b)`, routed as the method call it stands for.

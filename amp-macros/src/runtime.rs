@@ -91,6 +91,8 @@ pub(crate) enum Rt {
     PlainMul,
     PlainDiv,
     /// An op call's place in the source, for the precision report.
+    /// Ops taken as values: `taken::of2(Tensor::matmul, |a, b| ..)` (`region/taken.rs`).
+    Taken,
     Site,
     /// Marks the op call site running while it lives.
     SiteGuard,
@@ -99,7 +101,7 @@ pub(crate) enum Rt {
 impl Rt {
     /// Every name, for the test that pins the contract with the facade.
     #[cfg(test)]
-    pub(crate) const ALL: [Self; 58] = [
+    pub(crate) const ALL: [Self; 59] = [
         Self::Fp16Policy,
         Self::Bf16Policy,
         Self::Fp32Policy,
@@ -158,6 +160,7 @@ impl Rt {
         Self::PlainDiv,
         Self::Site,
         Self::SiteGuard,
+        Self::Taken,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -220,6 +223,7 @@ impl Rt {
             Self::PlainDiv => "PlainDiv",
             Self::Site => "Site",
             Self::SiteGuard => "SiteGuard",
+            Self::Taken => "taken",
         }
     }
 

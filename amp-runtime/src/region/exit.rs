@@ -55,6 +55,17 @@ impl Leave {
     }
 }
 
+impl Leave {
+    /// Results as the body made them, in the precision a typed result's type names: how an op
+    /// taken as a value returns (`super::taken`).
+    pub(crate) fn as_made() -> Self {
+        Self {
+            candle: None,
+            declared: None,
+        }
+    }
+}
+
 /// A tensor parameter's dtype for [`Leave::at_entry`], when it is floating.
 pub fn floating_dtype<T: AsAmp + ?Sized>(x: &T) -> Option<DType> {
     let x = x.to_amp();

@@ -26,6 +26,7 @@ mod module;
 mod operators;
 mod policy;
 mod route;
+pub mod taken;
 mod value;
 
 pub use crate::cast::cast_count;
@@ -63,6 +64,7 @@ pub mod __private {
         Bf16Policy, CallerPolicy, Fp16Policy, Fp32Policy, Policy, PolicyScope,
     };
     pub use super::route::Routed;
+    pub use super::taken;
     pub use super::value::AsAmp;
     pub use crate::cast::RegionGuard;
     pub use crate::op;
