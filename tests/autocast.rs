@@ -2046,6 +2046,21 @@ fn named<'a>(x: &Ct, name: &'a str) -> Result<(Ct, &'a str, char, i32, u8)> {
 }
 
 #[autocast(bf16)]
+#[allow(clippy::type_complexity)]
+fn wider(x: &Ct) -> Result<(Ct, i128, &'static [usize], std::time::Duration, u8, u8, u8)> {
+    let dims: &'static [usize] = &[3, 3];
+    Ok((
+        x.matmul(&x.t()?)?,
+        -1,
+        dims,
+        std::time::Duration::ZERO,
+        1,
+        2,
+        3,
+    ))
+}
+
+#[autocast(bf16)]
 fn paired(x: &Ct) -> Result<([Ct; 2], Box<Ct>)> {
     let y = x.matmul(&x.t()?)?;
     Ok(([y.clone(), y.clone()], Box::new(y)))
@@ -2064,6 +2079,11 @@ fn tensors_beside_plain_values_leave_in_the_callers_dtype() -> Result<()> {
     );
     let (y, name, c, i, u) = named(&x, "head")?;
     assert_eq!((y.dtype(), name, c, i, u), (DType::F32, "head", 'y', -1, 7));
+    let (y, wide, dims, _, _, _, last) = wider(&x)?;
+    assert_eq!(
+        (y.dtype(), wide, dims, last),
+        (DType::F32, -1, &[3, 3][..], 3)
+    );
     let ([a, b], boxed) = paired(&x)?;
     assert_eq!([a.dtype(), b.dtype(), boxed.dtype()], [DType::F32; 3]);
     // The values are the bf16 product's, widened.
@@ -2124,6 +2144,89 @@ fn ops_taken_as_values_are_routed() -> Result<()> {
     let half = x.to_dtype(DType::BF16)?;
     let want = half.matmul(&half.t()?)?.to_dtype(DType::F32)?;
     assert_eq!(y.to_vec2::<f32>()?, want.to_vec2::<f32>()?);
+    Ok(())
+}
+
+/// A product of two tensors, as a trait object.
+type Product = dyn Fn(&Ct, &Ct) -> Result<Ct>;
+
+/// Generic code asks a function of references at any lifetime, as the taken op is.
+fn apply_to<F: Fn(&Ct) -> Result<Ct>>(f: F, x: &Ct) -> Result<Ct> {
+    f(x)
+}
+
+/// A user's own `ops` module and `Tensor` type, named like candle's.
+mod users {
+    pub mod ops {
+        pub fn softmax(t: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+            t.affine(3.0, 0.0)
+        }
+    }
+    pub struct Tensor(pub f32);
+    impl Tensor {
+        pub fn exp(&self) -> f32 {
+            self.0 + 1.0
+        }
+    }
+}
+
+/// Taken ops where generic code, a boxed `dyn Fn`, a returned `impl Fn` and a closure of its own
+/// use them; a user's functions of candle's names taken as they are; `clamp` of f32 bounds.
+#[autocast(bf16)]
+fn taken_ops_in_generic_code(x: &Ct) -> Result<Vec<DType>> {
+    let half = x.to_dtype(DType::BF16)?;
+    let e = apply_to(candle_core::Tensor::exp, &half)?;
+    let boxed: Box<Product> = Box::new(candle_core::Tensor::matmul);
+    let y = boxed(x, x)?;
+    let mm = candle_core::Tensor::matmul;
+    let square = |t: &Ct| mm(t, t);
+    let z = square(x)?;
+    let theirs = users::ops::softmax;
+    let t = theirs(x)?;
+    let exp = users::Tensor::exp;
+    assert_eq!(exp(&users::Tensor(1.0)).to_bits(), 2f32.to_bits());
+    let clamped = y.clamp(0f32, 1f32)?;
+    Ok(vec![
+        e.dtype(),
+        y.dtype(),
+        z.dtype(),
+        t.dtype(),
+        clamped.dtype(),
+    ])
+}
+
+#[autocast(bf16)]
+fn returns_a_taken_op() -> impl Fn(&Ct, &Ct) -> Result<Ct> {
+    candle_core::Tensor::matmul
+}
+
+#[autocast(bf16)]
+fn calls_in_a_region(f: &Product, x: &Ct) -> Result<DType> {
+    Ok(f(x, x)?.dtype())
+}
+
+/// Taken ops keep the function's own signature, references at any lifetime: generic code,
+/// `Box<dyn Fn(&Tensor, &Tensor) -> ..>` and a returned `impl Fn` take them (they did not when
+/// the closure was typed by one call's lifetimes). A user's `users::ops::softmax` and
+/// `users::Tensor::exp` are the user's functions, untouched. A taken op returned from a region
+/// runs under the policy of the region that calls it, and as plain code outside any.
+#[test]
+fn taken_ops_keep_the_functions_signature() -> Result<()> {
+    let x = Ct::randn(0f32, 1.0, (3, 3), &dev())?;
+    let dtypes = taken_ops_in_generic_code(&x)?;
+    assert_eq!(
+        dtypes,
+        [
+            DType::F32,
+            DType::BF16,
+            DType::BF16,
+            DType::F32,
+            DType::BF16
+        ]
+    );
+    let mm = returns_a_taken_op();
+    assert_eq!(mm(&x, &x)?.dtype(), DType::F32);
+    assert_eq!(calls_in_a_region(&mm, &x)?, DType::BF16);
     Ok(())
 }
 

@@ -248,6 +248,33 @@ pub(crate) fn routed_method_arity(name: &str) -> Option<usize> {
         .find_map(|r| r.method.map(Method::arity))
 }
 
+/// How many of method `name`'s arguments, after the receiver, are tensor references (`&Tensor`)
+/// rather than values (dims, scalars, sizes): the method's leading arguments.
+pub(crate) fn method_tensor_args(name: &str) -> usize {
+    let shape = OPS.iter().find(|r| r.name == name).and_then(|r| r.method);
+    match (shape, name) {
+        // `maximum`/`minimum` take a tensor or a scalar by value.
+        (Some(Method::Binary), "maximum" | "minimum") => 0,
+        (Some(Method::Custom(_)), "where_cond") => 2,
+        (Some(Method::Binary | Method::Compare), _)
+        | (
+            Some(Method::Custom(_)),
+            "matmul" | "broadcast_matmul" | "conv1d" | "conv2d" | "conv_transpose1d"
+            | "conv_transpose2d" | "index_select",
+        ) => 1,
+        _ => 0,
+    }
+}
+
+/// How many of candle-nn function `name`'s arguments are tensor references: its leading ones.
+pub(crate) fn candle_nn_tensor_args(name: &str) -> usize {
+    match name {
+        "layer_norm" | "rope" | "rope_i" | "rope_thd" => 3,
+        "rms_norm" | "nll" | "cross_entropy" | "mse" | "binary_cross_entropy_with_logit" => 2,
+        _ => 1,
+    }
+}
+
 pub(crate) fn is_routed_method(name: &str, args: usize) -> bool {
     OPS.iter()
         .any(|r| r.name == name && r.method.is_some_and(|m| m.arity() == args))

@@ -431,39 +431,42 @@ pub(crate) fn take_marker(attrs: &mut Vec<Attribute>, name: &str) -> bool {
 }
 
 impl Rewriter {
-    /// An op of the table taken as a value, not called: `Tensor::NAME` of a method row (not
-    /// `Tensor::<P>::NAME`, which follows the thread's policy already), or `module::NAME` of a
-    /// candle-nn function the region routes (a path of two segments at least: a single name
-    /// may be the user's variable). The function as written fixes the closure's types.
+    /// An op of the table taken as a value, not called: `Tensor::NAME` (also
+    /// `candle_core::Tensor::NAME`) of a method row, not `Tensor::<P>::NAME`, which follows the
+    /// thread's policy already; or `candle_nn::MODULE::NAME` of a candle-nn function the region
+    /// routes. Only these spellings: a user's own `ops::softmax` or `mine::Tensor::exp` is
+    /// another function, as written. The function as written fixes the closure's types, its
+    /// tensor references at any lifetime, as the function takes them (`apply(Tensor::exp, x)`
+    /// with `F: Fn(&Tensor) -> ..`).
     fn taken_op(&mut self, path: &syn::ExprPath) -> Option<TokenStream> {
-        if path.qself.is_some() {
-            return None;
-        }
         let segments = &path.path.segments;
-        let name = segments.last()?;
-        let owner = segments.iter().rev().nth(1)?;
-        if !name.arguments.is_none() || !owner.arguments.is_none() {
+        if path.qself.is_some() || segments.iter().any(|s| !s.arguments.is_none()) {
             return None;
         }
-        let written = name.ident.to_string();
-        let method = owner.ident == "Tensor";
-        let arity = if method {
-            optable::routed_method_arity(&written)? + 1
+        let written: Vec<String> = segments.iter().map(|s| s.ident.to_string()).collect();
+        let (method, name) = match written.iter().map(String::as_str).collect::<Vec<_>>()[..] {
+            ["Tensor", name] | ["candle_core" | "candle", "Tensor", name] => (true, name),
+            ["candle_nn", _, name] => (false, name),
+            _ => return None,
+        };
+        let (arity, references) = if method {
+            let arity = optable::routed_method_arity(name)?;
+            (arity + 1, 1 + optable::method_tensor_args(name))
         } else {
-            let module = owner.ident.to_string();
+            let module = &written[1];
             let &(_, _, arity, _) = optable::CANDLE_NN_FNS
                 .iter()
-                .find(|&&(n, m, _, _)| n == written && m == module)?;
-            arity
+                .find(|&&(n, m, _, _)| n == name && m == module)?;
+            (arity, optable::candle_nn_tensor_args(name))
         };
-        let span = name.ident.span();
+        let ident = &segments.last()?.ident;
+        let span = ident.span();
         let args: Vec<syn::Ident> = (0..arity)
             .map(|i| {
                 let at = proc_macro2::Span::mixed_site().located_at(span);
                 format_ident!("__amp_v{}", i, span = at)
             })
             .collect();
-        let ident = &name.ident;
         let call: Expr = if method {
             let (receiver, rest) = args.split_first()?;
             syn::parse_quote_spanned!(span=> (#receiver).#ident(#(#rest),*))
@@ -474,7 +477,7 @@ impl Rewriter {
         let mut closure: Expr =
             syn::parse_quote_spanned!(span=> |#(#args),*| #taken::returned(#call));
         self.visit_expr_mut(&mut closure);
-        let of = format_ident!("of{}", arity, span = span);
+        let of = format_ident!("of{}_{}", arity, references, span = span);
         Some(quote_spanned!(span=> #taken::#of(#path, #closure)))
     }
 }

@@ -181,7 +181,8 @@ impl<D, V> LeaveUnsupported<D, V> for Leaving<D, V> {
             convert each tensor before it goes in (`RegionValue::cast`: `y.cast::<F32>()?`): \
             then the value is the declared type and leaves as it is",
     note = "a value the declared type needs coerced (a boxed closure returned as \
-            `Box<dyn Fn ..>`) is coerced where it is built: `Ok(Box::new(f) as Box<dyn Fn(..)>)`"
+            `Box<dyn Fn ..>`, an array's reference returned as a slice) is coerced where it is \
+            built: `Ok(Box::new(f) as Box<dyn Fn(..)>)`, `Ok((y, &[1, 2][..]))`"
 )]
 pub trait CannotLeave<D> {}
 
@@ -261,7 +262,7 @@ impl RegionResult for candle_core::Tensor {
 /// convert its tensors element by element (a value outside the list makes the whole container
 /// leave unchanged, its tensors too: `(logits, label)` with a `String` label left the logits in
 /// bf16 where `(logits, 1usize)` gave f32), so the list holds what models return beside
-/// tensors: numbers, text, dtypes, shapes and devices.
+/// tensors: numbers, text, dtypes, shapes, devices, durations, and any borrowed value below.
 macro_rules! plain_results {
     ($($t:ty),*) => {$(
         impl RegionResult for $t {
@@ -295,6 +296,8 @@ plain_results!(
     i16,
     i32,
     i64,
+    i128,
+    u128,
     isize,
     f32,
     f64,
@@ -303,25 +306,27 @@ plain_results!(
     String,
     DType,
     candle_core::Shape,
-    candle_core::Device
+    candle_core::Device,
+    std::time::Duration
 );
 
-/// A borrowed string beside tensors (a label, a name): as it is.
-impl<'a> RegionResult for &'a str {
-    type Region = &'a str;
-    fn cast_region(value: &'a str, _: DType) -> Result<&'a str> {
+/// A borrowed value beside tensors (a label `&str`, a shape `&[usize]`): as it is. A borrowed
+/// tensor cannot be converted, and leaves as it is too.
+impl<'a, T: ?Sized> RegionResult for &'a T {
+    type Region = &'a T;
+    fn cast_region(value: &'a T, _: DType) -> Result<&'a T> {
         Ok(value)
     }
 }
 
-impl<'a> IntoRegion<&'a str> for &'a str {
-    fn into_region(self) -> &'a str {
+impl<'a, T: ?Sized> IntoRegion<&'a T> for &'a T {
+    fn into_region(self) -> &'a T {
         self
     }
 }
 
-impl<'a> ExitAs<&'a str> for &'a str {
-    fn exit_as(self, _: Leave) -> Result<&'a str> {
+impl<'a, T: ?Sized> ExitAs<&'a T> for &'a T {
+    fn exit_as(self, _: Leave) -> Result<&'a T> {
         Ok(self)
     }
 }
@@ -400,6 +405,8 @@ tuple_results! {
     (A0 D0 0, A1 D1 1, A2 D2 2, A3 D3 3)
     (A0 D0 0, A1 D1 1, A2 D2 2, A3 D3 3, A4 D4 4)
     (A0 D0 0, A1 D1 1, A2 D2 2, A3 D3 3, A4 D4 4, A5 D5 5)
+    (A0 D0 0, A1 D1 1, A2 D2 2, A3 D3 3, A4 D4 4, A5 D5 5, A6 D6 6)
+    (A0 D0 0, A1 D1 1, A2 D2 2, A3 D3 3, A4 D4 4, A5 D5 5, A6 D6 6, A7 D7 7)
 }
 
 /// `Option`s and `Vec`s of results, element by element: a module returning an optional cache

@@ -343,8 +343,14 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
             crate::kernels::conv_transpose(x, k, t)
         })
     }
-    /// Routed `clamp`, to `[min, max]`, in the receiver's dtype.
-    pub fn clamp(&self, min: f64, max: f64) -> Result<AmpTensor> {
+    /// Routed `clamp`, to `[min, max]` (scalars of any of candle's element types, as candle's
+    /// `clamp` takes), in the receiver's dtype.
+    pub fn clamp<A: candle_core::WithDType, B: candle_core::WithDType>(
+        &self,
+        min: A,
+        max: B,
+    ) -> Result<AmpTensor> {
+        let (min, max) = (min.to_f64(), max.to_f64());
         self.unary::<op::clamp>(|x| crate::kernels::extrema::clamp(x, min, max))
     }
 }

@@ -2,10 +2,10 @@
 //! `.map(Tensor::exp)`, `.map(candle_nn::ops::softmax_last_dim)`.
 //!
 //! Called, such an op is routed; taken as a value it was the function itself, which ran
-//! unrouted (candle's f32 `matmul` in a bf16 region). The macro now passes `ofN` the function as
-//! written, whose type fixes the arguments' and the result's types, and a closure that makes
+//! unrouted (candle's f32 `matmul` in a bf16 region). The macro now passes `ofN_K` the function
+//! as written, whose type fixes the arguments' and the result's types, and a closure that makes
 //! the same call routed, as any closure written in a region (under the policy of the region
-//! it is called in; plain code outside one). `ofN` returns the closure. Its routed result
+//! it is called in; plain code outside one). `ofN_K` returns the closure. Its routed result
 //! comes back as the function's own result type: a candle tensor as it is, a typed tensor in
 //! the precision its type names.
 
@@ -18,23 +18,39 @@ pub fn returned<A: ExitAs<D>, D>(r: Result<A>) -> Result<D> {
     r.and_then(|a| a.exit_as(Leave::as_made()))
 }
 
-/// `ofN`: the closure for an op of `N` arguments (its receiver the first), its argument and
-/// result types those of the op `_` as written.
+/// `ofN_K`: the closure for an op of `N` arguments whose first `K` (the receiver, then the tensor
+/// operands) are references, its types those of the op `_` as written. The references are
+/// taken at any lifetime (`for<'a> Fn(&'a T0, ..)`), as the function takes them: a closure typed
+/// by one call's lifetimes could not be passed where `F: Fn(&Tensor) -> ..` is asked.
 macro_rules! taken {
-    ($($of:ident: $($a:ident)+;)*) => {$(
-        #[doc = concat!("The routed closure of an op of ", stringify!($($a)+), " (see the module).")]
-        pub fn $of<$($a,)+ R, F: Fn($($a),+) -> R>(_: fn($($a),+) -> R, routed: F) -> F {
+    ($($of:ident: [$($t:ident)+] $($a:ident)*;)*) => {$(
+        #[doc = concat!(
+            "The routed closure of an op taking references to ", stringify!($($t)+),
+            " and values ", stringify!($($a)*), " (see the module)."
+        )]
+        pub fn $of<$($t: ?Sized,)+ $($a,)* R, F: Fn($(&$t,)+ $($a),*) -> R>(
+            _: fn($(&$t,)+ $($a),*) -> R,
+            routed: F,
+        ) -> F {
             routed
         }
     )*};
 }
 
 taken! {
-    of1: A0;
-    of2: A0 A1;
-    of3: A0 A1 A2;
-    of4: A0 A1 A2 A3;
-    of5: A0 A1 A2 A3 A4;
-    of6: A0 A1 A2 A3 A4 A5;
-    of7: A0 A1 A2 A3 A4 A5 A6;
+    of1_1: [T0];
+    of2_1: [T0] A1;
+    of2_2: [T0 T1];
+    of3_1: [T0] A1 A2;
+    of3_2: [T0 T1] A2;
+    of3_3: [T0 T1 T2];
+    of4_1: [T0] A1 A2 A3;
+    of4_2: [T0 T1] A2 A3;
+    of4_3: [T0 T1 T2] A3;
+    of5_1: [T0] A1 A2 A3 A4;
+    of5_2: [T0 T1] A2 A3 A4;
+    of6_1: [T0] A1 A2 A3 A4 A5;
+    of6_2: [T0 T1] A2 A3 A4 A5;
+    of7_1: [T0] A1 A2 A3 A4 A5 A6;
+    of7_2: [T0 T1] A2 A3 A4 A5 A6;
 }

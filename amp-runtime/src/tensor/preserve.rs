@@ -256,8 +256,14 @@ impl<P: Precision> Tensor<P> {
         self.unary_op::<op::abs, P>(crate::kernels::extrema::abs)
     }
 
-    /// Clamps to `[min, max]` (NaN kept); the gradient passes strictly inside, as PyTorch's.
-    pub fn clamp(&self, min: f64, max: f64) -> Result<Self> {
+    /// Clamps to `[min, max]` (NaN kept; scalars of any of candle's element types); the gradient
+    /// passes strictly inside, as PyTorch's.
+    pub fn clamp<A: candle_core::WithDType, B: candle_core::WithDType>(
+        &self,
+        min: A,
+        max: B,
+    ) -> Result<Self> {
+        let (min, max) = (min.to_f64(), max.to_f64());
         self.unary_op::<op::clamp, P>(|x| crate::kernels::extrema::clamp(x, min, max))
     }
 
