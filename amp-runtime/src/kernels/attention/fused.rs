@@ -21,7 +21,7 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
-use super::products::{resident, Gemm, Head, Panels, Products, Resident};
+use super::products::{resident, Gemm, Head, Panels, Pass, Products, Resident};
 use super::{Attention, Dropout, Geometry, Mask};
 use crate::kernels::elem::Real;
 use crate::kernels::gemm::{Bf16Products, GemmElem, MatRef};
@@ -297,7 +297,7 @@ impl Fused {
         if let Some(products) = resident {
             panels.resize_with(g.b * g.hk, Panels::default);
             parallel::for_each_chunk_mut(&mut panels, 1, |i, head| {
-                head[0] = Panels::forward(products, (g, i / g.hk, i % g.hk), k, v);
+                head[0] = Panels::new(products, Pass::Forward, (g, i / g.hk, i % g.hk), [k, v]);
             });
         }
         let mut out: Vec<T> = Vec::with_capacity(len);
@@ -397,7 +397,7 @@ impl Fused {
         let dst = Disjoint::new(&mut out.spare_capacity_mut()[..len]);
         parallel::for_each_index(g.b * g.hk, |task| {
             let (b, kv) = (task / g.hk, task % g.hk);
-            let panels = resident.map(|p| (p, Panels::backward(p, (g, b, kv), k, v)));
+            let panels = resident.map(|p| (p, Panels::new(p, Pass::Backward, (g, b, kv), [k, v])));
             let mut dk = vec![0f32; g.tk * g.d];
             let mut dv = vec![0f32; g.tk * g.dv];
             for h in kv * g.group()..(kv + 1) * g.group() {

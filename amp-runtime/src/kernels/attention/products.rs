@@ -147,33 +147,34 @@ pub(super) struct Panels {
     vt: PackedB,
 }
 
-impl Panels {
-    /// The forward's panels of key/value head `(b, kv)`.
-    pub fn forward<T: GemmElem>(
-        products: Bf16Products,
-        (g, b, kv): (Geometry, usize, usize),
-        k: Operand<T>,
-        v: Operand<T>,
-    ) -> Self {
-        Self {
-            kt: products.pack(k.transposed(b, kv), (g.d, g.tk)),
-            v: products.pack(v.rows(b, kv, 0), (g.tk, g.dv)),
-            ..Self::default()
-        }
-    }
+/// Which pass a head's [`Panels`] are for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pass {
+    Forward,
+    Backward,
+}
 
-    /// The backward's panels of key/value head `(b, kv)`.
-    pub fn backward<T: GemmElem>(
+impl Panels {
+    /// The panels `pass` reads of key/value head `(b, kv)`.
+    pub fn new<T: GemmElem>(
         products: Bf16Products,
+        pass: Pass,
         (g, b, kv): (Geometry, usize, usize),
-        k: Operand<T>,
-        v: Operand<T>,
+        [k, v]: [Operand<T>; 2],
     ) -> Self {
-        Self {
-            kt: products.pack(k.transposed(b, kv), (g.d, g.tk)),
-            k: products.pack(k.rows(b, kv, 0), (g.tk, g.d)),
-            vt: products.pack(v.transposed(b, kv), (g.dv, g.tk)),
-            ..Self::default()
+        let kt = products.pack(k.transposed(b, kv), (g.d, g.tk));
+        match pass {
+            Pass::Forward => Self {
+                kt,
+                v: products.pack(v.rows(b, kv, 0), (g.tk, g.dv)),
+                ..Self::default()
+            },
+            Pass::Backward => Self {
+                kt,
+                k: products.pack(k.rows(b, kv, 0), (g.tk, g.d)),
+                vt: products.pack(v.transposed(b, kv), (g.dv, g.tk)),
+                ..Self::default()
+            },
         }
     }
 }

@@ -209,26 +209,43 @@ unsafe fn bf16_tile<O: Real>(
     cols: usize,
     accumulate: bool,
 ) {
+    // SAFETY: the A panel holds `units` units of MR lanes; the rest is the caller's.
+    let acc = unsafe { bf16_sums(units, b, |i, u| *a.add(u * MR + i) as i32) };
+    // SAFETY: forwarded from the caller.
+    unsafe { store(&acc, c, ldc, rows, cols, accumulate) };
+}
+
+/// The accumulators of a bf16 tile: `units` units of the B panel `b` (`units * NR`) times
+/// those `a(i, u)` gives for row `i` and unit `u`, summed in f32 by `vdpbf16ps`.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX512-BF16; `b` holds `units * NR` units; `a` may be called for
+/// every row below `MR` and unit below `units`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn bf16_sums(
+    units: usize,
+    b: *const u32,
+    a: impl Fn(usize, usize) -> i32,
+) -> [[__m512; 2]; MR] {
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     for u in 0..units {
-        // SAFETY: the panels hold `units` units of NR (B) and MR (A) lanes.
+        // SAFETY: the panel holds `units` units of NR lanes.
         unsafe {
             let b0: __m512bh =
                 std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(b.add(u * NR).cast()));
             let b1: __m512bh = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
                 b.add(u * NR + 16).cast(),
             ));
-            let ar = a.add(u * MR);
             for (i, row) in acc.iter_mut().enumerate() {
                 let av: __m512bh =
-                    std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*ar.add(i) as i32));
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(a(i, u)));
                 row[0] = _mm512_dpbf16_ps(row[0], av, b0);
                 row[1] = _mm512_dpbf16_ps(row[1], av, b1);
             }
         }
     }
-    // SAFETY: forwarded from the caller.
-    unsafe { store(&acc, c, ldc, rows, cols, accumulate) };
+    acc
 }
 
 /// The bf16 tile with A read in place (see [`super::resident`]): `a` is `(first row, row
@@ -253,24 +270,12 @@ pub(super) unsafe fn bf16_tile_in_place(
         // SAFETY: row `min(i, rows - 1)` is one of the caller's rows.
         *start = unsafe { a.add(i.min(rows - 1) * rs) };
     }
-    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-    for u in 0..units {
-        // SAFETY: the panel holds `units` units of NR lanes, and each row `units` units.
-        unsafe {
-            let b0: __m512bh =
-                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(b.add(u * NR).cast()));
-            let b1: __m512bh = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                b.add(u * NR + 16).cast(),
-            ));
-            for (row, start) in acc.iter_mut().zip(&starts) {
-                let pair = start.add(u * step).cast::<i32>().read_unaligned();
-                let av: __m512bh =
-                    std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair));
-                row[0] = _mm512_dpbf16_ps(row[0], av, b0);
-                row[1] = _mm512_dpbf16_ps(row[1], av, b1);
-            }
-        }
-    }
+    // SAFETY: each row holds `units` units; the rest is the caller's.
+    let acc = unsafe {
+        bf16_sums(units, b, |i, u| {
+            starts[i].add(u * step).cast::<i32>().read_unaligned()
+        })
+    };
     // SAFETY: forwarded from the caller.
     unsafe { store(&acc, c, ldc, rows, cols, accumulate) };
 }
