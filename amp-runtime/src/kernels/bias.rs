@@ -6,7 +6,7 @@ use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType,
 };
 
-use crate::kernels::channels::{channel_sum, rounded_like, Affine, Geometry};
+use crate::kernels::channels::{channel_sum, column_sums, rounded_like, Affine, Geometry};
 use crate::kernels::convert::to_dtype;
 #[cfg(feature = "cuda")]
 use crate::kernels::cuda;
@@ -164,7 +164,11 @@ impl CustomOp1 for ChannelSums {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::along(layout.dims(), self.dim)?;
         let sums: Vec<f64> = with_floats!("bias add", storage, layout, |xs| {
-            parallel::map_indices(g.c, |c| channel_sum(xs, g, c, |x| x))
+            if g.hw == 1 {
+                column_sums(xs, g)
+            } else {
+                parallel::map_indices(g.c, |c| channel_sum(xs, g, c, |x| x))
+            }
         });
         let sums = sums.into_iter().map(|s| s as f32).collect();
         Ok((CpuStorage::F32(sums), Shape::from(g.c)))
@@ -187,6 +191,33 @@ impl CustomOp1 for ChannelSums {
 
 #[cfg(test)]
 mod tests {
+    /// The bias gradient of channels innermost (a `Linear`'s, summed by columns) has the bits
+    /// of the per-channel sums, in f32 and bf16, odd column counts across the column blocks.
+    #[test]
+    fn column_sums_are_the_channel_sums() {
+        use crate::kernels::channels::{channel_sum, column_sums, Geometry};
+        use crate::kernels::testing::values;
+        for (n, c) in [(1, 1), (7, 3), (300, 257), (1024, 768)] {
+            let g = Geometry { n, c, hw: 1 };
+            let xs: Vec<f32> = values(n * c, 3).iter().map(|v| v * 1e3).collect();
+            let bf: Vec<half::bf16> = xs.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            let per_channel = |c: usize| channel_sum(&xs, g, c, |x| x).to_bits();
+            let bits: Vec<u64> = column_sums(&xs, g).iter().map(|s| s.to_bits()).collect();
+            assert_eq!(
+                bits,
+                (0..c).map(per_channel).collect::<Vec<_>>(),
+                "f32 {n}x{c}"
+            );
+            let per_channel = |c: usize| channel_sum(&bf, g, c, |x| x).to_bits();
+            let bits: Vec<u64> = column_sums(&bf, g).iter().map(|s| s.to_bits()).collect();
+            assert_eq!(
+                bits,
+                (0..c).map(per_channel).collect::<Vec<_>>(),
+                "bf16 {n}x{c}"
+            );
+        }
+    }
+
     /// The bias add: values `y + b` in `y`'s dtype, and the bias's gradient summed over the
     /// other dimensions in f32: 300 rows of a bf16 output give 300 (rounding the bias to bf16
     /// before broadcasting it has candle sum its gradient in bf16: 256).

@@ -61,6 +61,28 @@ pub(crate) fn channel_sum<T: Real>(xs: &[T], g: Geometry, c: usize, f: impl Fn(f
     total
 }
 
+/// [`channel_sum`] of `x` for every channel where the channels are innermost (`hw == 1`: a
+/// `Linear`'s bias): the columns of `xs` seen as `(n, c)` rows, each value widened and added to
+/// its column's f64 sum in row order, so the same bits as `channel_sum`, which took each
+/// channel's values one call at a time (a sixth of a `Linear`'s f32 fwd+bwd at `(8, 128, 768)`);
+/// blocks of columns in parallel.
+pub(crate) fn column_sums<T: Real>(xs: &[T], g: Geometry) -> Vec<f64> {
+    const COLUMNS: usize = 256;
+    debug_assert_eq!(g.hw, 1, "column_sums: channels innermost");
+    let mut sums = vec![0f64; g.c];
+    parallel::for_each_chunk_mut(&mut sums, COLUMNS, |i, sums| {
+        let (first, mut wide) = (i * COLUMNS, [0f32; COLUMNS]);
+        let wide = &mut wide[..sums.len()];
+        for row in xs.chunks_exact(g.c) {
+            T::widen(&row[first..first + sums.len()], wide);
+            for (s, &x) in sums.iter_mut().zip(wide.iter()) {
+                *s += f64::from(x);
+            }
+        }
+    });
+    sums
+}
+
 /// Per-channel `(x - center) * scale + shift`: the elementwise pass shared by the forward and
 /// the input gradient, row by row.
 pub(crate) struct Affine<'a> {
