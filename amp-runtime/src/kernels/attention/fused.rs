@@ -11,8 +11,8 @@
 //! factors (1 without dropout), `dV += (P Z)^T dO`, `dP = (dO V^T) Z`, `dS = P * (dP -
 //! rowsum(P * dP)) * scale` in f32, `dQ = dS K` and `dK += dS^T Q`, the products again in the
 //! operands' dtype with f32 accumulation. Every product runs on the packed GEMM, or for bf16 on
-//! a CPU with AVX512-BF16 on the key/value head's operands packed once for all its blocks, the
-//! same bits ([`super::products`]). One task owns one key/value head of one
+//! a CPU whose bf16 GEMM is `vdpbf16ps` on the key/value head's operands packed once for all
+//! its blocks, the same bits ([`super::products`]). One task owns one key/value head of one
 //! batch entry (and the query heads that share it), so `dK` and `dV` are summed in f32 without
 //! any reduction across tasks.
 

@@ -6,11 +6,11 @@
 //! each a full `(b, h, t_q, t_k)` buffer in the forward and a zero tensor plus an add in
 //! candle's backward. On CPU it is one node ([`fused`]): per head and block of query rows, the
 //! block's scores against every visible key (half operands, f32 accumulation; bf16 on keys and
-//! values packed once per head, [`products`]), the scale, the mask and the softmax in f32, the probabilities rounded to the
-//! operands' dtype for the second product (as autocast casts the softmax's output for the
-//! `matmul` after it), the output rounded once; the backward recomputes the block's
-//! probabilities. On CUDA it is one node too (`cuda.rs`, feature `cuda`): two cuBLAS products with the scale,
-//! masks and softmax between them in one kernel, the backward recomputing the scores. Elsewhere,
+//! values packed once per head, [`products`]), the scale, the mask and the softmax in f32, the
+//! probabilities rounded to the operands' dtype for the second product (as autocast casts the
+//! softmax's output for the `matmul` after it), the output rounded once; the backward
+//! recomputes the block's probabilities. On CUDA it is one node too (`cuda.rs`, feature
+//! `cuda`): two cuBLAS products with the scale, masks and softmax between them in one kernel, the backward recomputing the scores. Elsewhere,
 //! and on CUDA with dropout, the same semantics run as candle ops ([`composed`]), which the
 //! tests also use as the composed reference. [`packed_attention`] is the same op over a packed
 //! `(b, t, 3, h, d)` projection, reading it in place and writing `(b, t, h, d)`.

@@ -1,6 +1,6 @@
 //! The products of the CPU attention op, per query head and block of query rows: on the packed
-//! GEMM for every dtype ([`Gemm`]), or for bf16 on a CPU with AVX512-BF16 on panels of the
-//! key/value head packed once and A read in place ([`Resident`], see
+//! GEMM for every dtype ([`Gemm`]), or for bf16 where the GEMM's kernel is `vdpbf16ps` on
+//! panels of the key/value head packed once and A read in place ([`Resident`], see
 //! [`crate::kernels::gemm::Bf16Products`]). Both round the same operands to the same dtype and
 //! sum the same units in the same order: the two give the same bits.
 
@@ -188,7 +188,8 @@ pub(super) struct Resident<'a, T> {
 }
 
 /// Whether the resident products take operands of this type and layout: bf16, on a CPU with
-/// AVX512-BF16, even head sizes, and each row's head dimension contiguous.
+/// AVX512-BF16 and no AMX ([`Bf16Products::detect`]), even head sizes, and each row's head
+/// dimension contiguous.
 pub(super) fn resident<T: GemmElem>(g: Geometry, operands: &[Operand<T>]) -> Option<Bf16Products> {
     let in_place = operands.iter().all(|o| o.stride[3] == 1);
     (T::IS_BF16 && g.d.is_multiple_of(2) && g.dv.is_multiple_of(2) && in_place)

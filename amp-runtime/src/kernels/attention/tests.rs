@@ -540,8 +540,9 @@ fn attend_on(
     q.apply_op3(k, v, if gemm_only { op.on_the_gemm() } else { op })
 }
 
-/// On a CPU with AVX512-BF16, bf16 attention runs its products on key/value panels packed once
-/// per head with the query rows read in place (`gemm::Bf16Products`); the packed GEMM rounds
+/// On a CPU whose bf16 GEMM is `vdpbf16ps`, bf16 attention runs its products on key/value
+/// panels packed once per head with the query rows read in place (`gemm::Bf16Products`); the
+/// packed GEMM rounds
 /// the same operands and sums the same pairs in the same order, so the output and the three
 /// gradients must be its bits exactly. Cases: odd and even lengths (blocks that end inside and
 /// on 32 rows, odd key counts under the causal mask), a KV cache with grouped heads, value
@@ -549,7 +550,7 @@ fn attend_on(
 #[test]
 fn resident_bf16_products_give_the_gemm_s_bits() -> Result<()> {
     if crate::kernels::gemm::Bf16Products::detect().is_none() {
-        eprintln!("no AVX512-BF16 on this CPU: the resident products do not run");
+        eprintln!("no vdpbf16ps GEMM on this CPU: the resident products do not run");
         return Ok(());
     }
     // (b, h, h_kv, t_q, t_k, d, d_v), causal, mask, dropout, heads read transposed.

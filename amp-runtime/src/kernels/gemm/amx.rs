@@ -44,6 +44,7 @@ impl AmxBf16 {
     }
 
     /// AVX-512F with AVX512-BF16, which this implies.
+    #[cfg(test)]
     pub(crate) fn avx512_bf16(self) -> Avx512Bf16 {
         self.0
     }

@@ -107,13 +107,14 @@ pub(crate) fn rows_as_units(x: &[f32], rows: usize, cols: usize) -> Vec<u32> {
 }
 
 impl Bf16Products {
-    /// The products, when this CPU runs them (AVX512-BF16: Zen 4, Sapphire Rapids and later).
+    /// The products, where the GEMM's bf16 kernel is `vdpbf16ps` (AVX512-BF16 without AMX: Zen
+    /// 4). Where the GEMM runs on AMX tiles (Sapphire Rapids and later) it keeps them: Intel
+    /// cores issue `vdpbf16ps` at half the rate of Zen 4's, and the trade of packing against
+    /// the tiles' speed there has not been measured.
     pub(crate) fn detect() -> Option<Self> {
         match super::isa() {
             #[cfg(target_arch = "x86_64")]
             super::Isa::Avx512Bf16(cpu) => Some(Self(cpu)),
-            #[cfg(target_arch = "x86_64")]
-            super::Isa::Amx(cpu) => Some(Self(cpu.avx512_bf16())),
             _ => None,
         }
     }
