@@ -2171,7 +2171,8 @@ mod users {
 }
 
 /// Taken ops where generic code, a boxed `dyn Fn`, a returned `impl Fn` and a closure of its own
-/// use them; a user's functions of candle's names taken as they are; `clamp` of f32 bounds.
+/// use them, and an array of two; a user's functions of candle's names taken as they are;
+/// `clamp` of f32 bounds.
 #[autocast(bf16)]
 fn taken_ops_in_generic_code(x: &Ct) -> Result<Vec<DType>> {
     let half = x.to_dtype(DType::BF16)?;
@@ -2186,12 +2187,16 @@ fn taken_ops_in_generic_code(x: &Ct) -> Result<Vec<DType>> {
     let exp = users::Tensor::exp;
     assert_eq!(exp(&users::Tensor(1.0)).to_bits(), 2f32.to_bits());
     let clamped = y.clamp(0f32, 1f32)?;
+    // Several taken ops in one array, unannotated, as plain Rust takes their functions.
+    let ops = [candle_core::Tensor::exp, candle_core::Tensor::sqr];
+    let squared = ops[1](&half)?;
     Ok(vec![
         e.dtype(),
         y.dtype(),
         z.dtype(),
         t.dtype(),
         clamped.dtype(),
+        squared.dtype(),
     ])
 }
 
@@ -2214,16 +2219,8 @@ fn calls_in_a_region(f: &Product, x: &Ct) -> Result<DType> {
 fn taken_ops_keep_the_functions_signature() -> Result<()> {
     let x = Ct::randn(0f32, 1.0, (3, 3), &dev())?;
     let dtypes = taken_ops_in_generic_code(&x)?;
-    assert_eq!(
-        dtypes,
-        [
-            DType::F32,
-            DType::BF16,
-            DType::BF16,
-            DType::F32,
-            DType::BF16
-        ]
-    );
+    let (f, b) = (DType::F32, DType::BF16);
+    assert_eq!(dtypes, [f, b, b, f, b, f]);
     let mm = returns_a_taken_op();
     assert_eq!(mm(&x, &x)?.dtype(), DType::F32);
     assert_eq!(calls_in_a_region(&mm, &x)?, DType::BF16);

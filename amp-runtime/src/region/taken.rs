@@ -5,7 +5,7 @@
 //! unrouted (candle's f32 `matmul` in a bf16 region). The macro now passes `ofN_K` the function
 //! as written, whose type fixes the arguments' and the result's types, and a closure that makes
 //! the same call routed, as any closure written in a region (under the policy of the region
-//! it is called in; plain code outside one). `ofN_K` returns the closure. Its routed result
+//! it is called in; plain code outside one). `ofN_K` returns it as a function pointer. Its routed result
 //! comes back as the function's own result type: a candle tensor as it is, a typed tensor in
 //! the precision its type names.
 
@@ -18,20 +18,21 @@ pub fn returned<A: ExitAs<D>, D>(r: Result<A>) -> Result<D> {
     r.and_then(|a| a.exit_as(Leave::as_made()))
 }
 
-/// `ofN_K`: the closure for an op of `N` arguments whose first `K` (the receiver, then the tensor
-/// operands) are references, its types those of the op `_` as written. The references are
-/// taken at any lifetime (`for<'a> Fn(&'a T0, ..)`), as the function takes them: a closure typed
-/// by one call's lifetimes could not be passed where `F: Fn(&Tensor) -> ..` is asked.
+/// `ofN_K`: the routed closure for an op of `N` arguments whose first `K` (the receiver, then
+/// the tensor operands) are references, as a function pointer of the op `_`'s own type: what
+/// the function as written coerces to wherever plain Rust takes it. Its references are taken at
+/// any lifetime (`for<'a> fn(&'a T0, ..)`), so `F: Fn(&Tensor) -> ..`, `Box<dyn Fn ..>` and an
+/// array of several ops take it (the closure it is made from captures nothing).
 macro_rules! taken {
     ($($of:ident: [$($t:ident)+] $($a:ident)*;)*) => {$(
         #[doc = concat!(
             "The routed closure of an op taking references to ", stringify!($($t)+),
             " and values ", stringify!($($a)*), " (see the module)."
         )]
-        pub fn $of<$($t: ?Sized,)+ $($a,)* R, F: Fn($(&$t,)+ $($a),*) -> R>(
+        pub fn $of<$($t: ?Sized,)+ $($a,)* R>(
             _: fn($(&$t,)+ $($a),*) -> R,
-            routed: F,
-        ) -> F {
+            routed: fn($(&$t,)+ $($a),*) -> R,
+        ) -> fn($(&$t,)+ $($a),*) -> R {
             routed
         }
     )*};
