@@ -4,10 +4,10 @@
 //! Called, such an op is routed; taken as a value it was the function itself, which ran
 //! unrouted (candle's f32 `matmul` in a bf16 region). The macro now passes `ofN_K` the function
 //! as written, whose type fixes the arguments' and the result's types, and a closure that makes
-//! the same call routed, as any closure written in a region (under the policy of the region
-//! it is called in; plain code outside one). `ofN_K` returns it as a function pointer. Its routed result
-//! comes back as the function's own result type: a candle tensor as it is, a typed tensor in
-//! the precision its type names.
+//! the same call routed, as any closure written in a region (under the policy of the region it
+//! is called in; the f32 policy outside any). `ofN_K` returns the closure as a function pointer.
+//! Its routed result comes back as the function's own result type: a candle tensor as it is, a
+//! typed tensor in the precision its type names.
 
 use candle_core::Result;
 
