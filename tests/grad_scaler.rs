@@ -1364,3 +1364,48 @@ fn a_collapsed_scale_that_zeroes_every_gradient_is_an_error() -> Result<()> {
     assert!(iteration(&x, &mut fresh)?.is_stepped());
     Ok(())
 }
+
+/// A disabled scaler's state continues no run: PyTorch's disabled `GradScaler` saves an empty
+/// `state_dict()` and an enabled one refuses to load it. Ours records `enabled: false` (in JSON
+/// and in the tensor form, which a checkpoint writes) and an enabled scaler refuses it, where it
+/// loaded the default scale silently; a disabled scaler takes it, and an enabled state's JSON
+/// is what it was (no new field).
+#[test]
+fn an_enabled_scaler_refuses_a_disabled_ones_state() -> Result<()> {
+    let disabled = GradScaler::builder().enabled(false).build()?.state();
+    assert!(!disabled.enabled);
+    let enabled_json = GradScaler::new().state().to_json();
+    assert!(!enabled_json.contains("enabled"), "{enabled_json}");
+    for state in [
+        ScalerState::from_json(&disabled.to_json())?,
+        ScalerState::from_tensors(&disabled.to_tensors("scaler.")?, "scaler.")?,
+    ] {
+        let err = GradScaler::new()
+            .load_state(state.clone())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("disabled GradScaler"), "{err}");
+        GradScaler::builder()
+            .enabled(false)
+            .build()?
+            .load_state(state)?;
+    }
+    // Through a checkpoint file.
+    let dev = Device::Cpu;
+    let vars = candle_nn::VarMap::new();
+    let _ = vars.get(2, "w", candle_nn::Init::Const(1.0), DType::F32, &dev)?;
+    let opt = candle_amp::optim::SGD::new(vars.all_vars(), 0.1)?;
+    let path = std::env::temp_dir().join(format!(
+        "disabled-scaler-{}.safetensors",
+        std::process::id()
+    ));
+    let off = GradScaler::builder().enabled(false).build()?;
+    candle_amp::checkpoint::save(&path, &vars, &opt, &off, 3)?;
+    let mut opt2 = candle_amp::optim::SGD::new(vars.all_vars(), 0.1)?;
+    let err = candle_amp::checkpoint::load(&path, &vars, &mut opt2, &mut GradScaler::new())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("disabled GradScaler"), "{err}");
+    let _ = std::fs::remove_file(&path);
+    Ok(())
+}

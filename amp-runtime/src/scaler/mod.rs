@@ -388,13 +388,27 @@ impl GradScaler {
 
     /// The state to checkpoint (see [`ScalerState`]).
     pub fn state(&self) -> ScalerState {
-        self.state.clone()
+        ScalerState {
+            enabled: self.enabled,
+            ..self.state.clone()
+        }
     }
 
     /// Restores a checkpointed state after validating it; on error the scaler is unchanged.
-    /// Checks recorded since the last update are discarded.
+    /// Checks recorded since the last update are discarded. An enabled scaler refuses the state
+    /// of a disabled one, as PyTorch does: that scaler never scaled, and its scale would start
+    /// this run at the default as if it continued one.
     pub fn load_state(&mut self, state: ScalerState) -> Result<()> {
         state.validate()?;
+        if self.enabled && !state.enabled {
+            candle_core::bail!(
+                "GradScaler::load_state: the state was saved from a disabled GradScaler, which \
+                 holds no loss scale to continue from (PyTorch: \"The source state dict is \
+                 empty, possibly because it was saved from a disabled instance of \
+                 GradScaler\"); build this scaler with `enabled(false)` too, or do not load \
+                 the state"
+            )
+        }
         self.state = state;
         self.found_inf = None;
         self.consecutive_skips = 0;
@@ -500,6 +514,7 @@ impl GradScalerBuilder {
             skipped_steps: 0,
             min_scale: self.min_scale.map(|v| v as f32),
             max_scale: self.max_scale.map(|v| v as f32),
+            enabled: self.enabled,
         };
         // The builder's name for the scale, and the value given.
         state.validate_naming("init_scale", &self.init_scale)?;

@@ -110,7 +110,8 @@ fn invalid(field: &'static str, reason: String) -> candle_core::Error {
 
 /// Everything a [`GradScaler`](super::GradScaler) needs to continue a run bit for bit: PyTorch's
 /// `GradScaler.state_dict()` (scale, growth factor, backoff factor, growth interval, growth
-/// tracker) plus the skipped-step counter and the optional scale bounds.
+/// tracker) plus the skipped-step counter, the optional scale bounds and, for a disabled
+/// scaler, that it was disabled.
 ///
 /// Save it next to the weights: as JSON ([`to_json`](Self::to_json), or any serde format), or
 /// as tensors in the model's safetensors file ([`to_tensors`](Self::to_tensors)). Loading checks
@@ -139,6 +140,21 @@ pub struct ScalerState {
     /// Optional ceiling for the scale (Apex caps at 2^24); PyTorch has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_scale: Option<f32>,
+    /// Whether the scaler that saved it was enabled (written only when it was not). A disabled
+    /// scaler's state continues no run: an enabled scaler refuses it, as PyTorch refuses the
+    /// empty `state_dict()` of a disabled one.
+    #[serde(default = "enabled", skip_serializing_if = "is_enabled")]
+    pub enabled: bool,
+}
+
+/// The default of [`ScalerState::enabled`]: states written before the field were enabled ones.
+fn enabled() -> bool {
+    true
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
+fn is_enabled(enabled: &bool) -> bool {
+    *enabled
 }
 
 impl ScalerState {
@@ -303,6 +319,9 @@ impl ScalerState {
         if let Some(hi) = self.max_scale {
             out.insert(format!("{prefix}max_scale"), Tensor::new(hi, cpu)?);
         }
+        if !self.enabled {
+            out.insert(format!("{prefix}enabled"), Tensor::new(0u8, cpu)?);
+        }
         Ok(out)
     }
 
@@ -321,6 +340,9 @@ impl ScalerState {
             skipped_steps: u64::from_ne_bytes(skipped.to_ne_bytes()),
             min_scale: read.optional("min_scale", DType::F32)?,
             max_scale: read.optional("max_scale", DType::F32)?,
+            enabled: read
+                .optional("enabled", DType::U8)?
+                .is_none_or(|e: u8| e != 0),
         };
         state.validate()?;
         Ok(state)

@@ -4,7 +4,8 @@
 //! against every visible key, scales them and adds the mask in f32, takes
 //! the softmax in f32 (dropout after it), rounds the probabilities to the operands' dtype for
 //! the second product and writes the block's output rounded once. Only one block of scores
-//! exists at a time per task: memory grows with `BLOCK * t_k`, not `t_q * t_k`.
+//! exists at a time per task: memory grows with `BLOCK * t_k`, not `t_q * t_k` (the resident
+//! products add a packed copy of the keys and values, their own size, while the forward runs).
 //!
 //! The backward recomputes each block's probabilities (the forward keeps nothing but its
 //! operands, as flash attention keeps nothing of the scores), then, with `Z` the dropout's
