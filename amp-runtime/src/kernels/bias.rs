@@ -196,25 +196,24 @@ mod tests {
     #[test]
     fn column_sums_are_the_channel_sums() {
         use crate::kernels::channels::{channel_sum, column_sums, Geometry};
+        use crate::kernels::elem::Real;
         use crate::kernels::testing::values;
+        /// Both sums' bits for every channel of `xs`.
+        fn both<T: Real>(xs: &[T], g: Geometry) -> (Vec<u64>, Vec<u64>) {
+            let columns = column_sums(xs, g).iter().map(|s| s.to_bits()).collect();
+            let channels = (0..g.c)
+                .map(|c| channel_sum(xs, g, c, |x| x).to_bits())
+                .collect();
+            (columns, channels)
+        }
         for (n, c) in [(1, 1), (7, 3), (300, 257), (1024, 768)] {
             let g = Geometry { n, c, hw: 1 };
             let xs: Vec<f32> = values(n * c, 3).iter().map(|v| v * 1e3).collect();
             let bf: Vec<half::bf16> = xs.iter().map(|&x| half::bf16::from_f32(x)).collect();
-            let per_channel = |c: usize| channel_sum(&xs, g, c, |x| x).to_bits();
-            let bits: Vec<u64> = column_sums(&xs, g).iter().map(|s| s.to_bits()).collect();
-            assert_eq!(
-                bits,
-                (0..c).map(per_channel).collect::<Vec<_>>(),
-                "f32 {n}x{c}"
-            );
-            let per_channel = |c: usize| channel_sum(&bf, g, c, |x| x).to_bits();
-            let bits: Vec<u64> = column_sums(&bf, g).iter().map(|s| s.to_bits()).collect();
-            assert_eq!(
-                bits,
-                (0..c).map(per_channel).collect::<Vec<_>>(),
-                "bf16 {n}x{c}"
-            );
+            let (columns, channels) = both(&xs, g);
+            assert_eq!(columns, channels, "f32 {n}x{c}");
+            let (columns, channels) = both(&bf, g);
+            assert_eq!(columns, channels, "bf16 {n}x{c}");
         }
     }
 

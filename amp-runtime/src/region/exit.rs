@@ -53,9 +53,7 @@ impl Leave {
             declared,
         }
     }
-}
 
-impl Leave {
     /// Results as the body made them, in the precision a typed result's type names: how an op
     /// taken as a value returns (`super::taken`).
     pub(crate) fn as_made() -> Self {
