@@ -290,3 +290,59 @@ fn cast_inputs_leaves_candle_tensor_parameters_alone() -> Result<()> {
     assert_eq!(b.as_candle().to_vec2::<f32>()?, want);
     Ok(())
 }
+
+/// `cast_inputs` on the impl form casts an optional tensor and a slice of tensors too, as
+/// PyTorch's casts tensors inside its arguments and passes `None` through. The region's values
+/// given as `Some(&h)` and `&[h]` failed to compile inside the generated call.
+struct Biased {
+    seen: RefCell<Vec<DType>>,
+}
+
+#[custom_fwd(cast_inputs = f32)]
+impl Biased {
+    fn forward(
+        &self,
+        x: &Tensor<F32>,
+        bias: Option<&Tensor<F32>>,
+        extra: &[Tensor<F32>],
+    ) -> Result<Tensor<F32>> {
+        let mut y = x.clone();
+        for t in bias.into_iter().chain(extra) {
+            self.seen.borrow_mut().push(t.as_candle().dtype());
+            y = y.add(t)?;
+        }
+        Ok(y)
+    }
+}
+
+#[autocast(bf16)]
+fn call_biased(m: &Biased, x: &Tensor<F32>) -> Result<(Tensor<F32>, Tensor<F32>)> {
+    let h = x.matmul(x)?; // bf16
+    Ok((
+        m.forward(&h, Some(&h), &[h.clone(), h.clone()])?,
+        m.forward(&h, None, &[])?,
+    ))
+}
+
+#[test]
+fn cast_inputs_casts_optional_and_slice_parameters_of_the_impl_form() -> Result<()> {
+    let x = Tensor::<F32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], (2, 2), &dev())?;
+    let m = Biased {
+        seen: RefCell::new(Vec::new()),
+    };
+    let (out, rep) = candle_amp::report::record(|| call_biased(&m, &x));
+    let (four, one) = out?;
+    // Each tensor cast is reported at the method's name: x, the bias and the slice's two
+    // tensors, then x.
+    let casts = rep.op("cast_inputs").next().expect("reported");
+    assert_eq!(casts.site.map(|s| s.function), Some("forward"));
+    assert_eq!((casts.calls, casts.casts), (5, 5));
+    // x x by hand: [[7, 10], [15, 22]] (exact in bf16); four times it, and it alone.
+    assert_eq!(four.to_vec2::<f32>()?, [[28.0, 40.0], [60.0, 88.0]]);
+    assert_eq!(one.to_vec2::<f32>()?, [[7.0, 10.0], [15.0, 22.0]]);
+    assert_eq!(*m.seen.borrow(), [DType::F32; 3]);
+    // Plain code calls the method as written.
+    let y = m.forward(&x, Some(&x), &[])?;
+    assert_eq!(y.to_vec2::<f32>()?, [[2.0, 4.0], [6.0, 8.0]]);
+    Ok(())
+}

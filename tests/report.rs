@@ -3,7 +3,7 @@
 
 use candle_amp::nn::{self, loss};
 use candle_amp::report::{self, PrecisionReport};
-use candle_amp::{autocast, ops, GradScaler, Tensor, F32};
+use candle_amp::{autocast, ops, GradScaler, Tensor, F16, F32};
 use candle_core::{DType, Device, Result};
 use candle_nn::{VarBuilder, VarMap};
 
@@ -360,5 +360,55 @@ fn the_locator_takes_f64_values_as_f64() -> Result<()> {
     report::set_check_finite(false);
     assert_eq!(y?.to_vec2::<f64>()?, [[1e40]]);
     assert!(found.is_none(), "{found:?}");
+    Ok(())
+}
+
+/// A `cast_inputs` op's body runs with autocast off; its input casts are what autocast did
+/// there. They were missing from the report, and an input that the cast made `inf` went past
+/// the locator.
+#[candle_amp::custom_fwd(cast_inputs = f16)]
+fn half_scores(x: &Tensor<F16>) -> Result<Tensor<F16>> {
+    // The line above holds the op's name.
+    x.affine(0.5, 0.0)
+}
+
+#[autocast(bf16)]
+fn through_half_scores(x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    let h = x.matmul(x)?; // bf16
+    Ok(half_scores(&h)?.cast::<F32>()?)
+}
+
+#[test]
+fn cast_inputs_casts_are_reported_and_checked_at_the_op_s_name() -> Result<()> {
+    let _check = CHECK_FINITE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    // x x = [[7, 10], [15, 22]]: exact in bf16 and f16.
+    let x = Tensor::<F32>::from_vec(vec![1.0, 2.0, 3.0, 4.0], (2, 2), &dev())?;
+    let (y, rep) = report::record(|| through_half_scores(&x));
+    assert_eq!(y?.to_vec2::<f32>()?, [[3.5, 5.0], [7.5, 11.0]]);
+    let cast = rep.op("cast_inputs").next().expect("cast_inputs reported");
+    let site = cast.site.expect("at the op's name");
+    assert_eq!(
+        (site.line, site.function),
+        (
+            line_of("// The line above holds the op's name.") - 1,
+            "half_scores"
+        )
+    );
+    assert_eq!(
+        (&cast.inputs[..], cast.output, cast.calls, cast.casts),
+        (&[DType::BF16][..], DType::F16, 1, 1)
+    );
+    // 1e5 (exact in bf16 as 99840) is past f16's 65504: the cast makes it inf.
+    let big = Tensor::<F32>::from_vec(vec![1e5f32], (1, 1), &dev())?;
+    report::set_check_finite(true);
+    report::take_first_nonfinite();
+    let y = half_scores(&big);
+    report::set_check_finite(false);
+    assert!(y?.to_vec2::<f32>()?[0][0].is_infinite());
+    let found = report::take_first_nonfinite().expect("the cast located");
+    assert_eq!((found.op, found.dtype), ("cast_inputs", DType::F16));
+    assert_eq!(found.site.map(|s| s.function), Some("half_scores"));
     Ok(())
 }

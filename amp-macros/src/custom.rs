@@ -11,20 +11,22 @@ use syn::{FnArg, Ident, ItemFn, Pat, Type};
 
 use crate::errors::Errors;
 use crate::model::{is_candle_tensor, is_tensor_type};
+use crate::rewrite::at_site;
 use crate::runtime::Rt;
 use crate::syntax::verbatim_block;
 
 /// `#[custom_fwd(cast_inputs = ..)]` on a fn:
 /// Input:  `fn op(x: &Tensor<F32>, k: f64) -> R { body }` with `cast_inputs = f32`
-/// Output: `fn op(x: impl AsAmp, k: f64) -> R { let __amp_x = enter_cast::<F32, _>(&x)?;
-///          let x = &__amp_x; { body } }`: any tensor in, the body plain typed code.
+/// Output: `fn op(x: impl AsAmp, k: f64) -> R { let (__amp_x,) = { site; (enter_cast::<F32,
+///          _>(&x)?,) }; let x = &__amp_x; { body } }`: any tensor in, the body plain typed
+///          code; the casts marked with the op's site for the precision report
 pub(crate) fn cast_inputs_fn(item: &ItemFn, precision: &Ident) -> ItemFn {
     // Invariant established by validation, which rejects any other precision.
     let marker =
         Rt::precision(&precision.to_string()).expect("validated: cast_inputs is f32, f16 or bf16");
     let (enter_cast, as_amp) = (Rt::EnterCast, Rt::AsAmp);
     let mut f = item.clone();
-    let mut prologue = Vec::new();
+    let (mut owned, mut casts, mut rebind) = (Vec::new(), Vec::new(), Vec::new());
     for input in &mut f.sig.inputs {
         let FnArg::Typed(typed) = input else { continue };
         let Pat::Ident(pat) = &*typed.pat else {
@@ -34,23 +36,26 @@ pub(crate) fn cast_inputs_fn(item: &ItemFn, precision: &Ident) -> ItemFn {
             continue;
         }
         let name = &pat.ident;
-        let owned = format_ident!("__amp_{}", name, span = name.span());
-        prologue.push(quote_spanned!(name.span()=>
-            let #owned = #enter_cast::<#marker, _>(&#name)?;
-        ));
-        prologue.push(if matches!(&*typed.ty, Type::Reference(_)) {
-            quote!(let #name = &#owned;)
+        let cast = format_ident!("__amp_{}", name, span = name.span());
+        casts.push(quote_spanned!(name.span()=> #enter_cast::<#marker, _>(&#name)?));
+        rebind.push(if matches!(&*typed.ty, Type::Reference(_)) {
+            quote!(let #name = &#cast;)
         } else {
-            quote!(let #name = #owned;)
+            quote!(let #name = #cast;)
         });
+        owned.push(cast);
         *typed.ty = Type::Verbatim(quote_spanned!(typed.ty.span()=> impl #as_amp));
     }
+    // The casts are reported at the op's name, as `cast_inputs`.
+    let name = &item.sig.ident;
+    let cast = at_site(name.span(), &name.to_string(), quote!((#(#casts,)*)));
+    let prologue = quote!(let (#(#owned,)*) = #cast; #(#rebind)*);
     // Autocast is off inside, also for the helpers the body calls.
     let scope = Ident::new("__amp_policy", Span::mixed_site());
     let (policy_scope, fp32) = (Rt::PolicyScope, Rt::Fp32Policy);
     let body = &item.block;
     *f.block = verbatim_block(quote!(
-        #(#prologue)*
+        #prologue
         let #scope = #policy_scope::enter::<#fp32>();
         #body
     ));

@@ -546,39 +546,64 @@ fn region_call_impl(
         let marker = Rt::precision(&precision.to_string())
             .expect("validated: cast_inputs is f32, f16 or bf16");
         let enter_cast = Rt::EnterCast;
-        let params: Vec<_> = part
+        // Input:  `x: &Tensor<F32>`, `bias: Option<&Tensor<F32>>`, `xs: &[Tensor<F32>]`
+        // Output: `let (x, bias, xs) = { site; (enter_cast::<F32, _>(&x)?, bias.map(|t|
+        //         enter_cast::<F32, _>(t)).transpose()?, xs.iter().map(..).collect::<Result<Vec<_>
+        //         >>()?) };`, passed as `x`, `bias.as_ref()`, `&xs`; a candle tensor parameter is
+        //         not cast: it is passed as the value it entered as
+        let (names, casts): (Vec<_>, Vec<_>) = part
             .tensor_params
             .iter()
-            .filter(|p| p.kind == ParamKind::Tensor && !crate::model::is_candle_tensor(p.declared))
-            .map(|p| p.name)
-            .collect();
-        let enter_as = Rt::EnterAs;
-        let call_args = part.sig.inputs.iter().skip(1).map(|input| match input {
-            FnArg::Typed(t) if crate::model::tensor_param(input).is_some() => {
-                let pat = &t.pat;
-                // A candle tensor parameter is not cast: the value it entered as, as itself.
-                let value = if crate::model::is_candle_tensor(&t.ty) {
-                    let declared = match &*t.ty {
-                        Type::Reference(r) => &*r.elem,
-                        other => other,
-                    };
-                    quote!(#enter_as::<#declared>::enter_as(&#pat))
-                } else {
-                    quote!(#pat)
+            .filter(|p| !crate::model::is_candle_tensor(p.declared))
+            .map(|p| {
+                let name = p.name;
+                let cast = match p.kind {
+                    ParamKind::Tensor => quote!(#enter_cast::<#marker, _>(&#name)?),
+                    ParamKind::Optional => {
+                        quote!(#name.map(|t| #enter_cast::<#marker, _>(t)).transpose()?)
+                    }
+                    ParamKind::Slice => quote!(
+                        #name.iter().map(|t| #enter_cast::<#marker, _>(t))
+                            .collect::<::core::result::Result<::std::vec::Vec<_>, _>>()?
+                    ),
                 };
-                if matches!(&*t.ty, Type::Reference(_)) {
-                    quote!(&#value)
-                } else {
-                    quote!(#value)
+                (name, cast)
+            })
+            .unzip();
+        // The casts are reported at the method's name, as `cast_inputs`.
+        let cast = crate::rewrite::at_site(
+            sig.name.span(),
+            &sig.name.to_string(),
+            quote!((#(#casts,)*)),
+        );
+        let enter_as = Rt::EnterAs;
+        let call_args = sig.inputs.iter().map(|input| {
+            let Some(p) = &input.tensor else {
+                return input.pat.to_token_stream();
+            };
+            let (name, declared) = (p.name, p.declared);
+            let candle = crate::model::is_candle_tensor(declared);
+            match p.kind {
+                // A candle tensor parameter: the value it entered as, as itself.
+                ParamKind::Tensor if candle => {
+                    let value = quote!(#enter_as::<#declared>::enter_as(&#name));
+                    if p.by_ref {
+                        quote!(&#value)
+                    } else {
+                        value
+                    }
                 }
+                ParamKind::Tensor if p.by_ref => quote!(&#name),
+                ParamKind::Tensor => quote!(#name),
+                ParamKind::Optional | ParamKind::Slice if candle => quote!(#name),
+                ParamKind::Optional => quote!(#name.as_ref()),
+                ParamKind::Slice => quote!(&#name),
             }
-            FnArg::Typed(t) => t.pat.to_token_stream(),
-            FnArg::Receiver(_) => quote!(self),
         });
         let name = sig.name;
         let (policy_scope, fp32) = (Rt::PolicyScope, Rt::Fp32Policy);
         quote!({
-            #(let #params = #enter_cast::<#marker, _>(&#params)?;)*
+            let (#(#names,)*) = #cast;
             let __amp_policy = #policy_scope::enter::<#fp32>();
             #exit_to_region(Self::#name(self, #(#call_args),*))
         })

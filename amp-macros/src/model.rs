@@ -421,17 +421,6 @@ fn tensor_slice(ty: &Type) -> Option<&Type> {
     }
 }
 
-/// A parameter that enters the region as a tensor: `x: Tensor<P>` or `x: &Tensor<P>`.
-pub(crate) fn tensor_param(arg: &FnArg) -> Option<&syn::Ident> {
-    let FnArg::Typed(typed) = arg else {
-        return None;
-    };
-    let Pat::Ident(pat) = &*typed.pat else {
-        return None;
-    };
-    is_tensor_type(&typed.ty).then_some(&pat.ident)
-}
-
 /// Whether `ty` is candle's tensor by its path (`candle_core::Tensor`, `candle::Tensor`, by
 /// reference or not): a parameter `cast_inputs` leaves alone (token ids, masks), as PyTorch's
 /// `custom_fwd` casts floating tensors only. A bare `Tensor` may be either crate's; the

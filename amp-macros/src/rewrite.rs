@@ -210,33 +210,9 @@ impl Rewriter {
         keep
     }
 
-    /// Input:  a routed call written at `span`
-    /// Output: `{ static SITE: Site = Site { file: file!(), line, column, function };
-    ///          let _s = SiteGuard::enter(&SITE); call }`: while the call runs, the precision
-    ///         report and the overflow locator know where it is written (its arguments' own
-    ///         calls, evaluated inside, mark their own sites and restore this one)
+    /// A routed call written at `span`, marked with its site (`at_site`).
     fn at_site(&self, span: proc_macro2::Span, call: TokenStream) -> TokenStream {
-        let (site, guard) = (Rt::Site, Rt::SiteGuard);
-        let start = span.start();
-        let (line, column) = (
-            u32::try_from(start.line).unwrap_or(0),
-            u32::try_from(start.column + 1).unwrap_or(0),
-        );
-        let function = &self.function;
-        let (stat, local) = (
-            syn::Ident::new("__AMP_SITE", proc_macro2::Span::mixed_site()),
-            syn::Ident::new("__amp_site", proc_macro2::Span::mixed_site()),
-        );
-        quote_spanned!(span=> {
-            static #stat: #site = #site {
-                file: ::core::file!(),
-                line: #line,
-                column: #column,
-                function: #function,
-            };
-            let #local = #guard::enter(&#stat);
-            #call
-        })
+        at_site(span, &self.function, call)
     }
 
     /// Input:  `vec![x.relu()?, y]`, `matches!(x.relu()?.dims(), [_, 2])`
@@ -1010,4 +986,32 @@ fn restore_attrs(e: &mut Expr, attrs: Vec<Attribute>) {
             *tokens = quote!(#(#attrs)* #tokens);
         }
     }
+}
+
+/// Input:  a call written at `span` in `function`
+/// Output: `{ static SITE: Site = Site { file: file!(), line, column, function };
+///          let _s = SiteGuard::enter(&SITE); call }`: while the call runs, the precision
+///         report and the overflow locator know where it is written (its arguments' own
+///         calls, evaluated inside, mark their own sites and restore this one)
+pub(crate) fn at_site(span: proc_macro2::Span, function: &str, call: TokenStream) -> TokenStream {
+    let (site, guard) = (Rt::Site, Rt::SiteGuard);
+    let start = span.start();
+    let (line, column) = (
+        u32::try_from(start.line).unwrap_or(0),
+        u32::try_from(start.column + 1).unwrap_or(0),
+    );
+    let (stat, local) = (
+        syn::Ident::new("__AMP_SITE", proc_macro2::Span::mixed_site()),
+        syn::Ident::new("__amp_site", proc_macro2::Span::mixed_site()),
+    );
+    quote_spanned!(span=> {
+        static #stat: #site = #site {
+            file: ::core::file!(),
+            line: #line,
+            column: #column,
+            function: #function,
+        };
+        let #local = #guard::enter(&#stat);
+        #call
+    })
 }

@@ -5,8 +5,10 @@
 use candle_core::{DType, Result};
 
 use super::policy::{Policy, PolicyScope};
-use super::value::{floating, AmpTensor, AsAmp, RegionValue};
+use super::value::{floating, AmpTensor, AsAmp};
+use crate::autocast_state::run_op;
 use crate::cast::convert;
+use crate::op::OpClass;
 use crate::precision::Precision;
 use crate::tensor::Tensor;
 
@@ -119,9 +121,24 @@ pub fn enter_fp32<D: RegionParam, A: EnterAs<D> + ?Sized>(a: &A) -> Result<D::Va
 }
 
 /// An input of a `#[custom_fwd(cast_inputs = ..)]` op: any tensor, typed or a region value,
-/// cast to the op's declared precision `Q`.
+/// cast to the op's declared precision `Q`. The cast is an op of the precision report and the
+/// finite check (`cast_inputs`, at the op's site): an f32 `1e5` given to a `cast_inputs = f16`
+/// op becomes `inf` here.
 pub fn enter_cast<Q: Precision, A: EnterAs<Tensor<Q>> + ?Sized>(a: &A) -> Result<Tensor<Q>> {
-    a.enter_as().cast::<Q>()
+    let x = a.enter_as();
+    let class = if Q::DTYPE == DType::F32 {
+        OpClass::Fp32
+    } else {
+        OpClass::LowerPrecision
+    };
+    let cast = run_op(
+        "cast_inputs",
+        class,
+        || vec![&x],
+        Some(Q::DTYPE),
+        |_| convert(&x, Q::DTYPE),
+    )?;
+    Ok(Tensor::wrap(cast))
 }
 
 /// `#[custom_bwd]`: the incoming gradient in the dtype the forward produced.
