@@ -2440,3 +2440,41 @@ fn a_borrowed_module_object_is_called_under_the_policy() -> Result<()> {
     assert_eq!(through_a_borrowed_object(&layer, &x)?, DType::BF16);
     Ok(())
 }
+
+type Masks = (
+    candle_core::Tensor,
+    candle_core::Tensor,
+    candle_core::Tensor,
+    candle_core::Tensor,
+);
+
+#[autocast(bf16)]
+fn compared(x: &Tensor<F32>, y: &candle_core::Tensor, ids: &candle_core::Tensor) -> Result<Masks> {
+    let eye = candle_core::Tensor::eye(2, DType::F32, &dev())?;
+    let b = x.matmul(&eye)?; // bf16
+                             // candle's ReLU6 spelling, with scalars.
+    let relu6 = b.maximum(0.0)?.minimum(6.0)?;
+    Ok((b.ge(y)?, b.gt(0.5)?, relu6, ids.eq(1u32)?))
+}
+
+/// candle's non-broadcast comparisons and `maximum`/`minimum` with a number are routed in a
+/// region: a half value meets an f32 tensor in f32, as PyTorch promotes (it was candle's
+/// "dtype mismatch in cmp"), and a number is taken as candle takes it (`h.maximum(0.0)` did not
+/// compile).
+#[test]
+fn comparisons_and_scalar_extrema_in_a_region() -> Result<()> {
+    // 1 + 2^-8 is exact in f32 and rounds to 1 in bf16 (halfway, to even).
+    let x = Tensor::<F32>::from_vec(vec![1.003_906_25, 3.0, -2.0, 7.5], (2, 2), &dev())?;
+    let y = candle_core::Tensor::new(&[[1.003_906_25f32, 3.0], [-2.0, 8.0]], &dev())?;
+    let ids = candle_core::Tensor::new(&[1u32, 0, 1], &dev())?;
+    let (ge, gt, relu6, eq) = compared(&x, &y, &ids)?;
+    // Promoted to f32: bf16's 1.0 is below 1.00390625 (cast to bf16 it would be equal).
+    assert_eq!(ge.to_vec2::<u8>()?, [[0, 1], [1, 0]]);
+    assert_eq!(gt.to_vec2::<u8>()?, [[1, 1], [0, 1]]);
+    assert_eq!(
+        relu6.to_dtype(DType::F32)?.to_vec2::<f32>()?,
+        [[1.0, 3.0], [0.0, 6.0]]
+    );
+    assert_eq!(eq.to_vec1::<u8>()?, [1, 0, 1]);
+    Ok(())
+}

@@ -2084,3 +2084,50 @@ fn layers_too_large_to_allocate_are_errors() {
         );
     }
 }
+
+#[autocast(bf16)]
+fn strided_pools(
+    x: &candle_core::Tensor,
+    kernel: usize,
+    stride: usize,
+) -> Result<(candle_core::Tensor, candle_core::Tensor)> {
+    let max = x.max_pool2d_with_stride(kernel, stride)?;
+    let avg = x.avg_pool2d_with_stride(kernel, stride)?;
+    Ok((max, avg))
+}
+
+/// candle's spellings of strided pooling, `max_pool2d_with_stride`/`avg_pool2d_with_stride`, are
+/// candle-amp's pools in a region, as `max_pool2d`/`avg_pool2d` are: candle's own panicked on a
+/// stride or max kernel of 0, returned a wrongly shaped tensor for an avg kernel of 0, and had
+/// no backward for a stride other than the window (the ResNet stem's `(3, 2)`).
+#[test]
+fn strided_pools_in_a_region_are_checked_and_train() -> Result<()> {
+    // A 3x3 image 0..9, windows of 2 every 1.
+    let x = Var::from_vec((0..9).map(|v| v as f32).collect(), (1, 1, 3, 3), &dev())?;
+    let (max, avg) = strided_pools(x.as_tensor(), 2, 1)?;
+    assert_eq!(max.flatten_all()?.to_vec1::<f32>()?, [4.0, 5.0, 7.0, 8.0]);
+    assert_eq!(avg.flatten_all()?.to_vec1::<f32>()?, [2.0, 3.0, 5.0, 6.0]);
+    // By hand: each max is the window's bottom-right value (gradient 1 there); each input
+    // gets a quarter per window holding it from the mean.
+    let grads = (max.sum_all()? + avg.sum_all()?)?.backward()?;
+    let want = [0.25, 0.5, 0.25, 0.5, 2.0, 1.5, 0.25, 1.5, 1.25];
+    assert_eq!(
+        grads
+            .get(&x)
+            .expect("a gradient")
+            .flatten_all()?
+            .to_vec1::<f32>()?,
+        want
+    );
+    for (kernel, stride) in [(2, 0), (0, 1)] {
+        let what = format!("kernel {kernel}, stride {stride}");
+        let err = strided_pools(x.as_tensor(), kernel, stride)
+            .expect_err(&what)
+            .to_string();
+        assert!(
+            err.contains("pool2d") && err.contains("must be positive"),
+            "{what}: {err}"
+        );
+    }
+    Ok(())
+}

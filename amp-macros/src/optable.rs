@@ -171,6 +171,12 @@ pub(crate) const OPS: &[Row] = rows! {
     broadcast_maximum: Promote, method Binary;
     broadcast_minimum: Promote, method Binary;
     // Comparisons (PyTorch: in the inputs' promoted dtype); the result is a u8 candle mask.
+    eq: Promote, method Compare;
+    ne: Promote, method Compare;
+    lt: Promote, method Compare;
+    le: Promote, method Compare;
+    gt: Promote, method Compare;
+    ge: Promote, method Compare;
     broadcast_eq: Promote, method Compare;
     broadcast_ne: Promote, method Compare;
     broadcast_lt: Promote, method Compare;
@@ -219,7 +225,9 @@ pub(crate) const OPS: &[Row] = rows! {
     clamp: Preserve, method Custom(2);
     preserve_op: Preserve, method Closure;
     max_pool2d: Preserve, method Custom(1);
+    max_pool2d_with_stride: Preserve, method Custom(2);
     avg_pool2d: Preserve, method Custom(1);
+    avg_pool2d_with_stride: Preserve, method Custom(2);
     adaptive_avg_pool2d: Preserve;
     upsample: Preserve;
     rope: Preserve, free Ops;

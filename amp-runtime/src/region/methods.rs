@@ -9,7 +9,7 @@ use candle_core::Result;
 
 use super::policy::Policy;
 use super::route::{at, binary, routed, Routed};
-use super::value::{AmpTensor, AsAmp, Operand};
+use super::value::{AmpTensor, AsAmp, Operand, OperandOrScalar, Rhs};
 use crate::kernels::layout::empty_at_start;
 use crate::op;
 
@@ -59,8 +59,20 @@ macro_rules! routed {
             self.unary::<op::min_all>(crate::kernels::extrema::min_all)
         }
     };
-    (@binary maximum) => { routed!(@composite_fn maximum, crate::kernels::extrema::maximum); };
-    (@binary minimum) => { routed!(@composite_fn minimum, crate::kernels::extrema::minimum); };
+    (@binary maximum) => { routed!(@extremum_or_scalar maximum); };
+    (@binary minimum) => { routed!(@extremum_or_scalar minimum); };
+    (@extremum_or_scalar $name:ident) => {
+        #[doc = concat!("Routed `", stringify!($name), "` with a tensor or a number (NaN where \
+            either operand is).")]
+        pub fn $name(&self, rhs: impl OperandOrScalar) -> Result<AmpTensor> {
+            match rhs.operand_or_scalar()? {
+                Rhs::Tensor(b) => self.binary::<op::$name>(&b, crate::kernels::extrema::$name),
+                Rhs::Scalar(s) => self.unary::<op::$name>(|x| {
+                    crate::kernels::extrema::$name(x, &Rhs::scalar_like(&s, x)?)
+                }),
+            }
+        }
+    };
     (@composite_fn $name:ident, $f:path) => {
         #[doc = concat!("Routed `", stringify!($name), "`.")]
         pub fn $name(&self, rhs: impl Operand) -> Result<AmpTensor> {
@@ -102,11 +114,20 @@ macro_rules! routed {
         }
     };
     (@compare $name:ident) => {
-        #[doc = concat!("Routed `", stringify!($name), "`: the operands meet in their promoted \
-            dtype, as PyTorch compares; the result is a u8 candle mask, never cast.")]
-        pub fn $name(&self, rhs: impl Operand) -> Result<candle_core::Tensor> {
-            let (a, b) = (self.amp(), rhs.operand());
-            routed::<Pol, op::$name>(&[&a, &b], |t| at(&a, t)?.$name(&at(&b, t)?))
+        #[doc = concat!("Routed `", stringify!($name), "`: tensor operands meet in their promoted \
+            dtype, as PyTorch compares, a number in the receiver's (candle's rule); the result \
+            is a u8 candle mask, never cast.")]
+        pub fn $name(&self, rhs: impl OperandOrScalar) -> Result<candle_core::Tensor> {
+            let a = self.amp();
+            match rhs.operand_or_scalar()? {
+                Rhs::Tensor(b) => {
+                    routed::<Pol, op::$name>(&[&a, &b], |t| at(&a, t)?.$name(&at(&b, t)?))
+                }
+                Rhs::Scalar(s) => routed::<Pol, op::$name>(&[&a], |t| {
+                    let a = at(&a, t)?;
+                    a.$name(&Rhs::scalar_like(&s, &a)?)
+                }),
+            }
         }
     };
     // Sums and differences run on candle-amp's op, which gives no gradient to an operand that
@@ -218,6 +239,25 @@ impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     pub fn avg_pool2d<K: candle_core::ToUsize2>(&self, k: K) -> Result<AmpTensor> {
         let pool = crate::kernels::Pool2d::tiling(k.to_usize2());
         self.unary::<op::avg_pool2d>(|x| crate::kernels::avg_pool2d(x, pool))
+    }
+    /// Routed `max_pool2d_with_stride` (candle-amp's pool: checked geometry, a backward for
+    /// any stride).
+    pub fn max_pool2d_with_stride<K: candle_core::ToUsize2>(
+        &self,
+        kernel: K,
+        stride: K,
+    ) -> Result<AmpTensor> {
+        let pool = crate::kernels::Pool2d::strided(kernel.to_usize2(), stride.to_usize2());
+        self.unary::<op::max_pool2d_with_stride>(|x| crate::kernels::max_pool2d(x, pool))
+    }
+    /// Routed `avg_pool2d_with_stride` (as `max_pool2d_with_stride`).
+    pub fn avg_pool2d_with_stride<K: candle_core::ToUsize2>(
+        &self,
+        kernel: K,
+        stride: K,
+    ) -> Result<AmpTensor> {
+        let pool = crate::kernels::Pool2d::strided(kernel.to_usize2(), stride.to_usize2());
+        self.unary::<op::avg_pool2d_with_stride>(|x| crate::kernels::avg_pool2d(x, pool))
     }
     /// Routed `chunk`.
     pub fn chunk<D: candle_core::shape::Dim>(

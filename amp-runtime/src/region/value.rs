@@ -134,6 +134,58 @@ impl<T: AsAmp + ?Sized> Operand for T {
     }
 }
 
+/// The right side of a comparison (`eq`, `ge`, ..) or of `maximum`/`minimum` in a region: a
+/// tensor operand, or a scalar as candle's methods take one (`mask.eq(0u32)`,
+/// `h.maximum(0.0)`).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a tensor or a scalar an autocast region can compare with",
+    label = "expected a tensor operand or a number here",
+    note = "inside `#[autocast]` the right side is a typed tensor, a region value, a candle \
+            tensor, or a number of one of candle's element types"
+)]
+pub trait OperandOrScalar {
+    /// The operand, or the scalar as a rank-0 CPU tensor of its own type.
+    fn operand_or_scalar(&self) -> Result<Rhs>;
+}
+
+/// What an [`OperandOrScalar`] is.
+#[derive(Debug)]
+pub enum Rhs {
+    /// A tensor, routed as an operand (promoted with the receiver).
+    Tensor(AmpTensor),
+    /// A number, as a rank-0 CPU tensor of its type: candle's scalar semantics (in the
+    /// receiver's dtype, on its device, over its shape: [`Rhs::scalar_like`]).
+    Scalar(candle_core::Tensor),
+}
+
+impl Rhs {
+    /// The scalar `s` as candle's comparisons and extrema take one: in `x`'s dtype, on its
+    /// device, broadcast to its shape.
+    pub(crate) fn scalar_like(s: &candle_core::Tensor, x: &AmpTensor) -> Result<AmpTensor> {
+        s.to_dtype(x.dtype())?
+            .to_device(x.device())?
+            .broadcast_as(x.shape())
+    }
+}
+
+impl<T: AsAmp + ?Sized> OperandOrScalar for T {
+    fn operand_or_scalar(&self) -> Result<Rhs> {
+        Ok(Rhs::Tensor(self.to_amp()))
+    }
+}
+
+macro_rules! scalar_rhs {
+    ($($t:ty),*) => {$(
+        impl OperandOrScalar for $t {
+            fn operand_or_scalar(&self) -> Result<Rhs> {
+                candle_core::Tensor::new(*self, &candle_core::Device::Cpu).map(Rhs::Scalar)
+            }
+        }
+    )*};
+}
+
+scalar_rhs!(u8, u32, i16, i32, i64, half::f16, half::bf16, f32, f64);
+
 /// Whether ops cast `x` to their class's precision: f32, f16 and bf16 only.
 pub(crate) fn floating(x: &AmpTensor) -> bool {
     matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)

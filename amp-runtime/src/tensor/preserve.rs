@@ -285,8 +285,8 @@ impl<P: Precision> Tensor<P> {
 
     /// 2-D max pooling over the last two dimensions, stride = kernel size.
     pub fn max_pool2d<T: candle_core::ToUsize2>(&self, kernel: T) -> Result<Self> {
-        let kernel = kernel.to_usize2();
-        self.max_pool2d_with_stride(kernel, kernel)
+        let pool = crate::kernels::Pool2d::tiling(kernel.to_usize2());
+        self.unary_op::<op::max_pool2d, P>(|x| crate::kernels::max_pool2d(x, pool))
     }
 
     /// 2-D max pooling with an explicit stride (on CPU with a backward for any stride, where
@@ -296,19 +296,15 @@ impl<P: Precision> Tensor<P> {
         kernel: T,
         stride: T,
     ) -> Result<Self> {
-        let pool = crate::kernels::Pool2d {
-            kernel: kernel.to_usize2(),
-            stride: stride.to_usize2(),
-            padding: 0,
-        };
-        self.unary_op::<op::max_pool2d, P>(|x| crate::kernels::max_pool2d(x, pool))
+        let pool = crate::kernels::Pool2d::strided(kernel.to_usize2(), stride.to_usize2());
+        self.unary_op::<op::max_pool2d_with_stride, P>(|x| crate::kernels::max_pool2d(x, pool))
     }
 
     /// 2-D average pooling, stride = kernel size. Stays in `P` (PyTorch's autocast does not
     /// upcast pooling); on CPU each window is summed in f32 and the mean rounded once.
     pub fn avg_pool2d<T: candle_core::ToUsize2>(&self, kernel: T) -> Result<Self> {
-        let kernel = kernel.to_usize2();
-        self.avg_pool2d_with_stride(kernel, kernel)
+        let pool = crate::kernels::Pool2d::tiling(kernel.to_usize2());
+        self.unary_op::<op::avg_pool2d, P>(|x| crate::kernels::avg_pool2d(x, pool))
     }
 
     /// 2-D average pooling with an explicit stride (on CPU with a backward for any stride,
@@ -318,12 +314,8 @@ impl<P: Precision> Tensor<P> {
         kernel: T,
         stride: T,
     ) -> Result<Self> {
-        let pool = crate::kernels::Pool2d {
-            kernel: kernel.to_usize2(),
-            stride: stride.to_usize2(),
-            padding: 0,
-        };
-        self.unary_op::<op::avg_pool2d, P>(|x| crate::kernels::avg_pool2d(x, pool))
+        let pool = crate::kernels::Pool2d::strided(kernel.to_usize2(), stride.to_usize2());
+        self.unary_op::<op::avg_pool2d_with_stride, P>(|x| crate::kernels::avg_pool2d(x, pool))
     }
 
     /// Concatenates tensors of one precision along `dim`.

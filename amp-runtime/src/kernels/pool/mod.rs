@@ -40,9 +40,14 @@ pub(crate) struct Pool2d {
 impl Pool2d {
     /// Windows of `kernel` side by side: stride = window, no padding (`max_pool2d(k)`).
     pub fn tiling(kernel: (usize, usize)) -> Self {
+        Self::strided(kernel, kernel)
+    }
+
+    /// Windows of `kernel` every `stride`, no padding (`max_pool2d_with_stride(k, s)`).
+    pub fn strided(kernel: (usize, usize), stride: (usize, usize)) -> Self {
         Self {
             kernel,
-            stride: kernel,
+            stride,
             padding: 0,
         }
     }
@@ -208,6 +213,13 @@ fn plane_f32<'a, T: Real>(x: &'a [T], c: usize, len: usize, buf: &'a mut Vec<f32
 fn check(op: &str, p: Pool2d, (h, w): (usize, usize)) -> Result<()> {
     if h == 0 || w == 0 {
         candle_core::bail!("{op}: the input's {h}x{w} planes are empty: no window has a value");
+    }
+    if [p.kernel.0, p.kernel.1, p.stride.0, p.stride.1].contains(&0) {
+        candle_core::bail!(
+            "{op}: the window {:?} and the stride {:?} must be positive, as PyTorch's",
+            p.kernel,
+            p.stride
+        );
     }
     if !p.fits((h, w)) {
         candle_core::bail!(
