@@ -2478,3 +2478,46 @@ fn comparisons_and_scalar_extrema_in_a_region() -> Result<()> {
     assert_eq!(eq.to_vec1::<u8>()?, [1, 0, 1]);
     Ok(())
 }
+
+#[autocast(fp16)]
+fn with_rank0_operands(x: &Tensor<F32>) -> Result<Vec<Vec<f32>>> {
+    let eye = candle_core::Tensor::eye(2, DType::F32, &dev())?;
+    let h = x.matmul(&eye)?; // f16
+    let scalar = |v: f32| candle_core::Tensor::new(v, &dev());
+    let mut out = Vec::new();
+    for y in [
+        h.broadcast_mul(&scalar(f32::MIN)?)?,
+        h.broadcast_mul(&scalar(1e-8)?)?,
+        h.broadcast_div(&scalar(1e5)?)?,
+        h.broadcast_add(&scalar(1e-4)?)?,
+    ] {
+        assert_eq!(y.dtype(), DType::F16, "a rank-0 operand does not promote");
+        out.push(y.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+    }
+    Ok(out)
+}
+
+/// A zero-dimensional f32 operand beside a half value is not rounded to half first: PyTorch
+/// computes with it at full precision and rounds the result once (its dtype is still half).
+/// Rounded first, `0 * f32::MIN` was NaN (candle-transformers' BERT mask, `(1 - m) *
+/// f32::MIN`, was NaN at every kept position) and `1000 * 1e-8` was 0.
+#[test]
+fn rank0_f32_operands_are_not_rounded_to_half_first() -> Result<()> {
+    let x = Tensor::<F32>::from_vec(vec![0.0, 1.0, 1000.0, 2.0], (2, 2), &dev())?;
+    let got = with_rank0_operands(&x)?;
+    // The f32 results by hand, each rounded once to f16.
+    let once = |v: [f32; 4]| v.map(|v| half::f16::from_f32(v).to_f32()).to_vec();
+    let want = [
+        once([-0.0, f32::MIN, f32::NEG_INFINITY, f32::NEG_INFINITY]),
+        once([0.0, 1e-8, 1e-5, 2e-8]),
+        once([0.0, 1e-5, 0.01, 2e-5]),
+        once([1e-4, 1.0001, 1000.0001, 2.0001]),
+    ];
+    for (got, want) in got.iter().zip(&want) {
+        let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(got), bits(want), "{got:?} vs {want:?}");
+    }
+    assert_eq!(got[0][0].to_bits(), (-0.0f32).to_bits());
+    assert!(got[1][2] > 0.0, "1000 * 1e-8 is a subnormal f16, not 0");
+    Ok(())
+}
