@@ -1300,6 +1300,32 @@ fn gradients_from_another_scaler_are_an_error() -> Result<()> {
     assert!(enabled.unscale(grads).is_err());
     assert_eq!(bits(w.as_tensor())?, before, "no step reached the weights");
 
+    // Unscaled by one scaler, stepped by another: the other's update() would not see their
+    // check, and its scale would never move (it stepped them, "Stepped"). A clone is another
+    // scaler too.
+    let mut other = GradScaler::builder().init_scale(1024.0).build()?;
+    let finite_loss = || (w.as_tensor() * 2.0)?.sum_all();
+    for mut stepping in [GradScaler::new(), enabled.clone()] {
+        let unscaled = enabled.unscale(enabled.scale(&finite_loss()?)?.backward()?)?;
+        let msg = stepping.step(&mut opt, unscaled).unwrap_err().to_string();
+        assert!(msg.contains("unscaled by another GradScaler"), "{msg}");
+        assert_eq!(bits(w.as_tensor())?, before, "no step reached the weights");
+        enabled.update()?;
+    }
+    let unscaled = other.unscale(other.scale(&finite_loss()?)?.backward()?)?;
+    assert!(
+        disabled.step(&mut opt, unscaled)?.is_stepped(),
+        "a disabled scaler steps any"
+    );
+    other.update()?;
+    let before = bits(w.as_tensor())?;
+    let unscaled = other.unscale(other.scale(&finite_loss()?)?.backward()?)?;
+    assert!(
+        other.step(&mut opt, unscaled)?.is_stepped(),
+        "its own, as always"
+    );
+    assert_ne!(bits(w.as_tensor())?, before);
+
     // Its own gradients, as always.
     let grads = enabled.scale(&nan_loss()?)?.backward()?;
     assert!(enabled.step(&mut opt, grads)?.is_skipped());

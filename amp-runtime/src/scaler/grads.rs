@@ -200,7 +200,8 @@ impl ScaledGrads {
     }
 
     /// Unscales in place with the fused kernel and records which gradients were non-finite.
-    pub(super) fn unscale(mut self) -> Result<UnscaledGrads> {
+    /// Unscaled by the scaler `by` ([`ScalerIdentity`]).
+    pub(super) fn unscale(mut self, by: ScalerIdentity) -> Result<UnscaledGrads> {
         let mut nonfinite = HashSet::new();
         if let Some(scale) = self.scale {
             let inv_scale = (1.0 / f64::from(scale)) as f32;
@@ -229,6 +230,7 @@ impl ScaledGrads {
             nonfinite,
             elsewhere: false,
             checked: self.scale.is_some(),
+            by,
         })
     }
 }
@@ -246,6 +248,8 @@ pub struct UnscaledGrads {
     /// The gradients were checked (an enabled scaler's); a disabled scaler steps whatever
     /// they hold, as PyTorch's.
     checked: bool,
+    /// The scaler that unscaled them, whose `update()` saw their check: only it steps them.
+    by: ScalerIdentity,
 }
 
 impl UnscaledGrads {
@@ -328,6 +332,7 @@ impl UnscaledGrads {
             nonfinite,
             elsewhere: self.elsewhere,
             checked: self.checked,
+            by: self.by.copied(),
         }
     }
 
@@ -400,8 +405,43 @@ impl Gradients for ScaledGrads {
 }
 
 impl Gradients for UnscaledGrads {
-    fn into_unscaled(self, _: &mut GradScaler) -> Result<UnscaledGrads> {
+    /// Only the scaler that unscaled them steps them (a disabled one steps any, as the
+    /// optimizer alone would): another's `update()` would not see their check, and its scale
+    /// would never move.
+    fn into_unscaled(self, scaler: &mut GradScaler) -> Result<UnscaledGrads> {
+        if scaler.is_enabled() && &self.by != scaler.identity() {
+            return Err(ScalerError::Mismatch(
+                "these gradients were unscaled by another GradScaler: step them with the scaler \
+                 whose unscale() made them, which recorded their inf/NaN check for its update()"
+                    .to_string(),
+            )
+            .into());
+        }
         Ok(self)
+    }
+}
+
+/// Which [`GradScaler`] unscaled a set of gradients: a number of its own, fresh for every
+/// scaler built and every clone of one.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct ScalerIdentity(u64);
+
+impl ScalerIdentity {
+    pub(super) fn fresh() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        Self(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// The same identity (gradients keep their scaler's; a scaler's clone gets a fresh one).
+    pub(super) fn copied(&self) -> Self {
+        Self(self.0)
+    }
+}
+
+impl Clone for ScalerIdentity {
+    /// A clone of a scaler is another scaler.
+    fn clone(&self) -> Self {
+        Self::fresh()
     }
 }
 

@@ -32,6 +32,7 @@ use candle_nn::Optimizer;
 pub use grads::{Gradients, ScaledGrads, UnscaledGrads};
 pub use state::{ScalerError, ScalerState};
 
+use grads::ScalerIdentity;
 use state::{invalid_scale, is_valid_scale};
 
 use crate::distributed::Collective;
@@ -47,6 +48,9 @@ pub const TRACING_TARGET: &str = "candle_amp::grad_scaler";
 /// [`update`](Self::update) once. After a step with inf/NaN gradients the scale is multiplied
 /// by `backoff_factor`; after `growth_interval` finite steps in a row by `growth_factor`
 /// (unless that would overflow f32).
+///
+/// Gradients belong to one scaler: those its `scale()` made are unscaled by it, and those its
+/// `unscale()` made are stepped by it (a clone is another scaler); another's are an error.
 #[derive(Clone, Debug)]
 pub struct GradScaler {
     state: ScalerState,
@@ -65,6 +69,8 @@ pub struct GradScaler {
     /// own ([`crate::optim::identify`]); others by their address, which a move changes and a
     /// new optimizer in a dropped one's place may share.
     stepped: Vec<Stepped>,
+    /// Tells its [`UnscaledGrads`] from another scaler's.
+    identity: ScalerIdentity,
 }
 
 impl Default for GradScaler {
@@ -158,6 +164,11 @@ impl GradScaler {
         self.enabled
     }
 
+    /// Which scaler this is, for the gradients it unscales.
+    fn identity(&self) -> &ScalerIdentity {
+        &self.identity
+    }
+
     /// The current scale (1 when disabled, as PyTorch's `get_scale()`).
     pub fn scale_value(&self) -> f32 {
         if self.enabled {
@@ -248,7 +259,7 @@ impl GradScaler {
             ))
             .into());
         }
-        let mut unscaled = grads.unscale()?;
+        let mut unscaled = grads.unscale(self.identity.copied())?;
         if let (true, Some(group)) = (self.enabled, &self.collective) {
             if crate::distributed::any_rank(group.as_ref(), unscaled.found_inf())? {
                 unscaled.found_elsewhere();
@@ -526,6 +537,7 @@ impl GradScalerBuilder {
             last_nonfinite: Vec::new(),
             stepped: Vec::new(),
             collective: self.collective,
+            identity: ScalerIdentity::fresh(),
         })
     }
 }
