@@ -685,8 +685,16 @@ fn losses_check_their_targets_and_average_nothing_into_nan() -> Result<()> {
     let negative = candle_core::Tensor::new(&[-1i64, 0], &dev())?;
     let beyond = candle_core::Tensor::new(&[0u32, 3], &dev())?;
     let floats = candle_core::Tensor::new(&[0f32, 1.0], &dev())?;
+    // PyTorch's default padding target: the error says how to skip it.
+    let padded = candle_core::Tensor::new(&[-100i64, 0], &dev())?;
     for (what, ids, expected) in [
         ("id -1", &negative, "class ids must be in 0..3, got -1"),
+        (
+            "id -100",
+            &padded,
+            "-100 is PyTorch's default `ignore_index`: to skip those rows, call \
+             `loss::cross_entropy_with",
+        ),
         ("id 3", &beyond, "class ids must be in 0..3, got 3"),
         ("f32 ids", &floats, "integer class ids"),
     ] {

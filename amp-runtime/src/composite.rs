@@ -61,9 +61,25 @@ pub(crate) fn nll(logp: &Tensor, target: &Tensor) -> Result<Tensor> {
 pub(crate) fn class_ids(op: &str, x: &Tensor, target: &Tensor) -> Result<Tensor> {
     let (_, classes) = class_id_shapes(op, x, target)?;
     if let Some(bad) = crate::kernels::id_outside(target, classes)? {
-        candle_core::bail!("{op}: class ids must be in 0..{classes}, got {bad}")
+        candle_core::bail!(
+            "{op}: class ids must be in 0..{classes}, got {bad}{}",
+            ignored_hint(bad)
+        )
     }
     crate::kernels::candle_ids(&target.contiguous()?)
+}
+
+/// What to add to a class-id error on `bad`: PyTorch's `cross_entropy` and `nll_loss` skip
+/// targets of -100 by default (`ignore_index`), the padding of PyTorch and Hugging Face data;
+/// here that is an option to ask for.
+fn ignored_hint(bad: i64) -> &'static str {
+    if bad == -100 {
+        " (-100 is PyTorch's default `ignore_index`: to skip those rows, call \
+         `loss::cross_entropy_with(logits, target, &CrossEntropy { ignore_index: Some(-100), \
+         ..Default::default() })`)"
+    } else {
+        ""
+    }
 }
 
 /// `x` is `(batch, classes)` and the target one integer id per row: `(batch, classes)`.
@@ -234,7 +250,8 @@ pub(crate) fn cross_entropy_with_f32(
     let min_id = safe.min_all()?.to_scalar::<i64>()?;
     if min_id < 0 || max_id >= classes as i64 {
         candle_core::bail!(
-            "cross_entropy: class ids must be in 0..{classes}, got {min_id}..={max_id}"
+            "cross_entropy: class ids must be in 0..{classes}, got {min_id}..={max_id}{}",
+            ignored_hint(min_id)
         )
     }
     // Ignored rows take no part, not even through the log-softmax's backward: a padded row of
