@@ -1066,3 +1066,95 @@ fn cross_entropy_options_match_pytorchs_definition() -> Result<()> {
     assert!(bad(short, &y_all).contains("weight"));
     Ok(())
 }
+
+/// A float mask that takes a gradient (a learned relative-position bias: T5's, Swin's) gets it,
+/// as PyTorch's `attn_mask.grad`: the fused op gave it none without a word, while the composed
+/// math (f64) gave one. The reference is the attention written out in f64, by candle's
+/// backward; the op runs f32, bf16 and f16 operands, on split heads and packed.
+#[test]
+fn a_learned_attention_mask_gets_its_gradient() -> Result<()> {
+    let (h, t, d) = (2, 5, 4);
+    // Values in [-1, 1) from a multiplicative hash: the same on every machine.
+    let values = |shape: &[usize], seed: u64| -> Result<candle_core::Tensor> {
+        let n: usize = shape.iter().product();
+        #[allow(clippy::cast_precision_loss)]
+        let v: Vec<f64> = (0..n as u64)
+            .map(|i| ((i * 2_654_435_761 + seed * 97) % 1000) as f64 / 500.0 - 1.0)
+            .collect();
+        candle_core::Tensor::from_vec(v, shape, &dev())
+    };
+    // One (1, t, 3, h, d) projection: the packed form's input, and q, k, v split from it.
+    let qkv = values(&[1, t, 3, h, d], 1)?;
+    let part = |i: usize| {
+        qkv.narrow(2, i, 1)?
+            .squeeze(2)?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+    let bias64 = values(&[h, t, t], 2)?;
+    let dout = values(&[1, h, t, d], 3)?;
+    // The f64 reference: softmax(q k^T / 2 + bias) v, by candle's backward.
+    let bias = candle_core::Var::from_tensor(&bias64)?;
+    let s = (q.matmul(&k.t()?)? * 0.5)?.broadcast_add(bias.as_tensor())?;
+    let y = candle_nn::ops::softmax(&s, candle_core::D::Minus1)?.matmul(&v)?;
+    let grads = (y * &dout)?.sum_all()?.backward()?;
+    let want = grads.get(bias.as_tensor()).expect("a gradient");
+    let want = want.flatten_all()?.to_vec1::<f64>()?;
+    fn check<P: Precision>(
+        (q, k, v, qkv): (
+            &candle_core::Tensor,
+            &candle_core::Tensor,
+            &candle_core::Tensor,
+            &candle_core::Tensor,
+        ),
+        bias64: &candle_core::Tensor,
+        dout: &candle_core::Tensor,
+        want: &[f64],
+    ) -> Result<()> {
+        let tol = if P::DTYPE == DType::F32 { 1e-5 } else { 0.05 };
+        let typed = |x: &candle_core::Tensor| {
+            Tensor::<F32>::from_candle(x.to_dtype(DType::F32)?)?.cast::<P>()
+        };
+        for packed in [false, true] {
+            let bias = candle_core::Var::from_tensor(&bias64.to_dtype(DType::F32)?)?;
+            let options = ops::Attention {
+                mask: Some(bias.as_tensor()),
+                scale: Some(0.5),
+                ..Default::default()
+            };
+            let y = if packed {
+                // (1, t, h, d) back to (1, h, t, d).
+                let y = ops::scaled_dot_product_attention_packed(&typed(qkv)?, &options)?;
+                y.as_candle().transpose(1, 2)?
+            } else {
+                let y = ops::scaled_dot_product_attention_with(
+                    &typed(q)?,
+                    &typed(k)?,
+                    &typed(v)?,
+                    &options,
+                )?;
+                y.as_candle().clone()
+            };
+            let dout = dout.to_dtype(y.dtype())?;
+            let grads = (y * dout)?.to_dtype(DType::F32)?.sum_all()?.backward()?;
+            let got = grads.get(bias.as_tensor());
+            let got = got
+                .expect("the mask's gradient")
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            for (g, w) in got.iter().zip(want) {
+                assert!(
+                    (f64::from(*g) - w).abs() <= tol * (1.0 + w.abs()),
+                    "{:?} packed {packed}: {g} vs {w}",
+                    P::DTYPE
+                );
+            }
+        }
+        Ok(())
+    }
+    let operands = (&q, &k, &v, &qkv);
+    check::<F32>(operands, &bias64, &dout, &want)?;
+    check::<BF16>(operands, &bias64, &dout, &want)?;
+    check::<F16>(operands, &bias64, &dout, &want)
+}

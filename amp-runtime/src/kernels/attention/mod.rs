@@ -82,26 +82,26 @@ pub(crate) fn scaled_dot_product_attention(
 fn seeded(q: &Tensor, k: &Tensor, v: &Tensor, options: &Attention, seed: u64) -> Result<Tensor> {
     let g = Geometry::check(q, k, v)?;
     let (scale, dropout) = resolve(options, g, seed)?;
-    if crate::kernels::elem::cpu_float(q) {
-        q.apply_op3(k, v, fused::Fused::new(options, g, scale, dropout, false)?)
-    } else if on_cuda(q, dropout) {
+    // A learned mask runs the composed math, whose sum gives it its gradient.
+    let learned = learned_mask(options);
+    if !learned && crate::kernels::elem::cpu_float(q) {
+        return q.apply_op3(k, v, fused::Fused::new(options, g, scale, dropout, false)?);
+    }
+    if !learned && on_cuda(q, dropout) {
         #[cfg(feature = "cuda")]
         return cuda::attention(q, k, v, (options.mask, scale, options.causal), g);
-        #[cfg(not(feature = "cuda"))]
-        unreachable!("on_cuda is false without the cuda feature")
-    } else {
-        let keep = match dropout {
-            Some(d) => Some((d.mask(g, q.device())?, d.p)),
-            None => None,
-        };
-        composed(
-            q,
-            k,
-            v,
-            (options.mask, scale, options.causal),
-            keep.as_ref().map(|(m, p)| (m, *p)),
-        )
     }
+    let keep = match dropout {
+        Some(d) => Some((d.mask(g, q.device())?, d.p)),
+        None => None,
+    };
+    composed(
+        q,
+        k,
+        v,
+        (options.mask, scale, options.causal),
+        keep.as_ref().map(|(m, p)| (m, *p)),
+    )
 }
 
 /// Attention over a packed `(b, t, 3, heads, d)` projection (query, key and value at index 0,
@@ -146,17 +146,26 @@ pub(crate) fn packed_attention(qkv: &Tensor, options: &Attention) -> Result<Tens
         dv: d,
     };
     let (scale, dropout) = resolve(options, g, seed)?;
-    if on_cuda(qkv, dropout) {
+    if on_cuda(qkv, dropout) && !learned_mask(options) {
         #[cfg(feature = "cuda")]
         return cuda::packed(qkv, (options.mask, scale, options.causal), g);
     }
-    if !crate::kernels::elem::cpu_float(qkv) {
+    if !crate::kernels::elem::cpu_float(qkv) || learned_mask(options) {
         let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
         return seeded(&part(0)?, &part(1)?, &part(2)?, options, seed)?.transpose(1, 2);
     }
     qkv.apply_op1(fused::Packed(fused::Fused::new(
         options, g, scale, dropout, true,
     )?))
+}
+
+/// Whether the mask is a float one that takes a gradient (a learned position bias: T5's, Swin's,
+/// ALiBi's when trained): the ops, CPU and CUDA, give the mask none, so such a mask runs the
+/// composed math, whose sum gives it one, as PyTorch's. It took none without a word.
+fn learned_mask(options: &Attention) -> bool {
+    options
+        .mask
+        .is_some_and(|m| m.dtype().is_float() && m.track_op())
 }
 
 /// Whether the CUDA op runs: CUDA operands of f32, f16 or bf16, without dropout (which runs
