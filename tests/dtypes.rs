@@ -347,3 +347,42 @@ fn promotion_of_an_integer_tensor_names_the_cast() -> Result<()> {
     }
     Ok(())
 }
+
+#[autocast(bf16)]
+fn rope_and_linear_in_region(
+    x: &Candle,
+    cos: &Candle,
+    sin: &Candle,
+    linear: &candle_nn::Linear,
+) -> Result<(Candle, Candle)> {
+    let r = candle_nn::rotary_emb::rope(x, cos, sin)?;
+    Ok((r, linear.forward(x)?))
+}
+
+/// A region never casts an f64 tensor, also inside the ops that read tables or a bias beside
+/// it: candle-nn's `rope` rounded its f64 cos/sin tables to f32, and candle-nn's `Linear` its
+/// f64 bias (errors of 4e-8 and 1e-8). Both are now candle's own f64 results to the bit.
+#[test]
+fn rope_tables_and_linear_bias_stay_f64() -> Result<()> {
+    use candle_nn::Module;
+    // Values whose f32 rounding is visible in f64: thirds.
+    let thirds = |n: usize, shape: &[usize]| -> Result<Candle> {
+        #[allow(clippy::cast_precision_loss)]
+        let v: Vec<f64> = (0..n).map(|i| (i as f64 + 1.0) / 3.0 - 1.0).collect();
+        Candle::from_vec(v, shape, &dev())
+    };
+    let x = thirds(16, &[1, 1, 4, 4])?;
+    let (cos, sin) = (thirds(8, &[4, 2])?.cos()?, thirds(8, &[4, 2])?.sin()?);
+    let linear = candle_nn::Linear::new(thirds(12, &[3, 4])?, Some(thirds(3, &[3])?));
+    let (r, y) = rope_and_linear_in_region(&x, &cos, &sin, &linear)?;
+    let bits =
+        |t: &Candle| -> Result<Vec<u64>> { Ok(values(t)?.iter().map(|v| v.to_bits()).collect()) };
+    assert_eq!(r.dtype(), DType::F64);
+    assert_eq!(
+        bits(&r)?,
+        bits(&candle_nn::rotary_emb::rope(&x, &cos, &sin)?)?
+    );
+    assert_eq!(y.dtype(), DType::F64);
+    assert_eq!(bits(&y)?, bits(&linear.forward(&x)?)?);
+    Ok(())
+}

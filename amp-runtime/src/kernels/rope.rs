@@ -12,7 +12,7 @@
 //! get no gradient: they are constants of the position. On CPU it is one op; elsewhere the same
 //! arithmetic runs as candle ops in f32 ([`composed`], also the tests' reference).
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, WithDType, D};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType, D};
 
 use crate::kernels::elem::{cpu_float, with_floats, Real};
 use crate::kernels::parallel;
@@ -47,7 +47,9 @@ pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, form: Form) -> Result
         // Nothing to rotate (a head dimension of 0: the kernel walks rows of `d`).
         return Ok(x.clone());
     }
-    let (cos, sin) = (cos.to_dtype(DType::F32)?, sin.to_dtype(DType::F32)?);
+    // f32 tables for the kernel and for f32 or half `x`; f64 ones for f64 `x` (never cast).
+    let wide = crate::kernels::elem::wide(x.dtype());
+    let (cos, sin) = (cos.to_dtype(wide)?, sin.to_dtype(wide)?);
     if !cpu_float(x) {
         return composed(x, &cos, &sin, form);
     }
@@ -283,7 +285,7 @@ pub(crate) fn composed(x: &Tensor, cos: &Tensor, sin: &Tensor, form: Form) -> Re
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     use super::*;
 

@@ -24,11 +24,12 @@ fn master_or_at(w: &Tensor, like: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// A bias in f32, which the kernels add before the output's one rounding and whose gradient
-/// they sum in f32 (a bias rounded to half first would have candle sum it in half: 300 bf16
-/// ones to 256).
-fn f32_bias(b: Option<&Tensor>) -> Result<Option<Tensor>> {
-    b.map(|b| convert(b, DType::F32)).transpose()
+/// A bias in f32 for an f32 or half input `x`, which the kernels add before the output's one
+/// rounding and whose gradient they sum in f32 (a bias rounded to half first would have candle
+/// sum it in half: 300 bf16 ones to 256); in f64 for an f64 input, which a region never casts.
+fn wide_bias(b: Option<&Tensor>, x: &Tensor) -> Result<Option<Tensor>> {
+    let wide = crate::kernels::elem::wide(x.dtype());
+    b.map(|b| convert(b, wide)).transpose()
 }
 
 impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn::Linear {
@@ -36,7 +37,7 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
     fn region_call(&self, (x,): (A,)) -> Result<AmpTensor> {
         unary::<Pol, op::linear>(&x.to_amp(), |x| {
             let w = master_or_at(self.weight(), x)?;
-            crate::kernels::linear(x, &w, f32_bias(self.bias())?.as_ref())
+            crate::kernels::linear(x, &w, wide_bias(self.bias(), x)?.as_ref())
         })
     }
 }
