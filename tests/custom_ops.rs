@@ -335,7 +335,7 @@ fn cast_inputs_casts_optional_and_slice_parameters_of_the_impl_form() -> Result<
     // Each tensor cast is reported at the method's name: x, the bias and the slice's two
     // tensors, then x.
     let casts = rep.op("cast_inputs").next().expect("reported");
-    assert_eq!(casts.site.map(|s| s.function), Some("forward"));
+    assert_eq!(casts.site.map(|s| s.function), Some("Biased::forward"));
     assert_eq!((casts.calls, casts.casts), (5, 5));
     // x x by hand: [[7, 10], [15, 22]] (exact in bf16); four times it, and it alone.
     assert_eq!(four.to_vec2::<f32>()?, [[28.0, 40.0], [60.0, 88.0]]);

@@ -3,7 +3,7 @@
 
 use candle_amp::nn::{self, loss};
 use candle_amp::report::{self, PrecisionReport};
-use candle_amp::{autocast, ops, GradScaler, Tensor, F16, F32};
+use candle_amp::{autocast, ops, GradScaler, RegionValue, Tensor, F16, F32};
 use candle_core::{DType, Device, Result};
 use candle_nn::{VarBuilder, VarMap};
 
@@ -65,7 +65,7 @@ fn the_report_names_each_op_site_with_its_class_and_dtypes() -> Result<()> {
     );
     for e in &linears {
         assert_eq!((e.output, e.calls), (DType::F16, 3), "{rep}");
-        assert_eq!(e.site.unwrap().function, "forward");
+        assert_eq!(e.site.unwrap().function, "Mlp::forward");
         assert!(e.site.unwrap().file.ends_with("report.rs"));
     }
     // fc1 takes the f32 input: one input cast plus the layer's weight and bias, per call.
@@ -81,7 +81,7 @@ fn the_report_names_each_op_site_with_its_class_and_dtypes() -> Result<()> {
     assert_eq!(softmax.casts, 0, "{rep}");
     let table = rep.to_string();
     assert!(
-        table.contains("forward") && table.contains("softmax") && table.contains("lower"),
+        table.contains("Mlp::forward") && table.contains("softmax") && table.contains("lower"),
         "{table}"
     );
     // Not recording: nothing is kept.
@@ -410,5 +410,89 @@ fn cast_inputs_casts_are_reported_and_checked_at_the_op_s_name() -> Result<()> {
     let found = report::take_first_nonfinite().expect("the cast located");
     assert_eq!((found.op, found.dtype), ("cast_inputs", DType::F16));
     assert_eq!(found.site.map(|s| s.function), Some("half_scores"));
+    Ok(())
+}
+
+struct Left;
+struct Right;
+
+#[autocast(bf16)]
+impl Left {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        Ok(x.matmul(x)?)
+    }
+}
+
+#[autocast(bf16)]
+impl Right {
+    fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+        let logits = x.matmul(x)?;
+        Ok(loss::binary_cross_entropy_with_logits(&logits, x)?)
+    }
+}
+
+/// A plain helper: its typed op follows the calling region and is reported without a site.
+fn plain_exp(x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    x.exp()
+}
+
+#[autocast(bf16)]
+fn calls_plain_exp(x: &Tensor<F32>) -> Result<Tensor<F32>> {
+    plain_exp(&x.cast::<F32>()?)
+}
+
+/// The table's groups are functions as written (`Left::forward` and `Right::forward` in one
+/// file were one `forward` group), its columns fit their longest value (a long op name shifted
+/// the row), and ops without a site come under a plain heading (it was `  ((no site))`).
+#[test]
+fn the_table_groups_methods_by_type_and_aligns_its_columns() -> Result<()> {
+    let x = Tensor::<F32>::from_vec(vec![0.5, 0.25, 0.125, 1.0], (2, 2), &dev())?;
+    let ((), rep) = report::record(|| {
+        Left.forward(&x).unwrap();
+        Right.forward(&x).unwrap();
+        calls_plain_exp(&x).unwrap();
+    });
+    let table = rep.to_string();
+    let functions: Vec<_> = rep
+        .entries
+        .iter()
+        .filter_map(|e| e.site.map(|s| s.function))
+        .collect();
+    assert!(
+        functions.contains(&"Left::forward") && functions.contains(&"Right::forward"),
+        "{table}"
+    );
+    assert!(
+        table.contains("\nLeft::forward  (") && table.contains("\nRight::forward  ("),
+        "{table}"
+    );
+    assert!(
+        table.contains("\n(no site: ops outside #[autocast] code)\n"),
+        "{table}"
+    );
+    assert!(!table.contains("((no site))"), "{table}");
+    // Every row's class starts where the header's `class` does.
+    let header = table
+        .lines()
+        .find(|l| l.contains("line:col"))
+        .expect("a header");
+    let column = header.find("class").expect("a class column");
+    let rows: Vec<_> = table
+        .lines()
+        .filter(|l| l.starts_with("  ") && !l.contains("line:col"))
+        .collect();
+    assert!(
+        rows.iter()
+            .any(|l| l.contains("binary_cross_entropy_with_logits")),
+        "{table}"
+    );
+    for row in rows {
+        let class = ["lower", "fp32", "promote", "preserve"]
+            .iter()
+            .filter_map(|c| row.find(&format!(" {c} ")))
+            .min()
+            .expect("a class");
+        assert_eq!(class + 1, column, "{row}\n{table}");
+    }
     Ok(())
 }

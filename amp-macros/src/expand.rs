@@ -256,12 +256,7 @@ fn region_body(
     let scope = syn::Ident::new("__amp_policy", Span::mixed_site());
     let policy_scope = Rt::PolicyScope;
     let rewrite = |policy: TokenStream| -> TokenStream {
-        let body = rewrite::body(
-            part.block,
-            policy.clone(),
-            exit.clone(),
-            &part.sig.ident.to_string(),
-        );
+        let body = rewrite::body(part.block, policy.clone(), exit.clone(), &part.function);
         let run = match &exit {
             Some(exit) if !ends_diverging(part.block) => exit.wrap(Span::call_site(), &body),
             _ => body.into_token_stream(),
@@ -571,11 +566,7 @@ fn region_call_impl(
             })
             .unzip();
         // The casts are reported at the method's name, as `cast_inputs`.
-        let cast = crate::rewrite::at_site(
-            sig.name.span(),
-            &sig.name.to_string(),
-            quote!((#(#casts,)*)),
-        );
+        let cast = crate::rewrite::at_site(sig.name.span(), &part.function, quote!((#(#casts,)*)));
         let enter_as = Rt::EnterAs;
         let call_args = sig.inputs.iter().map(|input| {
             let Some(p) = &input.tensor else {

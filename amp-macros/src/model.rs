@@ -122,6 +122,9 @@ pub(crate) struct Part<'a> {
     /// `forward`/`forward_t` of an `impl candle_nn::Module`/`ModuleT`: the trait's method, which
     /// gets a `RegionCall` of its own that calls it (`candle_module_call`).
     pub(crate) candle_module: bool,
+    /// The name its op sites report: `f` for a fn, `Type::method` for a method (a file's
+    /// `Attention::forward` and `Mlp::forward` apart).
+    pub(crate) function: String,
 }
 
 impl Part<'_> {
@@ -190,7 +193,7 @@ impl<'a> Region<'a> {
         let target = match item {
             Item::Fn(f) => Target::Fn {
                 item: f,
-                part: Part::new(&f.sig, &f.block, mode, None),
+                part: Part::new(&f.sig, &f.block, mode, None, None),
             },
             Item::Impl(imp) => Target::Impl(Impl::from_syn(imp, &mode, &mut errors)),
             other => Target::Other(other),
@@ -237,7 +240,13 @@ impl<'a> Impl<'a> {
                 } else {
                     mode.clone()
                 };
-                let mut part = Part::new(&method.sig, &method.block, mode, own_args);
+                let mut part = Part::new(
+                    &method.sig,
+                    &method.block,
+                    mode,
+                    own_args,
+                    Some(&item.self_ty),
+                );
                 // A candle module is called through its trait (`xs.apply(&m)`), not routed.
                 part.candle_module = candle_module
                     && ["forward", "forward_t"].contains(&method.sig.ident.to_string().as_str());
@@ -283,12 +292,18 @@ pub(crate) fn is_marker(attr: &Attribute) -> bool {
 }
 
 impl<'a> Part<'a> {
+    /// A part for `sig`, a method of `owner` (the impl's self type) when there is one.
     fn new(
         sig: &'a Signature,
         block: &'a Block,
         mode: Mode,
         own_args: Option<AutocastArgs>,
+        owner: Option<&Type>,
     ) -> Self {
+        let owner = match owner {
+            Some(Type::Path(p)) => p.path.segments.last().map(|s| format!("{}::", s.ident)),
+            _ => None,
+        };
         Self {
             sig,
             block,
@@ -296,6 +311,7 @@ impl<'a> Part<'a> {
             own_args,
             tensor_params: sig.inputs.iter().filter_map(TensorParam::new).collect(),
             candle_module: false,
+            function: format!("{}{}", owner.unwrap_or_default(), sig.ident),
         }
     }
 }

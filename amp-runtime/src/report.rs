@@ -286,16 +286,30 @@ impl fmt::Display for PrecisionReport {
             self.entries.len(),
             bytes as f64 / 1024.0
         )?;
-        let mut by_function: BTreeMap<(&str, &str), Vec<&Entry>> = BTreeMap::new();
+        let mut by_function: BTreeMap<Option<(&str, &str)>, Vec<&Entry>> = BTreeMap::new();
         for e in &self.entries {
-            let key = e.site.map_or(("(no site)", ""), |s| (s.file, s.function));
+            let key = e.site.map(|s| (s.file, s.function));
             by_function.entry(key).or_default().push(e);
         }
-        for ((file, function), entries) in by_function {
-            writeln!(f, "\n{function}  ({file})")?;
+        let inputs = |e: &Entry| -> String {
+            let names: Vec<_> = e.inputs.iter().map(|d| dtype_name(*d)).collect();
+            names.join(",")
+        };
+        // The columns as wide as their longest value (`binary_cross_entropy_with_logits`).
+        let op_width = self.entries.iter().map(|e| e.op.len()).fold(14, usize::max);
+        let in_width = self
+            .entries
+            .iter()
+            .map(|e| inputs(e).len())
+            .fold(16, usize::max);
+        for (key, entries) in by_function {
+            match key {
+                Some((file, function)) => writeln!(f, "\n{function}  ({file})")?,
+                None => writeln!(f, "\n(no site: ops outside #[autocast] code)")?,
+            }
             writeln!(
                 f,
-                "  {:<9} {:<14} {:<9} {:<16} {:<7} {:>6} {:>6} {:>10} {:>6}",
+                "  {:<9} {:<op_width$} {:<9} {:<in_width$} {:<7} {:>6} {:>6} {:>10} {:>6}",
                 "line:col",
                 "op",
                 "class",
@@ -310,14 +324,13 @@ impl fmt::Display for PrecisionReport {
                 let at = e
                     .site
                     .map_or_else(|| "-".into(), |s| format!("{}:{}", s.line, s.column));
-                let inputs: Vec<_> = e.inputs.iter().map(|d| dtype_name(*d)).collect();
                 writeln!(
                     f,
-                    "  {:<9} {:<14} {:<9} {:<16} {:<7} {:>6} {:>6} {:>10.1} {:>6}",
+                    "  {:<9} {:<op_width$} {:<9} {:<in_width$} {:<7} {:>6} {:>6} {:>10.1} {:>6}",
                     at,
                     e.op,
                     class_name(e.class),
-                    inputs.join(","),
+                    inputs(e),
                     dtype_name(e.output),
                     e.calls,
                     e.casts,
