@@ -37,7 +37,7 @@ pub struct Site {
     pub line: u32,
     /// 1-based column of it.
     pub column: u32,
-    /// The function or method whose body holds the call.
+    /// The function whose body holds the call: `f` for a fn, `Type::method` for a method.
     pub function: &'static str,
 }
 
