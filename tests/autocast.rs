@@ -2464,8 +2464,8 @@ fn compared(x: &Tensor<F32>, y: &candle_core::Tensor, ids: &candle_core::Tensor)
 #[test]
 fn comparisons_and_scalar_extrema_in_a_region() -> Result<()> {
     // 1 + 2^-8 is exact in f32 and rounds to 1 in bf16 (halfway, to even).
-    let x = Tensor::<F32>::from_vec(vec![1.003_906_25, 3.0, -2.0, 7.5], (2, 2), &dev())?;
-    let y = candle_core::Tensor::new(&[[1.003_906_25f32, 3.0], [-2.0, 8.0]], &dev())?;
+    let x = Tensor::<F32>::from_vec(vec![1.0 + 1.0 / 256.0, 3.0, -2.0, 7.5], (2, 2), &dev())?;
+    let y = candle_core::Tensor::new(&[[1.0 + 1.0 / 256.0f32, 3.0], [-2.0, 8.0]], &dev())?;
     let ids = candle_core::Tensor::new(&[1u32, 0, 1], &dev())?;
     let (ge, gt, relu6, eq) = compared(&x, &y, &ids)?;
     // Promoted to f32: bf16's 1.0 is below 1.00390625 (cast to bf16 it would be equal).

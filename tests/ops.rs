@@ -1067,6 +1067,60 @@ fn cross_entropy_options_match_pytorchs_definition() -> Result<()> {
     Ok(())
 }
 
+/// The op's gradient of a learned bias against the f64 reference `want`, on split heads and
+/// packed, its operands in `P`.
+fn learned_mask_gradient<P: Precision>(
+    (q, k, v, qkv): (
+        &candle_core::Tensor,
+        &candle_core::Tensor,
+        &candle_core::Tensor,
+        &candle_core::Tensor,
+    ),
+    bias64: &candle_core::Tensor,
+    dout: &candle_core::Tensor,
+    want: &[f64],
+) -> Result<()> {
+    let tol = if P::DTYPE == DType::F32 { 1e-5 } else { 0.05 };
+    let typed =
+        |x: &candle_core::Tensor| Tensor::<F32>::from_candle(x.to_dtype(DType::F32)?)?.cast::<P>();
+    for packed in [false, true] {
+        let bias = candle_core::Var::from_tensor(&bias64.to_dtype(DType::F32)?)?;
+        let options = ops::Attention {
+            mask: Some(bias.as_tensor()),
+            scale: Some(0.5),
+            ..Default::default()
+        };
+        let y = if packed {
+            // (1, t, h, d) back to (1, h, t, d).
+            let y = ops::scaled_dot_product_attention_packed(&typed(qkv)?, &options)?;
+            y.as_candle().transpose(1, 2)?
+        } else {
+            let y = ops::scaled_dot_product_attention_with(
+                &typed(q)?,
+                &typed(k)?,
+                &typed(v)?,
+                &options,
+            )?;
+            y.as_candle().clone()
+        };
+        let dout = dout.to_dtype(y.dtype())?;
+        let grads = (y * dout)?.to_dtype(DType::F32)?.sum_all()?.backward()?;
+        let got = grads.get(bias.as_tensor());
+        let got = got
+            .expect("the mask's gradient")
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        for (g, w) in got.iter().zip(want) {
+            assert!(
+                (f64::from(*g) - w).abs() <= tol * (1.0 + w.abs()),
+                "{:?} packed {packed}: {g} vs {w}",
+                P::DTYPE
+            );
+        }
+    }
+    Ok(())
+}
+
 /// A float mask that takes a gradient (a learned relative-position bias: T5's, Swin's) gets it,
 /// as PyTorch's `attn_mask.grad`: the fused op gave it none without a word, while the composed
 /// math (f64) gave one. The reference is the attention written out in f64, by candle's
@@ -1101,60 +1155,8 @@ fn a_learned_attention_mask_gets_its_gradient() -> Result<()> {
     let grads = (y * &dout)?.sum_all()?.backward()?;
     let want = grads.get(bias.as_tensor()).expect("a gradient");
     let want = want.flatten_all()?.to_vec1::<f64>()?;
-    fn check<P: Precision>(
-        (q, k, v, qkv): (
-            &candle_core::Tensor,
-            &candle_core::Tensor,
-            &candle_core::Tensor,
-            &candle_core::Tensor,
-        ),
-        bias64: &candle_core::Tensor,
-        dout: &candle_core::Tensor,
-        want: &[f64],
-    ) -> Result<()> {
-        let tol = if P::DTYPE == DType::F32 { 1e-5 } else { 0.05 };
-        let typed = |x: &candle_core::Tensor| {
-            Tensor::<F32>::from_candle(x.to_dtype(DType::F32)?)?.cast::<P>()
-        };
-        for packed in [false, true] {
-            let bias = candle_core::Var::from_tensor(&bias64.to_dtype(DType::F32)?)?;
-            let options = ops::Attention {
-                mask: Some(bias.as_tensor()),
-                scale: Some(0.5),
-                ..Default::default()
-            };
-            let y = if packed {
-                // (1, t, h, d) back to (1, h, t, d).
-                let y = ops::scaled_dot_product_attention_packed(&typed(qkv)?, &options)?;
-                y.as_candle().transpose(1, 2)?
-            } else {
-                let y = ops::scaled_dot_product_attention_with(
-                    &typed(q)?,
-                    &typed(k)?,
-                    &typed(v)?,
-                    &options,
-                )?;
-                y.as_candle().clone()
-            };
-            let dout = dout.to_dtype(y.dtype())?;
-            let grads = (y * dout)?.to_dtype(DType::F32)?.sum_all()?.backward()?;
-            let got = grads.get(bias.as_tensor());
-            let got = got
-                .expect("the mask's gradient")
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            for (g, w) in got.iter().zip(want) {
-                assert!(
-                    (f64::from(*g) - w).abs() <= tol * (1.0 + w.abs()),
-                    "{:?} packed {packed}: {g} vs {w}",
-                    P::DTYPE
-                );
-            }
-        }
-        Ok(())
-    }
     let operands = (&q, &k, &v, &qkv);
-    check::<F32>(operands, &bias64, &dout, &want)?;
-    check::<BF16>(operands, &bias64, &dout, &want)?;
-    check::<F16>(operands, &bias64, &dout, &want)
+    learned_mask_gradient::<F32>(operands, &bias64, &dout, &want)?;
+    learned_mask_gradient::<BF16>(operands, &bias64, &dout, &want)?;
+    learned_mask_gradient::<F16>(operands, &bias64, &dout, &want)
 }
