@@ -1160,3 +1160,25 @@ fn a_learned_attention_mask_gets_its_gradient() -> Result<()> {
     learned_mask_gradient::<BF16>(operands, &bias64, &dout, &want)?;
     learned_mask_gradient::<F16>(operands, &bias64, &dout, &want)
 }
+
+/// The rope tables may be typed tensors as well as candle's (a typed model builds them as
+/// `Tensor<F32>`; they were rustc's bare "mismatched types"): the same rotation either way.
+#[test]
+fn rope_takes_typed_or_candle_tables() -> Result<()> {
+    let x = Tensor::<F32>::randn(0.0, 1.0, (1, 2, 3, 4), &dev())?;
+    let angles = Tensor::<F32>::randn(0.0, 1.0, (3, 2), &dev())?;
+    let (cos, sin) = (angles.as_candle().cos()?, angles.as_candle().sin()?);
+    let (typed_cos, typed_sin) = (
+        Tensor::<F32>::from_candle(cos.clone())?,
+        Tensor::<F32>::from_candle(sin.clone())?,
+    );
+    let candle = ops::rope(&x, &cos, &sin)?.to_flat_vec::<f32>()?;
+    let typed = ops::rope(&x, &typed_cos, &typed_sin)?.to_flat_vec::<f32>()?;
+    assert_eq!(candle, typed);
+    let want = candle_nn::rotary_emb::rope(x.as_candle(), &cos, &sin)?;
+    let want = want.flatten_all()?.to_vec1::<f32>()?;
+    for (a, b) in candle.iter().zip(&want) {
+        assert!((a - b).abs() <= 1e-6, "{a} vs {b}");
+    }
+    Ok(())
+}

@@ -15,6 +15,7 @@ use crate::kernels::rope;
 use crate::op::{self, Fp32Input};
 use crate::precision::{Precision, F32};
 use crate::region::free::{self, typed_or_followed};
+use crate::region::AsAmp;
 use crate::tensor::{at, follow, Tensor};
 
 /// Softmax along `dim`.
@@ -101,15 +102,16 @@ pub fn silu<P: Precision>(xs: &Tensor<P>) -> Result<Tensor<P>> {
 
 /// Rotary position embeddings, candle-nn's `rotary_emb::rope`: `xs` `(b, heads, t, d)` rotated
 /// pairwise (element `j` with `j + d / 2`) by the angles whose cosines and sines are the tables
-/// `cos`, `sin` (`(t', d / 2)` or `(b, t', d / 2)`, `t' >= t`, their first `t` rows used).
+/// `cos`, `sin` (`(t', d / 2)` or `(b, t', d / 2)`, `t' >= t`, their first `t` rows used;
+/// candle tensors as candle-nn takes them, or typed ones).
 /// Precision-preserving: the tables are read in f32 whatever their dtype, each pair rotated in
 /// f32 and rounded once to `xs`'s dtype. Differentiable in `xs`, where candle-nn's kernel has no
 /// backward (a model trained through it gets no gradient into its query and key projections);
 /// the tables get none. A view input is fine.
 pub fn rope<P: Precision>(
     xs: &Tensor<P>,
-    cos: &candle_core::Tensor,
-    sin: &candle_core::Tensor,
+    cos: &(impl AsAmp + ?Sized),
+    sin: &(impl AsAmp + ?Sized),
 ) -> Result<Tensor<P>> {
     rotary(xs, cos, sin, rope::Form::Halves)
 }
@@ -117,8 +119,8 @@ pub fn rope<P: Precision>(
 /// [`rope`] with adjacent elements as pairs (`2j` with `2j + 1`), candle-nn's `rope_i`.
 pub fn rope_i<P: Precision>(
     xs: &Tensor<P>,
-    cos: &candle_core::Tensor,
-    sin: &candle_core::Tensor,
+    cos: &(impl AsAmp + ?Sized),
+    sin: &(impl AsAmp + ?Sized),
 ) -> Result<Tensor<P>> {
     rotary(xs, cos, sin, rope::Form::Interleaved)
 }
@@ -126,19 +128,20 @@ pub fn rope_i<P: Precision>(
 /// [`rope`] on `(b, t, heads, d)` inputs, candle-nn's `rope_thd`.
 pub fn rope_thd<P: Precision>(
     xs: &Tensor<P>,
-    cos: &candle_core::Tensor,
-    sin: &candle_core::Tensor,
+    cos: &(impl AsAmp + ?Sized),
+    sin: &(impl AsAmp + ?Sized),
 ) -> Result<Tensor<P>> {
     rotary(xs, cos, sin, rope::Form::Thd)
 }
 
 fn rotary<P: Precision>(
     xs: &Tensor<P>,
-    cos: &candle_core::Tensor,
-    sin: &candle_core::Tensor,
+    cos: &(impl AsAmp + ?Sized),
+    sin: &(impl AsAmp + ?Sized),
     form: rope::Form,
 ) -> Result<Tensor<P>> {
-    xs.unary_op::<op::rope, P>(|x| rope::rope(x, cos, sin, form))
+    let (cos, sin) = (cos.to_amp(), sin.to_amp());
+    xs.unary_op::<op::rope, P>(|x| rope::rope(x, &cos, &sin, form))
 }
 
 /// Scaled dot-product attention, PyTorch's `scaled_dot_product_attention`:
