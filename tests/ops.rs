@@ -1182,3 +1182,47 @@ fn rope_takes_typed_or_candle_tables() -> Result<()> {
     }
     Ok(())
 }
+
+#[candle_amp::autocast(bf16)]
+fn huber_in_region(x: &Tensor<F32>, delta: f64) -> Result<Tensor<F32>> {
+    let eye = candle_core::Tensor::eye(4, DType::F32, &dev())?;
+    let h = x.matmul(&eye)?; // bf16
+    let target = candle_core::Tensor::zeros((1, 4), DType::F32, &dev())?;
+    Ok(candle_nn::loss::huber(&h, &target, delta)?)
+}
+
+/// candle-nn's `loss::huber` in a region is the fp32-class loss PyTorch's autocast runs
+/// `huber_loss` as: computed in f32 from the bf16 values (it ran in bf16, the mean included,
+/// 0.6% off), and a `delta` that is not positive is an error, as PyTorch's.
+#[test]
+fn huber_runs_in_f32_in_a_region() -> Result<()> {
+    let values = [0.3f32, 1.7, -2.9, 0.05];
+    let x = Tensor::<F32>::from_vec(values.to_vec(), (1, 4), &dev())?;
+    let delta = 1.3;
+    // By hand in f64, from the values rounded to bf16 as the matmul leaves them.
+    let want: f64 = values
+        .iter()
+        .map(|&v| {
+            let d = f64::from(half::bf16::from_f32(v).to_f32()).abs();
+            if d < delta {
+                0.5 * d * d
+            } else {
+                delta * (d - 0.5 * delta)
+            }
+        })
+        .sum::<f64>()
+        / 4.0;
+    let got = huber_in_region(&x, delta)?;
+    assert_eq!(got.dtype(), DType::F32);
+    let got = f64::from(got.to_scalar::<f32>()?);
+    assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
+    let typed = candle_amp::loss::huber(&x, &Tensor::<F32>::zeros((1, 4), &dev())?, delta)?;
+    assert!(typed.to_scalar::<f32>()? > 0.0);
+    for bad in [0.0, -1.0, f64::NAN] {
+        let err = huber_in_region(&x, bad)
+            .expect_err("delta must be > 0")
+            .to_string();
+        assert!(err.contains("delta must be finite and > 0"), "{err}");
+    }
+    Ok(())
+}

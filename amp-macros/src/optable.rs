@@ -151,6 +151,7 @@ pub(crate) const OPS: &[Row] = rows! {
     mse: Fp32, free Loss;
     l1: Fp32, free Loss;
     smooth_l1: Fp32, free Loss;
+    huber: Fp32, free Loss;
     nll: Fp32, free Loss;
     cross_entropy: Fp32, free Loss;
     cross_entropy_with = cross_entropy: Fp32, free Loss;
@@ -278,7 +279,12 @@ pub(crate) fn method_tensor_args(name: &str) -> usize {
 pub(crate) fn candle_nn_tensor_args(name: &str) -> usize {
     match name {
         "layer_norm" | "rope" | "rope_i" | "rope_thd" => 3,
-        "rms_norm" | "nll" | "cross_entropy" | "mse" | "binary_cross_entropy_with_logit" => 2,
+        "rms_norm"
+        | "nll"
+        | "cross_entropy"
+        | "mse"
+        | "huber"
+        | "binary_cross_entropy_with_logit" => 2,
         _ => 1,
     }
 }
@@ -306,6 +312,7 @@ pub(crate) const CANDLE_NN_FNS: &[(&str, &str, usize, bool)] = &[
     ("nll", "loss", 2, false),
     ("cross_entropy", "loss", 2, false),
     ("mse", "loss", 2, false),
+    ("huber", "loss", 3, false),
     ("binary_cross_entropy_with_logit", "loss", 2, false),
 ];
 

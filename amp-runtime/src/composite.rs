@@ -535,6 +535,19 @@ pub(crate) fn smooth_l1(inp: &Tensor, target: &Tensor, beta: f64) -> Result<Tens
     d.lt(beta)?.where_cond(&quadratic, &linear)?.mean_all()
 }
 
+/// `0.5 d^2` where `|d| < delta`, `delta (|d| - 0.5 delta)` elsewhere, averaged: PyTorch's
+/// `huber_loss` (candle-nn's `loss::huber`), which refuses a `delta` that is not positive.
+pub(crate) fn huber(inp: &Tensor, target: &Tensor, delta: f64) -> Result<Tensor> {
+    if !(delta > 0.0 && delta.is_finite()) {
+        candle_core::bail!("huber: delta must be finite and > 0 (as PyTorch's), got {delta}")
+    }
+    let d = crate::kernels::extrema::abs(&diff("huber", inp, target)?)?;
+    // As in `smooth_l1`: the quadratic part reads |d| capped at delta.
+    let quadratic = (d.minimum(delta)?.sqr()? * 0.5)?;
+    let linear = crate::kernels::affine(&d, delta, -0.5 * delta * delta)?;
+    d.lt(delta)?.where_cond(&quadratic, &linear)?.mean_all()
+}
+
 /// `t * max(-x, 0) + (1 - t) * max(x, 0) + log(1 + exp(-|x|))`, averaged: PyTorch's loss,
 /// each part left out where its coefficient is 0, so that an infinite logit gives the loss's
 /// limit (`x = inf, t = 0` is inf and `x = inf, t = 1` is 0, where `max(x, 0) - x * t` is NaN).

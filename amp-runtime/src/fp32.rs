@@ -164,6 +164,16 @@ pub fn smooth_l1<P: Precision, Q: Precision>(
     composite::smooth_l1(&up(inp)?, target.as_candle(), beta).map(out)
 }
 
+/// Huber loss (PyTorch's `huber_loss` with `delta`, candle-nn's `loss::huber`): `0.5 d^2`
+/// where `|d| < delta`, `delta (|d| - 0.5 delta)` elsewhere, averaged; `delta` must be > 0.
+pub fn huber<P: Precision, Q: Precision>(
+    inp: &Tensor<P>,
+    target: &Tensor<Q>,
+    delta: f64,
+) -> Result<Tensor<F32>> {
+    composite::huber(&up(inp)?, target.as_candle(), delta).map(out)
+}
+
 /// Negative log likelihood of log-probabilities `(batch, classes)` at integer `target` `(batch)`.
 pub fn nll<P: Precision>(inp: &Tensor<P>, target: &candle_core::Tensor) -> Result<Tensor<F32>> {
     composite::nll(&up(inp)?, target).map(out)

@@ -37,6 +37,19 @@ pub fn smooth_l1<P: Fp32Input<op::smooth_l1>>(
     )
 }
 
+/// Huber loss with threshold `delta` (PyTorch's `huber_loss`, candle-nn's `loss::huber`);
+/// `delta` must be > 0.
+pub fn huber<P: Fp32Input<op::huber>>(
+    inp: &Tensor<P>,
+    target: &Tensor<F32>,
+    delta: f64,
+) -> Result<Tensor<F32>> {
+    typed_or_followed(
+        || free::huber(inp, target, delta),
+        || fp32::huber(inp, target, delta),
+    )
+}
+
 /// Negative log likelihood of log-probabilities `(batch, classes)` at class ids `(batch)`.
 pub fn nll<P: Fp32Input<op::nll>>(
     inp: &Tensor<P>,
@@ -104,6 +117,6 @@ pub use crate::region::foreign::routed_arg as __amp_arg;
 pub mod __amp_routed {
     pub use crate::region::free::{
         binary_cross_entropy_with_logit, binary_cross_entropy_with_logits, cross_entropy,
-        cross_entropy_with, l1, mse, nll, smooth_l1,
+        cross_entropy_with, huber, l1, mse, nll, smooth_l1,
     };
 }

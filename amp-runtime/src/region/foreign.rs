@@ -160,6 +160,8 @@ candle_nn_fns! {
     __amp_cross_entropy = cross_entropy<X: AsAmp, T: AsAmp>(inp: X | A0, target: T | A1)
         -> cross_entropy;
     __amp_mse = mse<X: AsAmp, T: AsAmp>(inp: X | A0, target: T | A1) -> mse;
+    __amp_huber = huber<X: AsAmp, T: AsAmp>(inp: X | A0, target: T | A1, delta: f64 | A2)
+        -> huber;
     __amp_binary_cross_entropy_with_logit = binary_cross_entropy_with_logit<X: AsAmp, T: AsAmp>(
         inp: X | A0, target: T | A1
     ) -> binary_cross_entropy_with_logits;

@@ -352,6 +352,11 @@ pub fn smooth_l1<X: AsAmp>(inp: X, target: impl AsAmp, beta: f64) -> Call<op::sm
     pair(inp, target, move |a, b| composite::smooth_l1(a, b, beta))
 }
 
+/// Routed `loss::huber` (candle-nn's too).
+pub fn huber<X: AsAmp>(inp: X, target: impl AsAmp, delta: f64) -> Call<op::huber> {
+    pair(inp, target, move |a, b| composite::huber(a, b, delta))
+}
+
 /// Routed `loss::nll` (class ids: integers, never cast).
 pub fn nll<X: AsAmp>(inp: X, target: impl AsAmp) -> Call<op::nll> {
     let target = target.to_amp();
