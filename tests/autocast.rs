@@ -2490,6 +2490,8 @@ fn with_rank0_operands(x: &Tensor<F32>) -> Result<Vec<Vec<f32>>> {
         h.broadcast_mul(&scalar(1e-8)?)?,
         h.broadcast_div(&scalar(1e5)?)?,
         h.broadcast_add(&scalar(1e-4)?)?,
+        // An f64 scalar (`Tensor::new(1e-8, ..)` is f64) as the f32 one.
+        h.broadcast_mul(&candle_core::Tensor::new(1e-8f64, &dev())?)?,
     ] {
         assert_eq!(y.dtype(), DType::F16, "a rank-0 operand does not promote");
         out.push(y.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
@@ -2497,12 +2499,13 @@ fn with_rank0_operands(x: &Tensor<F32>) -> Result<Vec<Vec<f32>>> {
     Ok(out)
 }
 
-/// A zero-dimensional f32 operand beside a half value is not rounded to half first: PyTorch
-/// computes with it at full precision and rounds the result once (its dtype is still half).
-/// Rounded first, `0 * f32::MIN` was NaN (candle-transformers' BERT mask, `(1 - m) *
-/// f32::MIN`, was NaN at every kept position) and `1000 * 1e-8` was 0.
+/// A zero-dimensional f32 or f64 operand beside a half value is not rounded to half first:
+/// PyTorch computes with it at full precision and rounds the result once (its dtype is still
+/// half). Rounded first, `0 * f32::MIN` was NaN (candle-transformers' BERT mask, `(1 - m) *
+/// f32::MIN`, was NaN at every kept position) and `1000 * 1e-8` was 0; an f64 one was candle's
+/// "dtype mismatch".
 #[test]
-fn rank0_f32_operands_are_not_rounded_to_half_first() -> Result<()> {
+fn rank0_float_operands_are_not_rounded_to_half_first() -> Result<()> {
     let x = Tensor::<F32>::from_vec(vec![0.0, 1.0, 1000.0, 2.0], (2, 2), &dev())?;
     let got = with_rank0_operands(&x)?;
     // The f32 results by hand, each rounded once to f16.
@@ -2512,6 +2515,7 @@ fn rank0_f32_operands_are_not_rounded_to_half_first() -> Result<()> {
         once([0.0, 1e-8, 1e-5, 2e-8]),
         once([0.0, 1e-5, 0.01, 2e-5]),
         once([1e-4, 1.0001, 1000.0001, 2.0001]),
+        once([0.0, 1e-8, 1e-5, 2e-8]),
     ];
     for (got, want) in got.iter().zip(&want) {
         let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();

@@ -142,28 +142,33 @@ pub(crate) fn unary_widening<Pol: Policy, O: Op>(
     })
 }
 
-/// Routes a two-input op. A zero-dimensional floating operand in another dtype than the half
-/// one the op runs in (an f32 `Tensor::new(f32::MIN)` beside an f16 value: it does not promote,
-/// [`autocast_state::promoting`]) is not rounded to it: the op runs in f32 and its result is
-/// rounded once, as PyTorch computes with such a scalar at full precision. Rounded first,
-/// `0 * f32::MIN` was `0 * -inf` = NaN (a BERT mask built so was NaN at every kept position),
-/// and `x * 1e-8` was 0.
+/// Routes a two-input op. A zero-dimensional floating operand in another dtype than the op's
+/// result (an f32 or f64 `Tensor::new(..)` beside an f16 value: it does not promote,
+/// [`autocast_state::promoting`]) is not rounded to that dtype first: the op runs in f32 (f64
+/// for an f64 result) and its result is rounded once, as PyTorch computes with such a scalar at
+/// full precision. Rounded first, `0 * f32::MIN` was `0 * -inf` = NaN (a BERT mask built so was
+/// NaN at every kept position) and `x * 1e-8` was 0; an f64 one was candle's dtype mismatch.
 pub(crate) fn binary<Pol: Policy, O: Op>(
     a: &AmpTensor,
     b: &AmpTensor,
     f: impl FnOnce(&candle_core::Tensor, &candle_core::Tensor) -> Result<candle_core::Tensor>,
 ) -> Result<AmpTensor> {
     routed::<Pol, O>(&[a, b], |t| {
-        let half = t.filter(|&d| d == DType::F16 || d == DType::BF16);
-        let scalar_kept = |x: &AmpTensor| x.rank() == 0 && floating(x) && Some(x.dtype()) != half;
-        let wide = half.is_some() && (scalar_kept(a) || scalar_kept(b));
-        let run = if wide { Some(DType::F32) } else { t };
-        let (x, y) = (at(a, run)?, at(b, run)?);
-        let out = crate::kernels::custom_grad::keep_operands(f(&x, &y)?, &x, &y)?;
-        match half {
-            Some(half) if wide => convert(&out, half),
-            _ => Ok(out),
+        let dimensioned = if a.rank() > 0 { a } else { b };
+        let out = t.unwrap_or(dimensioned.dtype());
+        let apart = |x: &AmpTensor| x.rank() == 0 && x.dtype().is_float() && x.dtype() != out;
+        if out.is_float() && (apart(a) || apart(b)) {
+            let wide = crate::kernels::elem::wide(out);
+            let up = |x: &AmpTensor| match x.dtype().is_float() {
+                true => convert(x, wide),
+                false => Ok(x.clone()),
+            };
+            let (x, y) = (up(a)?, up(b)?);
+            let y = crate::kernels::custom_grad::keep_operands(f(&x, &y)?, &x, &y)?;
+            return convert(&y, out);
         }
+        let (x, y) = (at(a, t)?, at(b, t)?);
+        crate::kernels::custom_grad::keep_operands(f(&x, &y)?, &x, &y)
     })
 }
 
