@@ -1226,3 +1226,79 @@ fn huber_runs_in_f32_in_a_region() -> Result<()> {
     }
     Ok(())
 }
+
+#[candle_amp::autocast(bf16)]
+fn activation_in_region(
+    x: &Tensor<F32>,
+    act: &candle_nn::Activation,
+    sigmoid: bool,
+) -> Result<Vec<f32>> {
+    let eye = candle_core::Tensor::eye(x.dim(1)?, DType::F32, &dev())?;
+    let h = x.matmul(&eye)?; // bf16
+    let y = if sigmoid {
+        h.sigmoid()?
+    } else {
+        act.forward(&h)?
+    };
+    assert_eq!(y.dtype(), DType::BF16);
+    Ok(y.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+}
+
+/// candle-nn's activations without a kernel of candle-amp's, and `sigmoid`, on bf16 values in a
+/// region are computed in f32 and rounded once, PyTorch's values: within half a bf16 ulp of the
+/// exact value (candle's half arithmetic rounded after each step, 1 to 2 ulps off).
+#[test]
+fn half_activations_are_rounded_once() -> Result<()> {
+    use candle_nn::Activation;
+    type Exact = fn(f64) -> f64;
+    #[allow(clippy::cast_precision_loss)]
+    let values: Vec<f32> = (0..96).map(|i| (i as f32 - 48.0) / 11.0).collect();
+    let x = Tensor::<F32>::from_vec(values.clone(), (1, 96), &dev())?;
+    let inputs: Vec<f64> = values
+        .iter()
+        .map(|&v| f64::from(half::bf16::from_f32(v).to_f32()))
+        .collect();
+    let cases: [(&str, Activation, Exact); 6] = [
+        ("sigmoid", Activation::Sigmoid, |x| 1.0 / (1.0 + (-x).exp())),
+        ("hard_sigmoid", Activation::HardSigmoid, |x| {
+            ((x + 3.0) / 6.0).clamp(0.0, 1.0)
+        }),
+        ("swish", Activation::Swish, |x| x / (1.0 + (-x).exp())),
+        ("mish", Activation::Mish, |x| x * x.exp().ln_1p().tanh()),
+        ("hard_swish", Activation::HardSwish, |x| {
+            x * ((x + 3.0) / 6.0).clamp(0.0, 1.0)
+        }),
+        ("leaky_relu", Activation::LeakyRelu(0.1), |x| {
+            if x >= 0.0 {
+                x
+            } else {
+                0.1 * x
+            }
+        }),
+    ];
+    let check = |name: &str, got: &[f32], exact: &dyn Fn(f64) -> f64| {
+        for (g, &x) in got.iter().zip(&inputs) {
+            let want = exact(x);
+            // Half a bf16 ulp of the result (8 bits of mantissa), and f32's own error.
+            let ulp = if want == 0.0 {
+                0.0
+            } else {
+                2f64.powi(want.abs().log2().floor() as i32 - 7)
+            };
+            let err = (f64::from(*g) - want).abs();
+            assert!(
+                err <= 0.5 * ulp + 1e-6 * want.abs() + 1e-30,
+                "{name}({x}) = {g}, exact {want}"
+            );
+        }
+    };
+    for (name, act, exact) in cases {
+        check(name, &activation_in_region(&x, &act, false)?, &exact);
+    }
+    check(
+        "h.sigmoid()",
+        &activation_in_region(&x, &Activation::Relu, true)?,
+        &|x| 1.0 / (1.0 + (-x).exp()),
+    );
+    Ok(())
+}

@@ -16,7 +16,9 @@
 //! gradient in one pass.
 
 use crate::kernels::elem::with_floats;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType,
+};
 
 use crate::kernels::widen::zip_map;
 
@@ -73,6 +75,20 @@ pub(crate) fn apply(x: &Tensor, form: Form) -> Result<Tensor> {
             Form::Silu => x.silu(),
             Form::Relu => x.relu(),
         }
+    }
+}
+
+/// `f` of a half `x` computed in f32 and rounded once, as PyTorch computes an activation (in
+/// f32, its opmath type); of an f32 or f64 `x` as it is. For the activations without a kernel
+/// here (`sigmoid`, candle-nn's `Activation::{Swish, Mish, HardSwish, LeakyRelu, ..}`): candle
+/// computes a half one in half arithmetic, rounding after each step (1 to 2 ulps off), and
+/// differentiates it there.
+pub(crate) fn in_f32(x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    match x.dtype() {
+        DType::F16 | DType::BF16 => {
+            crate::kernels::to_dtype(&f(&crate::kernels::to_dtype(x, DType::F32)?)?, x.dtype())
+        }
+        _ => f(x),
     }
 }
 

@@ -76,7 +76,7 @@ mod scan;
 mod softmax;
 pub mod unscale;
 
-pub(crate) use activation::{gelu, gelu_erf, relu, silu};
+pub(crate) use activation::{gelu, gelu_erf, in_f32, relu, silu};
 pub(crate) use affine::{affine, div_scalar, masked_scale, rdiv_scalar};
 pub(crate) use attention::scaled_dot_product_attention;
 pub(crate) use bias::add_bias;

@@ -137,8 +137,11 @@ impl<Pol: Policy, A: AsAmp> RegionCall<Pol, calls::forward, (A,)> for candle_nn:
             }
             Activation::Relu => unary::<Pol, op::relu>(x, kernels::relu),
             Activation::Silu => unary::<Pol, op::silu>(x, kernels::silu),
-            Activation::Sigmoid => unary::<Pol, op::sigmoid>(x, |x| self.forward(x)),
-            _ => unary::<Pol, op::preserve_op>(x, |x| self.forward(x)),
+            // candle-nn's own, computed in f32 and rounded once (PyTorch's values).
+            Activation::Sigmoid => {
+                unary::<Pol, op::sigmoid>(x, |x| kernels::in_f32(x, |x| self.forward(x)))
+            }
+            _ => unary::<Pol, op::preserve_op>(x, |x| kernels::in_f32(x, |x| self.forward(x))),
         }
     }
 }

@@ -179,7 +179,9 @@ pub fn log_softmax<X: AsAmp, D: Dim + Copy + 'static>(xs: X, d: D) -> Call<op::l
 
 /// Routed `ops::sigmoid`.
 pub fn sigmoid<X: AsAmp>(xs: X) -> Call<op::sigmoid> {
-    call(vec![xs.to_amp()], |x| candle_nn::ops::sigmoid(&x[0]))
+    call(vec![xs.to_amp()], |x| {
+        crate::kernels::in_f32(&x[0], candle_nn::ops::sigmoid)
+    })
 }
 
 /// Routed `ops::silu`.

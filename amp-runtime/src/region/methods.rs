@@ -158,9 +158,9 @@ macro_rules! routed {
 impl<Pol: Policy, T: AsAmp + ?Sized> Routed<'_, Pol, T> {
     amp_macros::__op_table!(methods => routed);
 
-    /// Routed `sigmoid`.
+    /// Routed `sigmoid` (in f32, rounded once for a half value).
     pub fn sigmoid(&self) -> Result<AmpTensor> {
-        self.unary::<op::sigmoid>(candle_nn::ops::sigmoid)
+        self.unary::<op::sigmoid>(|x| crate::kernels::in_f32(x, candle_nn::ops::sigmoid))
     }
     /// Routed `affine`.
     pub fn affine(&self, mul: f64, add: f64) -> Result<AmpTensor> {

@@ -159,9 +159,12 @@ pub(crate) fn binary<Pol: Policy, O: Op>(
         let apart = |x: &AmpTensor| x.rank() == 0 && x.dtype().is_float() && x.dtype() != out;
         if out.is_float() && (apart(a) || apart(b)) {
             let wide = crate::kernels::elem::wide(out);
-            let up = |x: &AmpTensor| match x.dtype().is_float() {
-                true => convert(x, wide),
-                false => Ok(x.clone()),
+            let up = |x: &AmpTensor| {
+                if x.dtype().is_float() {
+                    convert(x, wide)
+                } else {
+                    Ok(x.clone())
+                }
             };
             let (x, y) = (up(a)?, up(b)?);
             let y = crate::kernels::custom_grad::keep_operands(f(&x, &y)?, &x, &y)?;

@@ -63,9 +63,10 @@ impl<P: Precision> Tensor<P> {
         flatten_all,
     );
 
-    /// `1 / (1 + exp(-x))`, differentiable (candle-nn's `ops::sigmoid`).
+    /// `1 / (1 + exp(-x))`, differentiable (candle-nn's `ops::sigmoid`), computed in f32 and
+    /// rounded once for a half tensor, as PyTorch's.
     pub fn sigmoid(&self) -> Result<Self> {
-        self.unary_op::<op::sigmoid, P>(candle_nn::ops::sigmoid)
+        self.unary_op::<op::sigmoid, P>(|x| crate::kernels::in_f32(x, candle_nn::ops::sigmoid))
     }
 
     /// `x * mul + add`, computed in f32 and rounded once for a half tensor (candle's `affine`
