@@ -293,7 +293,8 @@ fn cast_inputs_leaves_candle_tensor_parameters_alone() -> Result<()> {
 
 /// `cast_inputs` on the impl form casts an optional tensor and a slice of tensors too, as
 /// PyTorch's casts tensors inside its arguments and passes `None` through. The region's values
-/// given as `Some(&h)` and `&[h]` failed to compile inside the generated call.
+/// given as `Some(&h)` and `&[h]` failed to compile inside the generated call. A method that is
+/// not a module call (`scaled`) casts its tensors as the fn form does: it took none.
 struct Biased {
     seen: RefCell<Vec<DType>>,
 }
@@ -313,14 +314,21 @@ impl Biased {
         }
         Ok(y)
     }
+
+    /// Not a module call: its tensors are cast as a fn's are.
+    fn scaled(&self, x: &Tensor<F32>, by: f64) -> Result<Tensor<F32>> {
+        self.seen.borrow_mut().push(x.as_candle().dtype());
+        x.affine(by, 0.0)
+    }
 }
 
 #[autocast(bf16)]
-fn call_biased(m: &Biased, x: &Tensor<F32>) -> Result<(Tensor<F32>, Tensor<F32>)> {
+fn call_biased(m: &Biased, x: &Tensor<F32>) -> Result<(Tensor<F32>, Tensor<F32>, Tensor<F32>)> {
     let h = x.matmul(x)?; // bf16
     Ok((
         m.forward(&h, Some(&h), &[h.clone(), h.clone()])?,
         m.forward(&h, None, &[])?,
+        m.scaled(&h, 0.5)?,
     ))
 }
 
@@ -331,16 +339,23 @@ fn cast_inputs_casts_optional_and_slice_parameters_of_the_impl_form() -> Result<
         seen: RefCell::new(Vec::new()),
     };
     let (out, rep) = candle_amp::report::record(|| call_biased(&m, &x));
-    let (four, one) = out?;
+    let (four, one, half) = out?;
     // Each tensor cast is reported at the method's name: x, the bias and the slice's two
-    // tensors, then x.
-    let casts = rep.op("cast_inputs").next().expect("reported");
-    assert_eq!(casts.site.map(|s| s.function), Some("Biased::forward"));
-    assert_eq!((casts.calls, casts.casts), (5, 5));
-    // x x by hand: [[7, 10], [15, 22]] (exact in bf16); four times it, and it alone.
+    // tensors, then x; and `scaled`'s x at its own.
+    let at = |function: &str| {
+        let entry = rep
+            .entries
+            .iter()
+            .find(|e| e.op == "cast_inputs" && e.site.is_some_and(|s| s.function == function));
+        entry.map(|e| (e.calls, e.casts))
+    };
+    assert_eq!(at("Biased::forward"), Some((5, 5)), "{rep}");
+    assert_eq!(at("Biased::scaled"), Some((1, 1)), "{rep}");
+    // x x by hand: [[7, 10], [15, 22]] (exact in bf16); four times it, it alone, half of it.
     assert_eq!(four.to_vec2::<f32>()?, [[28.0, 40.0], [60.0, 88.0]]);
     assert_eq!(one.to_vec2::<f32>()?, [[7.0, 10.0], [15.0, 22.0]]);
-    assert_eq!(*m.seen.borrow(), [DType::F32; 3]);
+    assert_eq!(half.to_vec2::<f32>()?, [[3.5, 5.0], [7.5, 11.0]]);
+    assert_eq!(*m.seen.borrow(), [DType::F32; 4]);
     // Plain code calls the method as written.
     let y = m.forward(&x, Some(&x), &[])?;
     assert_eq!(y.to_vec2::<f32>()?, [[2.0, 4.0], [6.0, 8.0]]);

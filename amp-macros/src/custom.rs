@@ -7,7 +7,7 @@
 use proc_macro2::{Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned, ToTokens};
 use syn::spanned::Spanned;
-use syn::{FnArg, Ident, ItemFn, Pat, Type};
+use syn::{Block, FnArg, Ident, ItemFn, Pat, Signature, Type};
 
 use crate::errors::Errors;
 use crate::model::{is_candle_tensor, is_tensor_type};
@@ -21,13 +21,30 @@ use crate::syntax::verbatim_block;
 ///          _>(&x)?,) }; let x = &__amp_x; { body } }`: any tensor in, the body plain typed
 ///          code; the casts marked with the op's site for the precision report
 pub(crate) fn cast_inputs_fn(item: &ItemFn, precision: &Ident) -> ItemFn {
+    let mut f = item.clone();
+    cast_inputs_in_place(
+        &mut f.sig,
+        &mut f.block,
+        precision,
+        &item.sig.ident.to_string(),
+    );
+    f
+}
+
+/// The same on a method of a `cast_inputs` impl other than the module calls (`forward`, which
+/// region values reach through its `RegionCall`): `function` names it for the report.
+pub(crate) fn cast_inputs_in_place(
+    sig: &mut Signature,
+    block: &mut Block,
+    precision: &Ident,
+    function: &str,
+) {
     // Invariant established by validation, which rejects any other precision.
     let marker =
         Rt::precision(&precision.to_string()).expect("validated: cast_inputs is f32, f16 or bf16");
     let (enter_cast, as_amp) = (Rt::EnterCast, Rt::AsAmp);
-    let mut f = item.clone();
     let (mut owned, mut casts, mut rebind) = (Vec::new(), Vec::new(), Vec::new());
-    for input in &mut f.sig.inputs {
+    for input in &mut sig.inputs {
         let FnArg::Typed(typed) = input else { continue };
         let Pat::Ident(pat) = &*typed.pat else {
             continue;
@@ -47,19 +64,17 @@ pub(crate) fn cast_inputs_fn(item: &ItemFn, precision: &Ident) -> ItemFn {
         *typed.ty = Type::Verbatim(quote_spanned!(typed.ty.span()=> impl #as_amp));
     }
     // The casts are reported at the op's name, as `cast_inputs`.
-    let name = &item.sig.ident;
-    let cast = at_site(name.span(), &name.to_string(), quote!((#(#casts,)*)));
+    let cast = at_site(sig.ident.span(), function, quote!((#(#casts,)*)));
     let prologue = quote!(let (#(#owned,)*) = #cast; #(#rebind)*);
     // Autocast is off inside, also for the helpers the body calls.
     let scope = Ident::new("__amp_policy", Span::mixed_site());
     let (policy_scope, fp32) = (Rt::PolicyScope, Rt::Fp32Policy);
-    let body = &item.block;
-    *f.block = verbatim_block(quote!(
+    let body = block.clone();
+    *block = verbatim_block(quote!(
         #prologue
         let #scope = #policy_scope::enter::<#fp32>();
         #body
     ));
-    f
 }
 
 /// `#[custom_bwd]` on a backward: `fn bwd(&self, arg.., res, grad_res) -> Result<..>`, as

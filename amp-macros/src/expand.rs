@@ -301,8 +301,19 @@ fn region_impl(imp: &Impl, region_args: &AutocastArgs) -> TokenStream {
         if method.part.candle_module {
             region_calls.extend(candle_module_region_call(imp.item, &method.part));
         }
-        // A cast_inputs op called with typed tensors outside a region runs exactly as written.
-        if method.part.is_rewritten() {
+        // A cast_inputs op's module call, called with typed tensors outside a region, runs
+        // exactly as written (a region reaches it through its `RegionCall`); its other methods
+        // take any tensor and cast it, as the fn form does.
+        if let Mode::CastInputs(precision) = &method.part.mode {
+            if imp.item.trait_.is_none() && method.region_call.is_none() {
+                custom::cast_inputs_in_place(
+                    &mut f.sig,
+                    &mut f.block,
+                    precision,
+                    &method.part.function,
+                );
+            }
+        } else {
             f.block = region_block(&method.part, region_args);
             strip_tensor_param_mut(&mut f.sig);
             // A trait's method keeps the trait's signature.

@@ -116,18 +116,19 @@ fn region_fn(region: &Region, item: &ItemFn, part: &Part, errors: &mut Errors) {
         ),
         Attr::CustomFwd {
             cast_inputs: Some(precision),
-        } => cast_inputs_params(item, precision, errors),
+        } => cast_inputs_params(&item.sig, precision, errors),
     }
 }
 
-/// `#[custom_fwd(cast_inputs = P)]` on a fn: a tensor parameter declared in another precision
-/// contradicts the cast (the body would see a `Tensor<P>` typed as something else).
-fn cast_inputs_params(item: &ItemFn, precision: &syn::Ident, errors: &mut Errors) {
+/// `#[custom_fwd(cast_inputs = P)]` on a fn or an impl's method: a tensor parameter declared in
+/// another precision contradicts the cast (the body would see a `Tensor<P>` typed as something
+/// else).
+fn cast_inputs_params(sig: &syn::Signature, precision: &syn::Ident, errors: &mut Errors) {
     // An unknown precision is reported on its own; there is nothing to compare with.
     let Some(marker) = Rt::precision(&precision.to_string()).map(Rt::name) else {
         return;
     };
-    for input in &item.sig.inputs {
+    for input in &sig.inputs {
         let syn::FnArg::Typed(typed) = input else {
             continue;
         };
@@ -148,6 +149,12 @@ fn cast_inputs_params(item: &ItemFn, precision: &syn::Ident, errors: &mut Errors
 
 fn method(region: &Region, method: &Method, errors: &mut Errors) {
     markers(method, errors);
+    if let Attr::CustomFwd {
+        cast_inputs: Some(precision),
+    } = &region.attr
+    {
+        cast_inputs_params(method.part.sig, precision, errors);
+    }
     if let Some(own) = &method.part.own_args {
         autocast_args(own, errors);
     }
