@@ -431,6 +431,28 @@ impl Right {
     }
 }
 
+mod enc {
+    use super::{autocast, Result, Tensor, F32};
+    pub struct Layer;
+    #[autocast(bf16)]
+    impl Layer {
+        pub fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+            Ok(x.matmul(x)?)
+        }
+    }
+}
+
+mod dec {
+    use super::{autocast, Result, Tensor, F32};
+    pub struct Layer;
+    #[autocast(bf16)]
+    impl Layer {
+        pub fn forward(&self, x: &Tensor<F32>) -> Result<Tensor<F32>> {
+            Ok(x.matmul(x)?)
+        }
+    }
+}
+
 /// A plain helper: its typed op follows the calling region and is reported without a site.
 fn plain_exp(x: &Tensor<F32>) -> Result<Tensor<F32>> {
     x.exp()
@@ -442,8 +464,9 @@ fn calls_plain_exp(x: &Tensor<F32>) -> Result<Tensor<F32>> {
 }
 
 /// The table's groups are functions as written (`Left::forward` and `Right::forward` in one
-/// file were one `forward` group), its columns fit their longest value (a long op name shifted
-/// the row), and ops without a site come under a plain heading (it was `  ((no site))`).
+/// file were one `forward` group; `enc::Layer` and `dec::Layer` are told apart by their module),
+/// its columns fit their longest value (a long op name shifted the row), and ops without a site
+/// come under a plain heading (it was `  ((no site))`).
 #[test]
 fn the_table_groups_methods_by_type_and_aligns_its_columns() -> Result<()> {
     let x = Tensor::<F32>::from_vec(vec![0.5, 0.25, 0.125, 1.0], (2, 2), &dev())?;
@@ -451,6 +474,8 @@ fn the_table_groups_methods_by_type_and_aligns_its_columns() -> Result<()> {
         Left.forward(&x).unwrap();
         Right.forward(&x).unwrap();
         calls_plain_exp(&x).unwrap();
+        enc::Layer.forward(&x).unwrap();
+        dec::Layer.forward(&x).unwrap();
     });
     let table = rep.to_string();
     let functions: Vec<_> = rep
@@ -471,6 +496,10 @@ fn the_table_groups_methods_by_type_and_aligns_its_columns() -> Result<()> {
         "{table}"
     );
     assert!(!table.contains("((no site))"), "{table}");
+    // Same-named types of two modules are two groups, named with their module.
+    for group in ["\nenc::Layer::forward  (", "\ndec::Layer::forward  ("] {
+        assert!(table.contains(group), "{table}");
+    }
     // Every row's class starts where the header's `class` does.
     let header = table
         .lines()

@@ -1010,6 +1010,7 @@ pub(crate) fn at_site(span: proc_macro2::Span, function: &str, call: TokenStream
             line: #line,
             column: #column,
             function: #function,
+            module: ::core::module_path!(),
         };
         let #local = #guard::enter(&#stat);
         #call

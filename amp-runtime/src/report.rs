@@ -39,6 +39,19 @@ pub struct Site {
     pub column: u32,
     /// The function whose body holds the call: `f` for a fn, `Type::method` for a method.
     pub function: &'static str,
+    /// The module it is written in, as `module_path!()` gives it (`my_crate::encoder`).
+    pub module: &'static str,
+}
+
+impl Site {
+    /// The function with the module path it is written in, the crate's name left out:
+    /// `encoder::Layer::forward` (a file's `enc::Layer` and `dec::Layer` apart).
+    pub fn qualified_function(&self) -> String {
+        match self.module.split_once("::") {
+            Some((_, inner)) => format!("{inner}::{}", self.function),
+            None => self.function.to_string(),
+        }
+    }
 }
 
 impl fmt::Display for Site {
@@ -121,7 +134,7 @@ impl fmt::Display for NonFinite {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let at = self.site.map_or_else(
             || "an op outside #[autocast] code".to_string(),
-            |s| format!("{s} in {}", s.function),
+            |s| format!("{s} in {}", s.qualified_function()),
         );
         let output = self.output_absmax.map_or_else(
             || "no finite output".to_string(),
@@ -286,9 +299,9 @@ impl fmt::Display for PrecisionReport {
             self.entries.len(),
             bytes as f64 / 1024.0
         )?;
-        let mut by_function: BTreeMap<Option<(&str, &str)>, Vec<&Entry>> = BTreeMap::new();
+        let mut by_function: BTreeMap<Option<(&str, String)>, Vec<&Entry>> = BTreeMap::new();
         for e in &self.entries {
-            let key = e.site.map(|s| (s.file, s.function));
+            let key = e.site.map(|s| (s.file, s.qualified_function()));
             by_function.entry(key).or_default().push(e);
         }
         let inputs = |e: &Entry| -> String {
