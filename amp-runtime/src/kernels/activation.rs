@@ -86,7 +86,8 @@ pub(crate) fn apply(x: &Tensor, form: Form) -> Result<Tensor> {
 pub(crate) fn in_f32(x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
     match x.dtype() {
         DType::F16 | DType::BF16 => {
-            crate::kernels::to_dtype(&f(&crate::kernels::to_dtype(x, DType::F32)?)?, x.dtype())
+            let wide = crate::kernels::convert::to_dtype(x, DType::F32)?;
+            crate::kernels::convert::to_dtype(&f(&wide)?, x.dtype())
         }
         _ => f(x),
     }
