@@ -36,7 +36,8 @@ pub(crate) fn region(
         return quote!(#errors #original);
     };
     let stubs: Vec<_> = match item {
-        Item::Impl(imp) => imp
+        // A reference's region call is its referent's: a stub would overlap it.
+        Item::Impl(imp) if !matches!(&*imp.self_ty, syn::Type::Reference(_)) => imp
             .items
             .iter()
             .filter_map(|item| match item {

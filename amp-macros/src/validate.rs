@@ -36,6 +36,7 @@ pub(crate) fn region(region: &Region) -> syn::Result<()> {
     match &region.target {
         Target::Fn { item, part } => region_fn(region, item, part, &mut errors),
         Target::Impl(imp) => {
+            module_for_a_reference(imp, &mut errors);
             for method in &imp.methods {
                 self::method(region, method, &mut errors);
             }
@@ -43,6 +44,29 @@ pub(crate) fn region(region: &Region) -> syn::Result<()> {
         Target::Other(item) => not_applicable(&region.attr, item, &mut errors),
     }
     errors.finish()
+}
+
+/// A module impl for a reference (`impl Module for &Layer`): the region call it would get
+/// overlaps the one every reference has through its referent (rustc's E0119, inside the macro).
+fn module_for_a_reference(imp: &crate::model::Impl, errors: &mut Errors) {
+    let syn::Type::Reference(r) = &*imp.item.self_ty else {
+        return;
+    };
+    if imp
+        .methods
+        .iter()
+        .any(|m| m.region_call.is_some() || m.part.candle_module)
+    {
+        let referent = &r.elem;
+        errors.spanned(
+            &imp.item.self_ty,
+            format!(
+                "#[autocast] on a module impl for a reference: write it for `{}` itself; a \
+                 region's call through a reference reaches the referent's",
+                quote::quote!(#referent)
+            ),
+        );
+    }
 }
 
 /// `#[autocast(..)]` arguments: each kind once, and a known `output`.
