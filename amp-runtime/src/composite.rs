@@ -6,6 +6,7 @@ use candle_core::{DType, Result, Tensor, D};
 
 use crate::cast::convert;
 use crate::kernels::custom_grad::with_gradient;
+use crate::kernels::reduce;
 
 /// Softmax along `dim`, in f32 from an f32, f16 or bf16 input: over the last dimension one
 /// fused op (`kernels::softmax_last_dim`, which reads half inputs as they are), otherwise
@@ -41,7 +42,18 @@ pub(crate) fn log_softmax_f32<Di: candle_core::shape::Dim>(x: &Tensor, dim: Di) 
 /// `nll(log_softmax(x, 1))` with the fused log-softmax (reading half logits as they are).
 pub(crate) fn cross_entropy_f32(x: &Tensor, target: &Tensor) -> Result<Tensor> {
     let target = class_ids("cross_entropy", x, target)?;
-    candle_nn::loss::nll(&log_softmax_f32(x, 1)?, &target)
+    mean_picked(&log_softmax_f32(x, 1)?, &target)
+}
+
+/// candle-nn's `nll` of checked ids: minus the mean of each row's value at its id, the sum
+/// accumulated in f64 across runs (candle's f32 sum made the cross-entropy of 2^20 rows of
+/// `ln 4` 1.38663).
+fn mean_picked(logp: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let picked = logp.gather(&ids.unsqueeze(1)?, 1)?;
+    // No row: `-1 / 0` times a sum of nothing, NaN as candle-nn's and PyTorch's.
+    #[allow(clippy::cast_precision_loss)] // a row count
+    let scale = -1.0 / logp.dim(0)? as f64;
+    crate::kernels::affine(&reduce::sum_all(&picked)?, scale, 0.0)
 }
 
 /// candle-nn's `nll` of log-probabilities `(batch, classes)` at class ids `(batch)`, the ids
@@ -50,7 +62,7 @@ pub(crate) fn cross_entropy_f32(x: &Tensor, target: &Tensor) -> Result<Tensor> {
 /// user did not call.
 pub(crate) fn nll(logp: &Tensor, target: &Tensor) -> Result<Tensor> {
     let target = class_ids("nll", logp, target)?;
-    candle_nn::loss::nll(&logp.contiguous()?, &target)
+    mean_picked(&logp.contiguous()?, &target)
 }
 
 /// Class ids as PyTorch checks them, ready for candle's gather: `x` is `(batch, classes)`, the
@@ -287,18 +299,18 @@ pub(crate) fn cross_entropy_with_f32(
         let w = w.broadcast_as(logp.shape())?;
         w.ne(0.0)?.where_cond(&(logp * &w)?, &w.zeros_like()?)
     };
-    let nll = weighted(&w_y, &picked)?.sum_all()?.neg()?;
+    let nll = reduce::sum_all(&weighted(&w_y, &picked)?)?.neg()?;
     let s = o.label_smoothing;
     let smooth = || -> Result<Tensor> {
         let w = weight.unsqueeze(0)?.broadcast_mul(&valid.unsqueeze(1)?)?;
-        weighted(&w, &logp)?.sum_all()?.neg()
+        reduce::sum_all(&weighted(&w, &logp)?)?.neg()
     };
     let loss = match s {
         0.0 => nll,
         1.0 => (smooth()? * (1.0 / classes as f64))?,
         s => ((nll * (1.0 - s))? + (smooth()? * (s / classes as f64))?)?,
     };
-    let total = w_y.sum_all()?;
+    let total = reduce::sum_all(&w_y)?;
     if total.to_scalar::<f32>()? == 0.0 {
         candle_core::bail!(
             "cross_entropy: the rows kept have a total class weight of 0 (every target is \
@@ -497,7 +509,7 @@ fn diff(op: &str, inp: &Tensor, target: &Tensor) -> Result<Tensor> {
 }
 
 pub(crate) fn mse(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
-    diff("mse", inp, target)?.sqr()?.mean_all()
+    reduce::mean_all(&diff("mse", inp, target)?.sqr()?)
 }
 
 /// [`mse`] in f32 from f32, f16 or bf16 operands: one fused op on CPU that reads them as they
@@ -514,7 +526,7 @@ pub(crate) fn mse_f32(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
 /// 0 where a prediction equals its target (PyTorch's `sign(0) = 0`; candle's `abs` gives 1).
 pub(crate) fn l1(inp: &Tensor, target: &Tensor) -> Result<Tensor> {
     let d = diff("l1", inp, target)?;
-    (crate::kernels::relu(&d)? + crate::kernels::relu(&d.neg()?)?)?.mean_all()
+    reduce::mean_all(&(crate::kernels::relu(&d)? + crate::kernels::relu(&d.neg()?)?)?)
 }
 
 /// `0.5 d^2 / beta` where `|d| < beta`, `|d| - 0.5 beta` elsewhere, averaged; L1 at `beta = 0`.
@@ -532,7 +544,7 @@ pub(crate) fn smooth_l1(inp: &Tensor, target: &Tensor, beta: f64) -> Result<Tens
     // among them) its zero gradient meets a finite slope, not `2 * inf * 0` = NaN.
     let quadratic = (d.minimum(beta)?.sqr()? * (0.5 / beta))?;
     let linear = (&d - 0.5 * beta)?;
-    d.lt(beta)?.where_cond(&quadratic, &linear)?.mean_all()
+    reduce::mean_all(&d.lt(beta)?.where_cond(&quadratic, &linear)?)
 }
 
 /// `0.5 d^2` where `|d| < delta`, `delta (|d| - 0.5 delta)` elsewhere, averaged: PyTorch's
@@ -545,7 +557,7 @@ pub(crate) fn huber(inp: &Tensor, target: &Tensor, delta: f64) -> Result<Tensor>
     // As in `smooth_l1`: the quadratic part reads |d| capped at delta.
     let quadratic = (d.minimum(delta)?.sqr()? * 0.5)?;
     let linear = crate::kernels::affine(&d, delta, -0.5 * delta * delta)?;
-    d.lt(delta)?.where_cond(&quadratic, &linear)?.mean_all()
+    reduce::mean_all(&d.lt(delta)?.where_cond(&quadratic, &linear)?)
 }
 
 /// `t * max(-x, 0) + (1 - t) * max(x, 0) + log(1 + exp(-|x|))`, averaged: PyTorch's loss,
@@ -576,7 +588,7 @@ pub(crate) fn binary_cross_entropy_with_logits(inp: &Tensor, target: &Tensor) ->
         grad.mul(&(sigmoid - &kept_t)?)
     })?;
     let loss = with_gradient(&target, loss, move |_, grad| grad.mul(&x.neg()?))?;
-    loss.mean_all()
+    reduce::mean_all(&loss)
 }
 
 #[cfg(test)]

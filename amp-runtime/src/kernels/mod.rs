@@ -71,6 +71,7 @@ mod mse;
 pub(crate) mod optim;
 mod pool;
 mod pow;
+pub(crate) mod reduce;
 pub(crate) mod rope;
 mod scan;
 mod softmax;

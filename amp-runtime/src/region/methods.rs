@@ -79,6 +79,25 @@ macro_rules! routed {
             self.binary::<op::$name>(&rhs.operand(), $f)
         }
     };
+    // Sums and means accumulate in f64 across runs (`kernels::reduce`).
+    (@dims sum) => { routed!(@reduce_dims sum); };
+    (@dims sum_keepdim) => { routed!(@reduce_dims sum_keepdim); };
+    (@dims mean) => { routed!(@reduce_dims mean); };
+    (@dims mean_keepdim) => { routed!(@reduce_dims mean_keepdim); };
+    (@unary sum_all) => { routed!(@reduce_all sum_all); };
+    (@unary mean_all) => { routed!(@reduce_all mean_all); };
+    (@reduce_dims $name:ident) => {
+        #[doc = concat!("Routed `", stringify!($name), "` (accumulated in f64 across runs).")]
+        pub fn $name<D: candle_core::shape::Dims>(&self, dims: D) -> Result<AmpTensor> {
+            self.unary::<op::$name>(|x| crate::kernels::reduce::$name(x, dims))
+        }
+    };
+    (@reduce_all $name:ident) => {
+        #[doc = concat!("Routed `", stringify!($name), "` (accumulated in f64 across runs).")]
+        pub fn $name(&self) -> Result<AmpTensor> {
+            self.unary::<op::$name>(crate::kernels::reduce::$name)
+        }
+    };
     (@dims log_sum_exp) => {
         /// Routed `log_sum_exp`.
         pub fn log_sum_exp<D: candle_core::shape::Dims>(&self, dims: D) -> Result<AmpTensor> {
