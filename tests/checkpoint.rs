@@ -241,6 +241,25 @@ fn a_bad_checkpoint_names_the_entry_and_writes_nothing() -> Result<()> {
     assert!(e.contains("unexpected entry `optim.fc1.bias.m`"), "{e}");
     assert_eq!(bits(&vars3)?, before, "nothing written");
 
+    // An optimizer holding other variables than the saved one: SGD has no per-variable state
+    // that would tell, and the variable it lacks (or was `push`ed after the save) would be
+    // left untrained without a word. PyTorch refuses a parameter group of another size.
+    let (vars5, _, _, mut scaler5) = fresh(Mode::F32)?;
+    let all = sorted(&vars5);
+    let file5 = path("sgd_vars");
+    checkpoint::save(&file5, &vars5, &SGD::new(all.clone(), 0.1)?, &scaler5, 1)?;
+    let before = bits(&vars5)?;
+    let mut fewer = SGD::new(all[1..].to_vec(), 0.1)?;
+    let e = err(checkpoint::load(&file5, &vars5, &mut fewer, &mut scaler5).unwrap_err());
+    assert!(e.contains("saved only: `fc1.bias`; held only: none"), "{e}");
+    assert_eq!(bits(&vars5)?, before, "nothing written");
+    let mut same = SGD::new(all, 0.1)?;
+    assert_eq!(
+        checkpoint::load(&file5, &vars5, &mut same, &mut scaler5)?,
+        1
+    );
+    std::fs::remove_file(&file5).ok();
+
     // A variable of another shape.
     let wide = VarMap::new();
     let vb = VarBuilder::from_varmap(&wide, DType::F32, &dev());

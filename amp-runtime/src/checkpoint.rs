@@ -5,7 +5,9 @@
 //! The file's tensors: `model.{name}` for each variable of the `VarMap` (by its name there),
 //! `optim.{name}.{entry}` for the optimizer's state of that variable (AdamW: `step`, `m`, `v`),
 //! `optimizer.{name}` for its hyper-parameters (f64 scalars:
-//! [`OptimizerState::hyper_parameters`]), `scaler.*` ([`ScalerState::to_tensors`]), `step` (an
+//! [`OptimizerState::hyper_parameters`]), `optimizer.variables` for the names of the variables
+//! it updates (u8: each name and a newline, sorted; a file without it, written before it
+//! existed, loads unchecked), `scaler.*` ([`ScalerState::to_tensors`]), `step` (an
 //! i64 scalar) and `format` (the layout's version, 2). Saving writes a temporary file beside the target and renames it over the target,
 //! so a run killed while saving leaves the previous checkpoint whole. Loading checks every entry
 //! (present, shape, dtype, no entry it does not know) before it writes anything, and names the
@@ -36,7 +38,7 @@
 //! # std::fs::remove_file(&path).ok(); Ok(()) }
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -57,6 +59,20 @@ fn named(vars: &VarMap) -> Vec<(String, Var)> {
     let mut named: Vec<_> = data.iter().map(|(n, v)| (n.clone(), v.clone())).collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
     named
+}
+
+/// The entry naming the variables the optimizer updates.
+const VARIABLES: &str = "optimizer.variables";
+
+/// The names `vars` gives the optimizer's variables, sorted.
+fn held_names(named: &[(String, Var)], optimizer: &impl OptimizerState) -> Result<Vec<String>> {
+    let mut held = optimizer
+        .variables()
+        .iter()
+        .map(|v| name_of(named, v).map(str::to_string))
+        .collect::<Result<Vec<_>>>()?;
+    held.sort();
+    Ok(held)
 }
 
 /// The name `vars` gives the variable `var`.
@@ -94,6 +110,10 @@ pub fn save(
     for (name, value) in optimizer.hyper_parameters() {
         tensors.insert(format!("optimizer.{name}"), Tensor::new(value, cpu)?);
     }
+    let held = held_names(&named, optimizer)?;
+    let listed: Vec<u8> = held.iter().flat_map(|n| n.bytes().chain([b'\n'])).collect();
+    let len = listed.len();
+    tensors.insert(VARIABLES.to_string(), Tensor::from_vec(listed, len, cpu)?);
     for (var, entries) in optimizer.export_state()? {
         let name = name_of(&named, &var)?;
         for (entry, t) in entries {
@@ -238,6 +258,40 @@ pub fn load(
             )
         }
         hyper.insert(name, t.to_scalar::<f64>()?);
+    }
+    if let Some(t) = tensors.remove(VARIABLES) {
+        if t.dtype() != DType::U8 || t.rank() != 1 {
+            candle_core::bail!(
+                "checkpoint: `{VARIABLES}` must be u8 names, got {:?} {:?}",
+                t.dtype(),
+                t.dims()
+            )
+        }
+        let listed = String::from_utf8(t.to_vec1::<u8>()?).map_err(|_| {
+            candle_core::Error::Msg(format!("checkpoint: `{VARIABLES}` is not UTF-8"))
+        })?;
+        let saved: BTreeSet<&str> = listed.split_terminator('\n').collect();
+        let held = held_names(&named, optimizer)?;
+        let held: BTreeSet<&str> = held.iter().map(String::as_str).collect();
+        if saved != held {
+            let list = |names: Vec<&&str>| {
+                let names: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+                if names.is_empty() {
+                    "none".to_string()
+                } else {
+                    names.join(", ")
+                }
+            };
+            candle_core::bail!(
+                "checkpoint {}: the optimizer updates other variables than the saved one \
+                 (saved only: {}; held only: {}), as PyTorch's \"loaded state dict contains a \
+                 parameter group that doesn't match the size of optimizer's group\": build it \
+                 with the variables it had when saved (those added with `push` included)",
+                path.display(),
+                list(saved.difference(&held).collect()),
+                list(held.difference(&saved).collect())
+            )
+        }
     }
     let scaler_state = ScalerState::from_tensors(&tensors, "scaler.")?;
     scaler_state.validate()?;

@@ -386,6 +386,11 @@ pub type ParamState = (Var, Vec<(&'static str, Tensor)>);
 /// An optimizer whose per-parameter state a checkpoint saves and restores: PyTorch's
 /// `optimizer.state_dict()` / `load_state_dict()`.
 pub trait OptimizerState {
+    /// The variables it updates: a checkpoint records their names, so that loading it into an
+    /// optimizer that holds other variables is an error (PyTorch's "doesn't match the size of
+    /// optimizer's group"), not a parameter silently left untrained.
+    fn variables(&self) -> Vec<Var>;
+
     /// Each parameter's state as named tensors (AdamW: `step`, an i64 scalar; `m` and `v`, the
     /// moments in the parameter's shape), with the parameter it belongs to. SGD has none.
     fn export_state(&self) -> Result<Vec<ParamState>>;
@@ -412,6 +417,10 @@ pub trait OptimizerState {
 }
 
 impl OptimizerState for SGD {
+    fn variables(&self) -> Vec<Var> {
+        self.vars.clone()
+    }
+
     fn hyper_parameters(&self) -> Vec<(&'static str, f64)> {
         vec![("lr", self.learning_rate)]
     }
@@ -440,6 +449,10 @@ impl OptimizerState for SGD {
 const ADAMW_ENTRIES: &[&str] = &["step", "m", "v"];
 
 impl OptimizerState for AdamW {
+    fn variables(&self) -> Vec<Var> {
+        self.params.iter().map(|p| p.var.clone()).collect()
+    }
+
     fn hyper_parameters(&self) -> Vec<(&'static str, f64)> {
         let p = &self.config;
         vec![
