@@ -61,6 +61,51 @@ fn named(vars: &VarMap) -> Vec<(String, Var)> {
     named
 }
 
+/// The optimizer updates the variables the checkpoint's `listed` names (unchecked for a file
+/// written before the entry existed).
+fn same_variables(
+    path: &Path,
+    listed: Option<Tensor>,
+    named: &[(String, Var)],
+    optimizer: &impl OptimizerState,
+) -> Result<()> {
+    let Some(t) = listed else {
+        return Ok(());
+    };
+    if t.dtype() != DType::U8 || t.rank() != 1 {
+        candle_core::bail!(
+            "checkpoint: `{VARIABLES}` must be u8 names, got {:?} {:?}",
+            t.dtype(),
+            t.dims()
+        )
+    }
+    let listed = String::from_utf8(t.to_vec1::<u8>()?)
+        .map_err(|_| candle_core::Error::Msg(format!("checkpoint: `{VARIABLES}` is not UTF-8")))?;
+    let saved: BTreeSet<&str> = listed.split_terminator('\n').collect();
+    let held = held_names(named, optimizer)?;
+    let held: BTreeSet<&str> = held.iter().map(String::as_str).collect();
+    if saved != held {
+        let list = |names: Vec<&&str>| {
+            let names: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+            if names.is_empty() {
+                "none".to_string()
+            } else {
+                names.join(", ")
+            }
+        };
+        candle_core::bail!(
+            "checkpoint {}: the optimizer updates other variables than the saved one \
+             (saved only: {}; held only: {}), as PyTorch's \"loaded state dict contains a \
+             parameter group that doesn't match the size of optimizer's group\": build it \
+             with the variables it had when saved (those added with `push` included)",
+            path.display(),
+            list(saved.difference(&held).collect()),
+            list(held.difference(&saved).collect())
+        )
+    }
+    Ok(())
+}
+
 /// The entry naming the variables the optimizer updates.
 const VARIABLES: &str = "optimizer.variables";
 
@@ -259,40 +304,7 @@ pub fn load(
         }
         hyper.insert(name, t.to_scalar::<f64>()?);
     }
-    if let Some(t) = tensors.remove(VARIABLES) {
-        if t.dtype() != DType::U8 || t.rank() != 1 {
-            candle_core::bail!(
-                "checkpoint: `{VARIABLES}` must be u8 names, got {:?} {:?}",
-                t.dtype(),
-                t.dims()
-            )
-        }
-        let listed = String::from_utf8(t.to_vec1::<u8>()?).map_err(|_| {
-            candle_core::Error::Msg(format!("checkpoint: `{VARIABLES}` is not UTF-8"))
-        })?;
-        let saved: BTreeSet<&str> = listed.split_terminator('\n').collect();
-        let held = held_names(&named, optimizer)?;
-        let held: BTreeSet<&str> = held.iter().map(String::as_str).collect();
-        if saved != held {
-            let list = |names: Vec<&&str>| {
-                let names: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
-                if names.is_empty() {
-                    "none".to_string()
-                } else {
-                    names.join(", ")
-                }
-            };
-            candle_core::bail!(
-                "checkpoint {}: the optimizer updates other variables than the saved one \
-                 (saved only: {}; held only: {}), as PyTorch's \"loaded state dict contains a \
-                 parameter group that doesn't match the size of optimizer's group\": build it \
-                 with the variables it had when saved (those added with `push` included)",
-                path.display(),
-                list(saved.difference(&held).collect()),
-                list(held.difference(&saved).collect())
-            )
-        }
-    }
+    same_variables(path, tensors.remove(VARIABLES), &named, optimizer)?;
     let scaler_state = ScalerState::from_tensors(&tensors, "scaler.")?;
     scaler_state.validate()?;
     // The scaler's own entries only: one it does not write is as unexpected as any other.
