@@ -920,6 +920,22 @@ fn typed_tensors_check_sizes_and_arguments() -> Result<()> {
         Tensor::<F32>::rand(1.0, 0.0, 2, &dev()),
         "lo <= up",
     );
+    // A bound past f16's range drew infinities (353 of 1000 for `rand(0, 1e5)`), where
+    // PyTorch's `uniform_` refuses; `full(-0.0)` was +0.0, where PyTorch's keeps the sign.
+    assert_err(
+        "rand f16 0..1e5",
+        Tensor::<F16>::rand(0.0, 1e5, 1000, &dev()),
+        "up = 1e5 is out of bounds for F16",
+    );
+    assert_err(
+        "rand bf16 -1e39..0",
+        Tensor::<BF16>::rand(-1e39, 0.0, 2, &dev()),
+        "lo = -1e39 is out of bounds for BF16",
+    );
+    let negative_zero = Tensor::<F16>::full(-0.0, 2, &dev())?.to_vec1::<f32>()?;
+    assert!(negative_zero
+        .iter()
+        .all(|v| v.to_bits() == (-0.0f32).to_bits()));
     // The log of an empty sum, as PyTorch.
     let empty = Tensor::<F32>::zeros((2, 0), &dev())?;
     assert_eq!(

@@ -79,7 +79,7 @@ macro_rules! routed {
             self.binary::<op::$name>(&rhs.operand(), $f)
         }
     };
-    // Sums and means accumulate in f64 across runs (`kernels::reduce`).
+    // Sums and means accumulate in f64 (`kernels::reduce`).
     (@dims sum) => { routed!(@reduce_dims sum); };
     (@dims sum_keepdim) => { routed!(@reduce_dims sum_keepdim); };
     (@dims mean) => { routed!(@reduce_dims mean); };
@@ -87,13 +87,13 @@ macro_rules! routed {
     (@unary sum_all) => { routed!(@reduce_all sum_all); };
     (@unary mean_all) => { routed!(@reduce_all mean_all); };
     (@reduce_dims $name:ident) => {
-        #[doc = concat!("Routed `", stringify!($name), "` (accumulated in f64 across runs).")]
+        #[doc = concat!("Routed `", stringify!($name), "` (accumulated in f64).")]
         pub fn $name<D: candle_core::shape::Dims>(&self, dims: D) -> Result<AmpTensor> {
             self.unary::<op::$name>(|x| crate::kernels::reduce::$name(x, dims))
         }
     };
     (@reduce_all $name:ident) => {
-        #[doc = concat!("Routed `", stringify!($name), "` (accumulated in f64 across runs).")]
+        #[doc = concat!("Routed `", stringify!($name), "` (accumulated in f64).")]
         pub fn $name(&self) -> Result<AmpTensor> {
             self.unary::<op::$name>(crate::kernels::reduce::$name)
         }

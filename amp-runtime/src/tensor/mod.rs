@@ -354,19 +354,16 @@ impl<P: Precision> Tensor<P> {
         )?))
     }
 
-    /// A tensor filled with `value` (rounded to `P`); a finite value beyond `P`'s range is an
-    /// error, as PyTorch's "value cannot be converted without overflow" (f16 holds at most
-    /// 65504: 70000 would be inf).
+    /// A tensor filled with `value` (rounded to `P`, `-0.0` kept); a finite value beyond `P`'s
+    /// range is an error (f16 holds at most 65504: 70000 would be inf, which PyTorch's `full`
+    /// gives without a word).
     pub fn full<S: Into<Shape>>(value: f64, shape: S, device: &Device) -> Result<Self> {
-        let rounded = match P::DTYPE {
-            DType::F16 => half::f16::from_f64(value).to_f64(),
-            DType::BF16 => half::bf16::from_f64(value).to_f64(),
-            _ => f64::from(value as f32),
-        };
-        if value.is_finite() && !rounded.is_finite() {
+        if value.is_finite() && !fits::<P>(value) {
             candle_core::bail!("full: {value} overflows {:?}", P::DTYPE)
         }
-        Self::ones(shape, device)?.affine(0.0, value)
+        let shape = allocatable("full", shape)?;
+        let t = candle_core::Tensor::full(value as f32, shape, device)?;
+        Ok(Self::wrap(t.to_dtype(P::DTYPE)?))
     }
 
     /// Zeros of the same shape and device.
@@ -397,6 +394,16 @@ impl<P: Precision> Tensor<P> {
     pub fn rand<S: Into<Shape>>(lo: f64, up: f64, shape: S, device: &Device) -> Result<Self> {
         if !(lo.is_finite() && up.is_finite() && lo <= up) {
             candle_core::bail!("rand: the range must be finite with lo <= up, got [{lo}, {up})")
+        }
+        // A bound past `P`'s range would draw infinities (PyTorch: "to is out of bounds for
+        // c10::Half").
+        for (name, bound) in [("lo", lo), ("up", up)] {
+            if !fits::<P>(bound) {
+                candle_core::bail!(
+                    "rand: {name} = {bound:e} is out of bounds for {:?} (its values would be inf)",
+                    P::DTYPE
+                )
+            }
         }
         let shape = allocatable("rand", shape)?;
         if lo as f32 >= up as f32 {
@@ -489,6 +496,16 @@ impl<P: Precision> Tensor<P> {
 
 mod binary;
 mod preserve;
+
+/// Whether `value` rounded to `P` is finite.
+#[allow(clippy::cast_possible_truncation)] // the rounding asked about
+fn fits<P: Precision>(value: f64) -> bool {
+    match P::DTYPE {
+        DType::F16 => half::f16::from_f64(value).is_finite(),
+        DType::BF16 => half::bf16::from_f64(value).is_finite(),
+        _ => (value as f32).is_finite(),
+    }
+}
 
 /// `shape`, when a tensor of it could exist ([`crate::kernels::layout::check_allocatable`]):
 /// candle multiplies the dimensions unchecked (a panic in a debug build, a wrapped size in a
