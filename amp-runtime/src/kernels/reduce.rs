@@ -5,8 +5,8 @@
 //! fourth digit. PyTorch's cascade sum is exact to about 1e-7 there. These sums read each row
 //! as it is (half values widened on the fly), add it in eight f64 lanes, a long row split over
 //! the kernels' pool, and return f32: the exact sum rounded once, short of a cancellation of
-//! nine orders of magnitude. The gradient is the
-//! incoming one spread over the row, in the input's dtype, as the sum's backward.
+//! nine orders of magnitude. The gradient is the incoming one spread over the row, in the
+//! input's dtype, as the sum's backward.
 
 use candle_core::shape::Dims;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};

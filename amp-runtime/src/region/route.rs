@@ -167,8 +167,8 @@ pub(crate) fn binary<Pol: Policy, O: Op>(
                 }
             };
             let (x, y) = (up(a)?, up(b)?);
-            let y = crate::kernels::custom_grad::keep_operands(f(&x, &y)?, &x, &y)?;
-            return convert(&y, out);
+            let wide_result = crate::kernels::custom_grad::keep_operands(f(&x, &y)?, &x, &y)?;
+            return convert(&wide_result, out);
         }
         let (x, y) = (at(a, t)?, at(b, t)?);
         crate::kernels::custom_grad::keep_operands(f(&x, &y)?, &x, &y)
