@@ -106,7 +106,11 @@ fn train(
     let mut scaler = modes::scaler(mode)?;
     let file = |dir: &PathBuf| dir.join(format!("gpt-{}.safetensors", mode.name()));
     let start = match &args.resume {
-        Some(dir) => checkpoint::load(file(dir), &vars, &mut opt, &mut scaler)? as usize,
+        Some(dir) => {
+            let step = checkpoint::load(file(dir), &vars, &mut opt, &mut scaler)?;
+            common::note_resumed_rate(opt.learning_rate(), args.lr);
+            step as usize
+        }
         None => 0,
     };
     let mut data = Counting::new(args.vocab, 7);

@@ -244,11 +244,11 @@ fn train<Pol: Policy>(
         ))
     };
     let first_epoch = match &args.resume {
-        Some(dir) => resumed_epoch(
-            checkpoint::load(file(dir), &vars, &mut opt, &mut scaler)?,
-            steps_per_epoch,
-            args.epochs,
-        )?,
+        Some(dir) => {
+            let step = checkpoint::load(file(dir), &vars, &mut opt, &mut scaler)?;
+            common::note_resumed_rate(opt.learning_rate(), args.lr);
+            resumed_epoch(step, steps_per_epoch, args.epochs)?
+        }
         None => 0,
     };
     let last_epoch = args.stop_after.map_or(args.epochs, |e| e.min(args.epochs));

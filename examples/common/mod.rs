@@ -630,3 +630,15 @@ pub fn median(values: &mut [f64]) -> f64 {
         values[mid]
     }
 }
+
+/// Says on stderr when a `--resume`d run goes on at another learning rate than `--lr`: a
+/// checkpoint restores the optimizer's rate (as PyTorch's `load_state_dict`), so that a rate a
+/// schedule changed resumes as it was. The run printed `--lr` and trained at the other.
+pub fn note_resumed_rate(resumed: f64, given: f64) {
+    if resumed.to_bits() != given.to_bits() {
+        eprintln!(
+            "--resume: training goes on at the checkpoint's learning rate {resumed}, not --lr \
+             {given} (a checkpoint restores the optimizer's rate, as PyTorch's load_state_dict)"
+        );
+    }
+}
