@@ -205,27 +205,19 @@ pub fn binary_cross_entropy_with_logits<P: Precision, Q: Precision>(
 // the op in the error). They live here, not in `tensor`, so that the typed tensor does not
 // depend on the ops built on it. On an f32 input candle's own op is the fp32-class op; in code
 // a region calls, it runs where the region's policy puts it (`tensor::follow`).
-/// The sums and means as methods: as `fp32_methods!`, on `kernels::reduce`.
-macro_rules! reductions {
-    ($($(#[$doc:meta])* $name:ident $(<$g:ident: $bound:path>)? ($($arg:ident: $ty:ty),*);)*) => {$(
-        $(#[$doc])*
-        pub fn $name$(<$g: $bound>)?(&self, $($arg: $ty),*) -> Result<Tensor<F32>>
-        where
-            P: Fp32Input<op::$name>,
-        {
-            self.unary_op::<op::$name, F32>(|x| reduce::$name(x, $($arg),*))
-        }
-    )*};
-}
 
+/// The fp32-class methods of `Tensor<P>`, each `f32` out: `method:` rows run candle's method
+/// of the same name, `reduce:` rows `kernels::reduce`'s function (the sums and means).
 macro_rules! fp32_methods {
-    ($($(#[$doc:meta])* $name:ident $(<$g:ident: $bound:path>)? ($($arg:ident: $ty:ty),*);)*) => {$(
+    (@call method $name:ident $x:ident ($($arg:ident),*)) => { $x.$name($($arg),*) };
+    (@call reduce $name:ident $x:ident ($($arg:ident),*)) => { reduce::$name($x, $($arg),*) };
+    ($via:ident: $($(#[$doc:meta])* $name:ident $(<$g:ident: $bound:path>)? ($($arg:ident: $ty:ty),*);)*) => {$(
         $(#[$doc])*
         pub fn $name$(<$g: $bound>)?(&self, $($arg: $ty),*) -> Result<Tensor<F32>>
         where
             P: Fp32Input<op::$name>,
         {
-            self.unary_op::<op::$name, F32>(|x| x.$name($($arg),*))
+            self.unary_op::<op::$name, F32>(|x| fp32_methods!(@call $via $name x ($($arg),*)))
         }
     )*};
 }
@@ -287,7 +279,8 @@ impl<P: Precision> Tensor<P> {
         self.unary_op::<op::cumsum, F32>(|x| crate::kernels::cumsum(x, dim))
     }
 
-    reductions! {
+    fp32_methods! {
+        reduce:
         /// Sum over `dims`, kept as size-1 dimensions.
         sum_keepdim<D: candle_core::shape::Dims>(dims: D);
         /// Sum over `dims`.
@@ -303,6 +296,7 @@ impl<P: Precision> Tensor<P> {
     }
 
     fp32_methods! {
+        method:
         /// `exp(x)`.
         exp();
         /// Natural logarithm.

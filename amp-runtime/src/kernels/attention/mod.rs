@@ -146,11 +146,12 @@ pub(crate) fn packed_attention(qkv: &Tensor, options: &Attention) -> Result<Tens
         dv: d,
     };
     let (scale, dropout) = resolve(options, g, seed)?;
-    if on_cuda(qkv, dropout) && !learned_mask(options) {
+    let learned = learned_mask(options);
+    if on_cuda(qkv, dropout) && !learned {
         #[cfg(feature = "cuda")]
         return cuda::packed(qkv, (options.mask, scale, options.causal), g);
     }
-    if !crate::kernels::elem::cpu_float(qkv) || learned_mask(options) {
+    if !crate::kernels::elem::cpu_float(qkv) || learned {
         let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
         return seeded(&part(0)?, &part(1)?, &part(2)?, options, seed)?.transpose(1, 2);
     }
